@@ -1,0 +1,30 @@
+# The README's commands. Each works on a fresh machine with only python3: it makes .venv first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: test demo lint format bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/ruff check jaxkv tests examples
+	$(BIN)/python -m pytest -q
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check jaxkv tests examples
+	$(BIN)/ruff format --check jaxkv tests examples
+
+format: $(STAMP)
+	$(BIN)/ruff format jaxkv tests examples
+	$(BIN)/ruff check --fix jaxkv tests examples
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

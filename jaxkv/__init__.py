@@ -1,0 +1,51 @@
+"""jaxkv: MXNet's KVStore rebuilt on JAX.
+
+A functional core (:class:`KVState`, :func:`init`, :func:`push`, :func:`pull`, ...) for JAX
+training loops, and an imperative :class:`KVStore` with MXNet's API (:func:`create`).
+"""
+
+from . import nd as nd
+from ._context import Context as Context
+from ._context import cpu as cpu
+from ._context import current_context as current_context
+from ._context import gpu as gpu
+from ._errors import DuplicateKeyError as DuplicateKeyError
+from ._errors import KeyTypeError as KeyTypeError
+from ._errors import KVStoreError as KVStoreError
+from ._errors import ShapeError as ShapeError
+from ._errors import UnknownKeyError as UnknownKeyError
+from ._kvstore import KVStore as KVStore
+from ._kvstore import create as create
+from ._ops import Updater as Updater
+from ._ops import init as init
+from ._ops import pull as pull
+from ._ops import push as push
+from ._ops import pushpull as pushpull
+from ._ops import row_sparse_pull as row_sparse_pull
+from ._state import KVState as KVState
+from ._state import empty as empty
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Context",
+    "DuplicateKeyError",
+    "KVState",
+    "KVStore",
+    "KVStoreError",
+    "KeyTypeError",
+    "ShapeError",
+    "UnknownKeyError",
+    "Updater",
+    "cpu",
+    "create",
+    "current_context",
+    "empty",
+    "gpu",
+    "init",
+    "nd",
+    "pull",
+    "push",
+    "pushpull",
+    "row_sparse_pull",
+]

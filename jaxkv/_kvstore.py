@@ -1,0 +1,399 @@
+"""``KVStore``: MXNet's imperative KVStore API over the functional core.
+
+The store holds one :class:`KVState` and rebinds it on every call; all logic lives in the pure
+operations. Calls are serialised by a lock, so pushes from many threads lose nothing. The store
+owns its buffers and donates them to each update, so it never holds two copies of itself;
+anything it hands out (pulled values, ``state``) is never invalidated by a later update.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import weakref
+from typing import Any
+
+import jax
+import optax
+
+from . import _checkpoint, _ops
+from ._errors import KVStoreError, ShapeError
+from ._nd import NDArray, _unwrap
+from ._state import KVState, empty
+
+__all__ = ["KVStore", "create"]
+
+logger = logging.getLogger("jaxkv")
+
+_LOCAL_TYPES = (
+    "local",
+    "device",
+    "nccl",
+    "local_allreduce_cpu",
+    "local_allreduce_device",
+    "local_update_cpu",
+)
+_DIST_TYPES = ("dist_sync", "dist_device_sync")
+TYPES = _LOCAL_TYPES + _DIST_TYPES
+_NOT_YET = {
+    "dist_async": "asynchronous updates (dist_async) are not supported; use dist_sync, whose "
+    "results are also reproducible",
+    "dist_device_async": "asynchronous updates (dist_device_async) are not supported; use "
+    "dist_device_sync",
+}
+
+
+def create(name: str = "local") -> KVStore:
+    """A new :class:`KVStore` of type ``name`` (MXNet's ``mx.kv.create``).
+
+    Args:
+      name: one of ``local``, ``device`` (aliases ``nccl``, ``local_allreduce_cpu``,
+        ``local_allreduce_device``, ``local_update_cpu``), ``dist_sync``, ``dist_device_sync``.
+
+    Raises:
+      KVStoreError: the name is unknown (the message lists the valid ones) or not supported.
+
+    Examples:
+      >>> import jaxkv
+      >>> jaxkv.create("device").type
+      'device'
+    """
+    if not isinstance(name, str):
+        raise KVStoreError(f"KVStore type: expected a str such as 'local', given {name!r}")
+    if name in _NOT_YET:
+        raise KVStoreError(f"KVStore type {name!r}: {_NOT_YET[name]}")
+    if name not in TYPES:
+        raise KVStoreError(f"unknown KVStore type {name!r}: expected one of {list(TYPES)}")
+    if name in _DIST_TYPES and jax.process_count() > 1:
+        raise KVStoreError(
+            f"KVStore type {name!r} across {jax.process_count()} processes: expected a "
+            "single-process job in this version of jaxkv"
+        )
+    return KVStore(name)
+
+
+def _from_mxnet_updater(updater: Any) -> Any:
+    """An updater as the pure core wants it, from a pure one or an MXNet in-place one.
+
+    MXNet updaters receive ``NDArray``s and mutate ``stored`` (``stored += input * 2``); here
+    they receive ``NDArray`` handles over traced arrays, and the handle's final value is the
+    new stored value. An updater that returns a value (array or ``NDArray``) is used as is.
+    """
+    if updater is None or isinstance(updater, optax.GradientTransformation):
+        return updater
+    if not callable(updater):
+        raise KVStoreError(
+            f"updater: expected a callable updater(key, input, stored), given {updater!r}"
+        )
+
+    @functools.wraps(updater)
+    def pure(key, pushed, stored):
+        handle = NDArray(stored)
+        out = updater(key, NDArray(pushed), handle)
+        return handle._data if out is None else _unwrap(out)
+
+    return pure
+
+
+def _unwrap_values(values: Any) -> Any:
+    if isinstance(values, list | tuple):
+        return [_unwrap_values(v) for v in values]
+    return _unwrap(values)
+
+
+class KVStore:
+    """MXNet's KVStore: ``init``, ``push``, ``pull`` and friends, over a :class:`KVState`.
+
+    Make one with :func:`jaxkv.create`. Values are ``jaxkv.nd.NDArray``s or ``jax.Array``s;
+    ``pull(key)`` returns ``jax.Array``s, and ``pull(key, out=...)`` fills ``NDArray`` handles.
+
+    Examples:
+      >>> import jaxkv, jaxkv.nd as nd
+      >>> kv = jaxkv.create("local")
+      >>> kv.init(3, nd.ones((2, 3)) * 2)
+      >>> a = nd.zeros((2, 3))
+      >>> kv.pull(3, out=a)
+      >>> a.asnumpy().tolist()
+      [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]
+    """
+
+    def __init__(self, name: str = "local", devices: Any = None):
+        if devices is None and name in _DIST_TYPES:
+            devices = jax.devices()
+        self._type = name
+        self._lock = threading.RLock()
+        self._state: KVState = empty(devices)
+        self._updater: Any = None
+        # Arrays handed out through `state`: never donated while the store still holds them.
+        self._shared: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    # -- properties ------------------------------------------------------------------------
+    @property
+    def type(self) -> str:
+        """The type name, as given to :func:`create`."""
+        return self._type
+
+    @property
+    def rank(self) -> int:
+        """This worker's index (the JAX process index)."""
+        return jax.process_index()
+
+    @property
+    def num_workers(self) -> int:
+        """How many workers (JAX processes) share the store."""
+        return jax.process_count()
+
+    @property
+    def state(self) -> KVState:
+        """The current :class:`KVState`, for use in a functional loop.
+
+        Later updates of this store never invalidate it.
+        """
+        with self._lock:
+            self._share(self._state)
+            return self._state
+
+    @state.setter
+    def state(self, state: KVState) -> None:
+        if not isinstance(state, KVState):
+            raise KVStoreError(f"state: expected a jaxkv.KVState, given {type(state).__name__}")
+        with self._lock:
+            self._share(state)
+            self._state = state
+
+    def keys(self) -> list:
+        """The keys in the store, sorted."""
+        return list(self._state.keys())
+
+    def __repr__(self) -> str:
+        return f"KVStore(type={self._type!r}, keys={len(self._state)}, " \
+               f"devices={len(self._state.devices)})"
+
+    # -- init / push / pull ----------------------------------------------------------------
+    def init(self, key: Any, value: Any) -> None:
+        """Add ``key`` (or a list of keys) with an initial value each."""
+        with self._lock:
+            state = _ops.init(self._state, key, _unwrap_values(value))
+            if isinstance(self._updater, optax.GradientTransformation):
+                state = self._init_optimizer(state, [k for k in state.keys()
+                                                     if k not in self._state])
+            self._state = state
+
+    def push(self, key: Any, value: Any, priority: int = 0) -> None:
+        """Push values: each key's values (one per device) are summed, then the updater runs."""
+        with self._lock:
+            self._update(key, _unwrap_values(value))
+
+    def pull(self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True):
+        """Pull values into ``out`` (``NDArray``s, each filled on its own device).
+
+        With ``out=None``, returns the value(s) as ``jax.Array``s instead.
+        """
+        with self._lock:
+            if out is None:
+                return self._values(key)
+            self._fill(_ops.pairs(key, out, "outs"), "pull")
+            return None
+
+    def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0):
+        """Push ``value`` then pull into ``out`` (or into ``value`` itself when ``out=None``)."""
+        with self._lock:
+            self._update(key, _unwrap_values(value))
+            target = out if out is not None else value
+            if _holds_ndarrays(target):
+                self._fill(_ops.pairs(key, target, "outs"), "pushpull")
+                return None
+            return self._values(key)
+
+    def broadcast(self, key: Any, value: Any, out: Any, priority: int = 0) -> None:
+        """Initialise ``key`` with ``value``, then pull it into ``out``."""
+        with self._lock:
+            pairs = _ops.pairs(key, out, "outs")
+            before = self._state
+            self.init(key, value)
+            try:
+                self._fill(pairs, "broadcast")
+            except KVStoreError:
+                self._state = before
+                raise
+
+    def row_sparse_pull(self, key: Any, out: Any = None, priority: int = 0, row_ids: Any = None):
+        """Pull only the rows ``row_ids`` (others zero) into ``out``, or return them."""
+        if row_ids is None:
+            raise KVStoreError(f"key {key!r}: row_sparse_pull expects row_ids, given None")
+        with self._lock:
+            state = self._state
+            if out is None:
+                keys = key if isinstance(key, list | tuple) else [key]
+                ids = row_ids if isinstance(key, list | tuple) else [row_ids]
+                if len(ids) != len(keys):
+                    raise ShapeError(f"keys {keys!r}: expected {len(keys)} row_ids, "
+                                     f"given {len(ids)}")
+                rows = [_ops.row_sparse_pull(state, k, _unwrap(r)) for k, r in zip(keys, ids)]
+                return rows if isinstance(key, list | tuple) else rows[0]
+            pairs = _ops.pairs(key, out, "outs")
+            n = sum(len(outs) for _, outs in pairs)
+            ids = row_ids if isinstance(row_ids, list | tuple) else [row_ids] * n
+            if len(ids) != n:
+                raise ShapeError(f"key {key!r}: expected {n} row_ids (one per out), given "
+                                 f"{len(ids)}")
+            self._check_outs(pairs)
+            it = iter(ids)
+            filled = []
+            for k, outs in pairs:
+                for o in outs:
+                    filled.append((o, _ops.row_sparse_pull(state, k, _unwrap(next(it)))))
+            for o, v in filled:
+                o[:] = v
+
+    # -- updaters and optimizers ---------------------------------------------------------------
+    def set_updater(self, updater: Any) -> None:
+        """Use ``updater(key, input, stored)`` on every push; pure or MXNet's in-place style."""
+        with self._lock:
+            self._updater = _from_mxnet_updater(updater)
+
+    _set_updater = set_updater
+
+    def set_optimizer(self, optimizer: optax.GradientTransformation) -> None:
+        """Update values with an optax optimizer: each push is a gradient for its key."""
+        if not isinstance(optimizer, optax.GradientTransformation):
+            raise KVStoreError(
+                "set_optimizer: expected an optax.GradientTransformation such as "
+                f"optax.sgd(0.1), given {type(optimizer).__name__}"
+            )
+        with self._lock:
+            self._updater = optimizer
+            self._state = self._init_optimizer(self._state, list(self._state.keys()))
+
+    def _init_optimizer(self, state: KVState, keys: list) -> KVState:
+        if not keys:
+            return state
+        init = jax.jit(lambda vs: [self._updater.init(v) for v in vs],
+                       out_shardings=state.sharding)
+        return state.replace(opt_states=dict(zip(keys, init([state[k] for k in keys]))))
+
+    def set_gradient_compression(self, compression_params: dict) -> None:
+        """Gradient compression: not available in this version; refused with the reason."""
+        raise KVStoreError(
+            f"set_gradient_compression({compression_params!r}): expected a store without "
+            "compression; gradient compression is not implemented in this version of jaxkv"
+        )
+
+    def is_capable(self, capability: str) -> bool:
+        """Whether the store supports ``capability`` (MXNet knows ``'optimizer'``)."""
+        if str(capability).lower() == "optimizer":
+            return True
+        raise KVStoreError(f"unknown capability: expected 'optimizer', given {capability!r}")
+
+    # -- saving ----------------------------------------------------------------------------
+    def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
+        """Save the optimizer state of every key to ``fname`` (atomic write, no pickle)."""
+        if dump_optimizer:
+            raise KVStoreError(
+                "dump_optimizer=True: expected False; an optax optimizer is code, which jaxkv "
+                "does not pickle. Call set_optimizer again after loading"
+            )
+        with self._lock:
+            self._require_optimizer("save_optimizer_states")
+            _checkpoint.save(fname, self._state, values=False)
+
+    def load_optimizer_states(self, fname: str) -> None:
+        """Load optimizer states saved by :meth:`save_optimizer_states` (integrity checked)."""
+        with self._lock:
+            self._require_optimizer("load_optimizer_states")
+            self._state = _checkpoint.load(fname, self._state, values=False)
+
+    def save(self, fname: str) -> None:
+        """Save the whole store (values and optimizer states) to ``fname``."""
+        with self._lock:
+            _checkpoint.save(fname, self._state, values=True)
+
+    def load(self, fname: str) -> None:
+        """Replace the store's contents with those saved by :meth:`save`."""
+        with self._lock:
+            optimizer = self._updater
+            if not isinstance(optimizer, optax.GradientTransformation):
+                optimizer = None
+            self._state = _checkpoint.load(fname, self._state, values=True,
+                                           optimizer=optimizer)
+
+    def _require_optimizer(self, what: str) -> None:
+        if not isinstance(self._updater, optax.GradientTransformation):
+            raise KVStoreError(
+                f"{what}: expected a store with an optimizer, given none; call "
+                "set_optimizer(optax_transformation) first"
+            )
+
+    # -- barrier ---------------------------------------------------------------------------
+    def barrier(self) -> None:
+        """Wait until every worker reaches this point (and local work has finished)."""
+        jax.block_until_ready(jax.tree_util.tree_leaves(self._state))
+
+    _barrier = barrier
+
+    # -- internals -------------------------------------------------------------------------
+    def _share(self, state: KVState) -> None:
+        for leaf in jax.tree_util.tree_leaves(state):
+            self._shared[id(leaf)] = leaf
+
+    def _update(self, key: Any, values: Any) -> None:
+        state = self._state
+        pushed = {k for k, _ in _ops.pairs(key, values, "values")}
+        leaves = jax.tree_util.tree_leaves(
+            [(state[k], state.opt_states[k]) for k in pushed if k in state]
+        )
+        donate = not any(id(leaf) in self._shared for leaf in leaves)
+        self._state = _ops.push(state, key, values, updater=self._updater, donate=donate)
+
+    def _values(self, key: Any):
+        single = not isinstance(key, list | tuple)
+        values = _ops.copies(_ops.pull(self._state, [key] if single else list(key)))
+        return values[0] if single else values
+
+    def _check_outs(self, pairs) -> None:
+        for k, outs in pairs:
+            stored = self._state[k]
+            for o in outs:
+                if not isinstance(o, NDArray):
+                    raise KVStoreError(
+                        f"key {k!r}: out expected a jaxkv.nd.NDArray, given "
+                        f"{type(o).__name__}; a jax.Array cannot be filled in place, so use "
+                        f"the return value instead: value = kv.pull({k!r})"
+                    )
+                if o.shape != tuple(stored.shape):
+                    raise ShapeError(
+                        f"key {k!r}: out has shape {o.shape}, expected the stored shape "
+                        f"{tuple(stored.shape)}"
+                    )
+
+    def _fill(self, pairs, what: str) -> None:
+        """Give each out the value of its key, on the out's own device."""
+        self._check_outs(pairs)
+        keys = list(dict.fromkeys(k for k, _ in pairs))
+        copies = dict(zip(keys, _ops.copies(_ops.pull(self._state, keys))))
+        shards = {}
+        for k, outs in pairs:
+            for o in outs:
+                device = _device_of(o)
+                if (k, device) not in shards:
+                    shards[k, device] = _shard_on(copies[k], device)
+                value = shards[k, device]
+                o._data = value if value.dtype == o.dtype else value.astype(o.dtype)
+
+
+def _holds_ndarrays(x: Any) -> bool:
+    if isinstance(x, list | tuple):
+        return bool(x) and all(_holds_ndarrays(v) for v in x)
+    return isinstance(x, NDArray)
+
+
+def _device_of(o: NDArray) -> jax.Device:
+    return min(o._data.devices(), key=lambda d: d.id)
+
+
+def _shard_on(value: jax.Array, device: jax.Device) -> jax.Array:
+    for shard in value.addressable_shards:
+        if shard.device == device:
+            return shard.data
+    return jax.device_put(value, device)

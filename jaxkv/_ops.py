@@ -1,0 +1,502 @@
+"""Pure operations on a :class:`KVState`: ``init``, ``push``, ``pull``, ``pushpull``,
+``row_sparse_pull``.
+
+Eagerly, one ``push`` is one jitted computation for all its keys: per-device contributions are
+assembled (without copying) into one array sharded over the store's mesh and summed with a
+``psum``; then the updater runs once per distinct key. The compiled computation is cached per
+(devices, key set, contribution layout, updater, donation); JAX adds shapes and dtypes, so
+pushing the same structure again never recompiles.
+
+Inside a trace (the user's ``jit``, ``pmap`` or ``shard_map``) the same updater logic runs in
+the caller's trace, and ``axis_name`` sums each value over the mapped axis exactly once.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from ._errors import DuplicateKeyError, KeyTypeError, KVStoreError, ShapeError
+from ._state import AXIS, Key, KVState, _mesh, key_kind, normalize_key
+
+__all__ = ["Updater", "init", "pull", "push", "pushpull", "row_sparse_pull"]
+
+logger = logging.getLogger("jaxkv")
+_MISSING = object()
+
+
+class Updater(Protocol):
+    """How a pushed value is merged into the stored one.
+
+    Called once per distinct key of a push, inside ``jit``, with the key (a Python ``int`` or
+    ``str``), the pushed value summed over devices (already cast to the stored dtype) and the
+    stored value; returns the new stored value, of the stored shape. The default is assign.
+    An ``optax.GradientTransformation`` may be given instead: the pushed value is then the
+    gradient, and the optimizer state is kept in the ``KVState``.
+    """
+
+    def __call__(self, key: Key, pushed: jax.Array, stored: jax.Array) -> jax.Array: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Pairing keys with values, as MXNet does.
+# ---------------------------------------------------------------------------------------------
+def _as_list(v: Any) -> list:
+    return list(v) if isinstance(v, list | tuple) else [v]
+
+
+def pairs(keys: Any, values: Any, what: str) -> list[tuple[Key, list]]:
+    """MXNet's pairing: ``(key, value)``, ``(key, [per-device values])``, ``([keys], [values])``,
+    ``([keys], [[per-device values], ...])``, or one mapping ``{key: value}``.
+
+    Returns a list of ``(key, [values])`` in call order; keys may repeat.
+    """
+    if values is _MISSING:
+        if not isinstance(keys, Mapping):
+            raise KVStoreError(
+                f"expected a mapping {{key: {what[:-1]}}} or keys and {what}, "
+                f"given only {type(keys).__name__} {keys!r}"
+            )
+        keys, values = list(keys.keys()), list(keys.values())
+    if isinstance(keys, list | tuple):
+        if not isinstance(values, list | tuple) or len(values) != len(keys):
+            given = f"{len(values)} {what}" if isinstance(values, list | tuple) else "one"
+            raise ShapeError(
+                f"keys {list(keys)!r}: expected {len(keys)} {what} (one per key), given {given}"
+            )
+        out = [(normalize_key(k), _as_list(v)) for k, v in zip(keys, values)]
+    else:
+        out = [(normalize_key(keys), _as_list(values))]
+    for k, vs in out:
+        if not vs:
+            raise ShapeError(f"key {k!r}: expected at least one {what[:-1]}, given an empty list")
+    return out
+
+
+def _is_traced(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _as_array(x: Any) -> jax.Array:
+    if isinstance(x, jax.Array):
+        return x
+    if hasattr(x, "__jax_array__"):
+        return x.__jax_array__()
+    return jnp.asarray(x)
+
+
+def _check_value(key: Key, x: jax.Array, stored: Any, what: str) -> None:
+    if tuple(x.shape) != tuple(stored.shape):
+        raise ShapeError(
+            f"key {key!r}: {what} has shape {tuple(x.shape)}, expected the stored shape "
+            f"{tuple(stored.shape)} (dtype {stored.dtype})"
+        )
+    if jnp.issubdtype(x.dtype, jnp.complexfloating) and not jnp.issubdtype(
+        stored.dtype, jnp.complexfloating
+    ):
+        raise KVStoreError(
+            f"key {key!r}: {what} has dtype {x.dtype}, expected a real dtype castable to the "
+            f"stored {stored.dtype}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# init
+# ---------------------------------------------------------------------------------------------
+def init(state: KVState, keys: Any, values: Any = _MISSING) -> KVState:
+    """A new state with ``keys`` added, holding copies of ``values`` on the store's devices.
+
+    Args:
+      state: the store.
+      keys: a key, a list of keys, or a mapping ``{key: value}`` (then omit ``values``).
+      values: one array per key.
+
+    Returns:
+      The new state; ``state`` is unchanged.
+
+    Raises:
+      DuplicateKeyError: a key is already in the store, or repeats in the call.
+      KeyTypeError: a key is not int/str, or its kind differs from the store's keys.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxkv
+      >>> s = jaxkv.init(jaxkv.empty(), [3, 5], [jnp.ones(2), jnp.zeros(2)])
+      >>> s.keys()
+      (3, 5)
+    """
+    new: dict[Key, jax.Array] = {}
+    kind = state.key_kind
+    for key, vs in pairs(keys, values, "values"):
+        kind = kind or key_kind(key)
+        if key_kind(key) != kind:
+            raise KeyTypeError(
+                f"key {key!r}: expected {kind} keys, given a {key_kind(key)} key (one store "
+                "holds one kind of key, as in MXNet)"
+            )
+        if key in state or key in new:
+            raise DuplicateKeyError(
+                f"duplicate init of key {key!r}: expected a key not yet in the store, given "
+                f"{key!r}, which is already there"
+                + (" (init takes one value per key)" if len(vs) > 1 else "")
+            )
+        if len(vs) != 1:
+            raise ShapeError(
+                f"key {key!r}: init expects one value, given a list of {len(vs)} values"
+            )
+        new[key] = _as_array(vs[0])
+    eager = [k for k, x in new.items() if not _is_traced(x)]
+    if eager:
+        placed = jax.device_put([new[k] for k in eager], state.sharding)
+        new.update(zip(eager, copies(placed)))
+    return state.replace(values=new)
+
+
+@jax.jit
+def copies(values: list[jax.Array]) -> list[jax.Array]:
+    """Fresh buffers holding ``values``, with the same shardings.
+
+    ``device_put`` may let a shard alias its source even with ``may_alias=False``; a stored
+    value that aliased a user's array (or another key's value) would break donation.
+    """
+    return [jnp.copy(v) for v in values]
+
+
+# ---------------------------------------------------------------------------------------------
+# push
+# ---------------------------------------------------------------------------------------------
+def _group(state: KVState, keys: Any, values: Any) -> dict[Key, list[jax.Array]]:
+    """Validated contributions per distinct key, in a canonical (sorted) key order."""
+    grouped: dict[Key, list[jax.Array]] = {}
+    for key, vs in pairs(keys, values, "values"):
+        i = state.index(key)
+        stored = state._values[i]
+        arrays = []
+        for n, v in enumerate(vs):
+            x = _as_array(v)
+            what = "the pushed value" if len(vs) == 1 else f"pushed value {n}"
+            _check_value(key, x, stored, what)
+            arrays.append(x)
+        grouped.setdefault(key, []).extend(arrays)
+    return {k: grouped[k] for k in sorted(grouped)}
+
+
+def _apply(updater: Any, key: Key, pushed: jax.Array, stored: jax.Array, opt_state: Any):
+    """Run ``updater`` for one key; returns ``(new_stored, new_opt_state)``."""
+    if updater is None:
+        new = pushed
+    elif isinstance(updater, optax.GradientTransformation):
+        if opt_state is None:
+            opt_state = updater.init(stored)
+        updates, opt_state = updater.update(pushed, opt_state, stored)
+        new = optax.apply_updates(stored, updates)
+    else:
+        new = updater(key, pushed, stored)
+        if new is None:
+            raise KVStoreError(
+                f"key {key!r}: the updater returned None, expected the new stored value. "
+                "MXNet-style in-place updaters (stored += ...) work through jaxkv.KVStore; "
+                "a functional updater must return the new value"
+            )
+    new = _as_array(new)
+    if tuple(new.shape) != tuple(stored.shape):
+        raise ShapeError(
+            f"key {key!r}: the updater returned shape {tuple(new.shape)}, expected the stored "
+            f"shape {tuple(stored.shape)}"
+        )
+    return new.astype(stored.dtype), opt_state
+
+
+def _axis_sum(x: jax.Array, axis_name: Any) -> jax.Array:
+    """Sum ``x`` over the mapped axes ``axis_name`` exactly once.
+
+    Under ``shard_map`` with varying-axis tracking, a value invariant along an axis (e.g. the
+    gradient of a replicated parameter, which JAX has already summed) is left as it is. Under
+    ``pmap`` (no tracking) every value is per-device and is summed.
+    """
+    names = axis_name if isinstance(axis_name, tuple | list) else (axis_name,)
+    todo = []
+    for name in names:
+        try:
+            tracked = name in jax.typeof(jax.lax.axis_index(name)).manual_axis_type.varying
+        except NameError as e:
+            raise KVStoreError(
+                f"axis_name {name!r}: expected an axis bound by an enclosing pmap or shard_map, "
+                f"given one that is not bound here ({e})"
+            ) from None
+        if not tracked or name in jax.typeof(x).manual_axis_type.varying:
+            todo.append(name)
+    return jax.lax.psum(x, tuple(todo)) if todo else x
+
+
+def _single_device(x: jax.Array):
+    devices = x.devices()
+    return next(iter(devices)) if len(devices) == 1 else None
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros(shape: tuple[int, ...], dtype: Any, device: jax.Device) -> jax.Array:
+    return jnp.zeros(shape, dtype, device=device)
+
+
+def _layout(state: KVState, stored: jax.Array, xs: list[jax.Array]) -> tuple[str, jax.Array]:
+    """Prepare one key's eager contributions for the push computation.
+
+    Returns ``('one', x)`` with ``x`` on the store's devices (no reduction needed), or
+    ``('stacked', x)`` with the per-device values laid side by side along axis 0 of one array
+    sharded over the store's mesh (no copy), to be summed there with a ``psum``.
+    """
+    if len(xs) == 1:
+        return "one", jax.device_put(xs[0], state.sharding)
+    devices = [_single_device(x) for x in xs]
+    on_mesh = set(state.devices)
+    if len(set(devices)) == len(devices) and all(d in on_mesh for d in devices):
+        if len({x.dtype for x in xs}) > 1:
+            xs = [x.astype(stored.dtype) for x in xs]
+        shard_shape = stored.shape or (1,)  # scalars travel as shape (1,)
+        dtype = xs[0].dtype
+        by_device = {d: x.reshape(shard_shape) for d, x in zip(devices, xs)}
+        shards = [by_device.get(d) for d in state.devices]
+        shards = [s if s is not None else _zeros(shard_shape, dtype, d)
+                  for s, d in zip(shards, state.devices)]
+        global_shape = (shard_shape[0] * len(state.devices), *shard_shape[1:])
+        sharding = NamedSharding(state.mesh, PartitionSpec(AXIS))
+        return "stacked", jax.make_array_from_single_device_arrays(global_shape, sharding, shards)
+    # Several values on one device, or off the store's devices: sum them in call order there.
+    placed = [jax.device_put(x.astype(stored.dtype), state.sharding) for x in xs]
+    return "one", functools.reduce(operator.add, placed)
+
+
+class _PushCache:
+    """Jitted push computations, one per static signature, least recently used dropped first."""
+
+    def __init__(self, size: int = 256):
+        self._size = size
+        self._fns: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, devices, keys, kinds, updater, donate) -> Callable:
+        sig = (devices, keys, kinds, id(updater), donate)
+        entry = self._fns.get(sig)
+        if entry is not None and entry[0] is updater:
+            self._fns.move_to_end(sig)
+            return entry[1]
+        fn = _build_push(_mesh(devices), keys, kinds, updater, donate)
+        logger.debug("jaxkv: new push signature (%d keys, donate=%s)", len(keys), donate)
+        self._fns[sig] = (updater, fn)  # holding updater keeps its id from being reused
+        if len(self._fns) > self._size:
+            self._fns.popitem(last=False)
+        return fn
+
+
+def _build_push(mesh, keys, kinds, updater, donate) -> Callable:
+    replicated = NamedSharding(mesh, PartitionSpec())
+    stacked = [i for i, kind in enumerate(kinds) if kind == "stacked"]
+    psum = jax.shard_map(
+        lambda xs: jax.lax.psum(xs, AXIS),
+        mesh=mesh,
+        in_specs=PartitionSpec(AXIS),
+        out_specs=PartitionSpec(),
+    )
+
+    def run(stored, opt_states, pushed):
+        pushed = [x.astype(s.dtype) for x, s in zip(pushed, stored)]
+        if stacked:
+            summed = psum([pushed[i] for i in stacked])
+            for i, x in zip(stacked, summed):
+                pushed[i] = x.reshape(stored[i].shape)
+        results = [_apply(updater, *args) for args in zip(keys, pushed, stored, opt_states)]
+        return [r[0] for r in results], [r[1] for r in results]
+
+    return jax.jit(run, donate_argnums=(0, 1) if donate else (), out_shardings=replicated)
+
+
+_PUSH_CACHE = _PushCache()
+
+
+def push(
+    state: KVState,
+    keys: Any,
+    values: Any = _MISSING,
+    *,
+    updater: Updater | optax.GradientTransformation | None = None,
+    axis_name: Any = None,
+    donate: bool = False,
+) -> KVState:
+    """A new state with ``values`` pushed to ``keys``.
+
+    Each value is one array or a list of arrays (one per device), which are summed; duplicate
+    keys in one call are summed together. Then ``updater(key, pushed, stored)`` runs once per
+    distinct key (default: assign). Values of another dtype are cast to the stored dtype.
+
+    Args:
+      state: the store.
+      keys: a key, a list of keys, or a mapping ``{key: value}`` (then omit ``values``).
+      values: per key, an array or a list of per-device arrays.
+      updater: an :class:`Updater` or an ``optax.GradientTransformation``; ``None`` assigns.
+      axis_name: inside ``pmap``/``shard_map``, the mapped axis (or axes) to sum over. Values
+        that JAX has already made invariant along it (``shard_map``) are not summed again.
+      donate: let the computation reuse the buffers of ``state`` (which then becomes invalid).
+
+    Returns:
+      The new state. Unless ``donate=True``, ``state`` stays valid and unchanged.
+
+    Raises:
+      UnknownKeyError: a key was never initialised.
+      ShapeError: a value's shape differs from the stored one, or keys and values do not pair.
+      KVStoreError: any other refusal; in every case nothing has changed.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxkv
+      >>> s = jaxkv.init(jaxkv.empty(), {"w": jnp.zeros(2)})
+      >>> s = jaxkv.push(s, "w", [jnp.ones(2), jnp.ones(2)])
+      >>> jaxkv.pull(s, "w").tolist()
+      [2.0, 2.0]
+    """
+    grouped = _group(state, keys, values)
+    index = [state.index(k) for k in grouped]
+    stored = [state._values[i] for i in index]
+    opts = [state._opt_states[i] for i in index]
+    traced = any(_is_traced(x) for xs in grouped.values() for x in xs) or any(
+        _is_traced(x) for x in jax.tree_util.tree_leaves((stored, opts))
+    )
+    if traced:
+        new_v, new_o = {}, {}
+        for (key, xs), s, o in zip(grouped.items(), stored, opts):
+            total = functools.reduce(operator.add, [x.astype(s.dtype) for x in xs])
+            if axis_name is not None:
+                total = _axis_sum(total, axis_name)
+            new_v[key], new_o[key] = _apply(updater, key, total, s, o)
+        return state.replace(new_v, new_o)
+    if axis_name is not None:
+        raise KVStoreError(
+            f"axis_name={axis_name!r}: expected to be called inside pmap or shard_map, given an "
+            "eager call (eagerly, a list of per-device values is already summed over devices)"
+        )
+    kinds, pushed = zip(*(_layout(state, s, xs) for s, xs in zip(stored, grouped.values())))
+    fn = _PUSH_CACHE.get(state.devices, tuple(grouped), kinds, updater, donate)
+    new_values, new_opts = fn(stored, opts, list(pushed))
+    return state.replace(dict(zip(grouped, new_values)), dict(zip(grouped, new_opts)))
+
+
+# ---------------------------------------------------------------------------------------------
+# pull
+# ---------------------------------------------------------------------------------------------
+def devices_of(devices: Any) -> tuple[jax.Device, ...]:
+    """A device, a context, or a list of them, as a tuple of JAX devices."""
+    from ._context import Context
+
+    items = list(devices) if isinstance(devices, list | tuple) else [devices]
+    out = tuple(d.device if isinstance(d, Context) else d for d in items)
+    if not out or not all(isinstance(d, jax.Device) for d in out) or len(set(out)) != len(out):
+        raise KVStoreError(
+            f"devices: expected a device or a list of distinct devices, given {devices!r}"
+        )
+    return out
+
+
+def replicate(values: Sequence[jax.Array], devices: tuple[jax.Device, ...]) -> list[jax.Array]:
+    """``values`` replicated on exactly ``devices`` (no copy where they already are)."""
+    if any(_is_traced(v) for v in values):
+        raise KVStoreError(
+            f"devices={list(devices)}: expected an eager call; inside jit the caller's "
+            "shardings decide where values live"
+        )
+    if len(devices) == 1:
+        sharding = SingleDeviceSharding(devices[0])
+    else:
+        sharding = NamedSharding(_mesh(devices), PartitionSpec())
+    return list(jax.device_put(list(values), [sharding] * len(values)))
+
+
+def pull(state: KVState, keys: Any, *, devices: Any = None) -> Any:
+    """The stored value of ``keys`` (one key: one array; a list: a list, repeats allowed).
+
+    Args:
+      state: the store.
+      keys: a key or a list of keys.
+      devices: where to place the result: a device or context, or a list of them; each result
+        is one ``jax.Array`` replicated on exactly those devices. ``None`` returns the stored
+        arrays themselves (replicated over the store's devices).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jaxkv
+      >>> s = jaxkv.init(jaxkv.empty(), {1: jnp.arange(3.0)})
+      >>> jaxkv.pull(s, 1, devices=jax.devices()[0]).tolist()
+      [0.0, 1.0, 2.0]
+    """
+    single = not isinstance(keys, list | tuple)
+    values = [state[k] for k in ([keys] if single else keys)]
+    if devices is not None:
+        target = devices_of(devices)
+        if target != state.devices:
+            values = replicate(values, target)
+    return values[0] if single else values
+
+
+def pushpull(
+    state: KVState,
+    keys: Any,
+    values: Any = _MISSING,
+    *,
+    updater: Updater | optax.GradientTransformation | None = None,
+    devices: Any = None,
+) -> tuple[KVState, Any]:
+    """``push`` then ``pull`` of the same keys: returns ``(new_state, pulled)``.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxkv
+      >>> s = jaxkv.init(jaxkv.empty(), {0: jnp.zeros(2)})
+      >>> s, v = jaxkv.pushpull(s, 0, jnp.ones(2))
+      >>> v.tolist()
+      [1.0, 1.0]
+    """
+    if values is _MISSING and isinstance(keys, Mapping):
+        keys, values = list(keys.keys()), list(keys.values())
+    new = push(state, keys, values, updater=updater)
+    return new, pull(new, keys, devices=devices)
+
+
+@jax.jit
+def _keep_rows(value: jax.Array, mask: jax.Array) -> jax.Array:
+    mask = mask.reshape(mask.shape + (1,) * (value.ndim - 1))
+    return jnp.where(mask, value, jnp.zeros((), value.dtype))
+
+
+def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = None) -> jax.Array:
+    """The value of ``key`` with only the rows in ``row_ids`` kept and the others zero.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxkv
+      >>> s = jaxkv.init(jaxkv.empty(), {"e": jnp.ones((3, 2))})
+      >>> jaxkv.row_sparse_pull(s, "e", [0, 2]).tolist()
+      [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
+    """
+    value = state[key]
+    if value.ndim == 0:
+        raise ShapeError(f"key {key!r}: row_sparse_pull expects a value with rows, given a scalar")
+    rows = value.shape[0]
+    if _is_traced(row_ids) or _is_traced(value):
+        ids = jnp.asarray(row_ids).ravel()
+        mask = jnp.zeros(rows, bool).at[ids].set(True)
+    else:
+        ids = np.asarray(jax.device_get(row_ids) if isinstance(row_ids, jax.Array) else row_ids)
+        ids = ids.ravel()
+        if ids.size and (not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0
+                         or ids.max() >= rows):
+            raise KVStoreError(
+                f"key {key!r}: row_ids expected integers in [0, {rows}), given {ids.tolist()}"
+            )
+        mask = np.zeros(rows, bool)
+        mask[ids] = True
+        mask = jax.device_put(mask, state.sharding)
+    out = _keep_rows(value, mask)
+    return out if devices is None else replicate([out], devices_of(devices))[0]

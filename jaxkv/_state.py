@@ -1,0 +1,207 @@
+"""``KVState``: the immutable pytree at the heart of jaxkv.
+
+The key set, the key kind and the store's devices are static (aux data), so ``jit`` specialises
+on them; stored values and optimizer states are the leaves, so ``tree_map`` only touches arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ._errors import KeyTypeError, KVStoreError, unknown_key
+
+__all__ = ["AXIS", "KVState", "empty"]
+
+Key = int | str
+AXIS = "kv"  # The name of the store's one mesh axis.
+
+
+@functools.lru_cache(maxsize=64)
+def _mesh(devices: tuple[jax.Device, ...]) -> Mesh:
+    return Mesh(np.array(devices, dtype=object), (AXIS,))
+
+
+def normalize_key(key: Any) -> Key:
+    """``key`` as a plain ``int`` or ``str``; anything else is refused."""
+    if isinstance(key, str):
+        return key
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+        return int(key)
+    raise KeyTypeError(f"key {key!r}: expected an int or a str, given {type(key).__name__}")
+
+
+def key_kind(key: Key) -> str:
+    return "str" if isinstance(key, str) else "int"
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class KVState:
+    """An immutable key-value store of arrays over a set of devices.
+
+    Leaves: one stored value per key (a ``jax.Array`` replicated over the store's devices, shape
+    and dtype fixed at ``init``), and one optimizer state pytree per key (``None`` until an optax
+    optimizer first updates that key). Aux data: the sorted key set and the devices.
+
+    Make one with :func:`jaxkv.empty` and :func:`jaxkv.init`; every operation returns a new state.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxkv
+      >>> state = jaxkv.init(jaxkv.empty(), {"w": jnp.zeros(3)})
+      >>> state.keys()
+      ('w',)
+      >>> state["w"].shape
+      (3,)
+    """
+
+    __slots__ = ("_keys", "_devices", "_values", "_opt_states", "_lookup")
+
+    def __init__(
+        self,
+        keys: tuple[Key, ...],
+        devices: tuple[jax.Device, ...],
+        values: Sequence[Any],
+        opt_states: Sequence[Any],
+    ):
+        # No validation here: pytree transformations rebuild states with arbitrary leaves.
+        object.__setattr__(self, "_keys", keys)  # sorted, all int or all str
+        object.__setattr__(self, "_devices", devices)
+        object.__setattr__(self, "_values", tuple(values))  # aligned with _keys
+        object.__setattr__(self, "_opt_states", tuple(opt_states))  # aligned with _keys
+        object.__setattr__(self, "_lookup", None)  # key -> position, built on first use
+
+    def __setattr__(self, name, value):
+        raise AttributeError("KVState is immutable: operations return a new state")
+
+    # -- pytree protocol -------------------------------------------------------------------
+    def tree_flatten_with_keys(self):
+        children = (
+            (jax.tree_util.GetAttrKey("values"), self._values),
+            (jax.tree_util.GetAttrKey("opt_states"), self._opt_states),
+        )
+        return children, (self._keys, self._devices)
+
+    def tree_flatten(self):
+        return (self._values, self._opt_states), (self._keys, self._devices)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        keys, devices = aux
+        values, opt_states = children
+        return cls(keys, devices, values, opt_states)
+
+    # -- read-only views -------------------------------------------------------------------
+    def keys(self) -> tuple[Key, ...]:
+        """The keys, sorted."""
+        return self._keys
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        """The devices the store's values live on."""
+        return self._devices
+
+    @property
+    def mesh(self) -> Mesh:
+        """A one-axis mesh (axis name ``'kv'``) over :attr:`devices`."""
+        return _mesh(self._devices)
+
+    @property
+    def sharding(self) -> NamedSharding:
+        """Where stored values live: replicated over :attr:`devices`."""
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    @property
+    def values(self) -> Mapping[Key, Any]:
+        """A read-only mapping from key to stored value."""
+        return MappingProxyType(dict(zip(self._keys, self._values)))
+
+    @property
+    def opt_states(self) -> Mapping[Key, Any]:
+        """A read-only mapping from key to its optimizer state (``None`` where there is none)."""
+        return MappingProxyType(dict(zip(self._keys, self._opt_states)))
+
+    @property
+    def key_kind(self) -> str | None:
+        """``'int'`` or ``'str'``, or ``None`` while the store is empty."""
+        return key_kind(self._keys[0]) if self._keys else None
+
+    def __contains__(self, key: Hashable) -> bool:
+        try:
+            return normalize_key(key) in self._index
+        except KVStoreError:
+            return False
+
+    def __getitem__(self, key: Key):
+        return self._values[self.index(key)]
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(repr(k) for k in self._keys[:6])
+        more = ", ..." if len(self._keys) > 6 else ""
+        return f"KVState(keys=[{shown}{more}], devices={len(self._devices)})"
+
+    # -- helpers for the operations ----------------------------------------------------------
+    @property
+    def _index(self) -> dict[Key, int]:
+        if self._lookup is None:
+            object.__setattr__(self, "_lookup", {k: i for i, k in enumerate(self._keys)})
+        return self._lookup
+
+    def index(self, key: Any) -> int:
+        """Position of ``key`` in :meth:`keys`; refuses unknown keys and the wrong key kind."""
+        key = normalize_key(key)
+        self.check_kind(key)
+        try:
+            return self._index[key]
+        except KeyError:
+            raise unknown_key(key, self._keys) from None
+
+    def check_kind(self, key: Key) -> None:
+        kind = self.key_kind
+        if kind is not None and key_kind(key) != kind:
+            raise KeyTypeError(
+                f"key {key!r}: this store holds {kind} keys, given a {key_kind(key)} key "
+                "(one store holds one kind of key, as in MXNet)"
+            )
+
+    def replace(
+        self, values: Mapping[Key, Any] | None = None, opt_states: Mapping[Key, Any] | None = None
+    ) -> KVState:
+        """A new state with some keys' values and/or optimizer states replaced or added."""
+        old_v, old_o = dict(zip(self._keys, self._values)), dict(zip(self._keys, self._opt_states))
+        old_v.update(values or {})
+        old_o.update(opt_states or {})
+        keys = tuple(sorted(old_v))
+        return KVState(
+            keys, self._devices, [old_v[k] for k in keys], [old_o.get(k) for k in keys]
+        )
+
+
+def empty(devices: Iterable[Any] | None = None) -> KVState:
+    """An empty store over ``devices`` (JAX devices or contexts; default: all local devices).
+
+    Examples:
+      >>> import jaxkv
+      >>> len(jaxkv.empty().devices) >= 1
+      True
+    """
+    from ._context import Context
+
+    if devices is None:
+        devs = tuple(jax.local_devices())
+    else:
+        devs = tuple(d.device if isinstance(d, Context) else d for d in devices)
+    if not devs or not all(isinstance(d, jax.Device) for d in devs):
+        raise KVStoreError(f"devices: expected a non-empty list of JAX devices, given {devices!r}")
+    if len(set(devs)) != len(devs):
+        raise KVStoreError(f"devices: expected distinct devices, given {list(devs)}")
+    return KVState((), devs, (), ())
