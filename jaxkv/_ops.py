@@ -308,13 +308,18 @@ def _build_push(mesh, keys, kinds, updater, donate) -> Callable:
     )
 
     def run(stored, opt_states, pushed):
+        inputs = {id(x) for x in pushed}
         pushed = [x.astype(s.dtype) for x, s in zip(pushed, stored)]
+        inputs.update(id(x) for x in pushed)
         if stacked:
             summed = psum([pushed[i] for i in stacked])
             for i, x in zip(stacked, summed):
                 pushed[i] = x.reshape(stored[i].shape)
         results = [_apply(updater, *args) for args in zip(keys, pushed, stored, opt_states)]
-        return [r[0] for r in results], [r[1] for r in results]
+        # A pushed array returned as is (assign) would be forwarded by jit, and the store would
+        # share the caller's buffer; a later donating push would then delete the caller's array.
+        values = [jnp.copy(v) if id(v) in inputs else v for v, _ in results]
+        return values, [o for _, o in results]
 
     return jax.jit(run, donate_argnums=(0, 1) if donate else (), out_shardings=replicated)
 

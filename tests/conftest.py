@@ -1,0 +1,42 @@
+"""Fixtures shared by the tests (the 8 simulated CPU devices are set in the root conftest.py)."""
+
+import contextlib
+import logging
+
+import jax
+import pytest
+
+
+class _CompileCounter(logging.Handler):
+    def __init__(self):
+        super().__init__(level=logging.WARNING)
+        self.count = 0
+
+    def emit(self, record):
+        if "Compiling" in record.getMessage():
+            self.count += 1
+
+
+@pytest.fixture
+def compiles():
+    """A context manager counting XLA compilations: ``with compiles() as c: ...; c.count``."""
+
+    @contextlib.contextmanager
+    def counting():
+        counter = _CompileCounter()
+        logger = logging.getLogger("jax")  # jax.log_compiles logs "Compiling ..." at WARNING
+        logger.addHandler(counter)
+        try:
+            with jax.log_compiles(True):
+                yield counter
+        finally:
+            logger.removeHandler(counter)
+
+    return counting
+
+
+@pytest.fixture(scope="session")
+def devices():
+    devs = jax.devices()
+    assert len(devs) == 8, "tests expect 8 simulated CPU devices (see conftest.py)"
+    return devs

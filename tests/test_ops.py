@@ -1,0 +1,284 @@
+"""The functional core: init, push, pull, pushpull, row_sparse_pull, eagerly and under jit,
+pmap and shard_map, with compile counting, purity, donation and refusals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxkv
+
+
+def on(device, value):
+    return jax.device_put(jnp.asarray(value, jnp.float32), device)
+
+
+@pytest.fixture
+def state():
+    return jaxkv.init(jaxkv.empty(), {"w": jnp.zeros((2, 3)), "b": jnp.zeros(()),
+                                      "v": jnp.arange(4.0)})
+
+
+def add(key, pushed, stored):
+    return stored + pushed
+
+
+def snapshot(state):
+    return {k: np.asarray(state[k]) for k in state.keys()}
+
+
+def assert_same(state, snap):
+    assert set(state.keys()) == set(snap)
+    for k, v in snap.items():
+        np.testing.assert_array_equal(np.asarray(state[k]), v)
+
+
+# -- eager ----------------------------------------------------------------------------------
+def test_init_copies_values_onto_the_store_devices(devices):
+    src = on(devices[0], [1.0, 2.0])
+    s = jaxkv.init(jaxkv.empty(), 7, src)
+    stored = s[7]
+    assert stored.sharding.device_set == set(devices)
+    assert stored.sharding.is_fully_replicated
+    for shard in stored.addressable_shards:  # no shard aliases the caller's buffer
+        assert shard.data.unsafe_buffer_pointer() != src.unsafe_buffer_pointer()
+
+
+def test_keys_are_sorted_and_one_kind(state):
+    assert state.keys() == ("b", "v", "w")
+    with pytest.raises(jaxkv.KeyTypeError, match="str keys"):
+        jaxkv.init(state, 3, jnp.zeros(1))
+    with pytest.raises(jaxkv.KeyTypeError, match="int or a str"):
+        jaxkv.init(jaxkv.empty(), 1.5, jnp.zeros(1))
+    with pytest.raises(jaxkv.KeyTypeError, match="one kind"):
+        jaxkv.init(jaxkv.empty(), [1, "a"], [jnp.zeros(1), jnp.zeros(1)])
+
+
+def test_push_is_pure_unless_donated(state):
+    new = jaxkv.push(state, "w", jnp.ones((2, 3)))
+    np.testing.assert_array_equal(state["w"], np.zeros((2, 3)))
+    np.testing.assert_array_equal(new["w"], np.ones((2, 3)))
+    old_b = state["b"]
+    donated = jaxkv.push(new, "w", jnp.full((2, 3), 5.0), updater=add, donate=True)
+    assert new["w"].is_deleted()
+    assert not old_b.is_deleted()  # keys not pushed keep their buffers
+    np.testing.assert_array_equal(donated["w"], np.full((2, 3), 6.0))
+
+
+def test_stored_values_never_share_the_pushers_buffers(state, devices):
+    g = on(devices[0], np.ones((2, 3)))
+    new = jaxkv.push(state, "w", g)  # assign: the stored value must be a copy
+    jaxkv.push(new, "w", g, updater=add, donate=True)
+    np.testing.assert_array_equal(g, np.ones((2, 3)))  # still alive and unchanged
+
+
+def test_per_device_values_are_summed_and_stored_replicated(state, devices):
+    grads = [on(d, np.full((2, 3), i + 1.0)) for i, d in enumerate(devices)]
+    new = jaxkv.push(state, "w", grads)
+    np.testing.assert_array_equal(new["w"], np.full((2, 3), 36.0))
+    assert isinstance(new["w"].sharding, NamedSharding)
+    assert new["w"].sharding.is_fully_replicated
+    assert {s.device for s in new["w"].addressable_shards} == set(devices)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+def test_any_number_of_devices_and_scalars(state, devices, n):
+    new = jaxkv.push(state, ["b", "v"], [[on(d, 2.0) for d in devices[:n]],
+                                         [on(d, np.arange(4.0)) for d in devices[-n:]]])
+    assert float(new["b"]) == 2.0 * n
+    np.testing.assert_array_equal(new["v"], n * np.arange(4.0))
+
+
+def test_same_device_and_off_store_values_are_summed_too(devices):
+    s = jaxkv.init(jaxkv.empty(devices[:2]), 0, jnp.zeros(3))
+    pushed = [on(devices[0], 1.0 * np.ones(3)), on(devices[0], 2.0 * np.ones(3)),
+              on(devices[5], 4.0 * np.ones(3))]
+    new = jaxkv.push(s, 0, pushed)
+    np.testing.assert_array_equal(new[0], 7.0 * np.ones(3))
+    assert new[0].sharding.device_set == set(devices[:2])
+
+
+def test_duplicate_keys_are_summed_and_updater_runs_once_per_key(state):
+    calls = []
+
+    def counting(key, pushed, stored):
+        calls.append(key)
+        return stored + pushed
+
+    new = jaxkv.push(state, ["v", "b", "v"], [jnp.ones(4), 3.0, 2 * jnp.ones(4)],
+                     updater=counting)
+    np.testing.assert_array_equal(new["v"], np.arange(4.0) + 3.0)
+    assert float(new["b"]) == 3.0
+    assert sorted(calls) == ["b", "v"]  # traced once, one call per distinct key
+
+
+def test_mapping_form_and_dtype_cast(state):
+    new = jaxkv.push(state, {"v": jnp.arange(4, dtype=jnp.int32)})
+    assert new["v"].dtype == jnp.float32
+    np.testing.assert_array_equal(new["v"], np.arange(4.0))
+
+
+def test_optax_updater_keeps_its_state_in_the_store(state):
+    opt = optax.adam(0.1)
+    new = jaxkv.push(state, "v", jnp.ones(4), updater=opt)
+    assert new.opt_states["v"] is not None
+    expected_p = jnp.arange(4.0)
+    expected_s = opt.init(expected_p)
+    upd, expected_s = opt.update(jnp.ones(4), expected_s, expected_p)
+    np.testing.assert_allclose(new["v"], optax.apply_updates(expected_p, upd), rtol=1e-6)
+    again = jaxkv.push(new, "v", jnp.ones(4), updater=opt)
+    upd, _ = opt.update(jnp.ones(4), expected_s, optax.apply_updates(expected_p, upd))
+    assert not np.allclose(again["v"], new["v"])
+
+
+def test_pull_places_results_on_exactly_the_requested_devices(state, devices):
+    one = jaxkv.pull(state, "v", devices=devices[3])
+    assert one.devices() == {devices[3]}
+    two = jaxkv.pull(state, ["v", "w"], devices=[jaxkv.cpu(1), jaxkv.cpu(2)])
+    for x in two:
+        assert x.sharding.device_set == {devices[1], devices[2]}
+        assert x.sharding.is_fully_replicated
+    dup = jaxkv.pull(state, ["v", "v"])
+    np.testing.assert_array_equal(dup[0], dup[1])
+
+
+def test_pushpull_returns_the_new_value(state, devices):
+    new, out = jaxkv.pushpull(state, "v", [on(d, np.ones(4)) for d in devices[:4]],
+                              updater=add, devices=devices[:4])
+    np.testing.assert_array_equal(out, np.arange(4.0) + 4.0)
+    assert out.sharding.device_set == set(devices[:4])
+    np.testing.assert_array_equal(new["v"], out)
+
+
+def test_row_sparse_pull_keeps_only_the_requested_rows():
+    s = jaxkv.init(jaxkv.empty(), "e", jnp.arange(12.0).reshape(4, 3))
+    rows = jaxkv.row_sparse_pull(s, "e", jnp.array([3, 1, 1]))
+    expected = np.arange(12.0).reshape(4, 3)
+    expected[[0, 2]] = 0
+    np.testing.assert_array_equal(rows, expected)
+    with pytest.raises(jaxkv.KVStoreError, match=r"\[0, 4\)"):
+        jaxkv.row_sparse_pull(s, "e", [4])
+
+
+# -- refusals leave the state as it was ------------------------------------------------------
+@pytest.mark.parametrize(
+    "call, error, pattern",
+    [
+        (lambda s: jaxkv.push(s, "nope", jnp.ones(1)), jaxkv.UnknownKeyError, "'nope'"),
+        (lambda s: jaxkv.push(s, ["v", "w"], [jnp.ones(4), jnp.ones((3, 2))]), jaxkv.ShapeError,
+         r"key 'w'.*\(3, 2\).*\(2, 3\)"),
+        (lambda s: jaxkv.push(s, ["v", "w"], [jnp.ones(4)]), jaxkv.ShapeError, "expected 2"),
+        (lambda s: jaxkv.init(s, "v", jnp.ones(4)), jaxkv.DuplicateKeyError, "duplicate init"),
+        (lambda s: jaxkv.push(s, "v", jnp.ones(4), axis_name="i"), jaxkv.KVStoreError,
+         "axis_name"),
+        (lambda s: jaxkv.push(s, "v", jnp.ones(4), updater=lambda k, p, st: p.sum()),
+         jaxkv.ShapeError, r"updater returned shape \(\)"),
+        (lambda s: jaxkv.pull(s, 3), jaxkv.KeyTypeError, "str keys"),
+        (lambda s: jaxkv.push(s, "v", jnp.ones(4, jnp.complex64)), jaxkv.KVStoreError, "real"),
+    ],
+)
+def test_refusals_name_the_key_and_change_nothing(state, call, error, pattern):
+    before = snapshot(state)
+    with pytest.raises(error, match=pattern):
+        call(state)
+    assert_same(state, before)
+    # Errors are also the built-in kinds MXNet/Python users catch.
+    assert issubclass(error, jaxkv.KVStoreError)
+
+
+def test_unknown_key_errors_are_key_errors(state):
+    with pytest.raises(KeyError):
+        jaxkv.pull(state, "missing")
+    # A failed pull does not poison a later init of that key (an MXNet 1.9.1 defect).
+    s = jaxkv.init(state, "missing", jnp.ones(2))
+    np.testing.assert_array_equal(jaxkv.pull(s, "missing"), np.ones(2))
+
+
+# -- compile once per signature --------------------------------------------------------------
+def test_no_recompiles_after_warm_up(state, devices, compiles):
+    grads = {"w": [on(d, np.ones((2, 3))) for d in devices],
+             "v": [on(d, np.ones(4)) for d in devices[:3]], "b": 1.0}
+    s = jaxkv.push(state, grads, updater=add)  # warm-up
+    s = jaxkv.push(s, "w", grads["w"], updater=add)
+    with compiles() as c:
+        for _ in range(3):
+            s = jaxkv.push(s, grads, updater=add)
+            s = jaxkv.push(s, dict(reversed(list(grads.items()))), updater=add)  # other order
+            s = jaxkv.push(s, "w", grads["w"], updater=add)
+            jax.block_until_ready(jaxkv.pull(s, ["w", "v", "b"]))
+    assert c.count == 0
+    np.testing.assert_array_equal(s["w"], np.full((2, 3), 8.0 * 11))
+
+
+def test_compile_counter_sees_new_signatures(state, compiles):
+    with compiles() as c:
+        jaxkv.push(state, "v", jnp.ones(4), updater=lambda k, p, st: st - p)
+    assert c.count >= 1
+
+
+def test_key_order_does_not_change_the_bits(state, devices):
+    rng = np.random.default_rng(0)
+    vals = {"w": [on(d, rng.standard_normal((2, 3))) for d in devices],
+            "v": [on(d, rng.standard_normal(4)) for d in devices]}
+    a = jaxkv.push(state, ["w", "v"], [vals["w"], vals["v"]], updater=add)
+    b = jaxkv.push(state, ["v", "w"], [vals["v"], vals["w"]], updater=add)
+    for k in ("w", "v"):
+        assert np.asarray(a[k]).tobytes() == np.asarray(b[k]).tobytes()
+
+
+# -- inside the user's transformations --------------------------------------------------------
+def test_inside_jit(state, compiles):
+    @jax.jit
+    def step(s, g):
+        s = jaxkv.push(s, {"v": g, "b": g.sum()}, updater=add)
+        return s, jaxkv.pull(s, "v")
+
+    s, v = step(state, jnp.ones(4))
+    np.testing.assert_array_equal(v, np.arange(4.0) + 1)
+    assert float(s["b"]) == 4.0
+    with compiles() as c:
+        s, v = step(s, jnp.ones(4))
+    assert c.count == 0
+    np.testing.assert_array_equal(v, np.arange(4.0) + 2)
+
+
+def test_inside_pmap_values_are_summed_once(state):
+    step = jax.pmap(lambda s, g: jaxkv.push(s, {"v": g}, updater=add, axis_name="i"),
+                    axis_name="i", in_axes=(None, 0), out_axes=None)
+    new = step(state, jnp.ones((8, 4)))
+    np.testing.assert_array_equal(new["v"], np.arange(4.0) + 8)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_inside_shard_map_gradients_are_not_summed_twice(state, devices, check_vma):
+    mesh = Mesh(np.array(devices), ("d",))
+
+    def body(s, x):
+        w = jaxkv.pull(s, "v")
+        g = jax.grad(lambda w: jnp.sum(x @ w))(w)  # replicated parameter, sharded data
+        return jaxkv.push(s, {"v": g, "b": jnp.sum(x)}, axis_name="d")
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=P(),
+                                 check_vma=check_vma))
+    x = jnp.ones((16, 4))
+    new = step(state, x)
+    np.testing.assert_array_equal(new["v"], np.full(4, 16.0))  # the full-batch gradient
+    assert float(new["b"]) == 64.0
+
+
+def test_axis_name_outside_a_mapped_context_is_refused(state):
+    with pytest.raises(jaxkv.KVStoreError, match="not bound"):
+        jax.jit(lambda s, g: jaxkv.push(s, "v", g, axis_name="nope"))(state, jnp.ones(4))
+
+
+def test_state_is_a_pytree_of_arrays(state):
+    new = jaxkv.push(state, "v", jnp.ones(4), updater=optax.sgd(0.1))
+    leaves = jax.tree_util.tree_leaves(new)
+    assert leaves and all(isinstance(x, jax.Array) for x in leaves)
+    doubled = jax.tree_util.tree_map(lambda x: x * 2, new)
+    assert isinstance(doubled, jaxkv.KVState) and doubled.keys() == new.keys()
+    with pytest.raises(AttributeError):
+        new.foo = 1
