@@ -41,8 +41,8 @@ def save(fname: str, state: KVState, *, values: bool) -> None:
                                 "keys": list(state.keys()), "arrays": []}
     arrays = {}
     for n, (key, part, path, leaf) in enumerate(_entries(state, values)):
-        host = np.ascontiguousarray(jax.device_get(leaf))
-        raw = host.view(np.uint8).reshape(-1) if host.size else np.zeros(0, np.uint8)
+        host = np.asarray(jax.device_get(leaf))
+        raw = np.frombuffer(host.tobytes(), np.uint8)
         arrays[f"a{n}"] = raw
         manifest["arrays"].append({"key": key, "part": part, "path": path,
                                    "shape": list(host.shape), "dtype": str(host.dtype),

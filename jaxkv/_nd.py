@@ -102,7 +102,7 @@ class NDArray:
         self._data.block_until_ready()
 
     def astype(self, dtype, copy: bool = True) -> NDArray:
-        return NDArray(self._data.astype(dtype))
+        return NDArray(self._data.astype(_dtype(dtype)))
 
     def copy(self) -> NDArray:
         return NDArray(jnp.copy(self._data))
@@ -230,9 +230,14 @@ def _check_kwargs(kwargs: dict) -> None:
         )
 
 
+def _dtype(dtype: Any) -> np.dtype:
+    """``dtype`` as JAX stores it: 64-bit types become 32-bit unless ``jax_enable_x64``."""
+    return jax.dtypes.canonicalize_dtype(np.dtype(dtype or _DEFAULT_DTYPE))
+
+
 def _fill(shape, value, ctx, dtype, kwargs) -> NDArray:
     _check_kwargs(dict(kwargs))
-    dtype = np.dtype(dtype or _DEFAULT_DTYPE)
+    dtype = _dtype(dtype)
     return NDArray(jnp.full(_shape(shape), value, dtype, device=_ctx(ctx).device))
 
 
@@ -264,10 +269,11 @@ def array(source, ctx: Context | None = None, dtype=None) -> NDArray:
     """
     if isinstance(source, NDArray | jax.Array):
         data = _unwrap(source)
-        dtype = dtype or data.dtype
+        dtype = _dtype(dtype or data.dtype)
     else:
-        data = np.asarray(source, dtype=dtype or _DEFAULT_DTYPE)
-    data = jnp.asarray(data, dtype=dtype or _DEFAULT_DTYPE)
+        dtype = _dtype(dtype)
+        data = np.asarray(source, dtype=dtype)
+    data = jnp.asarray(data, dtype=dtype)
     return NDArray(jax.device_put(data, _ctx(ctx).device, may_alias=False))
 
 
