@@ -104,6 +104,12 @@ class NDArray:
     def astype(self, dtype, copy: bool = True) -> NDArray:
         return NDArray(self._data.astype(_dtype(dtype)))
 
+    def reshape(self, *shape) -> NDArray:
+        """A new array with the same values in another shape (``a.reshape((2, 2))``)."""
+        if len(shape) == 1 and not isinstance(shape[0], numbers.Integral):
+            shape = tuple(shape[0])
+        return NDArray(self._data.reshape(shape))
+
     def copy(self) -> NDArray:
         return NDArray(jnp.copy(self._data))
 

@@ -490,16 +490,18 @@ def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = No
         raise ShapeError(f"key {key!r}: row_sparse_pull expects a value with rows, given a scalar")
     rows = value.shape[0]
     if _is_traced(row_ids) or _is_traced(value):
-        ids = jnp.asarray(row_ids).ravel()
+        ids = jnp.asarray(row_ids).ravel().astype(jnp.int32)
         mask = jnp.zeros(rows, bool).at[ids].set(True)
     else:
         ids = np.asarray(jax.device_get(row_ids) if isinstance(row_ids, jax.Array) else row_ids)
         ids = ids.ravel()
-        if ids.size and (not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0
-                         or ids.max() >= rows):
+        # MXNet's row ids are often float32 (mx.nd.array's default): whole numbers are fine.
+        if ids.size and (not np.issubdtype(ids.dtype, np.number) or np.any(ids != np.round(ids))
+                         or ids.min() < 0 or ids.max() >= rows):
             raise KVStoreError(
                 f"key {key!r}: row_ids expected integers in [0, {rows}), given {ids.tolist()}"
             )
+        ids = ids.astype(np.int64)
         mask = np.zeros(rows, bool)
         mask[ids] = True
         mask = jax.device_put(mask, state.sharding)
