@@ -28,3 +28,6 @@ format: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench.py

@@ -1,0 +1,412 @@
+"""jaxkv's benchmark: push from D devices then pull to D devices, beside its baselines.
+
+Workloads (8 simulated CPU devices):
+  resnet50  the 193 parameter tensors of ResNet-50 (25.6M float32)
+  small     1000 keys of 16x16 float32
+  in-jit    a data-parallel train step under pmap and under shard_map, through jaxkv.push/pull,
+            against the same step hand-written with lax.psum + optax
+
+Columns: jaxkv imperative (jaxkv.mx KVStore with nd outs, as in the MXNet tutorial), jaxkv
+functional (jaxkv.pushpull with per-device jax.Arrays), a naive per-key JAX loop, a
+single-threaded NumPy reduce-and-copy, the memory-bandwidth floor, and MXNet 1.9.1 (run with
+its own venv beside this one; "not run" where that venv is absent).
+
+Every time is the median of at least 7 timed steps after warm-up; ratios compare numbers from
+this run only. Writes benchmarks/results.md and benchmarks/results.png.
+
+Usage: python benchmarks/bench.py [--steps 7] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxkv  # noqa: E402
+import jaxkv.mx as mx  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHARED = os.path.join(HERE, "..", "..", "shared")
+MXNET_VENV = os.environ.get("MXNET_VENV", "/tmp/mxnet-1.9.1")
+D = 8
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def workload(name: str) -> list[tuple[int, ...]]:
+    if name == "resnet50":
+        with open(os.path.join(SHARED, "data", "resnet50_shapes.json")) as f:
+            return [tuple(s) for s in json.load(f)]
+    return [(16, 16)] * 1000
+
+
+def median_ms(step, steps: int) -> float:
+    step()
+    step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times) * 1e3)
+
+
+class CompileCounter:
+    """Counts XLA compilations (jax.log_compiles) while active."""
+
+    def __init__(self):
+        import logging
+
+        class _H(logging.Handler):
+            def __init__(self, outer):
+                super().__init__(logging.WARNING)
+                self.outer = outer
+
+            def emit(self, record):
+                if "Compiling" in record.getMessage():
+                    self.outer.count += 1
+
+        self.count = 0
+        self._handler = _H(self)
+        self._logger = logging.getLogger("jax")
+        self._ctx = None
+
+    def __enter__(self):
+        self._logger.addHandler(self._handler)
+        self._logger.propagate_old, self._logger.propagate = self._logger.propagate, False
+        self._ctx = jax.log_compiles(True)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+        self._logger.removeHandler(self._handler)
+        self._logger.propagate = self._logger.propagate_old
+
+
+# -- baselines ---------------------------------------------------------------------------------
+def copy_bandwidth() -> float:
+    """GB/s of a 2-thread copy of a 256 MB buffer, counting bytes read plus written."""
+    src = np.ones(256 * 2**20 // 4, np.float32)
+    dst = np.zeros_like(src)
+    halves = np.array_split(np.arange(src.size), 2)
+    bounds = [(h[0], h[-1] + 1) for h in halves]
+
+    def copy():
+        threads = [threading.Thread(target=np.copyto, args=(dst[a:b], src[a:b])) for a, b in bounds]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    ms = median_ms(copy, 7)
+    return 2 * src.nbytes / (ms / 1e3) / 1e9
+
+
+def numpy_reduce_copy(shapes, steps) -> float:
+    grads = [[np.ones(s, np.float32) for _ in range(D)] for s in shapes]
+    outs = [[np.zeros(s, np.float32) for _ in range(D)] for s in shapes]
+    stored = [np.zeros(s, np.float32) for s in shapes]
+
+    def step():
+        for g, o, s in zip(grads, outs, stored):
+            np.copyto(s, g[0])
+            for x in g[1:]:
+                np.add(s, x, out=s)
+            for y in o:
+                np.copyto(y, s)
+
+    return median_ms(step, steps)
+
+
+def naive_jax(shapes, steps) -> float:
+    devs = jax.devices()
+    grads = [[jax.device_put(jnp.ones(s), d) for d in devs] for s in shapes]
+    stored = [jnp.zeros(s, device=devs[0]) for s in shapes]
+
+    def step():
+        outs = []
+        for i, g in enumerate(grads):
+            acc = g[0]
+            for x in g[1:]:
+                acc = acc + jax.device_put(x, devs[0])
+            stored[i] = acc
+            outs.append([jax.device_put(acc, d) for d in devs])
+        jax.block_until_ready(outs)
+
+    return median_ms(step, steps)
+
+
+def mxnet(work: str) -> float | None:
+    python = os.path.join(MXNET_VENV, "bin", "python")
+    if not os.path.exists(os.path.join(MXNET_VENV, ".ok")):
+        return None
+    script = os.path.join(SHARED, "tools", "mxnet_baseline.py")
+    out = subprocess.run([python, script, f"{work}:{D}"], capture_output=True, text=True,
+                         check=True).stdout
+    for line in out.splitlines():
+        if line.startswith("mxnet "):
+            return float(line.split("median_ms=")[1])
+    return None
+
+
+# -- jaxkv -------------------------------------------------------------------------------------
+def jaxkv_imperative(shapes, steps, counter_box) -> float:
+    keys = list(range(len(shapes)))
+    kv = mx.kv.create("local")
+    kv.init(keys, [mx.nd.zeros(s) for s in shapes])
+    grads = [[mx.nd.ones(s, mx.cpu(d)) for d in range(D)] for s in shapes]
+    outs = [[mx.nd.zeros(s, mx.cpu(d)) for d in range(D)] for s in shapes]
+
+    def step():
+        kv.push(keys, grads)
+        kv.pull(keys, out=outs)
+        mx.nd.waitall()
+
+    step()
+    with CompileCounter() as c:
+        ms = median_ms(step, steps)
+    counter_box.append(c.count)
+    return ms
+
+
+def jaxkv_functional(shapes, steps, counter_box) -> float:
+    keys = list(range(len(shapes)))
+    devs = jax.devices()
+    state = jaxkv.init(jaxkv.empty(), keys, [jnp.zeros(s) for s in shapes])
+    grads = [[jax.device_put(jnp.ones(s), d) for d in devs] for s in shapes]
+    box = [state]
+
+    def step():
+        box[0], pulled = jaxkv.pushpull(box[0], keys, grads, devices=devs)
+        jax.block_until_ready(pulled)
+
+    step()
+    with CompileCounter() as c:
+        ms = median_ms(step, steps)
+    counter_box.append(c.count)
+    return ms
+
+
+def in_jit(steps) -> dict[str, float]:
+    """A data-parallel MLP train step: jaxkv.push inside pmap / shard_map vs lax.psum + optax."""
+    import functools
+
+    import optax
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    opt = optax.sgd(0.01, momentum=0.9)
+    key = jax.random.key(0)
+    sizes = [256, 1024, 1024, 256]
+    params = {}
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        key, sub = jax.random.split(key)
+        params[f"w{i}"] = jax.random.normal(sub, (a, b)) / np.sqrt(a)
+        params[f"b{i}"] = jnp.zeros(b)
+    x = jax.random.normal(key, (D * 64, sizes[0]))
+    y = jnp.roll(x, 1, axis=1)
+
+    def loss(p, x, y):
+        h = x
+        for i in range(len(sizes) - 1):
+            h = h @ p[f"w{i}"] + p[f"b{i}"]
+            h = jnp.tanh(h) if i < len(sizes) - 2 else h
+        return jnp.sum((h - y) ** 2) / x.shape[0] / D
+
+    results = {}
+
+    # pmap
+    @functools.partial(jax.pmap, axis_name="i", in_axes=(None, 0, 0), out_axes=None)
+    def kv_pmap(state, x, y):
+        p = {k: jaxkv.pull(state, k) for k in state.keys()}
+        return jaxkv.push(state, jax.grad(loss)(p, x, y), updater=opt, axis_name="i")
+
+    @functools.partial(jax.pmap, axis_name="i", in_axes=(None, None, 0, 0), out_axes=None)
+    def hand_pmap(p, s, x, y):
+        g = jax.lax.psum(jax.grad(loss)(p, x, y), "i")
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    xs, ys = x.reshape(D, -1, sizes[0]), y.reshape(D, -1, sizes[-1])
+    for label, ms in _in_jit_pair(kv_pmap, hand_pmap, params, opt, xs, ys, steps).items():
+        results[f"pmap {label}"] = ms
+
+    mesh = Mesh(jax.devices(), ("d",))
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=P())
+    def kv_smap(state, x, y):
+        p = dict(zip(state.keys(), jaxkv.pull(state, list(state.keys()))))
+        return jaxkv.push(state, jax.grad(loss)(p, x, y), updater=opt, axis_name="d")
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(), P("d"), P("d")),
+                       out_specs=(P(), P()))
+    def hand_smap(p, s, x, y):
+        g = jax.grad(loss)(p, x, y)  # shard_map already sums gradients of replicated params
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    for label, ms in _in_jit_pair(kv_smap, hand_smap, params, opt, x, y, steps).items():
+        results[f"shard_map {label}"] = ms
+    return results
+
+
+def _in_jit_pair(kv_step, hand_step, params, opt, x, y, steps):
+    state = jaxkv.init(jaxkv.empty(), params)
+    box = [kv_step(state, x, y)]  # the optimizer state appears after the first step
+
+    def kv():
+        box[0] = kv_step(box[0], x, y)
+        jax.block_until_ready(box[0])
+
+    hbox = [(params, opt.init(params))]
+
+    def hand():
+        hbox[0] = hand_step(*hbox[0], x, y)
+        jax.block_until_ready(hbox[0])
+
+    for _ in range(2):  # the second call sees the shardings of the first call's outputs
+        kv()
+        hand()
+    with CompileCounter() as c:
+        # Interleave so both see the same machine load.
+        t_kv, t_hand = [], []
+        for _ in range(3):
+            t_kv.append(median_ms(kv, steps))
+            t_hand.append(median_ms(hand, steps))
+    return {"jaxkv": min(t_kv), "hand-written": min(t_hand), "compiles": c.count}
+
+
+# -- report --------------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="skip the slow baselines")
+    args = parser.parse_args()
+    steps = max(args.steps, 7)
+
+    log(f"jaxkv benchmark on {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, {D} simulated CPU devices, JAX {jax.__version__}")
+    log("measuring copy bandwidth ...")
+    bw = copy_bandwidth()
+    log(f"  2-thread copy: {bw:.1f} GB/s")
+    rows = []
+    for work in ("resnet50", "small"):
+        shapes = workload(work)
+        nbytes = sum(int(np.prod(s)) for s in shapes) * 4
+        floor = (2 * D + 1) * nbytes / (bw * 1e9) * 1e3
+        row = {"workload": work, "MB": nbytes / 1e6, "floor": floor}
+        counts: list[int] = []
+        log(f"[{work}] jaxkv imperative ...")
+        row["imperative"] = jaxkv_imperative(shapes, steps, counts)
+        log(f"  {row['imperative']:.1f} ms")
+        log(f"[{work}] jaxkv functional ...")
+        row["functional"] = jaxkv_functional(shapes, steps, counts)
+        log(f"  {row['functional']:.1f} ms")
+        row["compiles"] = sum(counts)
+        if args.quick:
+            row["numpy"] = row["naive"] = None
+        else:
+            log(f"[{work}] numpy reduce-and-copy ...")
+            row["numpy"] = numpy_reduce_copy(shapes, steps)
+            log(f"  {row['numpy']:.1f} ms")
+            log(f"[{work}] naive JAX loop ...")
+            row["naive"] = naive_jax(shapes, steps)
+            log(f"  {row['naive']:.1f} ms")
+        log(f"[{work}] MXNet 1.9.1 ...")
+        row["mxnet"] = mxnet(work)
+        log(f"  {_fmt(row['mxnet'], ' ms')}")
+        rows.append(row)
+    log("[in-jit] train steps under pmap and shard_map ...")
+    jit_rows = in_jit(steps)
+    log(f"  {jit_rows}")
+    write_report(rows, jit_rows, bw)
+
+
+def _fmt(x, unit=""):
+    return "not run" if x is None else f"{x:.1f}{unit}"
+
+
+def _ratio(a, b):
+    return "—" if a is None or b is None else f"{a / b:.2f}x"
+
+
+def write_report(rows, jit_rows, bw) -> None:
+    machine = (f"{platform.machine()}, {os.cpu_count()} cores, {D} simulated CPU devices, "
+               f"JAX {jax.__version__}, copy bandwidth {bw:.1f} GB/s")
+    lines = [
+        "# jaxkv benchmark results",
+        "",
+        f"Machine: {machine}. Median of at least 7 steps after warm-up; push from {D} devices "
+        f"then pull to {D}.",
+        "",
+        "| workload | path | ms/step | GB/s | vs floor | vs NumPy | naive JAX / this | "
+        "MXNet / this | compiles |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        moved = (2 * D + 1) * r["MB"] / 1e3
+        for path in ("imperative", "functional"):
+            ms = r[path]
+            lines.append(
+                f"| {r['workload']} | jaxkv {path} | {ms:.1f} | {moved / (ms / 1e3):.1f} | "
+                f"{_ratio(ms, r['floor'])} | {_ratio(ms, r['numpy'])} | "
+                f"{_ratio(r['naive'], ms)} | {_ratio(r['mxnet'], ms)} | {r['compiles']} |"
+            )
+        lines.append(f"| {r['workload']} | bandwidth floor | {r['floor']:.1f} | {bw:.1f} | "
+                     "1.00x | | | | |")
+        lines.append(f"| {r['workload']} | NumPy 1-thread | {_fmt(r['numpy'])} | | | | | | |")
+        lines.append(f"| {r['workload']} | naive JAX | {_fmt(r['naive'])} | | | | | | |")
+        lines.append(f"| {r['workload']} | MXNet 1.9.1 | {_fmt(r['mxnet'])} | | | | | | |")
+    lines += ["", "| in-jit step | jaxkv ms | hand-written ms | overhead | compiles |",
+              "|---|---|---|---|---|"]
+    for kind in ("pmap", "shard_map"):
+        a, b = jit_rows[f"{kind} jaxkv"], jit_rows[f"{kind} hand-written"]
+        lines.append(f"| {kind} | {a:.2f} | {b:.2f} | {(a / b - 1) * 100:+.1f}% | "
+                     f"{jit_rows[f'{kind} compiles']} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(HERE, "results.md"), "w") as f:
+        f.write(text)
+    log("\n" + text)
+    plot(rows)
+
+
+def plot(rows) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 4))
+    for ax, r in zip(axes, rows):
+        names = ["jaxkv\nimperative", "jaxkv\nfunctional", "floor", "NumPy", "naive\nJAX",
+                 "MXNet"]
+        vals = [r["imperative"], r["functional"], r["floor"], r["numpy"], r["naive"], r["mxnet"]]
+        xs = [i for i, v in enumerate(vals) if v is not None]
+        ax.bar([names[i] for i in xs], [vals[i] for i in xs],
+               color=["C0", "C0", "C2", "C7", "C1", "C3"][: len(xs)])
+        ax.set_title(f"{r['workload']} ({r['MB']:.0f} MB), push+pull, D={D}")
+        ax.set_ylabel("ms per step (lower is better)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(HERE, "results.png"), dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
