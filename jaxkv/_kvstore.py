@@ -372,28 +372,18 @@ class KVStore:
         self._check_outs(pairs)
         keys = list(dict.fromkeys(k for k, _ in pairs))
         copies = dict(zip(keys, _ops.copies(_ops.pull(self._state, keys))))
-        shards = {}
         for k, outs in pairs:
+            value = copies[k]
+            shards = {s.device: s.data for s in value.addressable_shards}
             for o in outs:
-                device = _device_of(o)
-                if (k, device) not in shards:
-                    shards[k, device] = _shard_on(copies[k], device)
-                value = shards[k, device]
-                o._data = value if value.dtype == o.dtype else value.astype(o.dtype)
+                device = _ops.single_device(o._data)
+                x = shards.get(device)
+                if x is None:
+                    x = shards[device] = jax.device_put(value, device)
+                o._data = x if x.dtype == o.dtype else x.astype(o.dtype)
 
 
 def _holds_ndarrays(x: Any) -> bool:
     if isinstance(x, list | tuple):
         return bool(x) and all(_holds_ndarrays(v) for v in x)
     return isinstance(x, NDArray)
-
-
-def _device_of(o: NDArray) -> jax.Device:
-    return min(o._data.devices(), key=lambda d: d.id)
-
-
-def _shard_on(value: jax.Array, device: jax.Device) -> jax.Array:
-    for shard in value.addressable_shards:
-        if shard.device == device:
-            return shard.data
-    return jax.device_put(value, device)

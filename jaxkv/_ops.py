@@ -238,8 +238,9 @@ def _axis_sum(x: jax.Array, axis_name: Any) -> jax.Array:
     return jax.lax.psum(x, tuple(todo)) if todo else x
 
 
-def _single_device(x: jax.Array):
-    devices = x.devices()
+def single_device(x: jax.Array) -> jax.Device | None:
+    """The device ``x`` lives on, or ``None`` if it spans several."""
+    devices = x.sharding.device_set
     return next(iter(devices)) if len(devices) == 1 else None
 
 
@@ -257,14 +258,15 @@ def _layout(state: KVState, stored: jax.Array, xs: list[jax.Array]) -> tuple[str
     """
     if len(xs) == 1:
         return "one", jax.device_put(xs[0], state.sharding)
-    devices = [_single_device(x) for x in xs]
+    devices = [single_device(x) for x in xs]
     on_mesh = set(state.devices)
     if len(set(devices)) == len(devices) and all(d in on_mesh for d in devices):
         if len({x.dtype for x in xs}) > 1:
             xs = [x.astype(stored.dtype) for x in xs]
         shard_shape = stored.shape or (1,)  # scalars travel as shape (1,)
         dtype = xs[0].dtype
-        by_device = {d: x.reshape(shard_shape) for d, x in zip(devices, xs)}
+        by_device = {d: x if x.shape == shard_shape else x.reshape(shard_shape)
+                     for d, x in zip(devices, xs)}
         shards = [by_device.get(d) for d in state.devices]
         shards = [s if s is not None else _zeros(shard_shape, dtype, d)
                   for s, d in zip(shards, state.devices)]
