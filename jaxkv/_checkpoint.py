@@ -105,8 +105,11 @@ def load(fname: str, state: KVState, *, values: bool, optimizer: Any = None) -> 
         by_key[entry["key"]][entry["part"]].append((entry["path"], arr))
 
     if values:
-        base = KVState((), state.devices, (), ())
-        new_values = {k: jax.device_put(by_key[k]["value"][0][1], base.sharding) for k in keys}
+        base = KVState((), state.devices, (), (), state.bigarray_bound)
+        new_values = {}
+        for k in keys:
+            value = by_key[k]["value"][0][1]
+            new_values[k] = jax.device_put(value, base.sharding_for(value.shape))
         base = base.replace(values=new_values)
         templates = {}
         for k in keys:
@@ -135,6 +138,6 @@ def load(fname: str, state: KVState, *, values: bool, optimizer: Any = None) -> 
         if want != given:
             raise KVStoreError(f"{fname}: key {k!r}: optimizer state expected {want}, "
                                f"given {given}")
-        placed = [jax.device_put(a, base.sharding) for _, a in saved]
+        placed = [jax.device_put(a, base.sharding_for(a.shape)) for _, a in saved]
         opt_states[k] = jax.tree_util.tree_unflatten(treedef, placed)
     return base.replace(opt_states=opt_states)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import weakref
 from typing import Any
@@ -20,7 +21,7 @@ import optax
 from . import _checkpoint, _ops
 from ._errors import KVStoreError, ShapeError
 from ._nd import NDArray, _unwrap
-from ._state import KVState, empty
+from ._state import BIGARRAY_BOUND, KVState, empty
 
 __all__ = ["KVStore", "create"]
 
@@ -123,8 +124,11 @@ class KVStore:
             devices = jax.devices()
         self._type = name
         self._lock = threading.RLock()
-        self._state: KVState = empty(devices)
+        # MXNet's knob for which arrays are big enough to be split across devices.
+        bound = int(os.environ.get("MXNET_KVSTORE_BIGARRAY_BOUND", BIGARRAY_BOUND))
+        self._state: KVState = empty(devices, bigarray_bound=bound)
         self._updater: Any = None
+        self._wrappers: dict[int, tuple[Any, Any]] = {}  # id(updater) -> (updater, wrapper)
         # Arrays handed out through `state`: never donated while the store still holds them.
         self._shared: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -193,18 +197,23 @@ class KVStore:
         with self._lock:
             if out is None:
                 return self._values(key)
-            self._fill(_ops.pairs(key, out, "outs"), "pull")
+            pairs = _ops.pairs(key, out, "outs")
+            self._check_outs(pairs)
+            self._fill(pairs)
             return None
 
     def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0):
         """Push ``value`` then pull into ``out`` (or into ``value`` itself when ``out=None``)."""
         with self._lock:
+            pairs = None
+            if out is not None or _holds_ndarrays(value):
+                pairs = _ops.pairs(key, out if out is not None else value, "outs")
+                self._check_outs(pairs)  # before the push: a refused call changes nothing
             self._update(key, _unwrap_values(value))
-            target = out if out is not None else value
-            if _holds_ndarrays(target):
-                self._fill(_ops.pairs(key, target, "outs"), "pushpull")
-                return None
-            return self._values(key)
+            if pairs is None:
+                return self._values(key)
+            self._fill(pairs)
+            return None
 
     def broadcast(self, key: Any, value: Any, out: Any, priority: int = 0) -> None:
         """Initialise ``key`` with ``value``, then pull it into ``out``."""
@@ -213,10 +222,11 @@ class KVStore:
             before = self._state
             self.init(key, value)
             try:
-                self._fill(pairs, "broadcast")
+                self._check_outs(pairs)
             except KVStoreError:
                 self._state = before
                 raise
+            self._fill(pairs)
 
     def row_sparse_pull(self, key: Any, out: Any = None, priority: int = 0, row_ids: Any = None):
         """Pull only the rows ``row_ids`` (others zero) into ``out``, or return them."""
@@ -251,7 +261,11 @@ class KVStore:
     def set_updater(self, updater: Any) -> None:
         """Use ``updater(key, input, stored)`` on every push; pure or MXNet's in-place style."""
         with self._lock:
-            self._updater = _from_mxnet_updater(updater)
+            # The same updater set again reuses its wrapper, and so its compiled pushes.
+            known = self._wrappers.get(id(updater))
+            if known is None or known[0] is not updater:
+                known = self._wrappers[id(updater)] = (updater, _from_mxnet_updater(updater))
+            self._updater = known[1]
 
     _set_updater = set_updater
 
@@ -269,8 +283,7 @@ class KVStore:
     def _init_optimizer(self, state: KVState, keys: list) -> KVState:
         if not keys:
             return state
-        init = jax.jit(lambda vs: [self._updater.init(v) for v in vs],
-                       out_shardings=state.sharding)
+        init = jax.jit(lambda vs: _ops.place(state, [self._updater.init(v) for v in vs]))
         return state.replace(opt_states=dict(zip(keys, init([state[k] for k in keys]))))
 
     def set_gradient_compression(self, compression_params: dict) -> None:
@@ -348,7 +361,9 @@ class KVStore:
 
     def _values(self, key: Any):
         single = not isinstance(key, list | tuple)
-        values = _ops.copies(_ops.pull(self._state, [key] if single else list(key)))
+        values = _ops.replicated_copies(
+            _ops.pull(self._state, [key] if single else list(key)), self._state.sharding
+        )
         return values[0] if single else values
 
     def _check_outs(self, pairs) -> None:
@@ -367,11 +382,11 @@ class KVStore:
                         f"{tuple(stored.shape)}"
                     )
 
-    def _fill(self, pairs, what: str) -> None:
-        """Give each out the value of its key, on the out's own device."""
-        self._check_outs(pairs)
+    def _fill(self, pairs) -> None:
+        """Give each (checked) out the value of its key, on the out's own device."""
         keys = list(dict.fromkeys(k for k, _ in pairs))
-        copies = dict(zip(keys, _ops.copies(_ops.pull(self._state, keys))))
+        copies = _ops.replicated_copies(_ops.pull(self._state, keys), self._state.sharding)
+        copies = dict(zip(keys, copies))
         for k, outs in pairs:
             value = copies[k]
             shards = {s.device: s.data for s in value.addressable_shards}

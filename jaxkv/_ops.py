@@ -156,7 +156,8 @@ def init(state: KVState, keys: Any, values: Any = _MISSING) -> KVState:
         new[key] = _as_array(vs[0])
     eager = [k for k, x in new.items() if not _is_traced(x)]
     if eager:
-        placed = jax.device_put([new[k] for k in eager], state.sharding)
+        xs = [new[k] for k in eager]
+        placed = jax.device_put(xs, [state.sharding_for(x.shape) for x in xs])
         new.update(zip(eager, copies(placed)))
     return state.replace(values=new)
 
@@ -169,6 +170,19 @@ def copies(values: list[jax.Array]) -> list[jax.Array]:
     value that aliased a user's array (or another key's value) would break donation.
     """
     return [jnp.copy(v) for v in values]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def replicated_copies(values: list[jax.Array], sharding: NamedSharding) -> list[jax.Array]:
+    """Fresh buffers holding ``values``, replicated as ``sharding`` says (all-gathers shards)."""
+    return [jax.lax.with_sharding_constraint(jnp.copy(v), sharding) for v in values]
+
+
+def place(state: KVState, tree: Any) -> Any:
+    """Inside ``jit``: constrain every leaf of ``tree`` to where the store keeps such a leaf."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.lax.with_sharding_constraint(x, state.sharding_for(x.shape)), tree
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,10 +268,11 @@ def _layout(state: KVState, stored: jax.Array, xs: list[jax.Array]) -> tuple[str
 
     Returns ``('one', x)`` with ``x`` on the store's devices (no reduction needed), or
     ``('stacked', x)`` with the per-device values laid side by side along axis 0 of one array
-    sharded over the store's mesh (no copy), to be summed there with a ``psum``.
+    sharded over the store's mesh (no copy), to be summed there.
     """
+    target = state.sharding_for(stored.shape)
     if len(xs) == 1:
-        return "one", jax.device_put(xs[0], state.sharding)
+        return "one", jax.device_put(xs[0], target)
     devices = [single_device(x) for x in xs]
     on_mesh = set(state.devices)
     if len(set(devices)) == len(devices) and all(d in on_mesh for d in devices):
@@ -274,8 +289,33 @@ def _layout(state: KVState, stored: jax.Array, xs: list[jax.Array]) -> tuple[str
         sharding = NamedSharding(state.mesh, PartitionSpec(AXIS))
         return "stacked", jax.make_array_from_single_device_arrays(global_shape, sharding, shards)
     # Several values on one device, or off the store's devices: sum them in call order there.
-    placed = [jax.device_put(x.astype(stored.dtype), state.sharding) for x in xs]
+    placed = [jax.device_put(x.astype(stored.dtype), target) for x in xs]
     return "one", functools.reduce(operator.add, placed)
+
+
+def _sum_over_devices(blocks: list[jax.Array], sharded: list[bool]) -> list[jax.Array]:
+    """Inside ``shard_map``: sum each key's per-device block over the mesh axis.
+
+    Blocks of sharded keys are reduce-scattered (each device keeps its 1/D of the sum). The
+    others are summed with one ``psum`` per dtype over their concatenation: one collective
+    for many small arrays (tensor fusion), which is much faster than one per array.
+    """
+    out: list[Any] = [None] * len(blocks)
+    fused: dict[Any, list[int]] = {}
+    for i, (b, s) in enumerate(zip(blocks, sharded)):
+        if s:
+            out[i] = jax.lax.psum_scatter(b, AXIS, scatter_dimension=0, tiled=True)
+        else:
+            fused.setdefault(b.dtype, []).append(i)
+    for idx in fused.values():
+        if len(idx) == 1:
+            out[idx[0]] = jax.lax.psum(blocks[idx[0]], AXIS)
+            continue
+        flat = jax.lax.psum(jnp.concatenate([blocks[i].reshape(-1) for i in idx]), AXIS)
+        offsets = np.cumsum([0] + [blocks[i].size for i in idx])
+        for i, a, b in zip(idx, offsets[:-1], offsets[1:]):
+            out[i] = flat[a:b].reshape(blocks[i].shape)
+    return out
 
 
 class _PushCache:
@@ -285,13 +325,13 @@ class _PushCache:
         self._size = size
         self._fns: collections.OrderedDict = collections.OrderedDict()
 
-    def get(self, devices, keys, kinds, updater, donate) -> Callable:
-        sig = (devices, keys, kinds, id(updater), donate)
+    def get(self, state: KVState, keys, kinds, updater, donate) -> Callable:
+        sig = (state.devices, state.bigarray_bound, keys, kinds, id(updater), donate)
         entry = self._fns.get(sig)
         if entry is not None and entry[0] is updater:
             self._fns.move_to_end(sig)
             return entry[1]
-        fn = _build_push(_mesh(devices), keys, kinds, updater, donate)
+        fn = _build_push(state, keys, kinds, updater, donate)
         logger.debug("jaxkv: new push signature (%d keys, donate=%s)", len(keys), donate)
         self._fns[sig] = (updater, fn)  # holding updater keeps its id from being reused
         if len(self._fns) > self._size:
@@ -299,31 +339,31 @@ class _PushCache:
         return fn
 
 
-def _build_push(mesh, keys, kinds, updater, donate) -> Callable:
-    replicated = NamedSharding(mesh, PartitionSpec())
+def _build_push(state: KVState, keys, kinds, updater, donate) -> Callable:
+    """The jitted push for one signature. ``state`` supplies only static facts (mesh, bound)."""
     stacked = [i for i, kind in enumerate(kinds) if kind == "stacked"]
-    psum = jax.shard_map(
-        lambda xs: jax.lax.psum(xs, AXIS),
-        mesh=mesh,
-        in_specs=PartitionSpec(AXIS),
-        out_specs=PartitionSpec(),
-    )
 
     def run(stored, opt_states, pushed):
         inputs = {id(x) for x in pushed}
         pushed = [x.astype(s.dtype) for x, s in zip(pushed, stored)]
         inputs.update(id(x) for x in pushed)
         if stacked:
-            summed = psum([pushed[i] for i in stacked])
+            sharded = [state.is_sharded(stored[i].shape) for i in stacked]
+            summed = jax.shard_map(
+                functools.partial(_sum_over_devices, sharded=sharded),
+                mesh=state.mesh,
+                in_specs=PartitionSpec(AXIS),
+                out_specs=[PartitionSpec(AXIS) if s else PartitionSpec() for s in sharded],
+            )([pushed[i] for i in stacked])
             for i, x in zip(stacked, summed):
                 pushed[i] = x.reshape(stored[i].shape)
         results = [_apply(updater, *args) for args in zip(keys, pushed, stored, opt_states)]
         # A pushed array returned as is (assign) would be forwarded by jit, and the store would
         # share the caller's buffer; a later donating push would then delete the caller's array.
         values = [jnp.copy(v) if id(v) in inputs else v for v, _ in results]
-        return values, [o for _, o in results]
+        return place(state, values), place(state, [o for _, o in results])
 
-    return jax.jit(run, donate_argnums=(0, 1) if donate else (), out_shardings=replicated)
+    return jax.jit(run, donate_argnums=(0, 1) if donate else ())
 
 
 _PUSH_CACHE = _PushCache()
@@ -389,7 +429,7 @@ def push(
             "eager call (eagerly, a list of per-device values is already summed over devices)"
         )
     kinds, pushed = zip(*(_layout(state, s, xs) for s, xs in zip(stored, grouped.values())))
-    fn = _PUSH_CACHE.get(state.devices, tuple(grouped), kinds, updater, donate)
+    fn = _PUSH_CACHE.get(state, tuple(grouped), kinds, updater, donate)
     new_values, new_opts = fn(stored, opts, list(pushed))
     return state.replace(dict(zip(grouped, new_values)), dict(zip(grouped, new_opts)))
 
@@ -432,7 +472,8 @@ def pull(state: KVState, keys: Any, *, devices: Any = None) -> Any:
       keys: a key or a list of keys.
       devices: where to place the result: a device or context, or a list of them; each result
         is one ``jax.Array`` replicated on exactly those devices. ``None`` returns the stored
-        arrays themselves (replicated over the store's devices).
+        arrays themselves (replicated over the store's devices, or sharded across them for
+        values above the big-array bound).
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxkv
@@ -444,7 +485,7 @@ def pull(state: KVState, keys: Any, *, devices: Any = None) -> Any:
     values = [state[k] for k in ([keys] if single else keys)]
     if devices is not None:
         target = devices_of(devices)
-        if target != state.devices:
+        if target != state.devices or any(state.is_sharded(v.shape) for v in values):
             values = replicate(values, target)
     return values[0] if single else values
 
@@ -506,6 +547,6 @@ def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = No
         ids = ids.astype(np.int64)
         mask = np.zeros(rows, bool)
         mask[ids] = True
-        mask = jax.device_put(mask, state.sharding)
+        mask = jax.device_put(mask, state.sharding)  # replicated: it is small
     out = _keep_rows(value, mask)
     return out if devices is None else replicate([out], devices_of(devices))[0]

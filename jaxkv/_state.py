@@ -22,6 +22,9 @@ __all__ = ["AXIS", "KVState", "empty"]
 
 Key = int | str
 AXIS = "kv"  # The name of the store's one mesh axis.
+# Values with at least this many elements are stored sharded over the devices (MXNet's
+# MXNET_KVSTORE_BIGARRAY_BOUND plays the same role, with the same default).
+BIGARRAY_BOUND = 1_000_000
 
 
 @functools.lru_cache(maxsize=64)
@@ -46,9 +49,12 @@ def key_kind(key: Key) -> str:
 class KVState:
     """An immutable key-value store of arrays over a set of devices.
 
-    Leaves: one stored value per key (a ``jax.Array`` replicated over the store's devices, shape
-    and dtype fixed at ``init``), and one optimizer state pytree per key (``None`` until an optax
-    optimizer first updates that key). Aux data: the sorted key set and the devices.
+    Leaves: one stored value per key (a ``jax.Array`` over the store's devices, shape and dtype
+    fixed at ``init``), and one optimizer state pytree per key (``None`` until an optax
+    optimizer first updates that key). Aux data: the sorted key set, the devices and the big-array
+    bound. A value with at least ``bigarray_bound`` elements whose first dimension divides by the
+    number of devices is stored sharded along that dimension (each device holds 1/D of it, and of
+    its optimizer state); smaller values are replicated on every device.
 
     Make one with :func:`jaxkv.empty` and :func:`jaxkv.init`; every operation returns a new state.
 
@@ -61,7 +67,7 @@ class KVState:
       (3,)
     """
 
-    __slots__ = ("_keys", "_devices", "_values", "_opt_states", "_lookup")
+    __slots__ = ("_keys", "_devices", "_values", "_opt_states", "_bound", "_lookup")
 
     def __init__(
         self,
@@ -69,12 +75,14 @@ class KVState:
         devices: tuple[jax.Device, ...],
         values: Sequence[Any],
         opt_states: Sequence[Any],
+        bound: int = BIGARRAY_BOUND,
     ):
         # No validation here: pytree transformations rebuild states with arbitrary leaves.
         object.__setattr__(self, "_keys", keys)  # sorted, all int or all str
         object.__setattr__(self, "_devices", devices)
         object.__setattr__(self, "_values", tuple(values))  # aligned with _keys
         object.__setattr__(self, "_opt_states", tuple(opt_states))  # aligned with _keys
+        object.__setattr__(self, "_bound", bound)  # sharded storage from this many elements
         object.__setattr__(self, "_lookup", None)  # key -> position, built on first use
 
     def __setattr__(self, name, value):
@@ -86,16 +94,16 @@ class KVState:
             (jax.tree_util.GetAttrKey("values"), self._values),
             (jax.tree_util.GetAttrKey("opt_states"), self._opt_states),
         )
-        return children, (self._keys, self._devices)
+        return children, (self._keys, self._devices, self._bound)
 
     def tree_flatten(self):
-        return (self._values, self._opt_states), (self._keys, self._devices)
+        return (self._values, self._opt_states), (self._keys, self._devices, self._bound)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        keys, devices = aux
+        keys, devices, bound = aux
         values, opt_states = children
-        return cls(keys, devices, values, opt_states)
+        return cls(keys, devices, values, opt_states, bound)
 
     # -- read-only views -------------------------------------------------------------------
     def keys(self) -> tuple[Key, ...]:
@@ -114,8 +122,24 @@ class KVState:
 
     @property
     def sharding(self) -> NamedSharding:
-        """Where stored values live: replicated over :attr:`devices`."""
+        """Replicated over :attr:`devices`: where values below the big-array bound live."""
         return NamedSharding(self.mesh, PartitionSpec())
+
+    @property
+    def bigarray_bound(self) -> int:
+        """Values with at least this many elements are stored sharded (see the class doc)."""
+        return self._bound
+
+    def is_sharded(self, shape: tuple[int, ...]) -> bool:
+        """Whether a value (or optimizer-state leaf) of ``shape`` is stored sharded."""
+        n = len(self._devices)
+        return (n > 1 and len(shape) > 0 and shape[0] % n == 0
+                and int(np.prod(shape, dtype=np.int64)) >= self._bound)
+
+    def sharding_for(self, shape: tuple[int, ...]) -> NamedSharding:
+        """Where a stored array of ``shape`` lives: sharded along axis 0, or replicated."""
+        spec = PartitionSpec(AXIS) if self.is_sharded(tuple(shape)) else PartitionSpec()
+        return NamedSharding(self.mesh, spec)
 
     @property
     def values(self) -> Mapping[Key, Any]:
@@ -182,12 +206,17 @@ class KVState:
         old_o.update(opt_states or {})
         keys = tuple(sorted(old_v))
         return KVState(
-            keys, self._devices, [old_v[k] for k in keys], [old_o.get(k) for k in keys]
+            keys, self._devices, [old_v[k] for k in keys], [old_o.get(k) for k in keys],
+            self._bound,
         )
 
 
-def empty(devices: Iterable[Any] | None = None) -> KVState:
+def empty(devices: Iterable[Any] | None = None, *, bigarray_bound: int = BIGARRAY_BOUND
+          ) -> KVState:
     """An empty store over ``devices`` (JAX devices or contexts; default: all local devices).
+
+    Values with at least ``bigarray_bound`` elements (whose first dimension divides by the
+    number of devices) are stored sharded across the devices; smaller ones are replicated.
 
     Examples:
       >>> import jaxkv
@@ -204,4 +233,6 @@ def empty(devices: Iterable[Any] | None = None) -> KVState:
         raise KVStoreError(f"devices: expected a non-empty list of JAX devices, given {devices!r}")
     if len(set(devs)) != len(devs):
         raise KVStoreError(f"devices: expected distinct devices, given {list(devs)}")
-    return KVState((), devs, (), ())
+    if not isinstance(bigarray_bound, int) or bigarray_bound < 1:
+        raise KVStoreError(f"bigarray_bound: expected a positive int, given {bigarray_bound!r}")
+    return KVState((), devs, (), (), bigarray_bound)

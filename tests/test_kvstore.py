@@ -289,3 +289,25 @@ def test_load_refuses_corrupt_files_and_changes_nothing(kv, tmp_path):
         np.testing.assert_array_equal(v, before[k])
     with pytest.raises(jaxkv.KVStoreError, match="pickle"):
         kv.save_optimizer_states(str(path), dump_optimizer=True)
+
+
+def test_a_refused_pushpull_does_not_push(kv):
+    with pytest.raises(jaxkv.ShapeError):
+        kv.pushpull(5, nd.ones(SHAPE), out=nd.zeros((3, 2)))
+    with pytest.raises(jaxkv.KVStoreError, match="return value"):
+        kv.pushpull(5, nd.ones(SHAPE), out=jnp.zeros(SHAPE))
+    np.testing.assert_array_equal(kv.pull(5), np.zeros(SHAPE))
+
+
+def test_setting_the_same_updater_again_does_not_recompile(kv, compiles):
+    def update(key, inp, stored):
+        stored += inp
+
+    kv.set_updater(update)
+    kv.push(3, nd.ones(SHAPE))
+    with compiles() as c:
+        kv.set_updater(None)
+        kv.set_updater(update)
+        kv.push(3, nd.ones(SHAPE))
+    assert c.count == 0
+    np.testing.assert_array_equal(kv.pull(3), np.full(SHAPE, 4.0))

@@ -1,0 +1,105 @@
+"""Sharded storage: values above the big-array bound live 1/D per device, as do their optimizer
+states; push reduce-scatters, updaters see the whole (global) array, pull all-gathers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jaxkv
+from jaxkv import nd
+
+BIG, SMALL, ODD = (16, 4), (3,), (9, 8)  # with bound 16: sharded, replicated, replicated
+
+
+def device_bytes(x):
+    """Bytes per device, read from the addressable shards."""
+    per = {}
+    for s in x.addressable_shards:
+        per[s.device] = per.get(s.device, 0) + s.data.nbytes
+    return per
+
+
+@pytest.fixture
+def state():
+    return jaxkv.init(jaxkv.empty(bigarray_bound=16),
+                      {"big": jnp.arange(64.0).reshape(BIG), "small": jnp.zeros(SMALL),
+                       "odd": jnp.zeros(ODD)})
+
+
+def test_big_values_are_stored_one_eighth_per_device(state, devices):
+    big = state["big"]
+    assert set(device_bytes(big)) == set(devices)
+    assert all(b == big.nbytes // 8 for b in device_bytes(big).values())
+    for k in ("small", "odd"):  # below the bound, or not divisible by 8: replicated
+        assert all(b == state[k].nbytes for b in device_bytes(state[k]).values())
+    np.testing.assert_array_equal(state["big"], np.arange(64.0).reshape(BIG))
+
+
+def test_push_reduce_scatters_and_pull_all_gathers(state, devices):
+    rng = np.random.default_rng(0)
+    grads = [rng.integers(-4, 5, BIG).astype(np.float32) for _ in devices]
+    new = jaxkv.push(state, "big", [jax.device_put(g, d) for g, d in zip(grads, devices)],
+                     updater=lambda k, p, s: s + p)
+    expected = np.arange(64.0).reshape(BIG) + np.sum(grads, axis=0)
+    assert all(b == new["big"].nbytes // 8 for b in device_bytes(new["big"]).values())
+    np.testing.assert_array_equal(new["big"], expected)
+    pulled = jaxkv.pull(new, "big", devices=devices)
+    assert all(b == pulled.nbytes for b in device_bytes(pulled).values())
+    np.testing.assert_array_equal(pulled, expected)
+
+
+def test_non_elementwise_updaters_see_the_whole_array(state, devices):
+    def normalise(key, pushed, stored):  # a global norm: wrong if applied per shard
+        return stored + pushed / jnp.linalg.norm(pushed)
+
+    g = np.arange(64.0, dtype=np.float32).reshape(BIG)
+    new = jaxkv.push(state, "big", [jax.device_put(g, d) for d in devices[:3]],
+                     updater=normalise)
+    total = 3 * g
+    np.testing.assert_allclose(new["big"], np.arange(64.0).reshape(BIG)
+                               + total / np.linalg.norm(total), rtol=1e-6)
+
+
+def test_optimizer_state_is_sharded_too(state, devices):
+    opt = optax.adam(0.1)
+    new = jaxkv.push(state, ["big", "small"], [jnp.ones(BIG), jnp.ones(SMALL)], updater=opt)
+    mu = new.opt_states["big"][0].mu
+    assert all(b == mu.nbytes // 8 for b in device_bytes(mu).values())
+    small_mu = new.opt_states["small"][0].mu
+    assert all(b == small_mu.nbytes for b in device_bytes(small_mu).values())
+    p = jnp.arange(64.0).reshape(BIG)
+    upd, _ = opt.update(jnp.ones(BIG), opt.init(p), p)
+    np.testing.assert_allclose(new["big"], optax.apply_updates(p, upd), rtol=1e-6)
+
+
+def test_sharded_state_inside_shard_map(state, devices):
+    mesh = Mesh(np.array(devices), ("d",))
+
+    def body(s, x):
+        return jaxkv.push(s, "big", jnp.sum(x) * jnp.ones(BIG), axis_name="d")
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=P()))
+    new = step(state, jnp.ones((8, 2)))
+    np.testing.assert_array_equal(new["big"], np.full(BIG, 16.0))
+    again = jaxkv.push(new, "big", jnp.ones(BIG))  # back to eager: stored sharded again
+    assert all(b == again["big"].nbytes // 8 for b in device_bytes(again["big"]).values())
+
+
+def test_the_imperative_store_honours_mxnets_bound(monkeypatch):
+    monkeypatch.setenv("MXNET_KVSTORE_BIGARRAY_BOUND", "16")
+    kv = jaxkv.create("device")
+    kv.init(0, nd.ones(BIG))
+    kv.set_optimizer(optax.sgd(1.0, momentum=0.5))
+    kv.push(0, [nd.ones(BIG, jaxkv.cpu(i)) for i in range(8)])
+    stored = kv._state[0]
+    assert all(b == stored.nbytes // 8 for b in device_bytes(stored).values())
+    outs = [nd.zeros(BIG, jaxkv.cpu(i)) for i in range(8)]
+    kv.pull(0, out=outs)
+    for i, o in enumerate(outs):
+        assert o.context == jaxkv.cpu(i)
+        np.testing.assert_array_equal(o.asnumpy(), np.full(BIG, -7.0))
+    np.testing.assert_array_equal(kv.pull(0), np.full(BIG, -7.0))
