@@ -269,7 +269,8 @@ def in_jit(steps) -> dict[str, float]:
 
 
 def _in_jit_pair(kv_step, hand_step, params, opt, x, y, steps):
-    state = jaxkv.init(jaxkv.empty(), params)
+    # pmap takes a state with in_axes=None only if every leaf is replicated.
+    state = jaxkv.init(jaxkv.empty(bigarray_bound=None), params)
     box = [kv_step(state, x, y)]  # the optimizer state appears after the first step
 
     def kv():

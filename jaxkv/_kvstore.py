@@ -361,9 +361,7 @@ class KVStore:
 
     def _values(self, key: Any):
         single = not isinstance(key, list | tuple)
-        values = _ops.replicated_copies(
-            _ops.pull(self._state, [key] if single else list(key)), self._state.sharding
-        )
+        values = _ops.replicated_copies(self._state, [key] if single else list(key))
         return values[0] if single else values
 
     def _check_outs(self, pairs) -> None:
@@ -385,17 +383,21 @@ class KVStore:
     def _fill(self, pairs) -> None:
         """Give each (checked) out the value of its key, on the out's own device."""
         keys = list(dict.fromkeys(k for k, _ in pairs))
-        copies = _ops.replicated_copies(_ops.pull(self._state, keys), self._state.sharding)
-        copies = dict(zip(keys, copies))
+        copies = {k: _per_device(v)
+                  for k, v in zip(keys, _ops.replicated_copies(self._state, keys))}
+        position = {_ops.single_device(x): i for i, x in enumerate(copies[keys[0]])}
         for k, outs in pairs:
-            value = copies[k]
-            shards = {s.device: s.data for s in value.addressable_shards}
             for o in outs:
                 device = _ops.single_device(o._data)
-                x = shards.get(device)
-                if x is None:
-                    x = shards[device] = jax.device_put(value, device)
+                i = position.get(device)
+                x = copies[k][i] if i is not None else jax.device_put(copies[k][0], device)
                 o._data = x if x.dtype == o.dtype else x.astype(o.dtype)
+
+
+def _per_device(x: jax.Array) -> list[jax.Array]:
+    """The single-device arrays of a replicated ``x``, in its devices' order."""
+    arrays = getattr(x, "_arrays", None)  # fast; the public route below is ~10x slower
+    return list(arrays) if arrays is not None else [s.data for s in x.addressable_shards]
 
 
 def _holds_ndarrays(x: Any) -> bool:
