@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo lint format bench clean
+.PHONY: test demo lint format bench conformance clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,3 +31,8 @@ clean:
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench.py
+
+# Differential tests against real Apache MXNet 1.9.1, installed in its own venv.
+conformance: $(STAMP)
+	bash conformance/setup_mxnet.sh
+	$(BIN)/python conformance/harness.py --n 500

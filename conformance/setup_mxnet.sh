@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Makes (once) a venv with Apache MXNet 1.9.1 under ${MXNET_VENV:-/tmp/mxnet-1.9.1}, as
+# shared/tools/mxnet_baseline.sh does, and prints the path of its python.
+# MXNet 1.9.1 needs numpy < 1.24, so it cannot share jaxkv's venv.
+set -eu
+V=${MXNET_VENV:-/tmp/mxnet-1.9.1}
+if [ ! -f "$V/.ok" ]; then
+  echo "conformance: installing MXNet 1.9.1 into $V (once)" >&2
+  python3 -m venv "$V"
+  "$V/bin/pip" install -q "mxnet==1.9.1" "numpy<1.24"
+  touch "$V/.ok"
+fi
+echo "$V/bin/python"
