@@ -353,8 +353,9 @@ class KVStore:
     def _update(self, key: Any, values: Any) -> None:
         state = self._state
         pushed = {k for k, _ in _ops.pairs(key, values, "values")}
+        opt_states = state.opt_states
         leaves = jax.tree_util.tree_leaves(
-            [(state[k], state.opt_states[k]) for k in pushed if k in state]
+            [(state[k], opt_states[k]) for k in pushed if k in state]
         )
         donate = not any(id(leaf) in self._shared for leaf in leaves)
         self._state = _ops.push(state, key, values, updater=self._updater, donate=donate)
@@ -388,10 +389,10 @@ class KVStore:
         position = {_ops.single_device(x): i for i, x in enumerate(copies[keys[0]])}
         for k, outs in pairs:
             for o in outs:
-                device = _ops.single_device(o._data)
+                device = o._device()
                 i = position.get(device)
                 x = copies[k][i] if i is not None else jax.device_put(copies[k][0], device)
-                o._data = x if x.dtype == o.dtype else x.astype(o.dtype)
+                o._set(x if x.dtype == o.dtype else x.astype(o.dtype), device)
 
 
 def _per_device(x: jax.Array) -> list[jax.Array]:

@@ -44,11 +44,25 @@ class NDArray:
       0.0
     """
 
-    __slots__ = ("_data", "__weakref__")
+    __slots__ = ("_data", "_where", "__weakref__")
     __array_priority__ = 1000.0  # numpy defers to our reflected operators
 
     def __init__(self, data: jax.Array):
         self._data = data
+        self._where: tuple[Any, Any] = (None, None)  # (array, its device), see _device
+
+    def _device(self) -> jax.Device:
+        """The device of the held array; cached per array, since pulls ask for it each time."""
+        data, device = self._where
+        if data is not self._data:
+            device = min(self._data.devices(), key=lambda d: d.id)
+            self._where = (self._data, device)
+        return device
+
+    def _set(self, data: jax.Array, device: jax.Device) -> None:
+        """Hold ``data``, known to live on ``device``."""
+        self._data = data
+        self._where = (data, device)
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -70,7 +84,7 @@ class NDArray:
     @property
     def context(self) -> Context:
         """The context of the device this array lives on."""
-        return Context.from_device(min(self._data.devices(), key=lambda d: d.id))
+        return Context.from_device(self._device())
 
     ctx = context
 
