@@ -193,7 +193,7 @@ def jaxkv_functional(shapes, steps, counter_box) -> float:
     box = [state]
 
     def step():
-        box[0], pulled = jaxkv.pushpull(box[0], keys, grads, devices=devs)
+        box[0], pulled = jaxkv.pushpull(box[0], keys, grads, devices=devs, donate=True)
         jax.block_until_ready(pulled)
 
     step()

@@ -33,6 +33,16 @@ def _mesh(devices: tuple[jax.Device, ...]) -> Mesh:
     return Mesh(np.array(devices, dtype=object), (AXIS,))
 
 
+@functools.lru_cache(maxsize=128)
+def _sharding(devices: tuple[jax.Device, ...], sharded: bool) -> NamedSharding:
+    return NamedSharding(_mesh(devices), PartitionSpec(AXIS) if sharded else PartitionSpec())
+
+
+@functools.lru_cache(maxsize=64)
+def _positions(devices: tuple[jax.Device, ...]) -> dict[jax.Device, int]:
+    return {d: i for i, d in enumerate(devices)}
+
+
 def normalize_key(key: Any) -> Key:
     """``key`` as a plain ``int`` or ``str``; anything else is refused."""
     if isinstance(key, str):
@@ -122,6 +132,11 @@ class KVState:
         return _mesh(self._devices)
 
     @property
+    def positions(self) -> dict[jax.Device, int]:
+        """Each device's position in :attr:`devices`."""
+        return _positions(self._devices)
+
+    @property
     def sharding(self) -> NamedSharding:
         """Replicated over :attr:`devices`: where values below the big-array bound live."""
         return NamedSharding(self.mesh, PartitionSpec())
@@ -139,8 +154,7 @@ class KVState:
 
     def sharding_for(self, shape: tuple[int, ...]) -> NamedSharding:
         """Where a stored array of ``shape`` lives: sharded along axis 0, or replicated."""
-        spec = PartitionSpec(AXIS) if self.is_sharded(tuple(shape)) else PartitionSpec()
-        return NamedSharding(self.mesh, spec)
+        return _sharding(self._devices, self.is_sharded(tuple(shape)))
 
     @property
     def values(self) -> Mapping[Key, Any]:
