@@ -152,6 +152,14 @@ def naive_jax(shapes, steps) -> float:
     return median_ms(step, steps)
 
 
+def memory() -> dict:
+    """Steady-state peak RSS of the imperative ResNet-50 loop, in a process of its own."""
+    shapes = os.path.join(SHARED, "data", "resnet50_shapes.json")
+    out = subprocess.run([sys.executable, os.path.join(HERE, "memory.py"), shapes],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def mxnet(work: str) -> float | None:
     python = os.path.join(MXNET_VENV, "bin", "python")
     if not os.path.exists(os.path.join(MXNET_VENV, ".ok")):
@@ -338,7 +346,10 @@ def main() -> None:
     log("[in-jit] train steps under pmap and shard_map ...")
     jit_rows = in_jit(steps)
     log(f"  {jit_rows}")
-    write_report(rows, jit_rows, bw)
+    log("[memory] peak RSS of the imperative resnet50 loop ...")
+    mem = memory()
+    log(f"  {mem}")
+    write_report(rows, jit_rows, bw, mem)
 
 
 def _fmt(x, unit=""):
@@ -349,7 +360,7 @@ def _ratio(a, b):
     return "—" if a is None or b is None else f"{a / b:.2f}x"
 
 
-def write_report(rows, jit_rows, bw) -> None:
+def write_report(rows, jit_rows, bw, mem) -> None:
     machine = (f"{platform.machine()}, {os.cpu_count()} cores, {D} simulated CPU devices, "
                f"JAX {jax.__version__}, copy bandwidth {bw:.1f} GB/s")
     lines = [
@@ -382,6 +393,13 @@ def write_report(rows, jit_rows, bw) -> None:
         a, b = jit_rows[f"{kind} jaxkv"], jit_rows[f"{kind} hand-written"]
         lines.append(f"| {kind} | {a:.2f} | {b:.2f} | {(a / b - 1) * 100:+.1f}% | "
                      f"{jit_rows[f'{kind} compiles']} |")
+    used = mem["peak"] - mem["base"]
+    lines += ["", "| memory (imperative resnet50 loop) | MB |", "|---|---|",
+              f"| interpreter + JAX baseline | {mem['base'] / 1e6:.0f} |",
+              f"| steady-state peak above it | {used / 1e6:.0f} |",
+              f"| stored values + one set of gradients + one set of outs | "
+              f"{mem['data'] / 1e6:.0f} |",
+              f"| ratio | {used / mem['data']:.2f}x |"]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(HERE, "results.md"), "w") as f:
         f.write(text)

@@ -382,17 +382,44 @@ class KVStore:
                     )
 
     def _fill(self, pairs) -> None:
-        """Give each (checked) out the value of its key, on the out's own device."""
-        keys = list(dict.fromkeys(k for k, _ in pairs))
-        copies = {k: _per_device(v)
-                  for k, v in zip(keys, _ops.replicated_copies(self._state, keys))}
-        position = {_ops.single_device(x): i for i, x in enumerate(copies[keys[0]])}
+        """Give each (checked) out the value of its key, on the out's own device.
+
+        Replicated values are copied in one computation. Sharded values are all-gathered a
+        few at a time and handed out at once, so the outs' previous arrays are released as the
+        new ones arrive, and a pull never holds two full sets of outs.
+        """
+        state = self._state
+        outs_of: dict[Any, list[NDArray]] = {}
         for k, outs in pairs:
-            for o in outs:
-                device = o._device()
-                i = position.get(device)
-                x = copies[k][i] if i is not None else jax.device_put(copies[k][0], device)
-                o._set(x if x.dtype == o.dtype else x.astype(o.dtype), device)
+            outs_of.setdefault(k, []).extend(outs)
+        small = [k for k in outs_of if not state.is_sharded(state[k].shape)]
+        big = [k for k in outs_of if state.is_sharded(state[k].shape)]
+        position: dict[Any, int] = {}
+
+        def hand_out(keys, values):
+            for key, value in zip(keys, values):
+                arrays = _per_device(value)
+                if not position:
+                    position.update({_ops.single_device(x): i for i, x in enumerate(arrays)})
+                for o in outs_of[key]:
+                    device = o._device()
+                    i = position.get(device)
+                    x = arrays[i] if i is not None else jax.device_put(arrays[0], device)
+                    o._set(x if x.dtype == o.dtype else x.astype(o.dtype), device)
+
+        if small:
+            hand_out(small, _ops.copies([state[k] for k in small]))
+        chunk, size = [], 0
+        for i, key in enumerate(big):
+            chunk.append(key)
+            size += state[key].nbytes * len(state.devices)
+            if size >= _GATHER_CHUNK_BYTES or i == len(big) - 1:
+                hand_out(chunk, jax.device_put([state[k] for k in chunk], state.sharding))
+                chunk, size = [], 0
+
+
+# How many bytes of sharded values a pull all-gathers before handing them out.
+_GATHER_CHUNK_BYTES = 64 << 20
 
 
 def _per_device(x: jax.Array) -> list[jax.Array]:
