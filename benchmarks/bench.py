@@ -413,16 +413,16 @@ def plot(rows) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 4))
+    fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4))
+    series = [("jaxkv\nimper.", "imperative", "C0"), ("jaxkv\nfunct.", "functional", "C9"),
+              ("floor", "floor", "C2"), ("NumPy", "numpy", "C7"), ("naive\nJAX", "naive", "C1"),
+              ("MXNet\n1.9.1", "mxnet", "C3")]
     for ax, r in zip(axes, rows):
-        names = ["jaxkv\nimperative", "jaxkv\nfunctional", "floor", "NumPy", "naive\nJAX",
-                 "MXNet"]
-        vals = [r["imperative"], r["functional"], r["floor"], r["numpy"], r["naive"], r["mxnet"]]
-        xs = [i for i, v in enumerate(vals) if v is not None]
-        ax.bar([names[i] for i in xs], [vals[i] for i in xs],
-               color=["C0", "C0", "C2", "C7", "C1", "C3"][: len(xs)])
-        ax.set_title(f"{r['workload']} ({r['MB']:.0f} MB), push+pull, D={D}")
-        ax.set_ylabel("ms per step (lower is better)")
+        shown = [(name, r[field], color) for name, field, color in series if r[field] is not None]
+        ax.bar([s[0] for s in shown], [s[1] for s in shown], color=[s[2] for s in shown])
+        ax.set_yscale("log")
+        ax.set_title(f"{r['workload']} ({r['MB']:.0f} MB): push from {D} devices, pull to {D}")
+        ax.set_ylabel("ms per step (log scale, lower is better)")
     fig.tight_layout()
     fig.savefig(os.path.join(HERE, "results.png"), dpi=100)
 
