@@ -408,13 +408,13 @@ class KVStore:
                     o._set(x if x.dtype == o.dtype else x.astype(o.dtype), device)
 
         if small:
-            hand_out(small, _ops.copies([state[k] for k in small]))
+            hand_out(small, _ops.replicated_copies(state, small))
         chunk, size = [], 0
         for i, key in enumerate(big):
             chunk.append(key)
             size += state[key].nbytes * len(state.devices)
             if size >= _GATHER_CHUNK_BYTES or i == len(big) - 1:
-                hand_out(chunk, jax.device_put([state[k] for k in chunk], state.sharding))
+                hand_out(chunk, _ops.replicated_copies(state, chunk))
                 chunk, size = [], 0
 
 
