@@ -180,8 +180,8 @@ class KVStore:
         with self._lock:
             state = _ops.init(self._state, key, _unwrap_values(value))
             if isinstance(self._updater, optax.GradientTransformation):
-                state = self._init_optimizer(state, [k for k in state.keys()
-                                                     if k not in self._state])
+                fresh = [k for k in state.keys() if k not in self._state]
+                state = _ops.init_opt_states(state, self._updater, fresh)
             self._state = state
 
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
@@ -278,13 +278,7 @@ class KVStore:
             )
         with self._lock:
             self._updater = optimizer
-            self._state = self._init_optimizer(self._state, list(self._state.keys()))
-
-    def _init_optimizer(self, state: KVState, keys: list) -> KVState:
-        if not keys:
-            return state
-        init = jax.jit(lambda vs: _ops.place(state, [self._updater.init(v) for v in vs]))
-        return state.replace(opt_states=dict(zip(keys, init([state[k] for k in keys]))))
+            self._state = _ops.init_opt_states(self._state, optimizer, self.keys())
 
     def set_gradient_compression(self, compression_params: dict) -> None:
         """Gradient compression: not available in this version; refused with the reason."""

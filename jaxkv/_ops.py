@@ -192,6 +192,24 @@ def replicated_copies(state: KVState, keys: Sequence[Key]) -> list[jax.Array]:
     return out
 
 
+def init_opt_states(state: KVState, optimizer: Any, keys: Sequence[Key]) -> KVState:
+    """``state`` with fresh optimizer states for ``keys`` (one compiled computation).
+
+    Done before the first optimizer push, so that the push computation sees the same state
+    structure from its first call on and never compiles a second time.
+    """
+    if not keys:
+        return state
+    init = _opt_initialiser(optimizer, state.devices, state.bigarray_bound)
+    return state.replace(opt_states=dict(zip(keys, init([state[k] for k in keys]))))
+
+
+@functools.lru_cache(maxsize=64)
+def _opt_initialiser(optimizer: Any, devices: tuple, bound: int | None) -> Callable:
+    layout = KVState((), devices, (), (), bound)  # only its placement rules are used
+    return jax.jit(lambda vs: place(layout, [optimizer.init(v) for v in vs]))
+
+
 def place(state: KVState, tree: Any) -> Any:
     """Inside ``jit``: constrain every leaf of ``tree`` to where the store keeps such a leaf."""
     return jax.tree_util.tree_map(
@@ -486,6 +504,12 @@ def push(
       [2.0, 2.0]
     """
     grouped = _group(state, keys, values)
+    if isinstance(updater, optax.GradientTransformation):
+        opt_states = state.opt_states
+        fresh = [k for k in grouped if opt_states[k] is None]
+        eager = not any(_is_traced(x) for k in fresh for x in (state[k], *grouped[k]))
+        if fresh and eager:
+            state = init_opt_states(state, updater, fresh)
     index = [state.index(k) for k in grouped]
     stored = [state._values[i] for i in index]
     opts = [state._opt_states[i] for i in index]

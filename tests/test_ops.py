@@ -282,3 +282,14 @@ def test_state_is_a_pytree_of_arrays(state):
     assert isinstance(doubled, jaxkv.KVState) and doubled.keys() == new.keys()
     with pytest.raises(AttributeError):
         new.foo = 1
+
+
+def test_an_optimizer_push_compiles_once(state, devices, compiles):
+    opt = optax.adam(0.01)  # a fresh optimizer: nothing of it compiled yet
+    grads = [on(d, np.ones(4)) for d in devices]
+    s = jaxkv.push(state, "v", grads, updater=opt)  # initialises the optimizer state first
+    with compiles() as c:
+        for _ in range(3):
+            s = jaxkv.push(s, "v", grads, updater=opt)
+        jax.block_until_ready(s["v"])
+    assert c.count == 0
