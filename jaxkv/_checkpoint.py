@@ -1,7 +1,8 @@
 """Saving and loading a store: one ``.npz`` file, written atomically, checked on load, no pickle.
 
-Layout: ``manifest`` (UTF-8 JSON as ``uint8``) lists every array with its key, part (``value``
-or ``opt``), tree path, shape, dtype and SHA-256; ``a0``, ``a1``, ... hold the raw bytes.
+Layout: ``manifest`` (UTF-8 JSON as ``uint8``) lists every array with its key, part (``value``,
+``opt`` or ``residual``), tree path, shape, dtype and SHA-256, and the store's compression;
+``a0``, ``a1``, ... hold the raw bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax
 import numpy as np
 
 from ._errors import KVStoreError
+from ._ops import residual_layout
 from ._state import KVState
 
 __all__ = ["load", "save"]
@@ -33,12 +35,15 @@ def _entries(state: KVState, values: bool):
         leaves = jax.tree_util.tree_flatten_with_path(state.opt_states[key])[0]
         for path, leaf in leaves:
             yield key, "opt", jax.tree_util.keystr(path), leaf
+        if values and state.residuals[key] is not None:
+            yield key, "residual", "", state.residuals[key]
 
 
 def save(fname: str, state: KVState, *, values: bool) -> None:
     """Write ``state`` (values and/or optimizer states) to ``fname`` atomically."""
     manifest: dict[str, Any] = {"format": _FORMAT, "version": _VERSION, "values": values,
-                                "keys": list(state.keys()), "arrays": []}
+                                "keys": list(state.keys()), "arrays": [],
+                                "compression": list(state.compression or []) or None}
     arrays = {}
     for n, (key, part, path, leaf) in enumerate(_entries(state, values)):
         host = np.asarray(jax.device_get(leaf))
@@ -100,17 +105,28 @@ def load(fname: str, state: KVState, *, values: bool, optimizer: Any = None) -> 
         want = "a whole-store file (save)" if values else "an optimizer-state file"
         raise KVStoreError(f"{fname}: expected {want}, given the other kind")
     keys = manifest["keys"]
-    by_key: dict[Any, dict[str, list]] = {k: {"value": [], "opt": []} for k in keys}
+    by_key: dict[Any, dict[str, list]] = {k: {"value": [], "opt": [], "residual": []}
+                                          for k in keys}
     for entry, arr in zip(manifest["arrays"], arrays):
         by_key[entry["key"]][entry["part"]].append((entry["path"], arr))
 
     if values:
-        base = KVState((), state.devices, (), (), state.bigarray_bound)
-        new_values = {}
+        compression = manifest.get("compression")
+        base = KVState((), state.devices, (), (), state.bigarray_bound, (),
+                       tuple(compression) if compression else None)
+        new_values, residuals = {}, {}
         for k in keys:
             value = by_key[k]["value"][0][1]
             new_values[k] = jax.device_put(value, base.sharding_for(value.shape))
-        base = base.replace(values=new_values)
+            for _, r in by_key[k]["residual"]:
+                expected, sharding = residual_layout(base, value.shape)
+                if r.shape != expected:
+                    raise KVStoreError(
+                        f"{fname}: key {k!r}: residual expected shape {expected} (one block per "
+                        f"device of this store), given {r.shape}"
+                    )
+                residuals[k] = jax.device_put(r, sharding)
+        base = base.replace(values=new_values, residuals=residuals)
         templates = {}
         for k in keys:
             if by_key[k]["opt"]:

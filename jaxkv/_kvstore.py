@@ -281,11 +281,20 @@ class KVStore:
             self._state = _ops.init_opt_states(self._state, optimizer, self.keys())
 
     def set_gradient_compression(self, compression_params: dict) -> None:
-        """Gradient compression: not available in this version; refused with the reason."""
-        raise KVStoreError(
-            f"set_gradient_compression({compression_params!r}): expected a store without "
-            "compression; gradient compression is not implemented in this version of jaxkv"
-        )
+        """Compress each device's pushed values before they are summed, as MXNet does.
+
+        ``{'type': '2bit', 'threshold': t}`` (t > 0, default 0.5): each device keeps an
+        error-feedback residual per key and sends only ``+t``, ``-t`` or 0 per element.
+        ``{'type': 'fp16'}`` / ``{'type': 'bf16'}`` (beyond MXNet): values are rounded to that
+        type. As in MXNet, only ``device`` and ``dist`` store types compress.
+        """
+        if "device" not in self._type and "dist" not in self._type:
+            raise KVStoreError(
+                f"gradient compression {compression_params!r}: expected a 'device' or 'dist' "
+                f"store type (as MXNet), given {self._type!r}"
+            )
+        with self._lock:
+            self._state = _ops.set_compression(self._state, compression_params)
 
     def is_capable(self, capability: str) -> bool:
         """Whether the store supports ``capability`` (MXNet knows ``'optimizer'``)."""

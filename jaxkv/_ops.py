@@ -27,9 +27,18 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ._errors import DuplicateKeyError, KeyTypeError, KVStoreError, ShapeError
-from ._state import AXIS, BIGARRAY_BOUND, Key, KVState, _mesh, key_kind, normalize_key
+from ._state import (
+    AXIS,
+    BIGARRAY_BOUND,
+    Key,
+    KVState,
+    _mesh,
+    compression_config,
+    key_kind,
+    normalize_key,
+)
 
-__all__ = ["Updater", "init", "pull", "push", "pushpull", "row_sparse_pull"]
+__all__ = ["Updater", "init", "pull", "push", "pushpull", "row_sparse_pull", "set_compression"]
 
 logger = logging.getLogger("jaxkv")
 _MISSING = object()
@@ -159,7 +168,27 @@ def init(state: KVState, keys: Any, values: Any = _MISSING) -> KVState:
         xs = [new[k] for k in eager]
         placed = jax.device_put(xs, [state.sharding_for(x.shape) for x in xs])
         new.update(zip(eager, copies(placed)))
-    return state.replace(values=new)
+    residuals = {}
+    if state.compression is not None and state.compression[0] == "2bit":
+        if len(eager) < len(new):
+            raise KVStoreError(f"keys {list(new)}: a store with gradient compression expects "
+                               "eager values, given traced ones")
+        residuals = {k: residual_zeros(state, x) for k, x in new.items()}
+    return state.replace(values=new, residuals=residuals)
+
+
+def set_compression(state: KVState, params: Mapping[str, Any] | None) -> KVState:
+    """``state`` with MXNet-style gradient compression set (or removed with ``None``).
+
+    ``{'type': '2bit', 'threshold': t}`` starts every key's residual at zero.
+    """
+    config = compression_config(params)
+    with_config = state.replace(compression=config,
+                                residuals={k: None for k in state.keys()})
+    if config is None or config[0] != "2bit":
+        return with_config
+    return with_config.replace(residuals={k: residual_zeros(state, state[k])
+                                          for k in state.keys()})
 
 
 @jax.jit
@@ -421,7 +450,8 @@ class _PushCache:
         self._fns: collections.OrderedDict = collections.OrderedDict()
 
     def get(self, state: KVState, keys, kinds, updater, donate) -> Callable:
-        sig = (state.devices, state.bigarray_bound, keys, kinds, id(updater), donate)
+        sig = (state.devices, state.bigarray_bound, state.compression, keys, kinds, id(updater),
+               donate)
         entry = self._fns.get(sig)
         if entry is not None and entry[0] is updater:
             self._fns.move_to_end(sig)
@@ -435,13 +465,26 @@ class _PushCache:
 
 
 def _build_push(state: KVState, keys, kinds, updater, donate) -> Callable:
-    """The jitted push for one signature. ``state`` supplies only static facts (mesh, bound)."""
-    stacked = [i for i, kind in enumerate(kinds) if kind == "stacked"]
+    """The jitted push for one signature. ``state`` supplies only static facts (mesh, bound,
+    compression)."""
+    compressed = [i for i, kind in enumerate(kinds) if kind[0] == "compressed"]
+    stacked = [i for i, kind in enumerate(kinds) if kind != "one"]
 
-    def run(stored, opt_states, pushed):
+    def run(stored, opt_states, residuals, pushed):
         inputs = {id(x) for x in pushed}
         pushed = [x.astype(s.dtype) for x, s in zip(pushed, stored)]
         inputs.update(id(x) for x in pushed)
+        residuals = list(residuals)
+        if compressed:
+            quantized, kept = jax.shard_map(
+                functools.partial(_compress, state.compression,
+                                  [kinds[i][1] for i in compressed]),
+                mesh=state.mesh,
+                in_specs=PartitionSpec(AXIS),
+                out_specs=PartitionSpec(AXIS),
+            )([pushed[i] for i in compressed], [residuals[i] for i in compressed])
+            for i, q, r in zip(compressed, quantized, kept):
+                pushed[i], residuals[i] = q, r
         if stacked:
             scatter = [_scatters(state, stored[i].shape) for i in stacked]
             summed = jax.shard_map(
@@ -456,9 +499,76 @@ def _build_push(state: KVState, keys, kinds, updater, donate) -> Callable:
         # A pushed array returned as is (assign) would be forwarded by jit, and the store would
         # share the caller's buffer; a later donating push would then delete the caller's array.
         values = [jnp.copy(v) if id(v) in inputs else v for v, _ in results]
-        return place(state, values), place(state, [o for _, o in results])
+        return place(state, values), place(state, [o for _, o in results]), residuals
 
-    return jax.jit(run, donate_argnums=(0, 1) if donate else ())
+    return jax.jit(run, donate_argnums=(0, 1, 2) if donate else ())
+
+
+def _compress(config: tuple, masks: list[tuple[bool, ...]], blocks, residuals):
+    """Inside ``shard_map``: each device compresses its own block before the sum, as MXNet does.
+
+    ``('2bit', t)``: error feedback. The device adds its block to its residual, sends ``+t``
+    where that reaches ``t``, ``-t`` where it reaches ``-t``, else 0, and keeps the rest as its
+    new residual. ``('fp16',)`` / ``('bf16',)``: the block is rounded to that type. ``masks``
+    say which devices pushed a value for the key; the others send 0 and keep their residual.
+    """
+    me = jax.lax.axis_index(AXIS)
+    quantized, kept = [], []
+    for block, residual, mask in zip(blocks, residuals, masks):
+        present = jnp.asarray(mask)[me]
+        if config[0] == "2bit":
+            t = jnp.asarray(config[1], block.dtype)
+            acc = residual + block
+            q = jnp.where(acc >= t, t, jnp.where(acc <= -t, -t, jnp.zeros_like(t)))
+            q = jnp.where(present, q, jnp.zeros_like(q))
+            kept.append(jnp.where(present, acc - q, residual))
+        else:
+            low = jnp.float16 if config[0] == "fp16" else jnp.bfloat16
+            q = block.astype(low).astype(block.dtype)
+            kept.append(residual)
+        quantized.append(q)
+    return quantized, kept
+
+
+def _layout_compressed(state: KVState, key: Key, stored: jax.Array, xs: list[jax.Array]):
+    """Like :func:`_layout` for a compressed store: always one block per device (devices that
+    pushed nothing get zeros), plus the static mask of devices that pushed."""
+    positions = state.positions
+    by_position: dict[int, list[jax.Array]] = {}
+    for x in xs:
+        device = single_device(x)
+        if device not in positions:
+            raise KVStoreError(
+                f"key {key!r}: a compressed push expects each value on one of the store's "
+                f"devices {list(state.devices)}, given one on {sorted(x.devices(), key=str)}"
+            )
+        by_position.setdefault(positions[device], []).append(x)
+    shard_shape = stored.shape or (1,)
+    shards, mask = [], []
+    for p, device in enumerate(state.devices):
+        parts = by_position.get(p)
+        mask.append(parts is not None)
+        if parts is None:
+            shards.append(_zeros(shard_shape, stored.dtype, device))
+            continue
+        x = functools.reduce(operator.add, parts)  # several values on one device: their sum
+        x = x if x.dtype == stored.dtype else x.astype(stored.dtype)
+        shards.append(x if x.shape == shard_shape else x.reshape(shard_shape))
+    global_shape = (shard_shape[0] * len(shards), *shard_shape[1:])
+    array = _assemble(global_shape, _stacked_sharding(state.devices), shards)
+    return ("compressed", tuple(mask)), array
+
+
+def residual_layout(state: KVState, shape: tuple[int, ...]) -> tuple[tuple, NamedSharding]:
+    """Shape and sharding of the residual of a value of ``shape``: one block per device."""
+    block = tuple(shape) or (1,)
+    return (block[0] * len(state.devices), *block[1:]), _stacked_sharding(state.devices)
+
+
+def residual_zeros(state: KVState, stored: jax.Array) -> jax.Array:
+    """A zero residual for a value like ``stored``."""
+    shape, sharding = residual_layout(state, stored.shape)
+    return jnp.zeros(shape, stored.dtype, device=sharding)
 
 
 _PUSH_CACHE = _PushCache()
@@ -517,6 +627,12 @@ def push(
         _is_traced(x) for x in jax.tree_util.tree_leaves((stored, opts))
     )
     if traced:
+        if state.compression is not None:
+            raise KVStoreError(
+                f"keys {list(grouped)}: a store with gradient compression {state.compression} "
+                "expects eager pushes, given traced values (inside jit, compress with the "
+                "caller's own code)"
+            )
         new_v, new_o = {}, {}
         for (key, xs), s, o in zip(grouped.items(), stored, opts):
             total = functools.reduce(operator.add, [x.astype(s.dtype) for x in xs])
@@ -529,10 +645,17 @@ def push(
             f"axis_name={axis_name!r}: expected to be called inside pmap or shard_map, given an "
             "eager call (eagerly, a list of per-device values is already summed over devices)"
         )
-    kinds, pushed = zip(*(_layout(state, s, xs) for s, xs in zip(stored, grouped.values())))
+    if state.compression is None:
+        layouts = [_layout(state, s, xs) for s, xs in zip(stored, grouped.values())]
+    else:
+        layouts = [_layout_compressed(state, k, s, xs)
+                   for (k, xs), s in zip(grouped.items(), stored)]
+    kinds, pushed = zip(*layouts)
+    residuals = [state._residuals[i] for i in index]
     fn = _PUSH_CACHE.get(state, tuple(grouped), kinds, updater, donate)
-    new_values, new_opts = fn(stored, opts, list(pushed))
-    return state.replace(dict(zip(grouped, new_values)), dict(zip(grouped, new_opts)))
+    new_values, new_opts, new_residuals = fn(stored, opts, residuals, list(pushed))
+    return state.replace(dict(zip(grouped, new_values)), dict(zip(grouped, new_opts)),
+                         dict(zip(grouped, new_residuals)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ AXIS = "kv"  # The name of the store's one mesh axis.
 # MXNET_KVSTORE_BIGARRAY_BOUND plays the same role (default 1e6); measured on 8 CPU devices,
 # sharding from 16K elements up made push + pull of ResNet-50's parameters fastest.
 BIGARRAY_BOUND = 1 << 14
+_KEEP = object()
 
 
 @functools.lru_cache(maxsize=64)
@@ -61,11 +62,13 @@ class KVState:
     """An immutable key-value store of arrays over a set of devices.
 
     Leaves: one stored value per key (a ``jax.Array`` over the store's devices, shape and dtype
-    fixed at ``init``), and one optimizer state pytree per key (``None`` until an optax
-    optimizer first updates that key). Aux data: the sorted key set, the devices and the big-array
-    bound. A value with at least ``bigarray_bound`` elements whose first dimension divides by the
-    number of devices is stored sharded along that dimension (each device holds 1/D of it, and of
-    its optimizer state); smaller values are replicated on every device.
+    fixed at ``init``), one optimizer state pytree per key (``None`` until an optax optimizer
+    first updates that key), and, under 2-bit gradient compression, one error-feedback residual
+    per key (shape ``(D * n, ...)`` for a value of shape ``(n, ...)``: each device's residual in
+    its own block). Aux data: the sorted key set, the devices, the big-array bound and the
+    compression. A value with at least ``bigarray_bound`` elements whose first dimension divides
+    by the number of devices is stored sharded along that dimension (each device holds 1/D of
+    it, and of its optimizer state); smaller values are replicated on every device.
 
     Make one with :func:`jaxkv.empty` and :func:`jaxkv.init`; every operation returns a new state.
 
@@ -78,7 +81,8 @@ class KVState:
       (3,)
     """
 
-    __slots__ = ("_keys", "_devices", "_values", "_opt_states", "_bound", "_lookup")
+    __slots__ = ("_keys", "_devices", "_values", "_opt_states", "_bound", "_residuals",
+                 "_compression", "_lookup")
 
     def __init__(
         self,
@@ -87,6 +91,8 @@ class KVState:
         values: Sequence[Any],
         opt_states: Sequence[Any],
         bound: int | None = BIGARRAY_BOUND,
+        residuals: Sequence[Any] = (),
+        compression: tuple | None = None,
     ):
         # No validation here: pytree transformations rebuild states with arbitrary leaves.
         object.__setattr__(self, "_keys", keys)  # sorted, all int or all str
@@ -94,6 +100,9 @@ class KVState:
         object.__setattr__(self, "_values", tuple(values))  # aligned with _keys
         object.__setattr__(self, "_opt_states", tuple(opt_states))  # aligned with _keys
         object.__setattr__(self, "_bound", bound)  # sharded storage from this many elements
+        residuals = tuple(residuals) or (None,) * len(keys)  # aligned with _keys
+        object.__setattr__(self, "_residuals", residuals)
+        object.__setattr__(self, "_compression", compression)  # e.g. ("2bit", 0.5), or None
         object.__setattr__(self, "_lookup", None)  # key -> position, built on first use
 
     def __setattr__(self, name, value):
@@ -104,17 +113,21 @@ class KVState:
         children = (
             (jax.tree_util.GetAttrKey("values"), self._values),
             (jax.tree_util.GetAttrKey("opt_states"), self._opt_states),
+            (jax.tree_util.GetAttrKey("residuals"), self._residuals),
         )
-        return children, (self._keys, self._devices, self._bound)
+        return children, self._aux()
 
     def tree_flatten(self):
-        return (self._values, self._opt_states), (self._keys, self._devices, self._bound)
+        return (self._values, self._opt_states, self._residuals), self._aux()
+
+    def _aux(self):
+        return (self._keys, self._devices, self._bound, self._compression)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        keys, devices, bound = aux
-        values, opt_states = children
-        return cls(keys, devices, values, opt_states, bound)
+        keys, devices, bound, compression = aux
+        values, opt_states, residuals = children
+        return cls(keys, devices, values, opt_states, bound, residuals, compression)
 
     # -- read-only views -------------------------------------------------------------------
     def keys(self) -> tuple[Key, ...]:
@@ -140,6 +153,16 @@ class KVState:
     def sharding(self) -> NamedSharding:
         """Replicated over :attr:`devices`: where values below the big-array bound live."""
         return NamedSharding(self.mesh, PartitionSpec())
+
+    @property
+    def compression(self) -> tuple | None:
+        """``('2bit', threshold)``, ``('fp16',)``, ``('bf16',)``, or ``None``."""
+        return self._compression
+
+    @property
+    def residuals(self) -> Mapping[Key, Any]:
+        """A read-only mapping from key to its error-feedback residual (``None`` without one)."""
+        return MappingProxyType(dict(zip(self._keys, self._residuals)))
 
     @property
     def bigarray_bound(self) -> int | None:
@@ -213,27 +236,42 @@ class KVState:
             )
 
     def replace(
-        self, values: Mapping[Key, Any] | None = None, opt_states: Mapping[Key, Any] | None = None
+        self,
+        values: Mapping[Key, Any] | None = None,
+        opt_states: Mapping[Key, Any] | None = None,
+        residuals: Mapping[Key, Any] | None = None,
+        compression: Any = _KEEP,
     ) -> KVState:
-        """A new state with some keys' values and/or optimizer states replaced or added."""
+        """A new state with some keys' leaves replaced or added (and maybe the compression)."""
         old_v, old_o = dict(zip(self._keys, self._values)), dict(zip(self._keys, self._opt_states))
+        old_r = dict(zip(self._keys, self._residuals))
         old_v.update(values or {})
         old_o.update(opt_states or {})
+        old_r.update(residuals or {})
         keys = tuple(sorted(old_v))
         return KVState(
             keys, self._devices, [old_v[k] for k in keys], [old_o.get(k) for k in keys],
-            self._bound,
+            self._bound, [old_r.get(k) for k in keys],
+            self._compression if compression is _KEEP else compression,
         )
 
 
-def empty(devices: Iterable[Any] | None = None, *, bigarray_bound: int | None = BIGARRAY_BOUND
-          ) -> KVState:
+def empty(
+    devices: Iterable[Any] | None = None,
+    *,
+    bigarray_bound: int | None = BIGARRAY_BOUND,
+    compression: Mapping[str, Any] | None = None,
+) -> KVState:
     """An empty store over ``devices`` (JAX devices or contexts; default: all local devices).
 
     Values with at least ``bigarray_bound`` elements (whose first dimension divides by the
     number of devices) are stored sharded across the devices; smaller ones are replicated.
     ``bigarray_bound=None`` replicates everything, which ``pmap`` needs: it accepts a state
     passed with ``in_axes=None`` only if every leaf is replicated.
+
+    ``compression`` takes MXNet's gradient-compression parameters: ``{'type': '2bit',
+    'threshold': t}`` (t > 0; error feedback per device, as MXNet), or ``{'type': 'fp16'}`` /
+    ``{'type': 'bf16'}`` (each device's value rounded to that type before the sum).
 
     Examples:
       >>> import jaxkv
@@ -254,4 +292,35 @@ def empty(devices: Iterable[Any] | None = None, *, bigarray_bound: int | None = 
         raise KVStoreError(
             f"bigarray_bound: expected a positive int or None, given {bigarray_bound!r}"
         )
-    return KVState((), devs, (), (), bigarray_bound)
+    return KVState((), devs, (), (), bigarray_bound, (), compression_config(compression))
+
+
+_COMPRESSION_TYPES = ("2bit", "fp16", "bf16", "none")
+
+
+def compression_config(params: Mapping[str, Any] | None) -> tuple | None:
+    """MXNet's compression parameters as the static tuple a state keeps."""
+    if params is None:
+        return None
+    if not isinstance(params, Mapping) or params.get("type") not in _COMPRESSION_TYPES:
+        raise KVStoreError(
+            f"gradient compression: expected {{'type': one of {list(_COMPRESSION_TYPES)}, ...}}, "
+            f"given {params!r}"
+        )
+    kind = params["type"]
+    extra = sorted(set(params) - {"type", "threshold"})
+    if extra or (kind != "2bit" and "threshold" in params):
+        raise KVStoreError(
+            f"gradient compression {kind!r}: unexpected parameters {extra or ['threshold']}"
+        )
+    if kind == "none":
+        return None
+    if kind != "2bit":
+        return (kind,)
+    threshold = params.get("threshold", 0.5)  # MXNet's default
+    if not isinstance(threshold, int | float) or isinstance(threshold, bool) or threshold <= 0:
+        raise KVStoreError(
+            f"gradient compression '2bit': threshold expected a number greater than 0 (as in "
+            f"MXNet), given {threshold!r}"
+        )
+    return ("2bit", float(threshold))

@@ -1,0 +1,140 @@
+"""Gradient compression: MXNet's 2-bit error-feedback scheme (and fp16/bf16 rounding).
+
+The expected pulls were recorded from Apache MXNet 1.9.1 by conformance/record_compression.py
+(a `device` store over D cpu contexts, device d pushing g * (d + 1) for each g in G). MXNet
+refuses thresholds -0.5 and 0 ("threshold must be greater than 0"), unknown types, and
+compression on a `local` store; so does jaxkv.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+import jaxkv.mx as mx
+
+G = [0.3, 0.3, -0.7, 1.2, 0.05, -2.0]
+RECORDED = {  # (devices, threshold, updater) -> MXNet 1.9.1's pulls, one per push
+    (2, 0.5, "assign"): [0.5, 1.0, -1.0, 1.0, 1.0, -1.0],
+    (2, 0.5, "add2"): [1.0, 3.0, 1.0, 3.0, 5.0, 3.0],
+    (2, 0.25, "assign"): [0.5, 0.5, -0.5, 0.5, 0.5, -0.5],
+    (2, 0.25, "add2"): [1.0, 2.0, 1.0, 2.0, 3.0, 2.0],
+    (4, 0.5, "assign"): [1.5, 2.0, -2.0, 2.0, 2.0, -2.0],
+    (4, 0.5, "add2"): [3.0, 7.0, 3.0, 7.0, 11.0, 7.0],
+    (4, 0.25, "assign"): [1.0, 1.0, -1.0, 1.0, 1.0, -1.0],
+    (4, 0.25, "add2"): [2.0, 4.0, 2.0, 4.0, 6.0, 4.0],
+}
+
+
+def add2(key, inp, stored):
+    stored += inp * 2
+
+
+@pytest.mark.parametrize("case", sorted(RECORDED))
+def test_two_bit_matches_mxnet(case):
+    devices, threshold, updater = case
+    kv = mx.kv.create("device")
+    kv.set_gradient_compression({"type": "2bit", "threshold": threshold})
+    kv.init(3, mx.nd.zeros((2, 3)))
+    if updater == "add2":
+        kv._set_updater(add2)
+    pulls = []
+    for g in G:
+        kv.push(3, [mx.nd.ones((2, 3), mx.cpu(d)) * g * (d + 1) for d in range(devices)])
+        out = mx.nd.zeros((2, 3))
+        kv.pull(3, out=out)
+        assert np.all(out.asnumpy() == out.asnumpy()[0, 0])
+        pulls.append(float(out.asnumpy()[0, 0]))
+    assert pulls == RECORDED[case]
+
+
+@pytest.mark.parametrize(
+    "store, params, pattern",
+    [
+        ("device", {"type": "2bit", "threshold": -0.5}, "greater than 0"),
+        ("device", {"type": "2bit", "threshold": 0}, "greater than 0"),
+        ("device", {"type": "1bit", "threshold": 0.5}, "'1bit'"),
+        ("device", {"type": "fp16", "threshold": 0.5}, "threshold"),
+        ("local", {"type": "2bit", "threshold": 0.5}, "'local'"),
+    ],
+)
+def test_refusals_match_mxnet_and_change_nothing(store, params, pattern):
+    kv = mx.kv.create(store)
+    kv.init(3, mx.nd.ones((2, 3)))
+    before = kv.state
+    with pytest.raises(jaxkv.KVStoreError, match=pattern):
+        kv.set_gradient_compression(params)
+    assert kv.state is before and kv.state.compression is None
+
+
+def model_push(residuals, grads, threshold):
+    """NumPy model: per-device error feedback, then the sum over devices."""
+    total = 0
+    for d, g in grads.items():
+        acc = residuals[d] + g
+        q = np.where(acc >= threshold, threshold, np.where(acc <= -threshold, -threshold, 0))
+        residuals[d] = acc - q
+        total = total + q
+    return total.astype(np.float32)
+
+
+def test_random_pushes_follow_the_numpy_model(devices):
+    rng = np.random.default_rng(0)
+    t = 0.3
+    shapes = {"a": (2, 3), "big": (16, 4), "s": ()}  # bound 16: "big" is stored sharded
+    state = jaxkv.empty(bigarray_bound=16, compression={"type": "2bit", "threshold": t})
+    state = jaxkv.init(state, {k: jnp.zeros(s) for k, s in shapes.items()})
+    residuals = {k: {d: np.zeros(s, np.float32) for d in range(8)} for k, s in shapes.items()}
+    stored = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+    for _ in range(6):
+        pushes = {}
+        for k, s in shapes.items():
+            ds = sorted(rng.choice(8, size=rng.integers(1, 9), replace=False).tolist())
+            pushes[k] = {d: rng.normal(size=s).astype(np.float32) for d in ds}
+        state = jaxkv.push(state, list(pushes), [[jax.device_put(g, devices[d])
+                                                  for d, g in p.items()]
+                                                 for p in pushes.values()],
+                           updater=lambda key, pushed, st: st + pushed)
+        for k, p in pushes.items():
+            stored[k] = stored[k] + model_push(residuals[k], p, np.float32(t))
+            np.testing.assert_allclose(np.asarray(state[k]), stored[k], atol=1e-5)
+    # Each device's residual lives on that device, in its own block.
+    big = state.residuals["big"]
+    for shard in big.addressable_shards:
+        d = devices.index(shard.device)
+        np.testing.assert_allclose(np.asarray(shard.data), residuals["big"][d], atol=1e-5)
+
+
+def test_fp16_rounds_each_device_value_before_the_sum(devices):
+    state = jaxkv.init(jaxkv.empty(compression={"type": "fp16"}), {"w": jnp.zeros(3)})
+    third = np.float32(1 / 3)
+    state = jaxkv.push(state, "w", [jax.device_put(jnp.full(3, third), d) for d in devices[:2]])
+    expected = 2 * np.float32(np.float16(third))
+    np.testing.assert_array_equal(np.asarray(state["w"]), np.full(3, expected, np.float32))
+    assert state.residuals["w"] is None
+
+
+def test_compressed_state_is_pure_and_refused_inside_jit(devices):
+    state = jaxkv.init(jaxkv.empty(compression={"type": "2bit", "threshold": 1.0}),
+                       {"w": jnp.zeros(2)})
+    new = jaxkv.push(state, "w", [jax.device_put(jnp.full(2, 0.6), d) for d in devices[:2]])
+    np.testing.assert_array_equal(np.asarray(state.residuals["w"]), np.zeros(16))
+    assert float(np.abs(np.asarray(new.residuals["w"])).sum()) == pytest.approx(2.4)
+    with pytest.raises(jaxkv.KVStoreError, match="eager"):
+        jax.jit(lambda s, g: jaxkv.push(s, "w", g))(new, jnp.ones(2))
+
+
+def test_save_and_load_keep_residuals_and_compression(tmp_path):
+    kv = mx.kv.create("device")
+    kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    kv.init(3, mx.nd.zeros((2, 3)))
+    kv.push(3, [mx.nd.ones((2, 3), mx.cpu(d)) * 0.3 * (d + 1) for d in range(2)])
+    kv.save(tmp_path / "store.npz")
+    fresh = mx.kv.create("device")
+    fresh.load(tmp_path / "store.npz")
+    assert fresh.state.compression == ("2bit", 0.5)
+    for store in (kv, fresh):  # the second push of the MXNet sequence: 1.0 if residuals kept
+        store.push(3, [mx.nd.ones((2, 3), mx.cpu(d)) * 0.3 * (d + 1) for d in range(2)])
+    np.testing.assert_array_equal(np.asarray(fresh.pull(3)), np.full((2, 3), 1.0))
+    np.testing.assert_array_equal(np.asarray(kv.pull(3)), np.asarray(fresh.pull(3)))
