@@ -7,6 +7,7 @@ the imperative KVStore with per-device gradients). Parameters must agree to 1e-5
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,8 +58,8 @@ def reference():
 
 
 def assert_matches(state, reference):
-    for k, v in reference.items():
-        np.testing.assert_allclose(np.asarray(state[k]), np.asarray(v), atol=1e-5, rtol=1e-5)
+    got = {k: np.asarray(state[k]) for k in reference}
+    chex.assert_trees_all_close(got, jax.device_get(reference), atol=1e-5, rtol=1e-5)
 
 
 def test_shard_map_loop_matches_single_device(reference, devices, compiles):
