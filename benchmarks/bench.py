@@ -88,7 +88,7 @@ class CompileCounter:
 
     def __enter__(self):
         self._logger.addHandler(self._handler)
-        self._logger.propagate_old, self._logger.propagate = self._logger.propagate, False
+        self._propagate, self._logger.propagate = self._logger.propagate, False  # keep it quiet
         self._ctx = jax.log_compiles(True)
         self._ctx.__enter__()
         return self
@@ -96,7 +96,7 @@ class CompileCounter:
     def __exit__(self, *exc):
         self._ctx.__exit__(*exc)
         self._logger.removeHandler(self._handler)
-        self._logger.propagate = self._logger.propagate_old
+        self._logger.propagate = self._propagate
 
 
 # -- baselines ---------------------------------------------------------------------------------
