@@ -111,17 +111,7 @@ def run_mxnet(progs: list[dict], results: dict, progress: Progress, args, stderr
 
     def forked_worker():
         # A server that imports MXNet once and forks one child per program.
-        cmd = [
-            args.mxnet_python,
-            RUN_PROGRAM,
-            "--impl",
-            "mxnet",
-            "--batch",
-            "-",
-            "--fork",
-            "--timeout",
-            str(args.timeout),
-        ]
+        cmd = _mxnet_server(args)
         proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1
         )
@@ -315,23 +305,19 @@ def check_all(progs, mx_results, jx_results) -> Tally:
     return tally
 
 
+def _mxnet_server(args) -> list[str]:
+    """The command of a server that imports MXNet once and forks one child per program."""
+    return [args.mxnet_python, RUN_PROGRAM, "--impl", "mxnet", "--batch", "-", "--fork",
+            "--timeout", str(args.timeout)]
+
+
 def only(pid: int, args) -> int:
     """Run one program through both and print each op with its verdict."""
     program = programs.generate(pid)
     text = json.dumps(program) + "\n"
     stderr = None if args.verbose else subprocess.DEVNULL
     mx = subprocess.run(
-        [
-            args.mxnet_python,
-            RUN_PROGRAM,
-            "--impl",
-            "mxnet",
-            "--batch",
-            "-",
-            "--fork",
-            "--timeout",
-            str(args.timeout),
-        ],
+        _mxnet_server(args),
         input=text,
         stdout=subprocess.PIPE,
         stderr=stderr,
