@@ -12,19 +12,19 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/ruff check jaxkv tests examples
+	$(BIN)/ruff check jaxkv tests examples benchmarks conformance
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check jaxkv tests examples
-	$(BIN)/ruff format --check jaxkv tests examples
+	$(BIN)/ruff check jaxkv tests examples benchmarks conformance
+	$(BIN)/ruff format --check jaxkv tests examples benchmarks conformance
 
 format: $(STAMP)
-	$(BIN)/ruff format jaxkv tests examples
-	$(BIN)/ruff check --fix jaxkv tests examples
+	$(BIN)/ruff format jaxkv tests examples benchmarks conformance
+	$(BIN)/ruff check --fix jaxkv tests examples benchmarks conformance
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -155,8 +155,12 @@ def naive_jax(shapes, steps) -> float:
 def memory() -> dict:
     """Steady-state peak RSS of the imperative ResNet-50 loop, in a process of its own."""
     shapes = os.path.join(SHARED, "data", "resnet50_shapes.json")
-    out = subprocess.run([sys.executable, os.path.join(HERE, "memory.py"), shapes],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, os.path.join(HERE, "memory.py"), shapes],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -165,8 +169,9 @@ def mxnet(work: str) -> float | None:
     if not os.path.exists(os.path.join(MXNET_VENV, ".ok")):
         return None
     script = os.path.join(SHARED, "tools", "mxnet_baseline.py")
-    out = subprocess.run([python, script, f"{work}:{D}"], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [python, script, f"{work}:{D}"], capture_output=True, text=True, check=True
+    ).stdout
     for line in out.splitlines():
         if line.startswith("mxnet "):
             return float(line.split("median_ms=")[1])
@@ -264,8 +269,9 @@ def in_jit(steps) -> dict[str, float]:
         return jaxkv.push(state, jax.grad(loss)(p, x, y), updater=opt, axis_name="d")
 
     @jax.jit
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(), P("d"), P("d")),
-                       out_specs=(P(), P()))
+    @functools.partial(
+        jax.shard_map, mesh=mesh, in_specs=(P(), P(), P("d"), P("d")), out_specs=(P(), P())
+    )
     def hand_smap(p, s, x, y):
         g = jax.grad(loss)(p, x, y)  # shard_map already sums gradients of replicated params
         u, s = opt.update(g, s, p)
@@ -311,8 +317,10 @@ def main() -> None:
     args = parser.parse_args()
     steps = max(args.steps, 7)
 
-    log(f"jaxkv benchmark on {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, {D} simulated CPU devices, JAX {jax.__version__}")
+    log(
+        f"jaxkv benchmark on {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, {D} simulated CPU devices, JAX {jax.__version__}"
+    )
     log("measuring copy bandwidth ...")
     bw = copy_bandwidth()
     log(f"  2-thread copy: {bw:.1f} GB/s")
@@ -361,8 +369,10 @@ def _ratio(a, b):
 
 
 def write_report(rows, jit_rows, bw, mem) -> None:
-    machine = (f"{platform.machine()}, {os.cpu_count()} cores, {D} simulated CPU devices, "
-               f"JAX {jax.__version__}, copy bandwidth {bw:.1f} GB/s")
+    machine = (
+        f"{platform.machine()}, {os.cpu_count()} cores, {D} simulated CPU devices, "
+        f"JAX {jax.__version__}, copy bandwidth {bw:.1f} GB/s"
+    )
     lines = [
         "# jaxkv benchmark results",
         "",
@@ -382,26 +392,36 @@ def write_report(rows, jit_rows, bw, mem) -> None:
                 f"{_ratio(ms, r['floor'])} | {_ratio(ms, r['numpy'])} | "
                 f"{_ratio(r['naive'], ms)} | {_ratio(r['mxnet'], ms)} | {r['compiles']} |"
             )
-        lines.append(f"| {r['workload']} | bandwidth floor | {r['floor']:.1f} | {bw:.1f} | "
-                     "1.00x | | | | |")
+        lines.append(
+            f"| {r['workload']} | bandwidth floor | {r['floor']:.1f} | {bw:.1f} | 1.00x | | | | |"
+        )
         lines.append(f"| {r['workload']} | NumPy 1-thread | {_fmt(r['numpy'])} | | | | | | |")
         lines.append(f"| {r['workload']} | naive JAX | {_fmt(r['naive'])} | | | | | | |")
         lines.append(f"| {r['workload']} | MXNet 1.9.1 | {_fmt(r['mxnet'])} | | | | | | |")
-    lines += ["", "| in-jit step | jaxkv ms | hand-written ms | overhead | compiles |",
-              "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| in-jit step | jaxkv ms | hand-written ms | overhead | compiles |",
+        "|---|---|---|---|---|",
+    ]
     for kind in ("pmap", "shard_map"):
         a, b = jit_rows[f"{kind} jaxkv"], jit_rows[f"{kind} hand-written"]
-        lines.append(f"| {kind} | {a:.2f} | {b:.2f} | {(a / b - 1) * 100:+.1f}% | "
-                     f"{jit_rows[f'{kind} compiles']} |")
+        lines.append(
+            f"| {kind} | {a:.2f} | {b:.2f} | {(a / b - 1) * 100:+.1f}% | "
+            f"{jit_rows[f'{kind} compiles']} |"
+        )
     used, trimmed = mem["peak"] - mem["base"], mem["peak_trimmed"] - mem["base"]
-    lines += ["", "| memory (imperative resnet50 loop) | MB | / data |", "|---|---|---|",
-              f"| interpreter + JAX baseline | {mem['base'] / 1e6:.0f} | |",
-              f"| data: stored values + one set of gradients + one set of outs | "
-              f"{mem['data'] / 1e6:.0f} | 1.00x |",
-              f"| steady-state peak RSS above the baseline | {used / 1e6:.0f} | "
-              f"{used / mem['data']:.2f}x |",
-              f"| the same after malloc_trim returned set-up's freed memory | "
-              f"{trimmed / 1e6:.0f} | {trimmed / mem['data']:.2f}x |"]
+    lines += [
+        "",
+        "| memory (imperative resnet50 loop) | MB | / data |",
+        "|---|---|---|",
+        f"| interpreter + JAX baseline | {mem['base'] / 1e6:.0f} | |",
+        f"| data: stored values + one set of gradients + one set of outs | "
+        f"{mem['data'] / 1e6:.0f} | 1.00x |",
+        f"| steady-state peak RSS above the baseline | {used / 1e6:.0f} | "
+        f"{used / mem['data']:.2f}x |",
+        f"| the same after malloc_trim returned set-up's freed memory | "
+        f"{trimmed / 1e6:.0f} | {trimmed / mem['data']:.2f}x |",
+    ]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(HERE, "results.md"), "w") as f:
         f.write(text)
@@ -416,9 +436,14 @@ def plot(rows) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4))
-    series = [("jaxkv\nimper.", "imperative", "C0"), ("jaxkv\nfunct.", "functional", "C9"),
-              ("floor", "floor", "C2"), ("NumPy", "numpy", "C7"), ("naive\nJAX", "naive", "C1"),
-              ("MXNet\n1.9.1", "mxnet", "C3")]
+    series = [
+        ("jaxkv\nimper.", "imperative", "C0"),
+        ("jaxkv\nfunct.", "functional", "C9"),
+        ("floor", "floor", "C2"),
+        ("NumPy", "numpy", "C7"),
+        ("naive\nJAX", "naive", "C1"),
+        ("MXNet\n1.9.1", "mxnet", "C3"),
+    ]
     for ax, r in zip(axes, rows):
         shown = [(name, r[field], color) for name, field, color in series if r[field] is not None]
         ax.bar([s[0] for s in shown], [s[1] for s in shown], color=[s[2] for s in shown])

@@ -76,8 +76,11 @@ def main() -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     trimmed = steady_peak()
     nbytes = sum(int(np.prod(s)) for s in shapes) * 4
-    print(json.dumps({"base": base, "peak": raw, "peak_trimmed": trimmed,
-                      "data": nbytes * (1 + D + D)}))
+    print(
+        json.dumps(
+            {"base": base, "peak": raw, "peak_trimmed": trimmed, "data": nbytes * (1 + D + D)}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -307,8 +307,17 @@ def check_all(progs, mx_results, jx_results) -> Tally:
 
 def _mxnet_server(args) -> list[str]:
     """The command of a server that imports MXNet once and forks one child per program."""
-    return [args.mxnet_python, RUN_PROGRAM, "--impl", "mxnet", "--batch", "-", "--fork",
-            "--timeout", str(args.timeout)]
+    return [
+        args.mxnet_python,
+        RUN_PROGRAM,
+        "--impl",
+        "mxnet",
+        "--batch",
+        "-",
+        "--fork",
+        "--timeout",
+        str(args.timeout),
+    ]
 
 
 def only(pid: int, args) -> int:

@@ -47,10 +47,12 @@ def main():
         for threshold in (0.5, 0.25):
             for updater in ("assign", "add2"):
                 out["pulls"][f"{devices} {threshold} {updater}"] = run(devices, threshold, updater)
-    for store_type, params in [("device", {"type": "2bit", "threshold": -0.5}),
-                               ("device", {"type": "2bit", "threshold": 0}),
-                               ("device", {"type": "1bit", "threshold": 0.5}),
-                               ("local", {"type": "2bit", "threshold": 0.5})]:
+    for store_type, params in [
+        ("device", {"type": "2bit", "threshold": -0.5}),
+        ("device", {"type": "2bit", "threshold": 0}),
+        ("device", {"type": "1bit", "threshold": 0.5}),
+        ("local", {"type": "2bit", "threshold": 0.5}),
+    ]:
         out["refusals"][f"{store_type} {params}"] = refused(store_type, params)
     print(json.dumps(out, indent=1))
 

@@ -41,17 +41,29 @@ def _entries(state: KVState, values: bool):
 
 def save(fname: str, state: KVState, *, values: bool) -> None:
     """Write ``state`` (values and/or optimizer states) to ``fname`` atomically."""
-    manifest: dict[str, Any] = {"format": _FORMAT, "version": _VERSION, "values": values,
-                                "keys": list(state.keys()), "arrays": [],
-                                "compression": list(state.compression or []) or None}
+    manifest: dict[str, Any] = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "values": values,
+        "keys": list(state.keys()),
+        "arrays": [],
+        "compression": list(state.compression or []) or None,
+    }
     arrays = {}
     for n, (key, part, path, leaf) in enumerate(_entries(state, values)):
         host = np.asarray(jax.device_get(leaf))
         raw = np.frombuffer(host.tobytes(), np.uint8)
         arrays[f"a{n}"] = raw
-        manifest["arrays"].append({"key": key, "part": part, "path": path,
-                                   "shape": list(host.shape), "dtype": str(host.dtype),
-                                   "sha256": hashlib.sha256(raw.tobytes()).hexdigest()})
+        manifest["arrays"].append(
+            {
+                "key": key,
+                "part": part,
+                "path": path,
+                "shape": list(host.shape),
+                "dtype": str(host.dtype),
+                "sha256": hashlib.sha256(raw.tobytes()).hexdigest(),
+            }
+        )
     arrays["manifest"] = np.frombuffer(json.dumps(manifest).encode(), np.uint8)
     directory = os.path.dirname(os.path.abspath(fname))
     fd, tmp = tempfile.mkstemp(prefix=".jaxkv-", suffix=".tmp", dir=directory)
@@ -88,8 +100,10 @@ def _read(fname: str) -> tuple[dict, list[np.ndarray]]:
                 dtype = jax.numpy.dtype(entry["dtype"])
                 arrays.append(np.frombuffer(raw.tobytes(), dtype).reshape(entry["shape"]))
     except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError) as e:
-        raise KVStoreError(f"{fname}: expected a jaxkv store file, given one that cannot be "
-                           f"read ({type(e).__name__}: {e})") from None
+        raise KVStoreError(
+            f"{fname}: expected a jaxkv store file, given one that cannot be "
+            f"read ({type(e).__name__}: {e})"
+        ) from None
     return manifest, arrays
 
 
@@ -105,15 +119,21 @@ def load(fname: str, state: KVState, *, values: bool, optimizer: Any = None) -> 
         want = "a whole-store file (save)" if values else "an optimizer-state file"
         raise KVStoreError(f"{fname}: expected {want}, given the other kind")
     keys = manifest["keys"]
-    by_key: dict[Any, dict[str, list]] = {k: {"value": [], "opt": [], "residual": []}
-                                          for k in keys}
+    by_key: dict[Any, dict[str, list]] = {k: {"value": [], "opt": [], "residual": []} for k in keys}
     for entry, arr in zip(manifest["arrays"], arrays):
         by_key[entry["key"]][entry["part"]].append((entry["path"], arr))
 
     if values:
         compression = manifest.get("compression")
-        base = KVState((), state.devices, (), (), state.bigarray_bound, (),
-                       tuple(compression) if compression else None)
+        base = KVState(
+            (),
+            state.devices,
+            (),
+            (),
+            state.bigarray_bound,
+            (),
+            tuple(compression) if compression else None,
+        )
         new_values, residuals = {}, {}
         for k in keys:
             value = by_key[k]["value"][0][1]
@@ -140,8 +160,10 @@ def load(fname: str, state: KVState, *, values: bool, optimizer: Any = None) -> 
                 templates[k] = None
     else:
         if sorted(map(repr, keys)) != sorted(map(repr, state.keys())):
-            raise KVStoreError(f"{fname}: expected optimizer states for keys "
-                               f"{list(state.keys())}, given keys {keys}")
+            raise KVStoreError(
+                f"{fname}: expected optimizer states for keys "
+                f"{list(state.keys())}, given keys {keys}"
+            )
         base = state
         templates = {k: state.opt_states[k] for k in keys}
 
@@ -152,8 +174,9 @@ def load(fname: str, state: KVState, *, values: bool, optimizer: Any = None) -> 
         want = [(jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype)) for p, x in leaves]
         given = [(p, tuple(a.shape), str(a.dtype)) for p, a in saved]
         if want != given:
-            raise KVStoreError(f"{fname}: key {k!r}: optimizer state expected {want}, "
-                               f"given {given}")
+            raise KVStoreError(
+                f"{fname}: key {k!r}: optimizer state expected {want}, given {given}"
+            )
         placed = [jax.device_put(a, base.sharding_for(a.shape)) for _, a in saved]
         opt_states[k] = jax.tree_util.tree_unflatten(treedef, placed)
     return base.replace(opt_states=opt_states)

@@ -171,8 +171,10 @@ class KVStore:
         return list(self._state.keys())
 
     def __repr__(self) -> str:
-        return f"KVStore(type={self._type!r}, keys={len(self._state)}, " \
-               f"devices={len(self._state.devices)})"
+        return (
+            f"KVStore(type={self._type!r}, keys={len(self._state)}, "
+            f"devices={len(self._state.devices)})"
+        )
 
     # -- init / push / pull ----------------------------------------------------------------
     def init(self, key: Any, value: Any) -> None:
@@ -238,16 +240,18 @@ class KVStore:
                 keys = key if isinstance(key, list | tuple) else [key]
                 ids = row_ids if isinstance(key, list | tuple) else [row_ids]
                 if len(ids) != len(keys):
-                    raise ShapeError(f"keys {keys!r}: expected {len(keys)} row_ids, "
-                                     f"given {len(ids)}")
+                    raise ShapeError(
+                        f"keys {keys!r}: expected {len(keys)} row_ids, given {len(ids)}"
+                    )
                 rows = [_ops.row_sparse_pull(state, k, _unwrap(r)) for k, r in zip(keys, ids)]
                 return rows if isinstance(key, list | tuple) else rows[0]
             pairs = _ops.pairs(key, out, "outs")
             n = sum(len(outs) for _, outs in pairs)
             ids = row_ids if isinstance(row_ids, list | tuple) else [row_ids] * n
             if len(ids) != n:
-                raise ShapeError(f"key {key!r}: expected {n} row_ids (one per out), given "
-                                 f"{len(ids)}")
+                raise ShapeError(
+                    f"key {key!r}: expected {n} row_ids (one per out), given {len(ids)}"
+                )
             self._check_outs(pairs)
             it = iter(ids)
             filled = []
@@ -331,8 +335,7 @@ class KVStore:
             optimizer = self._updater
             if not isinstance(optimizer, optax.GradientTransformation):
                 optimizer = None
-            self._state = _checkpoint.load(fname, self._state, values=True,
-                                           optimizer=optimizer)
+            self._state = _checkpoint.load(fname, self._state, values=True, optimizer=optimizer)
 
     def _require_optimizer(self, what: str) -> None:
         if not isinstance(self._updater, optax.GradientTransformation):

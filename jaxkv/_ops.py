@@ -171,8 +171,10 @@ def init(state: KVState, keys: Any, values: Any = _MISSING) -> KVState:
     residuals = {}
     if state.compression is not None and state.compression[0] == "2bit":
         if len(eager) < len(new):
-            raise KVStoreError(f"keys {list(new)}: a store with gradient compression expects "
-                               "eager values, given traced ones")
+            raise KVStoreError(
+                f"keys {list(new)}: a store with gradient compression expects "
+                "eager values, given traced ones"
+            )
         residuals = {k: residual_zeros(state, x) for k, x in new.items()}
     return state.replace(values=new, residuals=residuals)
 
@@ -183,12 +185,10 @@ def set_compression(state: KVState, params: Mapping[str, Any] | None) -> KVState
     ``{'type': '2bit', 'threshold': t}`` starts every key's residual at zero.
     """
     config = compression_config(params)
-    with_config = state.replace(compression=config,
-                                residuals={k: None for k in state.keys()})
+    with_config = state.replace(compression=config, residuals={k: None for k in state.keys()})
     if config is None or config[0] != "2bit":
         return with_config
-    return with_config.replace(residuals={k: residual_zeros(state, state[k])
-                                          for k in state.keys()})
+    return with_config.replace(residuals={k: residual_zeros(state, state[k]) for k in state.keys()})
 
 
 @jax.jit
@@ -364,8 +364,10 @@ def _layout(state: KVState, stored: jax.Array, xs: list[jax.Array]) -> tuple[str
         for d, x in zip(devices, xs):
             shards[positions[d]] = x if x.shape == shard_shape else x.reshape(shard_shape)
         if len(xs) < len(shards):
-            shards = [s if s is not None else _zeros(shard_shape, dtype, d)
-                      for s, d in zip(shards, state.devices)]
+            shards = [
+                s if s is not None else _zeros(shard_shape, dtype, d)
+                for s, d in zip(shards, state.devices)
+            ]
         global_shape = (shard_shape[0] * len(shards), *shard_shape[1:])
         return "stacked", _assemble(global_shape, _stacked_sharding(state.devices), shards)
     # Several values on one device, or off the store's devices: sum them in call order there.
@@ -414,8 +416,10 @@ def _fused_psum_scatter(blocks: list[jax.Array], n: int) -> list[jax.Array]:
     cat = jnp.concatenate([b.reshape(n, -1) for b in blocks], axis=1)
     mine = jax.lax.psum_scatter(cat, AXIS, scatter_dimension=0, tiled=True)[0]
     offsets = np.cumsum([0] + [b.size // n for b in blocks])
-    return [mine[a:z].reshape((b.shape[0] // n, *b.shape[1:]))
-            for b, a, z in zip(blocks, offsets[:-1], offsets[1:])]
+    return [
+        mine[a:z].reshape((b.shape[0] // n, *b.shape[1:]))
+        for b, a, z in zip(blocks, offsets[:-1], offsets[1:])
+    ]
 
 
 def _sum_over_devices(blocks: list[jax.Array], scatter: list[bool]) -> list[jax.Array]:
@@ -450,8 +454,15 @@ class _PushCache:
         self._fns: collections.OrderedDict = collections.OrderedDict()
 
     def get(self, state: KVState, keys, kinds, updater, donate) -> Callable:
-        sig = (state.devices, state.bigarray_bound, state.compression, keys, kinds, id(updater),
-               donate)
+        sig = (
+            state.devices,
+            state.bigarray_bound,
+            state.compression,
+            keys,
+            kinds,
+            id(updater),
+            donate,
+        )
         entry = self._fns.get(sig)
         if entry is not None and entry[0] is updater:
             self._fns.move_to_end(sig)
@@ -477,8 +488,7 @@ def _build_push(state: KVState, keys, kinds, updater, donate) -> Callable:
         residuals = list(residuals)
         if compressed:
             quantized, kept = jax.shard_map(
-                functools.partial(_compress, state.compression,
-                                  [kinds[i][1] for i in compressed]),
+                functools.partial(_compress, state.compression, [kinds[i][1] for i in compressed]),
                 mesh=state.mesh,
                 in_specs=PartitionSpec(AXIS),
                 out_specs=PartitionSpec(AXIS),
@@ -648,14 +658,18 @@ def push(
     if state.compression is None:
         layouts = [_layout(state, s, xs) for s, xs in zip(stored, grouped.values())]
     else:
-        layouts = [_layout_compressed(state, k, s, xs)
-                   for (k, xs), s in zip(grouped.items(), stored)]
+        layouts = [
+            _layout_compressed(state, k, s, xs) for (k, xs), s in zip(grouped.items(), stored)
+        ]
     kinds, pushed = zip(*layouts)
     residuals = [state._residuals[i] for i in index]
     fn = _PUSH_CACHE.get(state, tuple(grouped), kinds, updater, donate)
     new_values, new_opts, new_residuals = fn(stored, opts, residuals, list(pushed))
-    return state.replace(dict(zip(grouped, new_values)), dict(zip(grouped, new_opts)),
-                         dict(zip(grouped, new_residuals)))
+    return state.replace(
+        dict(zip(grouped, new_values)),
+        dict(zip(grouped, new_opts)),
+        dict(zip(grouped, new_residuals)),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -766,8 +780,12 @@ def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = No
         ids = np.asarray(jax.device_get(row_ids) if isinstance(row_ids, jax.Array) else row_ids)
         ids = ids.ravel()
         # MXNet's row ids are often float32 (mx.nd.array's default): whole numbers are fine.
-        if ids.size and (not np.issubdtype(ids.dtype, np.number) or np.any(ids != np.round(ids))
-                         or ids.min() < 0 or ids.max() >= rows):
+        if ids.size and (
+            not np.issubdtype(ids.dtype, np.number)
+            or np.any(ids != np.round(ids))
+            or ids.min() < 0
+            or ids.max() >= rows
+        ):
             raise KVStoreError(
                 f"key {key!r}: row_ids expected integers in [0, {rows}), given {ids.tolist()}"
             )

@@ -81,8 +81,16 @@ class KVState:
       (3,)
     """
 
-    __slots__ = ("_keys", "_devices", "_values", "_opt_states", "_bound", "_residuals",
-                 "_compression", "_lookup")
+    __slots__ = (
+        "_keys",
+        "_devices",
+        "_values",
+        "_opt_states",
+        "_bound",
+        "_residuals",
+        "_compression",
+        "_lookup",
+    )
 
     def __init__(
         self,
@@ -172,8 +180,13 @@ class KVState:
     def is_sharded(self, shape: tuple[int, ...]) -> bool:
         """Whether a value (or optimizer-state leaf) of ``shape`` is stored sharded."""
         n = len(self._devices)
-        return (self._bound is not None and n > 1 and len(shape) > 0 and shape[0] % n == 0
-                and int(np.prod(shape, dtype=np.int64)) >= self._bound)
+        return (
+            self._bound is not None
+            and n > 1
+            and len(shape) > 0
+            and shape[0] % n == 0
+            and int(np.prod(shape, dtype=np.int64)) >= self._bound
+        )
 
     def sharding_for(self, shape: tuple[int, ...]) -> NamedSharding:
         """Where a stored array of ``shape`` lives: sharded along axis 0, or replicated."""
@@ -250,8 +263,12 @@ class KVState:
         old_r.update(residuals or {})
         keys = tuple(sorted(old_v))
         return KVState(
-            keys, self._devices, [old_v[k] for k in keys], [old_o.get(k) for k in keys],
-            self._bound, [old_r.get(k) for k in keys],
+            keys,
+            self._devices,
+            [old_v[k] for k in keys],
+            [old_o.get(k) for k in keys],
+            self._bound,
+            [old_r.get(k) for k in keys],
             self._compression if compression is _KEEP else compression,
         )
 

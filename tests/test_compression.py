@@ -92,10 +92,12 @@ def test_random_pushes_follow_the_numpy_model(devices):
         for k, s in shapes.items():
             ds = sorted(rng.choice(8, size=rng.integers(1, 9), replace=False).tolist())
             pushes[k] = {d: rng.normal(size=s).astype(np.float32) for d in ds}
-        state = jaxkv.push(state, list(pushes), [[jax.device_put(g, devices[d])
-                                                  for d, g in p.items()]
-                                                 for p in pushes.values()],
-                           updater=lambda key, pushed, st: st + pushed)
+        state = jaxkv.push(
+            state,
+            list(pushes),
+            [[jax.device_put(g, devices[d]) for d, g in p.items()] for p in pushes.values()],
+            updater=lambda key, pushed, st: st + pushed,
+        )
         for k, p in pushes.items():
             stored[k] = stored[k] + model_push(residuals[k], p, np.float32(t))
             np.testing.assert_allclose(np.asarray(state[k]), stored[k], atol=1e-5)
@@ -116,8 +118,9 @@ def test_fp16_rounds_each_device_value_before_the_sum(devices):
 
 
 def test_compressed_state_is_pure_and_refused_inside_jit(devices):
-    state = jaxkv.init(jaxkv.empty(compression={"type": "2bit", "threshold": 1.0}),
-                       {"w": jnp.zeros(2)})
+    state = jaxkv.init(
+        jaxkv.empty(compression={"type": "2bit", "threshold": 1.0}), {"w": jnp.zeros(2)}
+    )
     new = jaxkv.push(state, "w", [jax.device_put(jnp.full(2, 0.6), d) for d in devices[:2]])
     np.testing.assert_array_equal(np.asarray(state.residuals["w"]), np.zeros(16))
     assert float(np.abs(np.asarray(new.residuals["w"])).sum()) == pytest.approx(2.4)

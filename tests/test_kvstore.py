@@ -28,8 +28,16 @@ def values(store):
 
 
 def test_types_are_reported_as_given_and_unknown_ones_refused():
-    for name in ("local", "device", "nccl", "local_allreduce_cpu", "local_allreduce_device",
-                 "local_update_cpu", "dist_sync", "dist_device_sync"):
+    for name in (
+        "local",
+        "device",
+        "nccl",
+        "local_allreduce_cpu",
+        "local_allreduce_device",
+        "local_update_cpu",
+        "dist_sync",
+        "dist_device_sync",
+    ):
         assert jaxkv.create(name).type == name
     with pytest.raises(jaxkv.KVStoreError, match="'bogus'.*expected one of.*'local'"):
         jaxkv.create("bogus")
@@ -66,8 +74,10 @@ def test_outs_are_filled_on_their_own_devices(kv):
 
 
 def test_lists_of_lists_and_duplicates(kv):
-    grads = [[nd.ones(SHAPE, jaxkv.cpu(i)) for i in range(4)],
-             [nd.ones(SHAPE, jaxkv.cpu(i)) * 2 for i in range(3)]]
+    grads = [
+        [nd.ones(SHAPE, jaxkv.cpu(i)) for i in range(4)],
+        [nd.ones(SHAPE, jaxkv.cpu(i)) * 2 for i in range(3)],
+    ]
     kv.push([3, 5], grads)
     outs = [[nd.zeros(SHAPE, jaxkv.cpu(i)) for i in range(2)] for _ in range(2)]
     kv.pull([3, 5], out=outs)
@@ -161,10 +171,16 @@ def test_row_sparse_pull(kv):
         (lambda kv: kv.pull(4, out=nd.zeros(SHAPE)), jaxkv.UnknownKeyError, "key 4"),
         (lambda kv: kv.init(3, nd.ones(SHAPE)), jaxkv.DuplicateKeyError, "duplicate init"),
         (lambda kv: kv.init([8, 8], [nd.ones(SHAPE)] * 2), jaxkv.DuplicateKeyError, "key 8"),
-        (lambda kv: kv.push([5, 3], [nd.ones(SHAPE), nd.ones((3, 2))]), jaxkv.ShapeError,
-         r"key 3.*\(3, 2\).*\(2, 3\)"),
-        (lambda kv: kv.pull([5, 3], out=[nd.zeros(SHAPE), nd.zeros((6,))]), jaxkv.ShapeError,
-         r"key 3: out has shape \(6,\), expected .*\(2, 3\)"),
+        (
+            lambda kv: kv.push([5, 3], [nd.ones(SHAPE), nd.ones((3, 2))]),
+            jaxkv.ShapeError,
+            r"key 3.*\(3, 2\).*\(2, 3\)",
+        ),
+        (
+            lambda kv: kv.pull([5, 3], out=[nd.zeros(SHAPE), nd.zeros((6,))]),
+            jaxkv.ShapeError,
+            r"key 3: out has shape \(6,\), expected .*\(2, 3\)",
+        ),
         (lambda kv: kv.pull(3, out=jnp.zeros(SHAPE)), jaxkv.KVStoreError, "return value"),
         (lambda kv: kv.push("a", nd.ones(SHAPE)), jaxkv.KeyTypeError, "int keys"),
         (lambda kv: kv.set_optimizer(object()), jaxkv.KVStoreError, "optax"),

@@ -18,8 +18,9 @@ def on(device, value):
 
 @pytest.fixture
 def state():
-    return jaxkv.init(jaxkv.empty(), {"w": jnp.zeros((2, 3)), "b": jnp.zeros(()),
-                                      "v": jnp.arange(4.0)})
+    return jaxkv.init(
+        jaxkv.empty(), {"w": jnp.zeros((2, 3)), "b": jnp.zeros(()), "v": jnp.arange(4.0)}
+    )
 
 
 def add(key, pushed, stored):
@@ -86,16 +87,22 @@ def test_per_device_values_are_summed_and_stored_replicated(state, devices):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
 def test_any_number_of_devices_and_scalars(state, devices, n):
-    new = jaxkv.push(state, ["b", "v"], [[on(d, 2.0) for d in devices[:n]],
-                                         [on(d, np.arange(4.0)) for d in devices[-n:]]])
+    new = jaxkv.push(
+        state,
+        ["b", "v"],
+        [[on(d, 2.0) for d in devices[:n]], [on(d, np.arange(4.0)) for d in devices[-n:]]],
+    )
     assert float(new["b"]) == 2.0 * n
     np.testing.assert_array_equal(new["v"], n * np.arange(4.0))
 
 
 def test_same_device_and_off_store_values_are_summed_too(devices):
     s = jaxkv.init(jaxkv.empty(devices[:2]), 0, jnp.zeros(3))
-    pushed = [on(devices[0], 1.0 * np.ones(3)), on(devices[0], 2.0 * np.ones(3)),
-              on(devices[5], 4.0 * np.ones(3))]
+    pushed = [
+        on(devices[0], 1.0 * np.ones(3)),
+        on(devices[0], 2.0 * np.ones(3)),
+        on(devices[5], 4.0 * np.ones(3)),
+    ]
     new = jaxkv.push(s, 0, pushed)
     np.testing.assert_array_equal(new[0], 7.0 * np.ones(3))
     assert new[0].sharding.device_set == set(devices[:2])
@@ -108,8 +115,7 @@ def test_duplicate_keys_are_summed_and_updater_runs_once_per_key(state):
         calls.append(key)
         return stored + pushed
 
-    new = jaxkv.push(state, ["v", "b", "v"], [jnp.ones(4), 3.0, 2 * jnp.ones(4)],
-                     updater=counting)
+    new = jaxkv.push(state, ["v", "b", "v"], [jnp.ones(4), 3.0, 2 * jnp.ones(4)], updater=counting)
     np.testing.assert_array_equal(new["v"], np.arange(4.0) + 3.0)
     assert float(new["b"]) == 3.0
     assert sorted(calls) == ["b", "v"]  # traced once, one call per distinct key
@@ -146,8 +152,9 @@ def test_pull_places_results_on_exactly_the_requested_devices(state, devices):
 
 
 def test_pushpull_returns_the_new_value(state, devices):
-    new, out = jaxkv.pushpull(state, "v", [on(d, np.ones(4)) for d in devices[:4]],
-                              updater=add, devices=devices[:4])
+    new, out = jaxkv.pushpull(
+        state, "v", [on(d, np.ones(4)) for d in devices[:4]], updater=add, devices=devices[:4]
+    )
     np.testing.assert_array_equal(out, np.arange(4.0) + 4.0)
     assert out.sharding.device_set == set(devices[:4])
     np.testing.assert_array_equal(new["v"], out)
@@ -168,14 +175,19 @@ def test_row_sparse_pull_keeps_only_the_requested_rows():
     "call, error, pattern",
     [
         (lambda s: jaxkv.push(s, "nope", jnp.ones(1)), jaxkv.UnknownKeyError, "'nope'"),
-        (lambda s: jaxkv.push(s, ["v", "w"], [jnp.ones(4), jnp.ones((3, 2))]), jaxkv.ShapeError,
-         r"key 'w'.*\(3, 2\).*\(2, 3\)"),
+        (
+            lambda s: jaxkv.push(s, ["v", "w"], [jnp.ones(4), jnp.ones((3, 2))]),
+            jaxkv.ShapeError,
+            r"key 'w'.*\(3, 2\).*\(2, 3\)",
+        ),
         (lambda s: jaxkv.push(s, ["v", "w"], [jnp.ones(4)]), jaxkv.ShapeError, "expected 2"),
         (lambda s: jaxkv.init(s, "v", jnp.ones(4)), jaxkv.DuplicateKeyError, "duplicate init"),
-        (lambda s: jaxkv.push(s, "v", jnp.ones(4), axis_name="i"), jaxkv.KVStoreError,
-         "axis_name"),
-        (lambda s: jaxkv.push(s, "v", jnp.ones(4), updater=lambda k, p, st: p.sum()),
-         jaxkv.ShapeError, r"updater returned shape \(\)"),
+        (lambda s: jaxkv.push(s, "v", jnp.ones(4), axis_name="i"), jaxkv.KVStoreError, "axis_name"),
+        (
+            lambda s: jaxkv.push(s, "v", jnp.ones(4), updater=lambda k, p, st: p.sum()),
+            jaxkv.ShapeError,
+            r"updater returned shape \(\)",
+        ),
         (lambda s: jaxkv.pull(s, 3), jaxkv.KeyTypeError, "str keys"),
         (lambda s: jaxkv.push(s, "v", jnp.ones(4, jnp.complex64)), jaxkv.KVStoreError, "real"),
     ],
@@ -199,8 +211,11 @@ def test_unknown_key_errors_are_key_errors(state):
 
 # -- compile once per signature --------------------------------------------------------------
 def test_no_recompiles_after_warm_up(state, devices, compiles):
-    grads = {"w": [on(d, np.ones((2, 3))) for d in devices],
-             "v": [on(d, np.ones(4)) for d in devices[:3]], "b": 1.0}
+    grads = {
+        "w": [on(d, np.ones((2, 3))) for d in devices],
+        "v": [on(d, np.ones(4)) for d in devices[:3]],
+        "b": 1.0,
+    }
     s = jaxkv.push(state, grads, updater=add)  # warm-up
     s = jaxkv.push(s, "w", grads["w"], updater=add)
     with compiles() as c:
@@ -221,8 +236,10 @@ def test_compile_counter_sees_new_signatures(state, compiles):
 
 def test_key_order_does_not_change_the_bits(state, devices):
     rng = np.random.default_rng(0)
-    vals = {"w": [on(d, rng.standard_normal((2, 3))) for d in devices],
-            "v": [on(d, rng.standard_normal(4)) for d in devices]}
+    vals = {
+        "w": [on(d, rng.standard_normal((2, 3))) for d in devices],
+        "v": [on(d, rng.standard_normal(4)) for d in devices],
+    }
     a = jaxkv.push(state, ["w", "v"], [vals["w"], vals["v"]], updater=add)
     b = jaxkv.push(state, ["v", "w"], [vals["v"], vals["w"]], updater=add)
     for k in ("w", "v"):
@@ -246,8 +263,12 @@ def test_inside_jit(state, compiles):
 
 
 def test_inside_pmap_values_are_summed_once(state):
-    step = jax.pmap(lambda s, g: jaxkv.push(s, {"v": g}, updater=add, axis_name="i"),
-                    axis_name="i", in_axes=(None, 0), out_axes=None)
+    step = jax.pmap(
+        lambda s, g: jaxkv.push(s, {"v": g}, updater=add, axis_name="i"),
+        axis_name="i",
+        in_axes=(None, 0),
+        out_axes=None,
+    )
     new = step(state, jnp.ones((8, 4)))
     np.testing.assert_array_equal(new["v"], np.arange(4.0) + 8)
 
@@ -261,8 +282,9 @@ def test_inside_shard_map_gradients_are_not_summed_twice(state, devices, check_v
         g = jax.grad(lambda w: jnp.sum(x @ w))(w)  # replicated parameter, sharded data
         return jaxkv.push(s, {"v": g, "b": jnp.sum(x)}, axis_name="d")
 
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=P(),
-                                 check_vma=check_vma))
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=P(), check_vma=check_vma)
+    )
     x = jnp.ones((16, 4))
     new = step(state, x)
     np.testing.assert_array_equal(new["v"], np.full(4, 16.0))  # the full-batch gradient

@@ -25,9 +25,10 @@ def device_bytes(x):
 
 @pytest.fixture
 def state():
-    return jaxkv.init(jaxkv.empty(bigarray_bound=16),
-                      {"big": jnp.arange(64.0).reshape(BIG), "small": jnp.zeros(SMALL),
-                       "odd": jnp.zeros(ODD)})
+    return jaxkv.init(
+        jaxkv.empty(bigarray_bound=16),
+        {"big": jnp.arange(64.0).reshape(BIG), "small": jnp.zeros(SMALL), "odd": jnp.zeros(ODD)},
+    )
 
 
 def test_big_values_are_stored_one_eighth_per_device(state, devices):
@@ -42,8 +43,12 @@ def test_big_values_are_stored_one_eighth_per_device(state, devices):
 def test_push_reduce_scatters_and_pull_all_gathers(state, devices):
     rng = np.random.default_rng(0)
     grads = [rng.integers(-4, 5, BIG).astype(np.float32) for _ in devices]
-    new = jaxkv.push(state, "big", [jax.device_put(g, d) for g, d in zip(grads, devices)],
-                     updater=lambda k, p, s: s + p)
+    new = jaxkv.push(
+        state,
+        "big",
+        [jax.device_put(g, d) for g, d in zip(grads, devices)],
+        updater=lambda k, p, s: s + p,
+    )
     expected = np.arange(64.0).reshape(BIG) + np.sum(grads, axis=0)
     assert all(b == new["big"].nbytes // 8 for b in device_bytes(new["big"]).values())
     np.testing.assert_array_equal(new["big"], expected)
@@ -57,11 +62,11 @@ def test_non_elementwise_updaters_see_the_whole_array(state, devices):
         return stored + pushed / jnp.linalg.norm(pushed)
 
     g = np.arange(64.0, dtype=np.float32).reshape(BIG)
-    new = jaxkv.push(state, "big", [jax.device_put(g, d) for d in devices[:3]],
-                     updater=normalise)
+    new = jaxkv.push(state, "big", [jax.device_put(g, d) for d in devices[:3]], updater=normalise)
     total = 3 * g
-    np.testing.assert_allclose(new["big"], np.arange(64.0).reshape(BIG)
-                               + total / np.linalg.norm(total), rtol=1e-6)
+    np.testing.assert_allclose(
+        new["big"], np.arange(64.0).reshape(BIG) + total / np.linalg.norm(total), rtol=1e-6
+    )
 
 
 def test_optimizer_state_is_sharded_too(state, devices):

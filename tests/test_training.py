@@ -24,8 +24,12 @@ OPT = optax.sgd(0.05, momentum=0.9)
 
 def init_params():
     k1, k2 = jax.random.split(jax.random.key(0))
-    return {"w1": jax.random.normal(k1, (4, 16)) * 0.5, "b1": jnp.zeros(16),
-            "w2": jax.random.normal(k2, (16, 1)) * 0.5, "b2": jnp.zeros(1)}
+    return {
+        "w1": jax.random.normal(k1, (4, 16)) * 0.5,
+        "b1": jnp.zeros(16),
+        "w2": jax.random.normal(k2, (16, 1)) * 0.5,
+        "b2": jnp.zeros(1),
+    }
 
 
 def data():
@@ -67,8 +71,7 @@ def test_shard_map_loop_matches_single_device(reference, devices, compiles):
     state = jaxkv.init(jaxkv.empty(), init_params())
 
     @jax.jit
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("d"), P("d")),
-                       out_specs=P())
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=P())
     def step(state, x, y):
         params = dict(zip(state.keys(), jaxkv.pull(state, list(state.keys()))))
         grads = jax.grad(loss_sum)(params, x, y)  # already summed over "d" by JAX
@@ -114,6 +117,7 @@ def test_imperative_loop_matches_single_device(reference, devices, compiles):
     grad_fn = jax.jit(jax.grad(loss_sum))
     outs = [{k: jaxkv.nd.zeros(params[k].shape, jaxkv.cpu(d)) for k in keys} for d in range(D)]
     kv.pull(keys, out=[[outs[d][k] for d in range(D)] for k in keys])
+
     def step(x, y):
         per_device = []
         for d in range(D):

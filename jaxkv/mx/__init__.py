@@ -16,5 +16,15 @@ from . import kv as kv
 kvstore = kv
 ndarray = nd
 
-__all__ = ["Context", "MXNetError", "context", "cpu", "current_context", "gpu", "kv", "kvstore",
-           "nd", "ndarray"]
+__all__ = [
+    "Context",
+    "MXNetError",
+    "context",
+    "cpu",
+    "current_context",
+    "gpu",
+    "kv",
+    "kvstore",
+    "nd",
+    "ndarray",
+]
