@@ -350,25 +350,27 @@ def _layout(state: KVState, stored: jax.Array, xs: list[jax.Array]) -> tuple[str
     ``('stacked', x)`` with the per-device values laid side by side along axis 0 of one array
     sharded over the store's mesh (no copy), to be summed there.
     """
-    if len(xs) == 1:
+    multiprocess = jax.process_count() > 1  # each worker's values are summed over workers
+    if len(xs) == 1 and not multiprocess:
         return "one", jax.device_put(xs[0], state.sharding_for(stored.shape))
     devices = [single_device(x) for x in xs]
-    positions = state.positions
+    positions = state.local_positions
     if len(set(devices)) == len(devices) and all(d in positions for d in devices):
         dtype = xs[0].dtype
         if any(x.dtype != dtype for x in xs):
             xs = [x.astype(stored.dtype) for x in xs]
             dtype = stored.dtype
         shard_shape = stored.shape or (1,)  # scalars travel as shape (1,)
+        # This process's shards, in mesh order (all of them in a single-process job).
         shards: list[Any] = [None] * len(positions)
         for d, x in zip(devices, xs):
             shards[positions[d]] = x if x.shape == shard_shape else x.reshape(shard_shape)
         if len(xs) < len(shards):
             shards = [
                 s if s is not None else _zeros(shard_shape, dtype, d)
-                for s, d in zip(shards, state.devices)
+                for s, d in zip(shards, positions)
             ]
-        global_shape = (shard_shape[0] * len(shards), *shard_shape[1:])
+        global_shape = (shard_shape[0] * len(state.devices), *shard_shape[1:])
         return "stacked", _assemble(global_shape, _stacked_sharding(state.devices), shards)
     # Several values on one device, or off the store's devices: sum them in call order there.
     target = state.sharding_for(stored.shape)

@@ -40,6 +40,12 @@ def _sharding(devices: tuple[jax.Device, ...], sharded: bool) -> NamedSharding:
 
 
 @functools.lru_cache(maxsize=64)
+def _local_positions(devices: tuple[jax.Device, ...]) -> dict[jax.Device, int]:
+    me = jax.process_index()
+    return {d: i for i, d in enumerate(d for d in devices if d.process_index == me)}
+
+
+@functools.lru_cache(maxsize=64)
 def _positions(devices: tuple[jax.Device, ...]) -> dict[jax.Device, int]:
     return {d: i for i, d in enumerate(devices)}
 
@@ -156,6 +162,11 @@ class KVState:
     def positions(self) -> dict[jax.Device, int]:
         """Each device's position in :attr:`devices`."""
         return _positions(self._devices)
+
+    @property
+    def local_positions(self) -> dict[jax.Device, int]:
+        """This process's devices, each with its position among them (in mesh order)."""
+        return _local_positions(self._devices)
 
     @property
     def sharding(self) -> NamedSharding:
