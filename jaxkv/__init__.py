@@ -4,6 +4,7 @@ A functional core (:class:`KVState`, :func:`init`, :func:`push`, :func:`pull`, .
 training loops, and an imperative :class:`KVStore` with MXNet's API (:func:`create`).
 """
 
+from . import _dist  # noqa: F401  (first: joins a jaxkv.launch job before JAX starts)
 from . import nd as nd
 from ._context import Context as Context
 from ._context import cpu as cpu

@@ -16,9 +16,10 @@ import weakref
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
-from . import _checkpoint, _ops
+from . import _checkpoint, _dist, _ops
 from ._errors import KVStoreError, ShapeError
 from ._nd import NDArray, _unwrap
 from ._state import BIGARRAY_BOUND, KVState, empty
@@ -66,11 +67,6 @@ def create(name: str = "local") -> KVStore:
         raise KVStoreError(f"KVStore type {name!r}: {_NOT_YET[name]}")
     if name not in TYPES:
         raise KVStoreError(f"unknown KVStore type {name!r}: expected one of {list(TYPES)}")
-    if name in _DIST_TYPES and jax.process_count() > 1:
-        raise KVStoreError(
-            f"KVStore type {name!r} across {jax.process_count()} processes: expected a "
-            "single-process job in this version of jaxkv"
-        )
     return KVStore(name)
 
 
@@ -180,7 +176,10 @@ class KVStore:
     def init(self, key: Any, value: Any) -> None:
         """Add ``key`` (or a list of keys) with an initial value each."""
         with self._lock:
-            state = _ops.init(self._state, key, _unwrap_values(value))
+            values = _unwrap_values(value)
+            if self._type in _DIST_TYPES and jax.process_count() > 1:
+                values = _dist.from_rank_zero(jax.tree_util.tree_map(np.asarray, values))
+            state = _ops.init(self._state, key, values)
             if isinstance(self._updater, optax.GradientTransformation):
                 fresh = [k for k in state.keys() if k not in self._state]
                 state = _ops.init_opt_states(state, self._updater, fresh)
@@ -348,6 +347,7 @@ class KVStore:
     def barrier(self) -> None:
         """Wait until every worker reaches this point (and local work has finished)."""
         jax.block_until_ready(jax.tree_util.tree_leaves(self._state))
+        _dist.barrier("jaxkv.KVStore.barrier")
 
     _barrier = barrier
 

@@ -212,7 +212,11 @@ def replicated_copies(state: KVState, keys: Sequence[Key]) -> list[jax.Array]:
     replicated = [i for i, v in enumerate(values) if not state.is_sharded(v.shape)]
     out: list[Any] = [None] * len(values)
     if sharded:
-        gathered = jax.device_put([values[i] for i in sharded], state.sharding)
+        parts = [values[i] for i in sharded]
+        if jax.process_count() > 1:  # device_put cannot reach other processes' shards
+            gathered = _all_gather(parts, state.sharding)
+        else:
+            gathered = jax.device_put(parts, state.sharding)
         for i, x in zip(sharded, gathered):
             out[i] = x
     if replicated:
@@ -237,6 +241,11 @@ def init_opt_states(state: KVState, optimizer: Any, keys: Sequence[Key]) -> KVSt
 def _opt_initialiser(optimizer: Any, devices: tuple, bound: int | None) -> Callable:
     layout = KVState((), devices, (), (), bound)  # only its placement rules are used
     return jax.jit(lambda vs: place(layout, [optimizer.init(v) for v in vs]))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _all_gather(values: list[jax.Array], sharding: NamedSharding) -> list[jax.Array]:
+    return [jax.lax.with_sharding_constraint(jnp.copy(v), sharding) for v in values]
 
 
 def place(state: KVState, tree: Any) -> Any:

@@ -6,6 +6,9 @@ import logging
 import jax
 import pytest
 
+# Scripts that tests/test_dist.py runs in launched processes: never import them here.
+collect_ignore_glob = ["dist/*"]
+
 
 class _CompileCounter(logging.Handler):
     def __init__(self):

@@ -1,0 +1,55 @@
+"""Many processes: ``python -m jaxkv.launch`` runs dist_sync jobs over jax.distributed (gloo
+collectives between local CPU processes), and stops a job whose process dies."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def launch(n, script, *args, timeout=240):
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxkv.launch",
+            "-n",
+            str(n),
+            "--devices-per-process",
+            "2",
+            os.path.join(HERE, "dist", script),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_dist_sync_job(n):
+    run = launch(n, "kvstore_job.py", str(n))
+    assert run.returncode == 0, run.stdout + run.stderr
+    for rank in range(n):
+        for check in ("init from rank 0", "push sums over workers", "sharded value with sgd"):
+            assert f"rank {rank} ok {check}" in run.stdout
+        assert f"rank {rank} done" in run.stdout
+
+
+def test_a_dying_process_stops_the_job():
+    run = launch(2, "failing_job.py", timeout=120)
+    assert run.returncode == 3
+    assert "process 1 exited with 3; stopping the others" in run.stderr
+
+
+def test_launcher_refuses_no_processes():
+    run = subprocess.run(
+        [sys.executable, "-m", "jaxkv.launch", "-n", "0", "x.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode != 0 and "at least 1" in run.stderr
