@@ -39,8 +39,17 @@ def _entries(state: KVState, values: bool):
             yield key, "residual", "", state.residuals[key]
 
 
+def _single_process(fname: str) -> None:
+    if jax.process_count() > 1:
+        raise KVStoreError(
+            f"{fname}: saving and loading expect a single-process job, given "
+            f"{jax.process_count()} processes (not supported across processes yet)"
+        )
+
+
 def save(fname: str, state: KVState, *, values: bool) -> None:
     """Write ``state`` (values and/or optimizer states) to ``fname`` atomically."""
+    _single_process(fname)
     manifest: dict[str, Any] = {
         "format": _FORMAT,
         "version": _VERSION,
@@ -114,6 +123,7 @@ def load(fname: str, state: KVState, *, values: bool, optimizer: Any = None) -> 
     file need ``optimizer`` (to rebuild their structure). With ``values=False`` only optimizer
     states are loaded, into a store whose keys and optimizer structure match the file.
     """
+    _single_process(fname)
     manifest, arrays = _read(fname)
     if manifest["values"] != values:
         want = "a whole-store file (save)" if values else "an optimizer-state file"
