@@ -141,3 +141,49 @@ def test_save_and_load_keep_residuals_and_compression(tmp_path):
         store.push(3, [mx.nd.ones((2, 3), mx.cpu(d)) * 0.3 * (d + 1) for d in range(2)])
     np.testing.assert_array_equal(np.asarray(fresh.pull(3)), np.full((2, 3), 1.0))
     np.testing.assert_array_equal(np.asarray(kv.pull(3)), np.asarray(fresh.pull(3)))
+
+
+def test_the_nightly_compression_cases():
+    """MXNet's nightly 2-bit cases (tests/nightly/test_kvstore.py), in our words: a
+    local_allreduce_device store over 4 devices, a `stored += 2 * input` updater (MXNet's
+    'test' optimizer with rescale_grad=2), threshold 0.5, small, medium and big (sharded) keys.
+    Run through MXNet 1.9.1 itself, this sequence pulls 0, 0, 0, 4, 4, 8, 4, 0, -4 for each
+    key, as asserted here."""
+    t, rate, workers = 0.5, 2, 4
+    shapes = {3: (4, 4), 5: (100, 100), 7: (1200, 1200)}
+    kv = mx.kv.create("local_allreduce_device")
+    kv.set_gradient_compression({"type": "2bit", "threshold": t})
+    kv._set_updater(lambda key, inp, stored: stored.__iadd__(inp * rate))
+    for k, s in shapes.items():
+        kv.init(k, mx.nd.zeros(s))
+    kv.init(9, mx.nd.ones((4, 4)))  # never pushed
+
+    def push_all(k, value):
+        kv.push(k, [mx.nd.ones(shapes[k], mx.cpu(g)) * value for g in range(workers)])
+
+    def pulled(k):
+        outs = [mx.nd.ones(shapes[k], mx.cpu(g)) for g in range(workers)]
+        kv.pull(k, out=outs)
+        for o in outs[1:]:
+            np.testing.assert_array_equal(o.asnumpy(), outs[0].asnumpy())
+        return outs[0].asnumpy()
+
+    np.testing.assert_array_equal(pulled(3) * 0 + np.asarray(kv.pull(9)), np.ones((4, 4)))
+    for k in shapes:
+        assert not pulled(k).any()  # before any push
+        push_all(k, 0.0)
+        assert not pulled(k).any()  # zeros stay zeros
+        # The residual carries what falls below the threshold until it crosses it.
+        push_all(k, 0.4)
+        assert not pulled(k).any()
+        push_all(k, t - 0.3)
+        np.testing.assert_allclose(pulled(k), t * rate * workers)
+        push_all(k, 0.2)
+        np.testing.assert_allclose(pulled(k), t * rate * workers)
+        push_all(k, t - 0.3)
+        current = 2 * t * rate * workers
+        np.testing.assert_allclose(pulled(k), current)
+        for _ in range(3):  # the residual is 0 again: -t goes through whole
+            push_all(k, -t)
+            current -= t * rate * workers
+            np.testing.assert_allclose(pulled(k), current)
