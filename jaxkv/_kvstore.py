@@ -358,12 +358,14 @@ class KVStore:
 
     def _update(self, key: Any, values: Any) -> None:
         state = self._state
-        pushed = {k for k, _ in _ops.pairs(key, values, "values")}
-        opt_states = state.opt_states
-        leaves = jax.tree_util.tree_leaves(
-            [(state[k], opt_states[k]) for k in pushed if k in state]
-        )
-        donate = not any(id(leaf) in self._shared for leaf in leaves)
+        donate = True
+        if len(self._shared):  # something was handed out through `state`: keep it valid
+            pushed = {k for k, _ in _ops.pairs(key, values, "values")}
+            opt_states = state.opt_states
+            leaves = jax.tree_util.tree_leaves(
+                [(state[k], opt_states[k]) for k in pushed if k in state]
+            )
+            donate = not any(id(leaf) in self._shared for leaf in leaves)
         self._state = _ops.push(state, key, values, updater=self._updater, donate=donate)
 
     def _values(self, key: Any):
