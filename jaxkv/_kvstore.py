@@ -415,6 +415,8 @@ class KVStore:
                     x = arrays[i] if i is not None else jax.device_put(arrays[0], device)
                     o._set(x if x.dtype == o.dtype else x.astype(o.dtype), device)
 
+        # One copy computation for all replicated values, then the sharded ones in chunks:
+        # chunking everything together measured ~30% slower on ResNet-50.
         if small:
             hand_out(small, _ops.replicated_copies(state, small))
         chunk, size = [], 0

@@ -365,22 +365,9 @@ def _layout(state: KVState, stored: jax.Array, xs: list[jax.Array]) -> tuple[str
     devices = [single_device(x) for x in xs]
     positions = state.local_positions
     if len(set(devices)) == len(devices) and all(d in positions for d in devices):
-        dtype = xs[0].dtype
-        if any(x.dtype != dtype for x in xs):
+        if any(x.dtype != xs[0].dtype for x in xs):
             xs = [x.astype(stored.dtype) for x in xs]
-            dtype = stored.dtype
-        shard_shape = stored.shape or (1,)  # scalars travel as shape (1,)
-        # This process's shards, in mesh order (all of them in a single-process job).
-        shards: list[Any] = [None] * len(positions)
-        for d, x in zip(devices, xs):
-            shards[positions[d]] = x if x.shape == shard_shape else x.reshape(shard_shape)
-        if len(xs) < len(shards):
-            shards = [
-                s if s is not None else _zeros(shard_shape, dtype, d)
-                for s, d in zip(shards, positions)
-            ]
-        global_shape = (shard_shape[0] * len(state.devices), *shard_shape[1:])
-        return "stacked", _assemble(global_shape, _stacked_sharding(state.devices), shards)
+        return "stacked", _stacked(state, stored, dict(zip(devices, xs)), xs[0].dtype)
     # Several values on one device, or off the store's devices: sum them in call order there.
     target = state.sharding_for(stored.shape)
     placed = [jax.device_put(x.astype(stored.dtype), target) for x in xs]
@@ -554,8 +541,8 @@ def _compress(config: tuple, masks: list[tuple[bool, ...]], blocks, residuals):
 def _layout_compressed(state: KVState, key: Key, stored: jax.Array, xs: list[jax.Array]):
     """Like :func:`_layout` for a compressed store: always one block per device (devices that
     pushed nothing get zeros), plus the static mask of devices that pushed."""
-    positions = state.positions
-    by_position: dict[int, list[jax.Array]] = {}
+    positions = state.local_positions
+    by_device: dict[jax.Device, list[jax.Array]] = {}
     for x in xs:
         device = single_device(x)
         if device not in positions:
@@ -563,21 +550,28 @@ def _layout_compressed(state: KVState, key: Key, stored: jax.Array, xs: list[jax
                 f"key {key!r}: a compressed push expects each value on one of the store's "
                 f"devices {list(state.devices)}, given one on {sorted(x.devices(), key=str)}"
             )
-        by_position.setdefault(positions[device], []).append(x)
-    shard_shape = stored.shape or (1,)
-    shards, mask = [], []
-    for p, device in enumerate(state.devices):
-        parts = by_position.get(p)
-        mask.append(parts is not None)
-        if parts is None:
-            shards.append(_zeros(shard_shape, stored.dtype, device))
-            continue
+        by_device.setdefault(device, []).append(x)
+    blocks = {}
+    for device, parts in by_device.items():
         x = functools.reduce(operator.add, parts)  # several values on one device: their sum
-        x = x if x.dtype == stored.dtype else x.astype(stored.dtype)
+        blocks[device] = x if x.dtype == stored.dtype else x.astype(stored.dtype)
+    mask = tuple(d in blocks for d in state.devices)
+    return ("compressed", mask), _stacked(state, stored, blocks, stored.dtype)
+
+
+def _stacked(state: KVState, stored: jax.Array, blocks: dict, dtype: Any) -> jax.Array:
+    """One array of shape ``(D * n, ...)`` sharded over the mesh, whose block on each of this
+    process's devices is ``blocks[device]`` (zeros where absent), for a value of shape
+    ``(n, ...)``; the blocks are used in place, not copied. Scalars travel as shape ``(1,)``."""
+    shard_shape = stored.shape or (1,)
+    shards = []
+    for device in state.local_positions:  # mesh order; all devices in a single-process job
+        x = blocks.get(device)
+        if x is None:
+            x = _zeros(shard_shape, dtype, device)
         shards.append(x if x.shape == shard_shape else x.reshape(shard_shape))
-    global_shape = (shard_shape[0] * len(shards), *shard_shape[1:])
-    array = _assemble(global_shape, _stacked_sharding(state.devices), shards)
-    return ("compressed", tuple(mask)), array
+    global_shape = (shard_shape[0] * len(state.devices), *shard_shape[1:])
+    return _assemble(global_shape, _stacked_sharding(state.devices), shards)
 
 
 def residual_layout(state: KVState, shape: tuple[int, ...]) -> tuple[tuple, NamedSharding]:

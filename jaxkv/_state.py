@@ -343,6 +343,11 @@ def compression_config(params: Mapping[str, Any] | None) -> tuple | None:
         )
     if kind == "none":
         return None
+    if jax.process_count() > 1:
+        raise KVStoreError(
+            f"gradient compression {kind!r}: expected a single-process job, given "
+            f"{jax.process_count()} processes (not supported across processes yet)"
+        )
     if kind != "2bit":
         return (kind,)
     threshold = params.get("threshold", 0.5)  # MXNet's default
