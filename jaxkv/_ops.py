@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -39,6 +40,11 @@ from ._state import (
 )
 
 __all__ = ["Updater", "init", "pull", "push", "pushpull", "row_sparse_pull", "set_compression"]
+
+try:  # the concrete class of eager jax.Arrays: cheaper to test for than the jax.Array ABC
+    from jax._src.array import ArrayImpl as _ArrayImpl
+except ImportError:  # another JAX: the public routes below still work
+    _ArrayImpl = None
 
 logger = logging.getLogger("jaxkv")
 _MISSING = object()
@@ -97,7 +103,7 @@ def _is_traced(x: Any) -> bool:
 
 
 def _as_array(x: Any) -> jax.Array:
-    if isinstance(x, jax.Array):
+    if type(x) is _ArrayImpl or isinstance(x, jax.Array):  # the first test is the cheap one
         return x
     if hasattr(x, "__jax_array__"):
         return x.__jax_array__()
@@ -105,14 +111,12 @@ def _as_array(x: Any) -> jax.Array:
 
 
 def _check_value(key: Key, x: jax.Array, stored: Any, what: str) -> None:
-    if tuple(x.shape) != tuple(stored.shape):
+    if x.shape != stored.shape and tuple(x.shape) != tuple(stored.shape):
         raise ShapeError(
             f"key {key!r}: {what} has shape {tuple(x.shape)}, expected the stored shape "
             f"{tuple(stored.shape)} (dtype {stored.dtype})"
         )
-    if jnp.issubdtype(x.dtype, jnp.complexfloating) and not jnp.issubdtype(
-        stored.dtype, jnp.complexfloating
-    ):
+    if x.dtype.kind == "c" and stored.dtype.kind != "c":
         raise KVStoreError(
             f"key {key!r}: {what} has dtype {x.dtype}, expected a real dtype castable to the "
             f"stored {stored.dtype}"
@@ -324,7 +328,10 @@ def _axis_sum(x: jax.Array, axis_name: Any) -> jax.Array:
 
 def single_device(x: jax.Array) -> jax.Device | None:
     """The device ``x`` lives on, or ``None`` if it spans several."""
-    devices = x.sharding.device_set
+    sharding = x.sharding
+    if type(sharding) is SingleDeviceSharding:  # the common case, without building a set
+        return sharding._device
+    devices = sharding.device_set
     return next(iter(devices)) if len(devices) == 1 else None
 
 
@@ -343,13 +350,17 @@ def _assemble(shape: tuple[int, ...], sharding: NamedSharding, shards: list[jax.
     order, with the same shape and dtype; skips the public function's per-call checks (a third
     of a push's host time on 193 keys) where this JAX offers that."""
     try:
-        from jax._src.array import ArrayImpl
-        from jax._src.core import ShapedArray
-
-        aval = ShapedArray(shape, shards[0].dtype)
-        return ArrayImpl(aval, sharding, shards, committed=True, _skip_checks=True)
-    except (ImportError, TypeError):
+        aval = _aval(shape, shards[0].dtype)
+        return _ArrayImpl(aval, sharding, shards, committed=True, _skip_checks=True)
+    except TypeError:
         return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
+@functools.lru_cache(maxsize=4096)
+def _aval(shape: tuple[int, ...], dtype: Any) -> Any:
+    from jax._src.core import ShapedArray
+
+    return ShapedArray(shape, dtype)
 
 
 def _layout(state: KVState, stored: jax.Array, xs: list[jax.Array]) -> tuple[str, jax.Array]:
@@ -384,7 +395,7 @@ def _scatters(state: KVState, shape: tuple[int, ...]) -> bool:
     """Whether a pushed value of ``shape`` is reduce-scattered (else fused into an all-reduce)."""
     n = len(state.devices)
     return state.is_sharded(shape) or (
-        len(shape) > 0 and shape[0] % n == 0 and int(np.prod(shape)) >= _FUSE_LIMIT
+        len(shape) > 0 and shape[0] % n == 0 and math.prod(shape) >= _FUSE_LIMIT
     )
 
 

@@ -7,6 +7,7 @@ on them; stored values and optimizer states are the leaves, so ``tree_map`` only
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from types import MappingProxyType
@@ -27,6 +28,18 @@ AXIS = "kv"  # The name of the store's one mesh axis.
 # sharding from 16K elements up made push + pull of ResNet-50's parameters fastest.
 BIGARRAY_BOUND = 1 << 14
 _KEEP = object()
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_sharded(shape: tuple[int, ...], n: int, bound: int | None) -> bool:
+    # Asked for every value of every push and pull: cached, since shapes repeat.
+    return (
+        bound is not None
+        and n > 1
+        and len(shape) > 0
+        and shape[0] % n == 0
+        and math.prod(shape) >= bound
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -52,6 +65,8 @@ def _positions(devices: tuple[jax.Device, ...]) -> dict[jax.Device, int]:
 
 def normalize_key(key: Any) -> Key:
     """``key`` as a plain ``int`` or ``str``; anything else is refused."""
+    if type(key) is int or type(key) is str:  # the common cases, before the ABC checks
+        return key
     if isinstance(key, str):
         return key
     if isinstance(key, numbers.Integral) and not isinstance(key, bool):
@@ -190,14 +205,7 @@ class KVState:
 
     def is_sharded(self, shape: tuple[int, ...]) -> bool:
         """Whether a value (or optimizer-state leaf) of ``shape`` is stored sharded."""
-        n = len(self._devices)
-        return (
-            self._bound is not None
-            and n > 1
-            and len(shape) > 0
-            and shape[0] % n == 0
-            and int(np.prod(shape, dtype=np.int64)) >= self._bound
-        )
+        return _is_sharded(tuple(shape), len(self._devices), self._bound)
 
     def sharding_for(self, shape: tuple[int, ...]) -> NamedSharding:
         """Where a stored array of ``shape`` lives: sharded along axis 0, or replicated."""
