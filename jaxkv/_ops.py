@@ -220,7 +220,7 @@ def replicated_copies(state: KVState, keys: Sequence[Key]) -> list[jax.Array]:
         if jax.process_count() > 1:  # device_put cannot reach other processes' shards
             gathered = _all_gather(parts, state.sharding)
         else:
-            gathered = jax.device_put(parts, state.sharding)
+            gathered = _device_put(parts, state.sharding)
         for i, x in zip(sharded, gathered):
             out[i] = x
     if replicated:
@@ -715,7 +715,48 @@ def replicate(values: Sequence[jax.Array], devices: tuple[jax.Device, ...]) -> l
         sharding = SingleDeviceSharding(devices[0])
     else:
         sharding = NamedSharding(_mesh(devices), PartitionSpec())
-    return list(jax.device_put(list(values), [sharding] * len(values)))
+    return _device_put(list(values), sharding)
+
+
+def _device_put(values: list[jax.Array], sharding: Any) -> list[jax.Array]:
+    """``jax.device_put`` of each of ``values`` to ``sharding``; values sharded over CPU devices
+    of this process go through one host buffer of their own (see :func:`_host_copy`)."""
+    sources = [_host_copy(v) for v in values]
+    sources = [v if h is None else h for v, h in zip(values, sources)]
+    return list(jax.device_put(sources, [sharding] * len(values)))
+
+
+def _host_copy(x: jax.Array) -> np.ndarray | None:
+    """``x``'s value gathered into a fresh 64-byte-aligned host buffer, if ``x`` is split over
+    several CPU devices of this process; else ``None``.
+
+    CPU devices share host memory, and ``device_put`` of an aligned NumPy array to CPU devices
+    lets every device read that one buffer (JAX's own behaviour; an executable given such an
+    array with donation writes its result elsewhere), so a pull writes one copy, not one per
+    device. JAX's route from a sharded array would also keep a host copy cached on the stored
+    value for as long as that lives.
+    """
+    shards = x.addressable_shards
+    if (
+        len(shards) < 2
+        or x.is_fully_replicated
+        or not x.is_fully_addressable
+        or any(d.platform != "cpu" for d in x.sharding.device_set)
+    ):
+        return None
+    host = _aligned_empty(x.shape, np.dtype(x.dtype))
+    for shard in shards:
+        host[shard.index] = np.asarray(shard.data)  # reads the shard's buffer in place
+    return host
+
+
+_ALIGN = 64  # bytes; XLA's CPU runtime reads host buffers in place only if so aligned
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    raw = np.empty(math.prod(shape) * dtype.itemsize + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start : start + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
 
 
 def pull(state: KVState, keys: Any, *, devices: Any = None) -> Any:

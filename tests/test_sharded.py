@@ -57,6 +57,24 @@ def test_push_reduce_scatters_and_pull_all_gathers(state, devices):
     np.testing.assert_array_equal(pulled, expected)
 
 
+def test_pulled_replicas_share_one_host_buffer_safely(state, devices):
+    """On CPU devices a pull of a sharded value writes one host copy that every device reads;
+    donating one replica to a computation leaves the others (and the store) intact."""
+    pulled = jaxkv.pull(state, "big", devices=devices)
+    replicas = [s.data for s in pulled.addressable_shards]
+    assert {r.device for r in replicas} == set(devices)
+    assert len({r.unsafe_buffer_pointer() for r in replicas}) == 1
+    assert replicas[0].unsafe_buffer_pointer() not in {
+        s.data.unsafe_buffer_pointer() for s in state["big"].addressable_shards
+    }
+    doubled = jax.jit(lambda x: x * 2, donate_argnums=0)(replicas[3])
+    expected = np.arange(64.0).reshape(BIG)
+    np.testing.assert_array_equal(doubled, 2 * expected)
+    for r in replicas[:3] + replicas[4:]:
+        np.testing.assert_array_equal(r, expected)
+    np.testing.assert_array_equal(state["big"], expected)
+
+
 def test_non_elementwise_updaters_see_the_whole_array(state, devices):
     def normalise(key, pushed, stored):  # a global norm: wrong if applied per shard
         return stored + pushed / jnp.linalg.norm(pushed)
