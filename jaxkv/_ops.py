@@ -376,9 +376,12 @@ def _layout(state: KVState, stored: jax.Array, xs: list[jax.Array]) -> tuple[str
     devices = [single_device(x) for x in xs]
     positions = state.local_positions
     if len(set(devices)) == len(devices) and all(d in positions for d in devices):
-        if any(x.dtype != xs[0].dtype for x in xs):
-            xs = [x.astype(stored.dtype) for x in xs]
-        return "stacked", _stacked(state, stored, dict(zip(devices, xs)), xs[0].dtype)
+        dtype = xs[0].dtype
+        if any(x.dtype != dtype for x in xs):
+            xs, dtype = [x.astype(stored.dtype) for x in xs], stored.dtype
+        if len(devices) == len(positions) and all(map(operator.eq, devices, positions)):
+            return "stacked", _stacked_in_order(state, stored, xs)  # one per device, in order
+        return "stacked", _stacked(state, stored, dict(zip(devices, xs)), dtype)
     # Several values on one device, or off the store's devices: sum them in call order there.
     target = state.sharding_for(stored.shape)
     placed = [jax.device_put(x.astype(stored.dtype), target) for x in xs]
@@ -583,6 +586,15 @@ def _stacked(state: KVState, stored: jax.Array, blocks: dict, dtype: Any) -> jax
         shards.append(x if x.shape == shard_shape else x.reshape(shard_shape))
     global_shape = (shard_shape[0] * len(state.devices), *shard_shape[1:])
     return _assemble(global_shape, _stacked_sharding(state.devices), shards)
+
+
+def _stacked_in_order(state: KVState, stored: jax.Array, xs: list[jax.Array]) -> jax.Array:
+    """:func:`_stacked` for one block per device of this process, given in mesh order."""
+    shard_shape = stored.shape or (1,)
+    if xs[0].shape != shard_shape:
+        xs = [x.reshape(shard_shape) for x in xs]
+    global_shape = (shard_shape[0] * len(state.devices), *shard_shape[1:])
+    return _assemble(global_shape, _stacked_sharding(state.devices), xs)
 
 
 def residual_layout(state: KVState, shape: tuple[int, ...]) -> tuple[tuple, NamedSharding]:
