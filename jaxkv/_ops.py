@@ -489,7 +489,8 @@ class _PushCache:
 
 def _build_push(state: KVState, keys, kinds, updater, donate) -> Callable:
     """The jitted push for one signature. ``state`` supplies only static facts (mesh, bound,
-    compression)."""
+    compression); the cached computation keeps none of its arrays."""
+    state = state._placement()
     compressed = [i for i, kind in enumerate(kinds) if kind[0] == "compressed"]
     stacked = [i for i, kind in enumerate(kinds) if kind != "one"]
 

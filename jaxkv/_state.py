@@ -137,6 +137,11 @@ class KVState:
     def __setattr__(self, name, value):
         raise AttributeError("KVState is immutable: operations return a new state")
 
+    def _placement(self) -> KVState:
+        """A state with no keys and this one's devices, big-array bound and compression: the
+        static facts a cached computation may keep without keeping any of the arrays alive."""
+        return KVState((), self._devices, (), (), self._bound, (), self._compression)
+
     # -- pytree protocol -------------------------------------------------------------------
     def tree_flatten_with_keys(self):
         children = (

@@ -1,6 +1,9 @@
 """The functional core: init, push, pull, pushpull, row_sparse_pull, eagerly and under jit,
 pmap and shard_map, with compile counting, purity, donation and refusals."""
 
+import gc
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -226,6 +229,19 @@ def test_no_recompiles_after_warm_up(state, devices, compiles):
             jax.block_until_ready(jaxkv.pull(s, ["w", "v", "b"]))
     assert c.count == 0
     np.testing.assert_array_equal(s["w"], np.full((2, 3), 8.0 * 11))
+
+
+def test_cached_push_computations_keep_no_arrays_alive(devices):
+    """A push computation is cached per signature; it must not keep the state it was first
+    built from (or that state's arrays) alive."""
+    old = jaxkv.init(jaxkv.empty(), {"w": jnp.arange(7.0), "big": jnp.zeros((64, 512))})
+    stored = [weakref.ref(old["w"]), weakref.ref(old["big"])]
+    grads = [jax.device_put(jnp.ones((64, 512)), d) for d in devices]
+    new = jaxkv.push(old, {"w": jnp.ones(7), "big": grads})
+    del old
+    gc.collect()
+    assert [r() for r in stored] == [None, None]
+    np.testing.assert_array_equal(new["big"], 8 * np.ones((64, 512)))
 
 
 def test_compile_counter_sees_new_signatures(state, compiles):
