@@ -111,7 +111,7 @@ def _as_array(x: Any) -> jax.Array:
 
 
 def _check_value(key: Key, x: jax.Array, stored: Any, what: str) -> None:
-    if x.shape != stored.shape and tuple(x.shape) != tuple(stored.shape):
+    if tuple(x.shape) != tuple(stored.shape):
         raise ShapeError(
             f"key {key!r}: {what} has shape {tuple(x.shape)}, expected the stored shape "
             f"{tuple(stored.shape)} (dtype {stored.dtype})"
@@ -380,7 +380,7 @@ def _layout(state: KVState, stored: jax.Array, xs: list[jax.Array]) -> tuple[str
         if any(x.dtype != dtype for x in xs):
             xs, dtype = [x.astype(stored.dtype) for x in xs], stored.dtype
         if len(devices) == len(positions) and all(map(operator.eq, devices, positions)):
-            return "stacked", _stacked_in_order(state, stored, xs)  # one per device, in order
+            return "stacked", _stacked(state, stored, xs, dtype)  # one per device, in order
         return "stacked", _stacked(state, stored, dict(zip(devices, xs)), dtype)
     # Several values on one device, or off the store's devices: sum them in call order there.
     target = state.sharding_for(stored.shape)
@@ -574,28 +574,21 @@ def _layout_compressed(state: KVState, key: Key, stored: jax.Array, xs: list[jax
     return ("compressed", mask), _stacked(state, stored, blocks, stored.dtype)
 
 
-def _stacked(state: KVState, stored: jax.Array, blocks: dict, dtype: Any) -> jax.Array:
+def _stacked(state: KVState, stored: jax.Array, blocks: dict | list, dtype: Any) -> jax.Array:
     """One array of shape ``(D * n, ...)`` sharded over the mesh, whose block on each of this
     process's devices is ``blocks[device]`` (zeros where absent), for a value of shape
-    ``(n, ...)``; the blocks are used in place, not copied. Scalars travel as shape ``(1,)``."""
+    ``(n, ...)``; the blocks are used in place, not copied. Scalars travel as shape ``(1,)``.
+    ``blocks`` may also be a list holding one block per device of this process, in mesh order.
+    """
     shard_shape = stored.shape or (1,)
-    shards = []
-    for device in state.local_positions:  # mesh order; all devices in a single-process job
-        x = blocks.get(device)
-        if x is None:
-            x = _zeros(shard_shape, dtype, device)
-        shards.append(x if x.shape == shard_shape else x.reshape(shard_shape))
+    if isinstance(blocks, dict):  # mesh order; all devices in a single-process job
+        blocks = [
+            blocks[d] if d in blocks else _zeros(shard_shape, dtype, d)
+            for d in state.local_positions
+        ]
+    shards = [x if x.shape == shard_shape else x.reshape(shard_shape) for x in blocks]
     global_shape = (shard_shape[0] * len(state.devices), *shard_shape[1:])
     return _assemble(global_shape, _stacked_sharding(state.devices), shards)
-
-
-def _stacked_in_order(state: KVState, stored: jax.Array, xs: list[jax.Array]) -> jax.Array:
-    """:func:`_stacked` for one block per device of this process, given in mesh order."""
-    shard_shape = stored.shape or (1,)
-    if xs[0].shape != shard_shape:
-        xs = [x.reshape(shard_shape) for x in xs]
-    global_shape = (shard_shape[0] * len(state.devices), *shard_shape[1:])
-    return _assemble(global_shape, _stacked_sharding(state.devices), xs)
 
 
 def residual_layout(state: KVState, shape: tuple[int, ...]) -> tuple[tuple, NamedSharding]:
