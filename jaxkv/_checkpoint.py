@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from ._errors import KVStoreError
-from ._ops import residual_layout
+from ._ops import host_copy, residual_layout
 from ._state import KVState
 
 __all__ = ["load", "save"]
@@ -60,7 +60,9 @@ def save(fname: str, state: KVState, *, values: bool) -> None:
     }
     arrays = {}
     for n, (key, part, path, leaf) in enumerate(_entries(state, values)):
-        host = np.asarray(jax.device_get(leaf))
+        host = host_copy(leaf)  # a sharded value: gathered without JAX caching a copy on it
+        if host is None:
+            host = np.asarray(jax.device_get(leaf))
         raw = np.frombuffer(host.tobytes(), np.uint8)
         arrays[f"a{n}"] = raw
         manifest["arrays"].append(

@@ -726,13 +726,13 @@ def replicate(values: Sequence[jax.Array], devices: tuple[jax.Device, ...]) -> l
 
 def _device_put(values: list[jax.Array], sharding: Any) -> list[jax.Array]:
     """``jax.device_put`` of each of ``values`` to ``sharding``; values sharded over CPU devices
-    of this process go through one host buffer of their own (see :func:`_host_copy`)."""
-    sources = [_host_copy(v) for v in values]
+    of this process go through one host buffer of their own (see :func:`host_copy`)."""
+    sources = [host_copy(v) for v in values]
     sources = [v if h is None else h for v, h in zip(values, sources)]
     return list(jax.device_put(sources, [sharding] * len(values)))
 
 
-def _host_copy(x: jax.Array) -> np.ndarray | None:
+def host_copy(x: jax.Array) -> np.ndarray | None:
     """``x``'s value gathered into a fresh 64-byte-aligned host buffer, if ``x`` is split over
     several CPU devices of this process; else ``None``.
 
