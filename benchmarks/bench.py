@@ -325,8 +325,8 @@ def main() -> None:
     )
     # Timings on this shared machine drift by tens of percent between minutes. Each workload is
     # measured in ROUNDS rounds, each timing jaxkv (both paths), MXNet and the copy bandwidth back
-    # to back; every number reported is the best round's (lowest time, highest bandwidth), so all
-    # of them come from the same conditions: the machine at its least disturbed.
+    # to back; every number reported is the best of its rounds (lowest time, highest bandwidth),
+    # so each one measures the machine at its least disturbed, and all rounds are listed.
     bws: list[float] = []
     rows = []
     for work in ("resnet50", "small"):
