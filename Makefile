@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo lint format bench conformance clean
+.PHONY: test test-deep demo lint format bench conformance mutation clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(BIN)/ruff check jaxkv tests examples benchmarks conformance
 	$(BIN)/python -m pytest -q
+
+# The property tests with thousands of examples: run before a change to the arithmetic lands.
+test-deep: $(STAMP)
+	HYPOTHESIS_PROFILE=deep $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_stateful.py
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
