@@ -2,7 +2,9 @@
 
 Layout: ``manifest`` (UTF-8 JSON as ``uint8``) lists every array with its key, part (``value``,
 ``opt`` or ``residual``), tree path, shape, dtype and SHA-256, and the store's compression;
-``a0``, ``a1``, ... hold the raw bytes.
+``manifest_sha256`` holds the manifest's own SHA-256 (hex, ASCII); ``a0``, ``a1``, ... hold the
+raw bytes. Loading checks both checksums and every manifest field, so any malformed file is a
+:class:`KVStoreError`, before the store changes.
 """
 
 from __future__ import annotations
@@ -15,16 +17,18 @@ import zipfile
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._errors import KVStoreError
 from ._ops import host_copy, residual_layout
-from ._state import KVState
+from ._state import KVState, check_compressible, compression_config
 
 __all__ = ["load", "save"]
 
 _FORMAT = "jaxkv-store"
-_VERSION = 1
+_VERSION = 2  # 2: the manifest has a checksum of its own
+_PARTS = ("value", "opt", "residual")
 
 
 def _entries(state: KVState, values: bool):
@@ -47,6 +51,10 @@ def _single_process(fname: str) -> None:
         )
 
 
+def _sha256(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
 def save(fname: str, state: KVState, *, values: bool) -> None:
     """Write ``state`` (values and/or optimizer states) to ``fname`` atomically."""
     _single_process(fname)
@@ -63,8 +71,8 @@ def save(fname: str, state: KVState, *, values: bool) -> None:
         host = host_copy(leaf)  # a sharded value: gathered without JAX caching a copy on it
         if host is None:
             host = np.asarray(jax.device_get(leaf))
-        raw = np.frombuffer(host.tobytes(), np.uint8)
-        arrays[f"a{n}"] = raw
+        raw = host.tobytes()
+        arrays[f"a{n}"] = np.frombuffer(raw, np.uint8)
         manifest["arrays"].append(
             {
                 "key": key,
@@ -72,10 +80,12 @@ def save(fname: str, state: KVState, *, values: bool) -> None:
                 "path": path,
                 "shape": list(host.shape),
                 "dtype": str(host.dtype),
-                "sha256": hashlib.sha256(raw.tobytes()).hexdigest(),
+                "sha256": _sha256(raw),
             }
         )
-    arrays["manifest"] = np.frombuffer(json.dumps(manifest).encode(), np.uint8)
+    text = json.dumps(manifest).encode()
+    arrays["manifest"] = np.frombuffer(text, np.uint8)
+    arrays["manifest_sha256"] = np.frombuffer(_sha256(text).encode(), np.uint8)
     directory = os.path.dirname(os.path.abspath(fname))
     fd, tmp = tempfile.mkstemp(prefix=".jaxkv-", suffix=".tmp", dir=directory)
     try:
@@ -90,27 +100,115 @@ def save(fname: str, state: KVState, *, values: bool) -> None:
         raise
 
 
+class _Malformed(Exception):
+    """A manifest field that is not what ``save`` writes (turned into a KVStoreError)."""
+
+
+def _expect(ok: bool, what: str, given: Any) -> None:
+    if not ok:
+        raise _Malformed(f"manifest: expected {what}, given {given!r}")
+
+
+def _check_manifest(manifest: Any, files: set[str]) -> None:
+    """Every field ``load`` reads, checked against what ``save`` writes."""
+    _expect(isinstance(manifest, dict), "a JSON object", type(manifest).__name__)
+    _expect(
+        manifest.get("format") == _FORMAT and manifest.get("version") == _VERSION,
+        f"format {_FORMAT!r} version {_VERSION}",
+        (manifest.get("format"), manifest.get("version")),
+    )
+    _expect(type(manifest.get("values")) is bool, "'values' true or false", manifest.get("values"))
+    keys = manifest.get("keys")
+    _expect(isinstance(keys, list), "'keys' a list", keys)
+    kinds = {type(k) for k in keys}
+    _expect(kinds <= {int} or kinds <= {str}, "'keys' all int or all str", keys)
+    _expect(len(set(keys)) == len(keys), "distinct 'keys'", keys)
+    compression = manifest.get("compression")
+    if compression is not None:
+        _expect(isinstance(compression, list) and compression, "'compression' a list", compression)
+        params = {"type": compression[0]}
+        if len(compression) > 1:
+            params["threshold"] = compression[1]
+        try:
+            config = compression_config(params)
+        except KVStoreError as e:
+            raise _Malformed(f"manifest: 'compression' {compression!r}: {e}") from None
+        _expect(list(config or []) == compression, "a valid 'compression'", compression)
+    entries = manifest.get("arrays")
+    _expect(isinstance(entries, list), "'arrays' a list", entries)
+    counts: dict[Any, dict[str, int]] = {k: dict.fromkeys(_PARTS, 0) for k in keys}
+    for n, e in enumerate(entries):
+        _expect(isinstance(e, dict), f"arrays[{n}] an object", e)
+        _expect(e.get("key") in counts, f"arrays[{n}] 'key' one of {keys}", e.get("key"))
+        _expect(e.get("part") in _PARTS, f"arrays[{n}] 'part' one of {_PARTS}", e.get("part"))
+        _expect(isinstance(e.get("path"), str), f"arrays[{n}] 'path' a str", e.get("path"))
+        shape = e.get("shape")
+        _expect(
+            isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape),
+            f"arrays[{n}] 'shape' a list of sizes",
+            shape,
+        )
+        try:
+            jnp.dtype(e.get("dtype"))
+        except TypeError:
+            raise _Malformed(
+                f"manifest: expected arrays[{n}] 'dtype' a dtype name, given {e.get('dtype')!r}"
+            ) from None
+        _expect(isinstance(e.get("sha256"), str), f"arrays[{n}] 'sha256' a str", e.get("sha256"))
+        _expect(f"a{n}" in files, f"an array a{n} for arrays[{n}]", sorted(files))
+        counts[e["key"]][e["part"]] += 1
+    for key, c in counts.items():
+        value, residual = (1, int(bool(compression) and compression[0] == "2bit"))
+        if not manifest["values"]:
+            value, residual = 0, 0
+        _expect(
+            c["value"] == value and c["residual"] == residual,
+            f"key {key!r} with {value} value and {residual} residual entries",
+            f"{c['value']} and {c['residual']}",
+        )
+
+
 def _read(fname: str) -> tuple[dict, list[np.ndarray]]:
+    """The manifest and arrays of ``fname``, every checksum and manifest field checked."""
     try:
         with np.load(fname, allow_pickle=False) as z:
-            manifest = json.loads(bytes(z["manifest"]).decode())
-            if manifest.get("format") != _FORMAT or manifest.get("version") != _VERSION:
-                raise KVStoreError(
-                    f"{fname}: expected a {_FORMAT} v{_VERSION} file, given format "
-                    f"{manifest.get('format')!r} v{manifest.get('version')!r}"
+            files = set(z.files)
+            if "manifest_sha256" not in files:
+                raise _Malformed(
+                    f"expected a {_FORMAT} v{_VERSION} file with a checksummed manifest, given "
+                    "one without (saved by another program or an older jaxkv)"
                 )
+            text = bytes(z["manifest"])
+            if _sha256(text) != bytes(z["manifest_sha256"]).decode("ascii", "replace"):
+                raise KVStoreError(
+                    f"{fname}: manifest checksum mismatch, expected the saved SHA-256, given "
+                    "different bytes (the file is corrupt or was edited)"
+                )
+            manifest = json.loads(text.decode())
+            _check_manifest(manifest, files)
             arrays = []
             for n, entry in enumerate(manifest["arrays"]):
-                raw = z[f"a{n}"]
-                if hashlib.sha256(raw.tobytes()).hexdigest() != entry["sha256"]:
+                raw = z[f"a{n}"].tobytes()
+                if _sha256(raw) != entry["sha256"]:
                     raise KVStoreError(
                         f"{fname}: key {entry['key']!r} {entry['part']}{entry['path']}: "
                         "checksum mismatch, expected the saved SHA-256, given different bytes "
                         "(the file is corrupt)"
                     )
-                dtype = jax.numpy.dtype(entry["dtype"])
-                arrays.append(np.frombuffer(raw.tobytes(), dtype).reshape(entry["shape"]))
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError) as e:
+                dtype = jnp.dtype(entry["dtype"])
+                arrays.append(np.frombuffer(raw, dtype).reshape(entry["shape"]))
+    except KVStoreError:
+        raise
+    except (
+        _Malformed,
+        OSError,
+        ValueError,
+        TypeError,
+        KeyError,
+        IndexError,
+        zipfile.BadZipFile,
+        UnicodeDecodeError,
+    ) as e:
         raise KVStoreError(
             f"{fname}: expected a jaxkv store file, given one that cannot be "
             f"read ({type(e).__name__}: {e})"
@@ -149,13 +247,15 @@ def load(fname: str, state: KVState, *, values: bool, optimizer: Any = None) -> 
         new_values, residuals = {}, {}
         for k in keys:
             value = by_key[k]["value"][0][1]
+            check_compressible(base.compression, k, value.dtype)
             new_values[k] = jax.device_put(value, base.sharding_for(value.shape))
             for _, r in by_key[k]["residual"]:
                 expected, sharding = residual_layout(base, value.shape)
-                if r.shape != expected:
+                if (r.shape, r.dtype) != (expected, value.dtype):
                     raise KVStoreError(
-                        f"{fname}: key {k!r}: residual expected shape {expected} (one block per "
-                        f"device of this store), given {r.shape}"
+                        f"{fname}: key {k!r}: residual expected shape {expected} and dtype "
+                        f"{value.dtype} (one block per device of this store), given {r.shape} "
+                        f"and {r.dtype}"
                     )
                 residuals[k] = jax.device_put(r, sharding)
         base = base.replace(values=new_values, residuals=residuals)

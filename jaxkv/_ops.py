@@ -34,6 +34,7 @@ from ._state import (
     Key,
     KVState,
     _mesh,
+    check_compressible,
     compression_config,
     key_kind,
     normalize_key,
@@ -167,6 +168,7 @@ def init(state: KVState, keys: Any, values: Any = _MISSING) -> KVState:
                 f"key {key!r}: init expects one value, given a list of {len(vs)} values"
             )
         new[key] = _as_array(vs[0])
+        check_compressible(state.compression, key, new[key].dtype)
     eager = [k for k, x in new.items() if not _is_traced(x)]
     if eager:
         xs = [new[k] for k in eager]
@@ -189,6 +191,8 @@ def set_compression(state: KVState, params: Mapping[str, Any] | None) -> KVState
     ``{'type': '2bit', 'threshold': t}`` starts every key's residual at zero.
     """
     config = compression_config(params)
+    for key in state.keys():
+        check_compressible(config, key, state[key].dtype)
     with_config = state.replace(compression=config, residuals={k: None for k in state.keys()})
     if config is None or config[0] != "2bit":
         return with_config
@@ -841,6 +845,9 @@ def _keep_rows(value: jax.Array, mask: jax.Array) -> jax.Array:
 def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = None) -> jax.Array:
     """The value of ``key`` with only the rows in ``row_ids`` kept and the others zero.
 
+    Eagerly, ids that are not whole numbers in ``[0, rows)`` are refused. Inside ``jit`` (traced
+    ids) they cannot be: there an id outside ``[0, rows)`` selects no row.
+
     Examples:
       >>> import jax.numpy as jnp, jaxkv
       >>> s = jaxkv.init(jaxkv.empty(), {"e": jnp.ones((3, 2))})
@@ -852,8 +859,11 @@ def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = No
         raise ShapeError(f"key {key!r}: row_sparse_pull expects a value with rows, given a scalar")
     rows = value.shape[0]
     if _is_traced(row_ids) or _is_traced(value):
+        # Traced ids cannot be refused: those outside [0, rows) select no row. (JAX's own
+        # indexing would wrap -1 around to the last row.)
         ids = jnp.asarray(row_ids).ravel().astype(jnp.int32)
-        mask = jnp.zeros(rows, bool).at[ids].set(True)
+        ids = jnp.where(ids < 0, rows, ids)
+        mask = jnp.zeros(rows, bool).at[ids].set(True, mode="drop")
     else:
         ids = np.asarray(jax.device_get(row_ids) if isinstance(row_ids, jax.Array) else row_ids)
         ids = ids.ravel()

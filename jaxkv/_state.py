@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -370,3 +371,15 @@ def compression_config(params: Mapping[str, Any] | None) -> tuple | None:
             f"MXNet), given {threshold!r}"
         )
     return ("2bit", float(threshold))
+
+
+def check_compressible(config: tuple | None, key: Key, dtype: Any) -> None:
+    """Refuse a value that ``config``'s compression cannot carry: only floating-point values are
+    compressed (as in MXNet). A 2-bit threshold cast to an integer dtype would be 0 or round the
+    value, and fp16/bf16 rounding of large integers changes them: both silently."""
+    if config is not None and not jnp.issubdtype(dtype, jnp.floating):
+        raise KVStoreError(
+            f"key {key!r}: gradient compression {config[0]!r} expects a floating-point value "
+            f"(as in MXNet), given dtype {np.dtype(dtype)}; store this key in a store without "
+            "compression"
+        )
