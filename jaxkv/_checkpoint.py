@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 import zipfile
@@ -171,7 +172,10 @@ def _check_manifest(manifest: Any, files: set[str]) -> None:
 def _read(fname: str) -> tuple[dict, list[np.ndarray]]:
     """The manifest and arrays of ``fname``, every checksum and manifest field checked."""
     try:
-        with np.load(fname, allow_pickle=False) as z:
+        with open(fname, "rb") as f:  # ours to close, whatever np.load makes of it
+            z = np.load(f, allow_pickle=False)
+            if not isinstance(z, np.lib.npyio.NpzFile):
+                raise _Malformed(f"expected an .npz archive, given one {type(z).__name__}")
             files = set(z.files)
             if "manifest_sha256" not in files:
                 raise _Malformed(
@@ -196,16 +200,24 @@ def _read(fname: str) -> tuple[dict, list[np.ndarray]]:
                         "(the file is corrupt)"
                     )
                 dtype = jnp.dtype(entry["dtype"])
+                size = math.prod(entry["shape"]) * dtype.itemsize
+                if len(raw) != size:
+                    raise KVStoreError(
+                        f"{fname}: key {entry['key']!r} {entry['part']}{entry['path']}: expected "
+                        f"{size} bytes for shape {entry['shape']} of {dtype}, given {len(raw)}"
+                    )
                 arrays.append(np.frombuffer(raw, dtype).reshape(entry["shape"]))
     except KVStoreError:
         raise
+    except _Malformed as e:
+        raise KVStoreError(f"{fname}: {e}") from None
     except (
-        _Malformed,
         OSError,
         ValueError,
         TypeError,
         KeyError,
         IndexError,
+        EOFError,
         zipfile.BadZipFile,
         UnicodeDecodeError,
     ) as e:
