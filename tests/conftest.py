@@ -43,3 +43,15 @@ def devices():
     devs = jax.devices()
     assert len(devs) == 8, "tests expect 8 simulated CPU devices (see conftest.py)"
     return devs
+
+
+@pytest.fixture(params=["eager", "jit"])
+def call(request):
+    """Run a function of arrays eagerly or under ``jax.jit``, as chex's variants do.
+
+    ``call(fn, *args)``: ``fn``'s array arguments are traced in the ``jit`` variant; anything
+    static (keys, updaters) is closed over. Tests taking this fixture run once per variant.
+    """
+    if request.param == "eager":
+        return lambda fn, *args: fn(*args)
+    return lambda fn, *args: jax.jit(fn)(*args)

@@ -187,3 +187,28 @@ def test_the_nightly_compression_cases():
             push_all(k, -t)
             current -= t * rate * workers
             np.testing.assert_allclose(pulled(k), current)
+
+
+@pytest.mark.parametrize("kind", ["2bit", "fp16", "bf16"])
+def test_integer_values_are_refused_as_mxnet_does(kind):
+    """A 2-bit threshold cast to int32 would be 0 and drop every push; rounding big integers to
+    fp16 would change them. MXNet refuses compression of non-float values, and so does jaxkv,
+    whichever comes first: the compression or the key."""
+    params = {"type": kind, "threshold": 0.5} if kind == "2bit" else {"type": kind}
+    kv = mx.kv.create("device")
+    kv.set_gradient_compression(params)
+    kv.init(3, mx.nd.zeros(4))  # float32: fine
+    with pytest.raises(jaxkv.KVStoreError, match=f"key 5: gradient compression '{kind}'.*int32"):
+        kv.init([4, 5], [mx.nd.zeros(4), mx.nd.zeros(4, dtype="int32")])
+    assert kv.keys() == [3]
+    plain = mx.kv.create("device")
+    plain.init([3, 5], [mx.nd.zeros(4), mx.nd.zeros(4, dtype="int32")])
+    with pytest.raises(jaxkv.KVStoreError, match=f"key 5: gradient compression '{kind}'.*int32"):
+        plain.set_gradient_compression(params)
+    assert plain.state.compression is None
+    with pytest.raises(jaxkv.KVStoreError, match="key 'i'.*int32"):
+        jaxkv.init(jaxkv.empty(compression=params), {"i": jnp.zeros(2, jnp.int32)})
+    # Integer values pushed to a float key are cast first, and compress as floats.
+    kv.push(3, [mx.nd.array([3, 0, 0, -3], dtype="int32", ctx=mx.cpu(d)) for d in range(2)])
+    expected = [1.0, 0.0, 0.0, -1.0] if kind == "2bit" else [6.0, 0.0, 0.0, -6.0]
+    assert kv.pull(3).tolist() == expected

@@ -152,7 +152,7 @@ def test_broadcast_initialises_and_fills_outs(kv):
 
 
 def test_row_sparse_pull(kv):
-    kv.init("x" if False else 7, nd.array(np.arange(6.0).reshape(3, 2)))
+    kv.init(7, nd.array(np.arange(6.0).reshape(3, 2)))
     out = nd.zeros((3, 2), jaxkv.cpu(1))
     kv.row_sparse_pull(7, out=out, row_ids=nd.array([2], dtype=np.int64))
     np.testing.assert_array_equal(out.asnumpy(), [[0, 0], [0, 0], [4, 5]])
@@ -161,6 +161,13 @@ def test_row_sparse_pull(kv):
     np.testing.assert_array_equal(rows, [[0, 1], [0, 0], [0, 0]])
     with pytest.raises(jaxkv.KVStoreError, match="row_ids"):
         kv.row_sparse_pull(7, out=out)
+    # Ids that are not rows are refused, and no out is touched (the first out's ids are fine).
+    other = nd.full((3, 2), -1.0, jaxkv.cpu(2))
+    for bad in ([-1], [3], [0, -3]):
+        with pytest.raises(jaxkv.KVStoreError, match=r"key 7: row_ids expected.*\[0, 3\)"):
+            kv.row_sparse_pull(7, out=[out, other], row_ids=[nd.array([0]), nd.array(bad)])
+        np.testing.assert_array_equal(out.asnumpy(), [[0, 0], [0, 0], [4, 5]])
+        np.testing.assert_array_equal(other.asnumpy(), np.full((3, 2), -1.0))
 
 
 # -- refusals: the store is left exactly as it was -------------------------------------------

@@ -111,36 +111,104 @@ def test_same_device_and_off_store_values_are_summed_too(devices):
     assert new[0].sharding.device_set == set(devices[:2])
 
 
-def test_duplicate_keys_are_summed_and_updater_runs_once_per_key(state):
+# -- every operation, eagerly and under jit (the `call` fixture runs each test both ways) ------
+def test_init_adds_keys_and_leaves_the_state_alone(state, call):
+    new = call(lambda s, x, y: jaxkv.init(s, {"n": x, "m": y}), state, jnp.arange(3.0), 2.5)
+    assert new.keys() == ("b", "m", "n", "v", "w") and state.keys() == ("b", "v", "w")
+    np.testing.assert_array_equal(new["n"], np.arange(3.0))
+    assert float(new["m"]) == 2.5
+    np.testing.assert_array_equal(new["v"], np.arange(4.0))
+
+
+def test_push_sums_lists_and_duplicate_keys_then_updates_once_per_key(state, call):
     calls = []
 
     def counting(key, pushed, stored):
         calls.append(key)
-        return stored + pushed
+        return stored * 10 + pushed
 
-    new = jaxkv.push(state, ["v", "b", "v"], [jnp.ones(4), 3.0, 2 * jnp.ones(4)], updater=counting)
-    np.testing.assert_array_equal(new["v"], np.arange(4.0) + 3.0)
+    new = call(
+        lambda s, a, b: jaxkv.push(s, ["v", "b", "v"], [[a, 2 * a], 3.0, b], updater=counting),
+        state,
+        jnp.arange(4.0),
+        jnp.full(4, 0.5),
+    )
+    np.testing.assert_array_equal(new["v"], np.arange(4.0) * 10 + 3 * np.arange(4.0) + 0.5)
     assert float(new["b"]) == 3.0
-    assert sorted(calls) == ["b", "v"]  # traced once, one call per distinct key
+    assert sorted(calls) == ["b", "v"]  # one call per distinct key
+    np.testing.assert_array_equal(state["v"], np.arange(4.0))  # pure
 
 
-def test_mapping_form_and_dtype_cast(state):
-    new = jaxkv.push(state, {"v": jnp.arange(4, dtype=jnp.int32)})
+def test_push_casts_to_the_stored_dtype(state, call):
+    new = call(lambda s, x: jaxkv.push(s, {"v": x}), state, jnp.arange(4, dtype=jnp.int32) - 2)
     assert new["v"].dtype == jnp.float32
-    np.testing.assert_array_equal(new["v"], np.arange(4.0))
+    np.testing.assert_array_equal(new["v"], np.arange(4.0) - 2)
+    ints = jaxkv.init(jaxkv.empty(), {"i": jnp.zeros(3, jnp.int32)})
+    new = call(lambda s, x: jaxkv.push(s, "i", x), ints, jnp.array([1.0, -2.0, 3.0]))
+    assert new["i"].dtype == jnp.int32
+    np.testing.assert_array_equal(new["i"], [1, -2, 3])
 
 
-def test_optax_updater_keeps_its_state_in_the_store(state):
-    opt = optax.adam(0.1)
-    new = jaxkv.push(state, "v", jnp.ones(4), updater=opt)
-    assert new.opt_states["v"] is not None
-    expected_p = jnp.arange(4.0)
-    expected_s = opt.init(expected_p)
-    upd, expected_s = opt.update(jnp.ones(4), expected_s, expected_p)
-    np.testing.assert_allclose(new["v"], optax.apply_updates(expected_p, upd), rtol=1e-6)
-    again = jaxkv.push(new, "v", jnp.ones(4), updater=opt)
-    upd, _ = opt.update(jnp.ones(4), expected_s, optax.apply_updates(expected_p, upd))
-    assert not np.allclose(again["v"], new["v"])
+def test_pull_returns_the_stored_values(state, call):
+    pushed = jaxkv.push(state, "w", jnp.arange(6.0).reshape(2, 3))
+    w, v, w2 = call(lambda s: jaxkv.pull(s, ["w", "v", "w"]), pushed)
+    np.testing.assert_array_equal(w, np.arange(6.0).reshape(2, 3))
+    np.testing.assert_array_equal(w2, w)
+    np.testing.assert_array_equal(v, np.arange(4.0))
+    np.testing.assert_array_equal(call(lambda s: jaxkv.pull(s, "v"), pushed), np.arange(4.0))
+
+
+def test_pushpull_returns_the_new_state_and_value(state, call):
+    new, out = call(
+        lambda s, g: jaxkv.pushpull(s, ["v", "b"], [[g, g], 1.0], updater=add), state, jnp.ones(4)
+    )
+    np.testing.assert_array_equal(out[0], np.arange(4.0) + 2)
+    assert float(out[1]) == 1.0
+    np.testing.assert_array_equal(new["v"], out[0])
+    np.testing.assert_array_equal(state["v"], np.arange(4.0))
+
+
+def test_row_sparse_pull_keeps_the_requested_rows(call):
+    s = jaxkv.init(jaxkv.empty(), "e", jnp.arange(12.0).reshape(4, 3))
+    rows = call(lambda s, ids: jaxkv.row_sparse_pull(s, "e", ids), s, jnp.array([3, 1, 1]))
+    expected = np.arange(12.0).reshape(4, 3)
+    expected[[0, 2]] = 0
+    np.testing.assert_array_equal(rows, expected)
+
+
+def test_traced_row_ids_outside_the_value_select_no_row():
+    s = jaxkv.init(jaxkv.empty(), "e", jnp.arange(12.0).reshape(4, 3))
+    rows = jax.jit(lambda s, ids: jaxkv.row_sparse_pull(s, "e", ids))(s, jnp.array([-1, 4, 1]))
+    expected = np.zeros((4, 3))
+    expected[1] = [3.0, 4.0, 5.0]  # not the last row for -1, nothing for 4
+    np.testing.assert_array_equal(rows, expected)
+
+
+@pytest.mark.parametrize("ids", [[-1], [0, -4], [4], [1.5], ["a"]])
+def test_row_ids_that_are_not_rows_are_refused(ids):
+    s = jaxkv.init(jaxkv.empty(), "e", jnp.arange(12.0).reshape(4, 3))
+    with pytest.raises(jaxkv.KVStoreError, match=r"key 'e': row_ids expected integers in \[0, 4\)"):
+        jaxkv.row_sparse_pull(s, "e", ids)
+
+
+ADAM = optax.adam(0.1)  # one object for every test: its computations compile once
+
+
+def test_optax_updater_carries_its_state_from_push_to_push(state, call):
+    """Adam with gradients that change sign and size: a reset moment (or count) shows."""
+    grads = [np.array(g, np.float32) for g in ([1, -2, 3, 0.5], [-4, 1, 0, 2], [0.1, 0.1, 5, -1])]
+    params, opt_state = jnp.arange(4.0), ADAM.init(jnp.arange(4.0))
+    s = state
+    for g in grads:
+        s = call(lambda s, g: jaxkv.push(s, "v", g, updater=ADAM), s, g)
+        updates, opt_state = ADAM.update(jnp.asarray(g), opt_state, params)
+        params = optax.apply_updates(params, updates)
+        np.testing.assert_allclose(s["v"], params, rtol=1e-6)
+        for a, b in zip(
+            jax.tree_util.tree_leaves(s.opt_states["v"]), jax.tree_util.tree_leaves(opt_state)
+        ):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert s.opt_states["w"] is None  # keys not pushed get no optimizer state
 
 
 def test_pull_places_results_on_exactly_the_requested_devices(state, devices):
@@ -161,16 +229,6 @@ def test_pushpull_returns_the_new_value(state, devices):
     np.testing.assert_array_equal(out, np.arange(4.0) + 4.0)
     assert out.sharding.device_set == set(devices[:4])
     np.testing.assert_array_equal(new["v"], out)
-
-
-def test_row_sparse_pull_keeps_only_the_requested_rows():
-    s = jaxkv.init(jaxkv.empty(), "e", jnp.arange(12.0).reshape(4, 3))
-    rows = jaxkv.row_sparse_pull(s, "e", jnp.array([3, 1, 1]))
-    expected = np.arange(12.0).reshape(4, 3)
-    expected[[0, 2]] = 0
-    np.testing.assert_array_equal(rows, expected)
-    with pytest.raises(jaxkv.KVStoreError, match=r"\[0, 4\)"):
-        jaxkv.row_sparse_pull(s, "e", [4])
 
 
 # -- refusals leave the state as it was ------------------------------------------------------
