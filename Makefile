@@ -13,7 +13,10 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/ruff check jaxkv tests examples benchmarks conformance
-	$(BIN)/python -m pytest -q
+	rm -f .coverage .coverage.*
+	$(BIN)/coverage run -m pytest -q
+	$(BIN)/coverage combine -q
+	$(BIN)/coverage report
 
 # The property tests with thousands of examples: run before a change to the arithmetic lands.
 test-deep: $(STAMP)
@@ -31,7 +34,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix jaxkv tests examples benchmarks conformance
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info .coverage .coverage.*
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench.py
@@ -40,3 +43,15 @@ bench: $(STAMP)
 conformance: $(STAMP)
 	bash conformance/setup_mxnet.sh
 	$(BIN)/python conformance/harness.py --n 500
+
+# Mutation tests (Cosmic Ray, in a venv of its own) of the store's arithmetic and checks; not
+# part of `make test`. Takes about half an hour on 2 cores: see docs/testing.md.
+# MUTATION_ARGS="--modules _ops,_state" runs only some modules; "--resume" continues a run.
+MVENV := .venv-mutation
+$(MVENV)/.installed: mutation/requirements.txt
+	$(PYTHON) -m venv $(MVENV)
+	$(MVENV)/bin/pip install -q -r mutation/requirements.txt
+	touch $@
+
+mutation: $(STAMP) $(MVENV)/.installed
+	nice -n 10 $(MVENV)/bin/python mutation/run.py $(MUTATION_ARGS)
