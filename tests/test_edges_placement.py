@@ -1,0 +1,115 @@
+"""Where a store keeps each value: sharded from exactly the big-array bound on (when the rows divide
+by the devices), replicated otherwise; and which devices and bounds a store accepts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxkv
+
+
+def sharded(state, key):
+    return not state[key].sharding.is_fully_replicated
+
+
+@pytest.mark.parametrize(
+    "shape, bound, expected",
+    [
+        ((8, 2), 16, True),  # exactly the bound
+        ((8, 2), 17, False),  # one element short
+        ((16,), 16, True),
+        ((24, 1), 16, True),
+        ((12, 2), 16, False),  # 12 rows do not divide by 8 devices
+        ((4, 4), 16, False),  # nor do 4
+        ((2, 8, 8), 16, False),
+        ((8, 8, 8), 16, True),
+        ((), 1, False),  # a scalar has no rows
+        ((8,), 1, True),
+        ((8,), None, False),  # no bound: everything replicated
+        ((1024, 64), None, False),
+    ],
+)
+def test_values_are_sharded_from_the_bound_on(devices, shape, bound, expected):
+    s = jaxkv.init(jaxkv.empty(bigarray_bound=bound), {"k": jnp.ones(shape)})
+    assert sharded(s, "k") is expected
+    assert s.is_sharded(shape) is expected
+    assert s["k"].sharding.device_set == set(devices)
+    if expected:
+        rows = shape[0] // 8
+        assert [x.data.shape[0] for x in s["k"].addressable_shards] == [rows] * 8
+    np.testing.assert_array_equal(np.asarray(s["k"]), np.ones(shape))
+
+
+def test_a_one_device_store_shards_nothing(devices):
+    s = jaxkv.init(jaxkv.empty([devices[3]], bigarray_bound=1), {"k": jnp.ones((8, 8))})
+    assert s["k"].sharding.device_set == {devices[3]}
+    assert not s.is_sharded((8, 8))
+
+
+def test_the_rows_divide_by_the_store_devices_not_all_devices(devices):
+    s = jaxkv.init(jaxkv.empty(devices[:3], bigarray_bound=4), {"k": jnp.ones((6, 2))})
+    assert sharded(s, "k")
+    assert [x.data.shape for x in s["k"].addressable_shards] == [(2, 2)] * 3
+    s = jaxkv.init(jaxkv.empty(devices[:3], bigarray_bound=4), {"k": jnp.ones((8, 2))})
+    assert not sharded(s, "k")
+
+
+def test_optimizer_state_follows_its_value(devices):
+    s = jaxkv.init(jaxkv.empty(bigarray_bound=64), {"w": jnp.ones((16, 4)), "b": jnp.ones(4)})
+    sgd = optax.sgd(0.5, momentum=0.5)
+    s = jaxkv.push(s, ["w", "b"], [jnp.ones((16, 4)), jnp.ones(4)], updater=sgd)
+    (w_trace,) = jax.tree_util.tree_leaves(s.opt_states["w"])
+    (b_trace,) = jax.tree_util.tree_leaves(s.opt_states["b"])
+    assert w_trace.shape == (16, 4) and not w_trace.sharding.is_fully_replicated
+    assert b_trace.sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(s["w"]), np.full((16, 4), 0.5))
+
+
+def test_stores_take_devices_or_contexts(devices):
+    assert jaxkv.empty().devices == tuple(jax.local_devices())
+    assert jaxkv.empty([jaxkv.cpu(2), devices[5]]).devices == (devices[2], devices[5])
+    assert jaxkv.empty(d for d in devices[:2]).devices == tuple(devices[:2])
+
+
+@pytest.mark.parametrize(
+    "devs, pattern",
+    [
+        ([], "expected a non-empty list of JAX devices, given"),
+        ([0, 1], "non-empty list of JAX devices"),
+        ("dup", "expected distinct devices"),
+    ],
+)
+def test_stores_refuse_what_is_not_distinct_devices(devices, devs, pattern):
+    if devs == "dup":
+        devs = [devices[0], devices[1], devices[0]]
+    with pytest.raises(jaxkv.KVStoreError, match=pattern):
+        jaxkv.empty(devs)
+
+
+@pytest.mark.parametrize("bound", [0, -5, 2.5, "16"])
+def test_the_bound_is_a_positive_int_or_none(bound):
+    with pytest.raises(jaxkv.KVStoreError, match="bigarray_bound: expected a positive int or None"):
+        jaxkv.empty(bigarray_bound=bound)
+    assert jaxkv.empty(bigarray_bound=1).bigarray_bound == 1
+    assert jaxkv.empty(bigarray_bound=None).bigarray_bound is None
+
+
+def test_the_default_bound_is_16k_elements(devices):
+    s = jaxkv.init(
+        jaxkv.empty(), {"at": jnp.zeros((8, 2048)), "below": jnp.zeros((8, 2047), jnp.int8)}
+    )
+    assert s.bigarray_bound == 16384
+    assert sharded(s, "at") and not sharded(s, "below")
+
+
+@pytest.mark.parametrize("kind", ["2bit", "fp16", "bf16"])
+def test_compressed_stores_hold_only_floating_point_values(kind):
+    params = {"type": kind}
+    state = jaxkv.empty(compression=params)
+    with pytest.raises(jaxkv.KVStoreError, match="expects a floating-point value"):
+        jaxkv.init(state, {"i": jnp.zeros(3, jnp.int32)})
+    for dtype in (jnp.float32, jnp.float16, jnp.bfloat16):
+        s = jaxkv.init(state, {"f": jnp.zeros(3, dtype)})
+        assert s["f"].dtype == dtype
