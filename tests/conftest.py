@@ -38,6 +38,18 @@ def compiles():
     return counting
 
 
+@pytest.fixture(autouse=True)
+def _promotion(request):
+    """Strict dtype promotion (root conftest.py), except for tests marked
+    ``standard_promotion``: optax's Adam computes its bias correction with an implicit cast,
+    so a reference run of optax by hand needs standard promotion."""
+    if request.node.get_closest_marker("standard_promotion") is None:
+        yield
+        return
+    with jax.numpy_dtype_promotion("standard"):
+        yield
+
+
 @pytest.fixture(scope="session")
 def devices():
     devs = jax.devices()

@@ -188,6 +188,7 @@ def test_a_file_of_the_other_kind_is_refused(tmp_path):
     assert_unchanged(kv, before)
 
 
+@pytest.mark.standard_promotion  # Adam
 def test_optimizer_states_of_another_optimizer_are_refused(tmp_path):
     momentum = store(SGD)
     momentum.save(tmp_path / "store.npz")
@@ -235,6 +236,7 @@ def test_compression_of_integer_values_in_a_file_is_refused(tmp_path):
     assert fresh.keys() == []
 
 
+@pytest.mark.standard_promotion  # Adam
 def test_round_trip_keeps_every_leaf_and_the_next_push_agrees(tmp_path):
     for optimizer, compression in [(ADAM, None), (None, {"type": "2bit", "threshold": 0.5})]:
         kv = store(optimizer, compression)

@@ -259,6 +259,7 @@ def test_concurrent_pushes_lose_nothing(kv):
 
 
 # -- optimizers and saving -------------------------------------------------------------------
+@pytest.mark.standard_promotion  # Adam
 def test_set_optimizer_matches_optax(kv):
     opt = optax.adam(0.1)
     kv.set_optimizer(opt)
@@ -272,6 +273,7 @@ def test_set_optimizer_matches_optax(kv):
     np.testing.assert_allclose(kv.pull(3), params, rtol=1e-6)
 
 
+@pytest.mark.standard_promotion  # Adam
 def test_save_and_load_round_trip(kv, tmp_path):
     kv.set_optimizer(optax.adam(0.1))
     kv.push([3, 5], [jnp.ones(SHAPE), jnp.ones(SHAPE)])

@@ -194,6 +194,7 @@ def test_row_ids_that_are_not_rows_are_refused(ids):
 ADAM = optax.adam(0.1)  # one object for every test: its computations compile once
 
 
+@pytest.mark.standard_promotion  # Adam
 def test_optax_updater_carries_its_state_from_push_to_push(state, call):
     """Adam with gradients that change sign and size: a reset moment (or count) shows."""
     grads = [np.array(g, np.float32) for g in ([1, -2, 3, 0.5], [-4, 1, 0, 2], [0.1, 0.1, 5, -1])]
@@ -380,6 +381,7 @@ def test_state_is_a_pytree_of_arrays(state):
         new.foo = 1
 
 
+@pytest.mark.standard_promotion  # Adam
 def test_an_optimizer_push_compiles_once(state, devices, compiles):
     opt = optax.adam(0.01)  # a fresh optimizer: nothing of it compiled yet
     grads = [on(d, np.ones(4)) for d in devices]

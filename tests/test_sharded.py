@@ -87,6 +87,7 @@ def test_non_elementwise_updaters_see_the_whole_array(state, devices):
     )
 
 
+@pytest.mark.standard_promotion  # Adam
 def test_optimizer_state_is_sharded_too(state, devices):
     opt = optax.adam(0.1)
     new = jaxkv.push(state, ["big", "small"], [jnp.ones(BIG), jnp.ones(SMALL)], updater=opt)
