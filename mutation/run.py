@@ -179,7 +179,7 @@ def run_module(config: dict, module: dict, resume: bool) -> None:
             db.set_result(item.job_id, result)
             spent = time.monotonic() - start
             m = item.mutations[0]
-            outcome = result.test_outcome or result.worker_outcome
+            outcome = (result.test_outcome or result.worker_outcome).value
             print(
                 f"  [{n}/{total}] {outcome:9} line {m.start_pos[0]:4} {m.operator_name[5:]}"
                 f"  ({spent / 60:.1f} min, ~{spent / n * (total - n) / 60:.0f} min left)",
@@ -228,7 +228,9 @@ def report(config: dict, modules: list[dict], minutes: float | None) -> int:
                     continue
                 if result.test_outcome != TestOutcome.SURVIVED:
                     other += 1
-                    survivors.append((module["path"], "?", "", "", "", str(result.worker_outcome)))
+                    survivors.append(
+                        (module["path"], "?", str(result.worker_outcome), "", "", None, None)
+                    )
                     continue
                 survived += 1
                 m = item.mutations[0]
@@ -237,7 +239,7 @@ def report(config: dict, modules: list[dict], minutes: float | None) -> int:
                 before, after = changed_lines(result.diff or "")
                 reason = judged(config["equivalent"], module["path"], function, op, before, after)
                 equiv += reason is not None
-                survivors.append((module["path"], function, op, before, after, reason))
+                survivors.append((module["path"], function, op, before, after, reason, m))
         total = killed + survived + other
         live = total - equiv
         score = 100 * killed / live if live else 100.0
@@ -257,9 +259,10 @@ def report(config: dict, modules: list[dict], minutes: float | None) -> int:
         "## Survivors",
         "",
     ]
-    for path, function, op, before, after, reason in survivors:
+    for path, function, op, before, after, reason, m in survivors:
         status = f"equivalent: {reason}" if reason else "**NOT JUDGED EQUIVALENT**"
-        out.append(f"- `{path}` `{function}` {op}: `{before}` -> `{after}` ({status})")
+        line = m.start_pos[0] if m else "?"
+        out.append(f"- `{path}:{line}` `{function}` {op}: `{before}` -> `{after}` ({status})")
     text = "\n".join(out) + "\n"
     (OUT / "report.md").write_text(text)
     print(text)

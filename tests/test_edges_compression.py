@@ -156,3 +156,13 @@ def test_an_uncompressed_store_keeps_no_residuals():
     assert dict(state.residuals) == {"w": None}
     state = jaxkv.init(jaxkv.empty(compression={"type": "fp16"}), {"w": jnp.zeros(2)})
     assert dict(state.residuals) == {"w": None}
+
+
+def test_compression_is_refused_for_a_store_already_holding_integers():
+    kv = jaxkv.create("device")
+    kv.init(["f", "i"], [jnp.ones(2), jnp.ones(2, jnp.int32)])
+    with pytest.raises(jaxkv.KVStoreError, match="key 'i': gradient compression '2bit' expects"):
+        kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    assert kv.state.compression is None and dict(kv.state.residuals) == {"f": None, "i": None}
+    kv.set_gradient_compression({"type": "none"})  # no compression: integers are fine
+    assert kv.state.compression is None

@@ -107,6 +107,8 @@ SHAPES = {
     "mid-b": ((16, 1030), jnp.float32),
     "mid16": ((2048, 8), jnp.float16),
     "uneven": ((7, 2341), jnp.float32),  # 16K+ elements, but 7 rows: summed whole
+    "nine": ((9, 2048), jnp.float32),  # nor 9 rows, though its columns divide by 8
+    "flat": ((16384,), jnp.float32),
     "big": ((8, 32768), jnp.float32),  # 256K elements: reduce-scattered alone
     "big-b": ((32, 8200), jnp.float32),
 }
