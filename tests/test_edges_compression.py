@@ -72,6 +72,12 @@ def test_two_bit_sends_the_threshold_from_exactly_the_threshold_on(devices):
     kept = g - np.array([T, -T, 0, 0, 0, T, -T], np.float32)
     np.testing.assert_array_equal(residual[2], kept)
     assert not residual[[0, 1, 3, 4, 5, 6, 7]].any()  # devices that pushed nothing
+    # Device 2 now holds residuals of 2.5 and -2.5: while it pushes nothing, it sends nothing.
+    later = jaxkv.push(new, "w", [on(devices[0], np.zeros(7))])
+    np.testing.assert_array_equal(np.asarray(later["w"]), np.zeros(7))
+    np.testing.assert_array_equal(np.asarray(later.residuals["w"]).reshape(8, -1)[2], kept)
+    again = jaxkv.push(later, "w", [on(devices[2], np.zeros(7))])
+    np.testing.assert_array_equal(np.asarray(again["w"]), [0, 0, 0, 0, 0, T, -T])
 
 
 def test_residuals_of_silent_devices_wait_for_their_next_push(devices):
