@@ -25,6 +25,7 @@ import argparse
 import ast
 import fnmatch
 import glob
+import json
 import os
 import re
 import shutil
@@ -42,6 +43,7 @@ from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / ".mutation"
 WORK = OUT / "work"
+TIMES = OUT / "seconds.json"  # seconds spent per module, unmutated run included
 COPIED = ["jaxkv", "tests", "conftest.py", "pyproject.toml"]
 
 
@@ -170,6 +172,7 @@ def run_module(config: dict, module: dict, resume: bool) -> None:
                 db.set_multiple_results(
                     ids, WorkResult(output=why, worker_outcome=WorkerOutcome.SKIPPED)
                 )
+    began = time.monotonic()
     with use_db(str(session), WorkDB.Mode.open) as db:
         pending = sorted(db.pending_work_items, key=lambda w: tuple(w.mutations[0].start_pos))
         start, total = time.monotonic(), len(pending)
@@ -186,6 +189,10 @@ def run_module(config: dict, module: dict, resume: bool) -> None:
                 flush=True,
             )
     os.chdir(ROOT)
+    times = json.loads(TIMES.read_text()) if TIMES.exists() else {}
+    spent = time.monotonic() - began + took
+    times[path] = (times.get(path, 0) if resume else 0) + spent
+    TIMES.write_text(json.dumps(times))
 
 
 # -- reporting ------------------------------------------------------------------------------
@@ -211,6 +218,7 @@ def judged(equivalent: list[dict], module: str, function: str, op: str, before, 
 
 def report(config: dict, modules: list[dict], minutes: float | None) -> int:
     rows, survivors, bad = [], [], 0
+    times = json.loads(TIMES.read_text()) if TIMES.exists() else {}
     for module in modules:
         session = session_path(module)
         if not session.exists():
@@ -244,16 +252,18 @@ def report(config: dict, modules: list[dict], minutes: float | None) -> int:
         live = total - equiv
         score = 100 * killed / live if live else 100.0
         bad += score < 90
+        seconds = times.get(module["path"])
         rows.append(
             f"| `{module['path']}` | {killed} / {total} | {equiv} | {killed} / {live} "
-            f"({score:.1f}%) | {pending} |"
+            f"({score:.1f}%) | {pending} | {'?' if seconds is None else f'{seconds / 60:.1f}'} |"
         )
     out = ["# Mutation report", ""]
     if minutes is not None:
         out += [f"Run time: {minutes:.1f} min.", ""]
     out += [
-        "| module | killed / total | judged equivalent | killed / non-equivalent | pending |",
-        "|---|---|---|---|---|",
+        "| module | killed / total | judged equivalent | killed / non-equivalent | pending "
+        "| minutes |",
+        "|---|---|---|---|---|---|",
         *rows,
         "",
         "## Survivors",

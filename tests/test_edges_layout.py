@@ -111,6 +111,7 @@ SHAPES = {
     "flat": ((16384,), jnp.float32),
     "big": ((8, 32768), jnp.float32),  # 256K elements: reduce-scattered alone
     "big-b": ((32, 8200), jnp.float32),
+    "big-odd": ((9, 29128), jnp.float32),  # 256K+ elements, 9 rows: summed whole
 }
 
 

@@ -130,3 +130,14 @@ def test_row_sparse_pull_inside_jit_keeps_the_traced_rows(table):
     pick = jax.jit(lambda s, ids: jaxkv.row_sparse_pull(s, "e", ids))
     np.testing.assert_array_equal(pick(table, jnp.array([3, 0])), rows_of(table["e"], [0, 3]))
     np.testing.assert_array_equal(pick(table, jnp.array([[1, 1]])), rows_of(table["e"], [1]))
+
+
+def test_row_sparse_pull_of_a_vector_keeps_its_elements():
+    s = jaxkv.init(jaxkv.empty(), {"v": jnp.arange(1.0, 6.0)})
+    np.testing.assert_array_equal(jaxkv.row_sparse_pull(s, "v", [4, 1]), [0, 2, 0, 0, 5])
+
+
+def test_row_sparse_pull_of_a_closed_over_store_with_traced_ids(table):
+    pick = jax.jit(lambda ids: jaxkv.row_sparse_pull(table, "e", ids))
+    np.testing.assert_array_equal(pick(jnp.array([2])), rows_of(table["e"], [2]))
+    np.testing.assert_array_equal(pick(jnp.array([-1, 4, 0])), rows_of(table["e"], [0]))
