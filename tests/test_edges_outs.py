@@ -128,3 +128,13 @@ def test_pull_without_out_returns_copies_on_every_store_device(kv, devices):
     kv.push("b", nd.zeros(BIG))
     np.testing.assert_array_equal(np.asarray(b), expected("b"))
     assert isinstance(kv.pull("a"), jax.Array)
+
+
+def test_a_one_device_store_fills_outs_on_any_device(devices):
+    kv = jaxkv.KVStore("local", devices=[devices[3]])
+    kv.init("w", nd.array(np.arange(4.0)))
+    outs = [nd.zeros(4, jaxkv.cpu(i)) for i in (3, 0, 7)]
+    kv.pull("w", out=outs)
+    for o, i in zip(outs, (3, 0, 7)):
+        assert o.context == jaxkv.cpu(i)
+        np.testing.assert_array_equal(o.asnumpy(), np.arange(4.0))
