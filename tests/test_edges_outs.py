@@ -88,6 +88,8 @@ def test_outs_that_cannot_be_filled_are_refused_first(kv, out, error, pattern):
     good = nd.zeros((2, 3))
     with pytest.raises(error, match=pattern):
         kv.pull(["a", "a"], out=[good, out()])
+    with pytest.raises(error, match=pattern):
+        kv.pull("a", out=[good, good, out()])  # one key, its outs checked one by one
     assert not good.asnumpy().any()  # nothing filled
     before = np.asarray(kv.pull("a"))
     with pytest.raises(error, match=pattern):
