@@ -217,7 +217,7 @@ def judged(equivalent: list[dict], module: str, function: str, op: str, before, 
 
 
 def report(config: dict, modules: list[dict], minutes: float | None) -> int:
-    rows, survivors, bad = [], [], 0
+    rows, survivors, failed, bad = [], [], [], 0
     times = json.loads(TIMES.read_text()) if TIMES.exists() else {}
     for module in modules:
         session = session_path(module)
@@ -234,11 +234,10 @@ def report(config: dict, modules: list[dict], minutes: float | None) -> int:
                 if result.test_outcome == TestOutcome.KILLED:
                     killed += 1
                     continue
-                if result.test_outcome != TestOutcome.SURVIVED:
+                if result.test_outcome != TestOutcome.SURVIVED:  # Cosmic Ray could not apply it
                     other += 1
-                    survivors.append(
-                        (module["path"], "?", str(result.worker_outcome), "", "", None, None)
-                    )
+                    m = item.mutations[0]
+                    failed.append(f"- `{module['path']}:{m.start_pos[0]}` {m.operator_name}")
                     continue
                 survived += 1
                 m = item.mutations[0]
@@ -248,22 +247,23 @@ def report(config: dict, modules: list[dict], minutes: float | None) -> int:
                 reason = judged(config["equivalent"], module["path"], function, op, before, after)
                 equiv += reason is not None
                 survivors.append((module["path"], function, op, before, after, reason, m))
-        total = killed + survived + other
+        total = killed + survived
         live = total - equiv
         score = 100 * killed / live if live else 100.0
         bad += score < 90
         seconds = times.get(module["path"])
         rows.append(
             f"| `{module['path']}` | {killed} / {total} | {equiv} | {killed} / {live} "
-            f"({score:.1f}%) | {pending} | {'?' if seconds is None else f'{seconds / 60:.1f}'} |"
+            f"({score:.1f}%) | {other} | {pending} "
+            f"| {'?' if seconds is None else f'{seconds / 60:.1f}'} |"
         )
     out = ["# Mutation report", ""]
     if minutes is not None:
         out += [f"Run time: {minutes:.1f} min.", ""]
     out += [
-        "| module | killed / total | judged equivalent | killed / non-equivalent | pending "
-        "| minutes |",
-        "|---|---|---|---|---|---|",
+        "| module | killed / total | judged equivalent | killed / non-equivalent "
+        "| not applied | pending | minutes |",
+        "|---|---|---|---|---|---|---|",
         *rows,
         "",
         "## Survivors",
@@ -271,8 +271,10 @@ def report(config: dict, modules: list[dict], minutes: float | None) -> int:
     ]
     for path, function, op, before, after, reason, m in survivors:
         status = f"equivalent: {reason}" if reason else "**NOT JUDGED EQUIVALENT**"
-        line = m.start_pos[0] if m else "?"
+        line = m.start_pos[0]
         out.append(f"- `{path}:{line}` `{function}` {op}: `{before}` -> `{after}` ({status})")
+    if failed:
+        out += ["", "## Mutations Cosmic Ray could not apply (not counted)", "", *failed]
     text = "\n".join(out) + "\n"
     (OUT / "report.md").write_text(text)
     print(text)
