@@ -113,3 +113,19 @@ def test_compressed_stores_hold_only_floating_point_values(kind):
     for dtype in (jnp.float32, jnp.float16, jnp.bfloat16):
         s = jaxkv.init(state, {"f": jnp.zeros(3, dtype)})
         assert s["f"].dtype == dtype
+
+
+def test_a_two_device_store_shards_big_values(devices):
+    s = jaxkv.init(jaxkv.empty(devices[4:6], bigarray_bound=8), {"k": jnp.arange(8.0)})
+    assert sharded(s, "k") and s.is_sharded((8,))
+    assert [np.asarray(x.data).tolist() for x in s["k"].addressable_shards] == [
+        [0.0, 1.0, 2.0, 3.0],
+        [4.0, 5.0, 6.0, 7.0],
+    ]
+
+
+def test_empty_takes_its_devices_by_name_and_its_options_only_by_name(devices):
+    s = jaxkv.empty(devices=devices[:2], bigarray_bound=None)
+    assert s.devices == tuple(devices[:2]) and s.bigarray_bound is None
+    with pytest.raises(TypeError):
+        jaxkv.empty(devices[:2], 4)
