@@ -155,3 +155,24 @@ def test_a_store_over_some_devices_sums_only_their_values(devices):
     new = jaxkv.push(s, ["w", "v"], [w, v])
     np.testing.assert_array_equal(pulled(new, "w"), host_sum(w))
     np.testing.assert_array_equal(pulled(new, "v"), host_sum(v))
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        {"p": (3,), "q": (2, 2)},  # two small values: summed together
+        {"p": (8, 2048), "q": (16384,)},  # two values of 16K elements: reduce-scattered together
+        {"p": (8, 2048), "q": (4, 3), "r": (16, 1024), "s": ()},  # two of each
+    ],
+    ids=["two small", "two mid", "two of each"],
+)
+def test_exactly_two_keys_summed_together(devices, shapes):
+    state = jaxkv.init(
+        jaxkv.empty(bigarray_bound=None), {k: jnp.zeros(s) for k, s in shapes.items()}
+    )
+    values = {
+        k: per_device(devices, s, scale=10 * n + 1) for n, (k, s) in enumerate(shapes.items())
+    }
+    new = jaxkv.push(state, list(values), list(values.values()))
+    for k, vs in values.items():
+        np.testing.assert_array_equal(pulled(new, k), host_sum(vs), err_msg=k)
