@@ -16,7 +16,9 @@ What it does:
    every survivor, with the reason where ``mutation/equivalent.toml`` judges it equivalent.
 
 Options: ``--modules _ops,_state`` runs only those; ``--resume`` continues the sessions and work
-copy of an interrupted run; ``--report`` only rewrites the report.
+copy of an interrupted run; ``--retest`` runs the survivors of the last run again against the
+current tests (after tests were added; refused if the mutated module changed since that run);
+``--report`` only rewrites the report.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ import argparse
 import ast
 import fnmatch
 import glob
+import hashlib
 import json
 import os
 import re
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
@@ -160,6 +164,11 @@ def run_module(config: dict, module: dict, resume: bool) -> None:
     print(f"  {command}", flush=True)
     found, annotations = spans(WORK / path, module["functions"])
     os.chdir(WORK)
+    digest = hashlib.sha256((WORK / path).read_bytes()).hexdigest()
+    stamp = session.with_suffix(".source")
+    if resume and session.exists() and stamp.exists() and stamp.read_text() != digest:
+        sys.exit(f"mutation: {path} changed since its session was made: run it afresh")
+    stamp.write_text(digest)
     if not (resume and session.exists()):
         with use_db(str(session), WorkDB.Mode.create) as db:
             cr_init([Path(path)], db, {})
@@ -285,6 +294,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modules", help="comma-separated module stems, e.g. _ops,_state")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run")
+    parser.add_argument("--retest", action="store_true", help="run the survivors again")
     parser.add_argument("--report", action="store_true", help="only rewrite the report")
     args = parser.parse_args()
     config = load_config()
@@ -294,8 +304,13 @@ def main() -> int:
         modules = [m for m in modules if Path(m["path"]).stem in wanted]
     OUT.mkdir(exist_ok=True)
     started = time.monotonic()
+    if args.retest:
+        args.resume = True
+        for module in modules:  # survivors become pending again
+            with sqlite3.connect(session_path(module)) as db:
+                db.execute("DELETE FROM work_results WHERE test_outcome = 'survived'")
     if not args.report:
-        if not (args.resume and WORK.exists()):
+        if args.retest or not (args.resume and WORK.exists()):
             copy_tree()
         os.environ["PYTHONPATH"] = str(WORK)  # the copy's jaxkv, not the checkout's
         for module in modules:
