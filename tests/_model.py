@@ -157,22 +157,30 @@ class StoreModel:
             km.value = np.asarray(new, np.float64)
 
     def result_bound(self, key: Any, parts: list[tuple[int | None, np.ndarray]]) -> float:
-        """How far from zero any intermediate of pushing ``parts`` to ``key`` can go: the
-        test keeps this within :func:`exact_limit` so that every order of summation is exact."""
+        """How far from zero any intermediate of pushing ``parts`` to ``key`` goes, whatever
+        the order of summation: the test keeps this within :func:`exact_limit`, so that every
+        order gives the same bits."""
         km = self.keys[key]
-        # assign, or an optimizer (float32 only): the stored value does not add to the sum
+        # assign, or an optimizer (float32 only): the stored value is not added to
         scale = {"add": 1.0, "inplace": 2.0}.get(self.updater, 0.0)
         if self.threshold is None:
             reach = sum(np.abs(x) for _, x in parts)  # bounds every partial sum
-            bound = reach if scale == 0 else np.abs(km.value) + scale * reach
-            return float(np.max(bound))
-        by_device: dict[int, np.ndarray] = {}
-        for d, x in parts:
-            by_device[d] = by_device.get(d, 0) + np.abs(x)
-        residual = max(float(np.max(np.abs(km.residual[d]) + a)) for d, a in by_device.items())
-        sent = len(by_device) * self.threshold  # bounds the sum of what the devices send
-        stored = sent if scale == 0 else float(np.max(np.abs(km.value))) + scale * sent
-        return max(residual, stored)
+            pushed = sum(np.asarray(x, np.float64) for _, x in parts)
+            sent = reach
+        else:
+            by_device: dict[int, np.ndarray] = {}
+            reach_of: dict[int, np.ndarray] = {}
+            for d, x in parts:
+                by_device[d] = by_device.get(d, 0) + np.asarray(x, np.float64)
+                reach_of[d] = reach_of.get(d, 0) + np.abs(x)
+            reach, pushed = 0.0, 0.0
+            for d, g in by_device.items():
+                acc = km.residual[d] + g  # the new residual is no further from zero than acc
+                reach = np.maximum(reach, np.maximum(reach_of[d], np.abs(acc)))
+                pushed = pushed + two_bit(km.residual[d], g, self.threshold)[0]
+            sent = len(by_device) * self.threshold  # bounds every partial sum of what is sent
+        bounds = [reach, max(scale, 1.0) * sent, np.abs(km.value + scale * pushed) * (scale > 0)]
+        return max(float(np.max(b)) for b in bounds)
 
     def sign_source(self, key: Any, device: int | None) -> np.ndarray:
         """What a part's signs should oppose to keep the result small: the stored value, or

@@ -58,7 +58,7 @@ from _model import (
     in_dtype,
     is_float,
 )
-from hypothesis import HealthCheck, Phase, event, settings
+from hypothesis import Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -81,9 +81,12 @@ NEVER = {"int": 9, "str": "z"}  # a key of the run's kind that is never initiali
 BOUND_ENV = "MXNET_KVSTORE_BIGARRAY_BOUND"
 DEFAULT_BOUND = 1 << 14
 BOUNDS = [16, 16, 16, None, 1 << 20]  # None: the store's default
-THRESHOLDS = [None, 0.5, 2.0]
-DTYPES = [F32, F16, BF16, I32]
+# Store types, each with the 2-bit threshold its runs may set (only device stores compress).
+STORES = [("local", None), ("local", None), ("device", None), ("device", 0.5), ("device", 2.0)]
+# The dtypes a run's keys use (optimizer runs: float32 only), each in three pools of eight.
+DTYPE_POOLS = [[F32], [F16], [BF16], [I32], [F32, F16], [BF16, I32], [F16, BF16], [I32, F32]]
 WATCH = 10  # how many handed-over arrays stay watched
+MESH = jax.sharding.Mesh(jax.devices()[:2], ("d",))  # for values that span two devices
 # Known jaxkv defect: a compressed push sums one device's values for a key in their own dtypes
 # and casts the sum (an uncompressed push casts each value first), which strict dtype promotion
 # refuses when the dtypes differ. Until that is fixed, a compressed push gives each device's
@@ -196,7 +199,7 @@ class KVStoreMachine(RuleBasedStateMachine):
         self.tolerant = False  # True once an optimizer has run: values are no longer integers
         self.watched: list = []  # (handle, expected, dtype, context or None)
         self.pulled: list = []  # (array, expected, dtype): arrays the store handed out
-        self.states: list = []  # (KVState read from kv.state, model snapshot at that time)
+        self.states: list = []  # (KVState from kv.state, model snapshot, its values then)
         self.saved: tuple | None = None  # (path, model snapshot)
         self.saves = 0
         self.steps = 0
@@ -369,7 +372,7 @@ class KVStoreMachine(RuleBasedStateMachine):
         keys, entries = self.draw_keys(data, self.known)
         compressed = self.m.threshold is not None
         # A compressed push refuses values that span several devices: seldom draw those.
-        allow_pulled = not compressed or data.draw(st.integers(0, 7)) == 0
+        allow_pulled = not compressed or data.draw(st.integers(0, 3)) == 0
         return self.checked_push(
             Push(keys, [(k, *self.draw_value(data, k, allow_pulled)) for k in entries])
         )
@@ -462,6 +465,11 @@ class KVStoreMachine(RuleBasedStateMachine):
             self.m.push(k, [(p.dev, p.x) for p in parts])
         if self.m.optimizer is not None:
             self.tolerant = True
+            event(f"push: an {self.m.optimizer} step")
+        if self.m.threshold is not None:
+            event("push: 2-bit compressed")
+        for dt in {self.dtype_of(k) for k in push.by_key()}:
+            event(f"push: a {dt.name} key")
 
     def check_parts(self, push: Push, what: str) -> None:
         for p in push.parts:
@@ -472,19 +480,13 @@ class KVStoreMachine(RuleBasedStateMachine):
     @initialize(data=st.data())
     def start(self, data):
         """One configuration per run (see the module doc), then a first init."""
-        self.store_type = data.draw(st.sampled_from(["local", "device"]), label="store")
+        self.store_type, self.threshold = data.draw(st.sampled_from(STORES), label="store")
         self.bound = data.draw(st.sampled_from(BOUNDS), label="bound")
         self.family = data.draw(st.sampled_from(["plain", "plain", "sgd", "adam"]), label="opt")
         if self.family == "plain":
-            self.dtypes = data.draw(
-                st.lists(st.sampled_from(DTYPES), min_size=1, max_size=2, unique=True),
-                label="dtypes",
-            )
+            self.dtypes = data.draw(st.sampled_from(DTYPE_POOLS), label="dtypes")
         else:
             self.dtypes = [F32]
-        self.threshold = None
-        if self.store_type == "device":
-            self.threshold = data.draw(st.sampled_from(THRESHOLDS), label="threshold")
         self.grid = 0.5 if self.threshold == 0.5 else 1.0  # values are multiples of this
         self.kind = data.draw(st.sampled_from(["int", "str"]), label="key kind")
         event(f"config: {self.store_type} store")
@@ -496,11 +498,11 @@ class KVStoreMachine(RuleBasedStateMachine):
         self.kv = self.new_store()
         if self.family != "plain" and data.draw(st.booleans()):
             self.set_optimizer()
-        if self.threshold is not None and data.draw(st.booleans()):
-            self.set_compression(data)
         # With the low bound, half the runs start with sharded keys only, of one dtype.
         sharded = self.bound == 16 and data.draw(st.booleans())
         self.init_keys(data, least=2, most=4, sharded=sharded)
+        if self.threshold is not None and data.draw(st.integers(0, 3)):
+            self.set_compression(data)  # refused if an int32 key was made
 
     @precondition(lambda self: len(self.m.keys) < 4)
     @rule(data=st.data())
@@ -659,6 +661,7 @@ class KVStoreMachine(RuleBasedStateMachine):
     def set_optimizer(self):
         self.kv.set_optimizer(OPTIMIZERS[self.family])
         self.m.set_optimizer(self.family)
+        event(f"set_optimizer: {self.family}")
 
     @precondition(lambda self: self.threshold is not None)
     @rule(data=st.data())
@@ -672,6 +675,7 @@ class KVStoreMachine(RuleBasedStateMachine):
             return
         self.kv.set_gradient_compression(params)
         self.m.set_compression(None if off else self.threshold)
+        event(f"set_gradient_compression: {params['type']}")
 
     @rule(data=st.data())
     def broadcast(self, data):
@@ -717,6 +721,7 @@ class KVStoreMachine(RuleBasedStateMachine):
         for k, p in zip(ks, parts):
             self.m.init(k, p.x, p.dtype)
         self.check_outs(ks, [hs for _, hs in drawn])
+        event("broadcast")
 
     @precondition(lambda self: self.m.keys)
     @rule(data=st.data())
@@ -768,6 +773,7 @@ class KVStoreMachine(RuleBasedStateMachine):
                 self.refused(call)
                 return
             self.check_returned(keys, entries, call(), rows=[r for _, r in ids])
+            event("row_sparse_pull")
             return
         drawn = [self.draw_outs(data, self.shape_of(k), self.dtype_of(k)) for k in entries]
         outs = [o for o, _ in drawn]
@@ -787,6 +793,7 @@ class KVStoreMachine(RuleBasedStateMachine):
             return
         assert call() is None
         self.check_outs(entries, [hs for _, hs in drawn], rows=per_out)
+        event("row_sparse_pull into outs")
 
     @precondition(lambda self: self.m.keys)
     @rule(keep=st.booleans())
@@ -834,6 +841,7 @@ class KVStoreMachine(RuleBasedStateMachine):
         state, snap, _ = data.draw(st.sampled_from(self.states))
         self.kv.state = state
         self.m.restore(snap)
+        event("state: set back to an earlier kv.state")
 
     @precondition(lambda self: self.m.keys)
     @rule()
@@ -1028,20 +1036,31 @@ class KVStoreMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def refuse_settings(self, data):
         """Compression a store cannot take (any on ``local``, as MXNet; of int32 values), a
-        non-optax optimizer, a state that is not a KVState: refused, and nothing changes."""
+        compressed push of a value that spans several devices, a non-optax optimizer, a state
+        that is not a KVState: refused, and nothing changes."""
         what = data.draw(
-            st.sampled_from(["compression", "compression", "int32", "optimizer", "state"])
+            st.sampled_from(["compression", "int32", "int32", "spread", "optimizer", "state"])
         )
-        fresh = [k for k in KEYS[self.kind] if k not in self.m.keys]
+        fresh = [k for k in KEYS[self.kind] if k not in self.m.keys] + [NEVER[self.kind]]
         ints = [k for k, km in self.m.keys.items() if not is_float(km.dtype)]
-        if what == "int32" and self.m.threshold is not None and fresh:
+        if what == "int32" and self.m.threshold is not None:
             # Only floating-point values are compressed (as MXNet): an int32 key is refused,
             # and so is a list holding one (its float key is not added either).
             ks = data.draw(st.permutations(fresh))[:2]
             vals = [nd.ones((4,), jaxkv.cpu(0), dtype=I32)] + [nd.ones((4,))] * (len(ks) - 1)
             event("refused: init of an int32 key into a compressed store")
             self.refused(lambda: self.kv.init(ks, vals))
-        elif what == "int32" and self.store_type == "device":
+        elif what == "spread" and self.m.threshold is not None and self.m.keys:
+            # Residuals belong to devices: a value on several devices has no one residual.
+            k = data.draw(st.sampled_from(self.known))
+            x = np.ones(self.shape_of(k), self.dtype_of(k))
+            spread = jax.device_put(
+                x, jax.sharding.NamedSharding(MESH, jax.sharding.PartitionSpec())
+            )
+            value = data.draw(st.sampled_from([spread, [nd.ones(x.shape, jaxkv.cpu(1)), spread]]))
+            event("refused: compressed push of a value on several devices")
+            self.refused(lambda: self.kv.push(k, value))
+        elif what in ("int32", "spread") and self.store_type == "device":
             event("refused: compression of a store holding int32 keys")
             params = {"type": "2bit", "threshold": self.threshold or 0.5}
             if ints:
@@ -1129,7 +1148,6 @@ settings.register_profile(
     stateful_step_count=50,
     deadline=None,
     phases=_PHASES,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 _profile = settings.get_profile(
     "deep" if os.environ.get("HYPOTHESIS_PROFILE") == "deep" else "jaxkv-stateful"
