@@ -308,7 +308,7 @@ def main() -> int:
         args.resume = True
         for module in modules:  # survivors become pending again
             with sqlite3.connect(session_path(module)) as db:
-                db.execute("DELETE FROM work_results WHERE test_outcome = 'survived'")
+                db.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'")
     if not args.report:
         if args.retest or not (args.resume and WORK.exists()):
             copy_tree()
