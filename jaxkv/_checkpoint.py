@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._arrays import host_copy
+from ._compression import residual_layout
 from ._errors import KVStoreError
-from ._ops import host_copy, residual_layout
 from ._state import KVState, check_compressible, compression_config
 
 __all__ = ["load", "save"]

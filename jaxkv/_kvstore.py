@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import optax
 
-from . import _checkpoint, _dist, _ops
+from . import _args, _arrays, _checkpoint, _compression, _dist, _fast, _ops, _push
 from ._errors import KVStoreError, ShapeError
 from ._nd import NDArray, _unwrap
 from ._state import BIGARRAY_BOUND, KVState, empty
@@ -184,7 +184,7 @@ class KVStore:
             state = _ops.init(self._state, key, values)
             if isinstance(self._updater, optax.GradientTransformation):
                 fresh = [k for k in state.keys() if k not in self._state]
-                state = _ops.init_opt_states(state, self._updater, fresh)
+                state = _push.init_opt_states(state, self._updater, fresh)
             self._state = state
 
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
@@ -200,7 +200,7 @@ class KVStore:
         with self._lock:
             if out is None:
                 return self._values(key)
-            pairs = _ops.pairs(key, out, "outs")
+            pairs = _args.pairs(key, out, "outs")
             self._check_outs(pairs)
             self._fill(pairs)
             return None
@@ -210,7 +210,7 @@ class KVStore:
         with self._lock:
             pairs = None
             if out is not None or _holds_ndarrays(value):
-                pairs = _ops.pairs(key, out if out is not None else value, "outs")
+                pairs = _args.pairs(key, out if out is not None else value, "outs")
                 self._check_outs(pairs)  # before the push: a refused call changes nothing
             self._update(key, _unwrap_values(value))
             if pairs is None:
@@ -221,7 +221,7 @@ class KVStore:
     def broadcast(self, key: Any, value: Any, out: Any, priority: int = 0) -> None:
         """Initialise ``key`` with ``value``, then pull it into ``out``."""
         with self._lock:
-            pairs = _ops.pairs(key, out, "outs")
+            pairs = _args.pairs(key, out, "outs")
             before = self._state
             self.init(key, value)
             try:
@@ -246,7 +246,7 @@ class KVStore:
                     )
                 rows = [_ops.row_sparse_pull(state, k, _unwrap(r)) for k, r in zip(keys, ids)]
                 return rows if isinstance(key, list | tuple) else rows[0]
-            pairs = _ops.pairs(key, out, "outs")
+            pairs = _args.pairs(key, out, "outs")
             n = sum(len(outs) for _, outs in pairs)
             ids = row_ids if isinstance(row_ids, list | tuple) else [row_ids] * n
             if len(ids) != n:
@@ -283,7 +283,7 @@ class KVStore:
             )
         with self._lock:
             self._updater = optimizer
-            self._state = _ops.init_opt_states(self._state, optimizer, self.keys())
+            self._state = _push.init_opt_states(self._state, optimizer, self.keys())
 
     def set_gradient_compression(self, compression_params: dict) -> None:
         """Compress each device's pushed values before they are summed, as MXNet does.
@@ -299,7 +299,7 @@ class KVStore:
                 f"store type (as MXNet), given {self._type!r}"
             )
         with self._lock:
-            self._state = _ops.set_compression(self._state, compression_params)
+            self._state = _compression.set_compression(self._state, compression_params)
 
     def is_capable(self, capability: str) -> bool:
         """Whether the store supports ``capability`` (MXNet knows ``'optimizer'``)."""
@@ -362,7 +362,7 @@ class KVStore:
         state = self._state
         donate = True
         if len(self._shared):  # something was handed out through `state`: keep it valid
-            pushed = {k for k, _ in _ops.pairs(key, values, "values")}
+            pushed = {k for k, _ in _args.pairs(key, values, "values")}
             opt_states = state.opt_states
             leaves = jax.tree_util.tree_leaves(
                 [(state[k], opt_states[k]) for k in pushed if k in state]
@@ -372,7 +372,7 @@ class KVStore:
 
     def _values(self, key: Any):
         single = not isinstance(key, list | tuple)
-        values = _ops.replicated_copies(self._state, [key] if single else list(key))
+        values = _arrays.replicated_copies(self._state, [key] if single else list(key))
         return values[0] if single else values
 
     def _check_outs(self, pairs) -> None:
@@ -410,9 +410,9 @@ class KVStore:
 
         def hand_out(keys, values):
             for key, value in zip(keys, values):
-                arrays = _ops.per_device(value)
+                arrays = _fast.per_device(value)
                 if not position:
-                    position.update({_ops.single_device(x): i for i, x in enumerate(arrays)})
+                    position.update({_fast.single_device(x): i for i, x in enumerate(arrays)})
                 dtype = value.dtype
                 for o in outs_of[key]:
                     device = o._device()
@@ -423,13 +423,13 @@ class KVStore:
         # One copy computation for all replicated values, then the sharded ones in chunks:
         # chunking everything together measured ~30% slower on ResNet-50.
         if small:
-            hand_out(small, _ops.replicated_copies(state, small))
+            hand_out(small, _arrays.replicated_copies(state, small))
         chunk, size = [], 0
         for i, key in enumerate(big):
             chunk.append(key)
             size += state[key].nbytes * len(state.devices)
             if size >= _GATHER_CHUNK_BYTES or i == len(big) - 1:
-                hand_out(chunk, _ops.replicated_copies(state, chunk))
+                hand_out(chunk, _arrays.replicated_copies(state, chunk))
                 chunk, size = [], 0
 
 

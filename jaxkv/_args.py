@@ -1,0 +1,103 @@
+"""Pairing keys with values as MXNet does, and checking them before anything changes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._errors import KVStoreError, ShapeError
+from ._fast import ArrayImpl
+from ._state import Key, KVState, normalize_key
+
+__all__ = ["MISSING", "as_array", "check_value", "devices_of", "group", "is_traced", "pairs"]
+
+MISSING = object()  # ``values`` not given: ``keys`` is a mapping
+
+
+def _as_list(v: Any) -> list:
+    return list(v) if isinstance(v, list | tuple) else [v]
+
+
+def pairs(keys: Any, values: Any, what: str) -> list[tuple[Key, list]]:
+    """MXNet's pairing: ``(key, value)``, ``(key, [per-device values])``, ``([keys], [values])``,
+    ``([keys], [[per-device values], ...])``, or one mapping ``{key: value}``.
+
+    Returns a list of ``(key, [values])`` in call order; keys may repeat.
+    """
+    if values is MISSING:
+        if not isinstance(keys, Mapping):
+            raise KVStoreError(
+                f"expected a mapping {{key: {what[:-1]}}} or keys and {what}, "
+                f"given only {type(keys).__name__} {keys!r}"
+            )
+        keys, values = list(keys.keys()), list(keys.values())
+    if isinstance(keys, list | tuple):
+        if not isinstance(values, list | tuple) or len(values) != len(keys):
+            given = f"{len(values)} {what}" if isinstance(values, list | tuple) else "one"
+            raise ShapeError(
+                f"keys {list(keys)!r}: expected {len(keys)} {what} (one per key), given {given}"
+            )
+        out = [(normalize_key(k), _as_list(v)) for k, v in zip(keys, values)]
+    else:
+        out = [(normalize_key(keys), _as_list(values))]
+    for k, vs in out:
+        if not vs:
+            raise ShapeError(f"key {k!r}: expected at least one {what[:-1]}, given an empty list")
+    return out
+
+
+def is_traced(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def as_array(x: Any) -> jax.Array:
+    if type(x) is ArrayImpl or isinstance(x, jax.Array):  # the first test is the cheap one
+        return x
+    if hasattr(x, "__jax_array__"):
+        return x.__jax_array__()
+    return jnp.asarray(x)
+
+
+def check_value(key: Key, x: jax.Array, stored: Any, what: str) -> None:
+    if tuple(x.shape) != tuple(stored.shape):
+        raise ShapeError(
+            f"key {key!r}: {what} has shape {tuple(x.shape)}, expected the stored shape "
+            f"{tuple(stored.shape)} (dtype {stored.dtype})"
+        )
+    if x.dtype.kind == "c" and stored.dtype.kind != "c":
+        raise KVStoreError(
+            f"key {key!r}: {what} has dtype {x.dtype}, expected a real dtype castable to the "
+            f"stored {stored.dtype}"
+        )
+
+
+def group(state: KVState, keys: Any, values: Any) -> dict[Key, list[jax.Array]]:
+    """Validated contributions per distinct key, in a canonical (sorted) key order."""
+    grouped: dict[Key, list[jax.Array]] = {}
+    for key, vs in pairs(keys, values, "values"):
+        i = state.index(key)
+        stored = state._values[i]
+        arrays = []
+        for n, v in enumerate(vs):
+            x = as_array(v)
+            what = "the pushed value" if len(vs) == 1 else f"pushed value {n}"
+            check_value(key, x, stored, what)
+            arrays.append(x)
+        grouped.setdefault(key, []).extend(arrays)
+    return {k: grouped[k] for k in sorted(grouped)}
+
+
+def devices_of(devices: Any) -> tuple[jax.Device, ...]:
+    """A device, a context, or a list of them, as a tuple of JAX devices."""
+    from ._context import Context
+
+    items = list(devices) if isinstance(devices, list | tuple) else [devices]
+    out = tuple(d.device if isinstance(d, Context) else d for d in items)
+    if not out or not all(isinstance(d, jax.Device) for d in out) or len(set(out)) != len(out):
+        raise KVStoreError(
+            f"devices: expected a device or a list of distinct devices, given {devices!r}"
+        )
+    return out

@@ -1,0 +1,166 @@
+"""Arrays on the store's devices: copies, per-device blocks stacked into one sharded array,
+placement, and gathering sharded values through one host copy."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from ._args import is_traced
+from ._errors import KVStoreError
+from ._fast import assemble, per_device, single_device
+from ._state import AXIS, Key, KVState, _mesh
+
+__all__ = [
+    "copies",
+    "host_copy",
+    "place",
+    "replicate",
+    "replicated_copies",
+    "stacked",
+    "stacked_sharding",
+]
+
+
+@jax.jit
+def copies(values: list[jax.Array]) -> list[jax.Array]:
+    """Fresh buffers holding ``values``, with the same shardings.
+
+    ``device_put`` may let a shard alias its source even with ``may_alias=False``; a stored
+    value that aliased a user's array (or another key's value) would break donation.
+    """
+    return [jnp.copy(v) for v in values]
+
+
+def replicated_copies(state: KVState, keys: Sequence[Key]) -> list[jax.Array]:
+    """Fresh buffers holding the values of ``keys``, replicated on the store's devices.
+
+    Sharded values are all-gathered by ``device_put`` (measured faster than XLA's all-gather on
+    CPU devices); replicated ones are copied, so nothing handed out aliases the store.
+    """
+    values = [state[k] for k in keys]
+    sharded = [i for i, v in enumerate(values) if state.is_sharded(v.shape)]
+    replicated = [i for i, v in enumerate(values) if not state.is_sharded(v.shape)]
+    out: list[Any] = [None] * len(values)
+    if sharded:
+        parts = [values[i] for i in sharded]
+        if jax.process_count() > 1:  # device_put cannot reach other processes' shards
+            gathered = _all_gather(parts, state.sharding)
+        else:
+            gathered = _device_put(parts, state.sharding)
+        for i, x in zip(sharded, gathered):
+            out[i] = x
+    if replicated:
+        for i, x in zip(replicated, copies([values[i] for i in replicated])):
+            out[i] = x
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _all_gather(values: list[jax.Array], sharding: NamedSharding) -> list[jax.Array]:
+    return [jax.lax.with_sharding_constraint(jnp.copy(v), sharding) for v in values]
+
+
+def place(state: KVState, tree: Any) -> Any:
+    """Inside ``jit``: constrain every leaf of ``tree`` to where the store keeps such a leaf."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.lax.with_sharding_constraint(x, state.sharding_for(x.shape)), tree
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros(shape: tuple[int, ...], dtype: Any, device: jax.Device) -> jax.Array:
+    return jnp.zeros(shape, dtype, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def stacked_sharding(devices: tuple[jax.Device, ...]) -> NamedSharding:
+    return NamedSharding(_mesh(devices), PartitionSpec(AXIS))
+
+
+def stacked(state: KVState, stored: jax.Array, blocks: dict | list, dtype: Any) -> jax.Array:
+    """One array of shape ``(D * n, ...)`` sharded over the mesh, whose block on each of this
+    process's devices is ``blocks[device]`` (zeros where absent), for a value of shape
+    ``(n, ...)``; the blocks are used in place, not copied. Scalars travel as shape ``(1,)``.
+    ``blocks`` may also be a list holding one block per device of this process, in mesh order.
+    """
+    shard_shape = stored.shape or (1,)
+    if isinstance(blocks, dict):  # mesh order; all devices in a single-process job
+        blocks = [
+            blocks[d] if d in blocks else _zeros(shard_shape, dtype, d)
+            for d in state.local_positions
+        ]
+    shards = [x if x.shape == shard_shape else x.reshape(shard_shape) for x in blocks]
+    global_shape = (shard_shape[0] * len(state.devices), *shard_shape[1:])
+    return assemble(global_shape, stacked_sharding(state.devices), shards)
+
+
+def replicate(values: Sequence[jax.Array], devices: tuple[jax.Device, ...]) -> list[jax.Array]:
+    """``values`` replicated on exactly ``devices`` (no copy where they already are)."""
+    if any(is_traced(v) for v in values):
+        raise KVStoreError(
+            f"devices={list(devices)}: expected an eager call; inside jit the caller's "
+            "shardings decide where values live"
+        )
+    if len(devices) == 1:
+        sharding = SingleDeviceSharding(devices[0])
+    else:
+        sharding = NamedSharding(_mesh(devices), PartitionSpec())
+    return _device_put(list(values), sharding)
+
+
+def _device_put(values: list[jax.Array], sharding: Any) -> list[jax.Array]:
+    """``jax.device_put`` of each of ``values`` to ``sharding``; values sharded over CPU devices
+    of this process go through one host buffer of their own (see :func:`host_copy`)."""
+    sources = [host_copy(v) for v in values]
+    sources = [v if h is None else h for v, h in zip(values, sources)]
+    return list(jax.device_put(sources, [sharding] * len(values)))
+
+
+def host_copy(x: jax.Array) -> np.ndarray | None:
+    """``x``'s value gathered into a fresh 64-byte-aligned host buffer, if ``x`` is split over
+    several CPU devices of this process; else ``None``.
+
+    CPU devices share host memory, and ``device_put`` of an aligned NumPy array to CPU devices
+    lets every device read that one buffer (JAX's own behaviour; an executable given such an
+    array with donation writes its result elsewhere), so a pull writes one copy, not one per
+    device. JAX's route from a sharded array would also keep a host copy cached on the stored
+    value for as long as that lives.
+    """
+    sharding = x.sharding
+    if (
+        len(sharding.device_set) < 2
+        or x.is_fully_replicated
+        or not x.is_fully_addressable
+        or any(d.platform != "cpu" for d in sharding.device_set)
+    ):
+        return None
+    host = _aligned_empty(x.shape, np.dtype(x.dtype))
+    where = _indices(sharding, x.shape)
+    for shard in per_device(x):
+        host[where[single_device(shard)]] = np.asarray(shard)  # reads the buffer in place
+    return host
+
+
+@functools.lru_cache(maxsize=1024)
+def _indices(sharding: Any, shape: tuple[int, ...]) -> Mapping[jax.Device, Any]:
+    """Which part of an array of ``shape`` each device holds (cached: JAX computes it anew for
+    every shard it describes)."""
+    return sharding.devices_indices_map(shape)
+
+
+_ALIGN = 64  # bytes; XLA's CPU runtime reads host buffers in place only if so aligned
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start : start + nbytes].view(dtype).reshape(shape)

@@ -1,0 +1,98 @@
+"""Gradient compression: MXNet's 2-bit error feedback, and fp16/bf16 rounding."""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from ._arrays import stacked, stacked_sharding
+from ._errors import KVStoreError
+from ._fast import single_device
+from ._state import AXIS, Key, KVState, check_compressible, compression_config
+
+__all__ = [
+    "compress",
+    "layout_compressed",
+    "residual_layout",
+    "residual_zeros",
+    "set_compression",
+]
+
+
+def set_compression(state: KVState, params: Mapping[str, Any] | None) -> KVState:
+    """``state`` with MXNet-style gradient compression set (or removed with ``None``).
+
+    ``{'type': '2bit', 'threshold': t}`` starts every key's residual at zero.
+    """
+    config = compression_config(params)
+    for key in state.keys():
+        check_compressible(config, key, state[key].dtype)
+    with_config = state.replace(compression=config, residuals={k: None for k in state.keys()})
+    if config is None or config[0] != "2bit":
+        return with_config
+    return with_config.replace(residuals={k: residual_zeros(state, state[k]) for k in state.keys()})
+
+
+def compress(config: tuple, masks: list[tuple[bool, ...]], blocks, residuals):
+    """Inside ``shard_map``: each device compresses its own block before the sum, as MXNet does.
+
+    ``('2bit', t)``: error feedback. The device adds its block to its residual, sends ``+t``
+    where that reaches ``t``, ``-t`` where it reaches ``-t``, else 0, and keeps the rest as its
+    new residual. ``('fp16',)`` / ``('bf16',)``: the block is rounded to that type. ``masks``
+    say which devices pushed a value for the key; the others send 0 and keep their residual.
+    """
+    me = jax.lax.axis_index(AXIS)
+    quantized, kept = [], []
+    for block, residual, mask in zip(blocks, residuals, masks):
+        present = jnp.asarray(mask)[me]
+        if config[0] == "2bit":
+            t = jnp.asarray(config[1], block.dtype)
+            acc = residual + block
+            q = jnp.where(acc >= t, t, jnp.where(acc <= -t, -t, jnp.zeros_like(t)))
+            q = jnp.where(present, q, jnp.zeros_like(q))
+            kept.append(jnp.where(present, acc - q, residual))
+        else:
+            low = jnp.float16 if config[0] == "fp16" else jnp.bfloat16
+            q = block.astype(low).astype(block.dtype)
+            kept.append(residual)
+        quantized.append(q)
+    return quantized, kept
+
+
+def layout_compressed(state: KVState, key: Key, stored: jax.Array, xs: list[jax.Array]):
+    """Like :func:`_layout` for a compressed store: always one block per device (devices that
+    pushed nothing get zeros), plus the static mask of devices that pushed."""
+    positions = state.local_positions
+    by_device: dict[jax.Device, list[jax.Array]] = {}
+    for x in xs:
+        device = single_device(x)
+        if device not in positions:
+            raise KVStoreError(
+                f"key {key!r}: a compressed push expects each value on one of the store's "
+                f"devices {list(state.devices)}, given one on {sorted(x.devices(), key=str)}"
+            )
+        by_device.setdefault(device, []).append(x)
+    blocks = {}
+    for device, parts in by_device.items():
+        x = functools.reduce(operator.add, parts)  # several values on one device: their sum
+        blocks[device] = x if x.dtype == stored.dtype else x.astype(stored.dtype)
+    mask = tuple(d in blocks for d in state.devices)
+    return ("compressed", mask), stacked(state, stored, blocks, stored.dtype)
+
+
+def residual_layout(state: KVState, shape: tuple[int, ...]) -> tuple[tuple, NamedSharding]:
+    """Shape and sharding of the residual of a value of ``shape``: one block per device."""
+    block = tuple(shape) or (1,)
+    return (block[0] * len(state.devices), *block[1:]), stacked_sharding(state.devices)
+
+
+def residual_zeros(state: KVState, stored: jax.Array) -> jax.Array:
+    """A zero residual for a value like ``stored``."""
+    shape, sharding = residual_layout(state, stored.shape)
+    return jnp.zeros(shape, stored.dtype, device=sharding)
