@@ -151,7 +151,9 @@ def _check_manifest(manifest: Any, files: set[str]) -> None:
             shape,
         )
         try:
-            jnp.dtype(e.get("dtype"))
+            if not isinstance(e.get("dtype"), str):  # jnp.dtype(None) would be float64
+                raise TypeError
+            jnp.dtype(e["dtype"])
         except TypeError:
             raise _Malformed(
                 f"manifest: expected arrays[{n}] 'dtype' a dtype name, given {e.get('dtype')!r}"

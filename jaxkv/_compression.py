@@ -80,8 +80,9 @@ def layout_compressed(state: KVState, key: Key, stored: jax.Array, xs: list[jax.
         by_device.setdefault(device, []).append(x)
     blocks = {}
     for device, parts in by_device.items():
-        x = functools.reduce(operator.add, parts)  # several values on one device: their sum
-        blocks[device] = x if x.dtype == stored.dtype else x.astype(stored.dtype)
+        # Several values on one device: each cast to the stored dtype, then summed there, as
+        # an uncompressed push does.
+        blocks[device] = functools.reduce(operator.add, [p.astype(stored.dtype) for p in parts])
     mask = tuple(d in blocks for d in state.devices)
     return ("compressed", mask), stacked(state, stored, blocks, stored.dtype)
 

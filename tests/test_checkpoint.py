@@ -116,6 +116,7 @@ MALFORMED = {
     "negative size": (_entry(0, shape=[-2, -3]), "'shape'"),
     "shape of other size": (_entry(0, shape=[4, 3]), "expected 48 bytes.*given 24"),
     "bogus dtype": (_entry(0, dtype="float33"), "'dtype'"),
+    "null dtype": (_entry(0, dtype=None), "'dtype'"),
     "dtype of other size": (_entry(0, dtype="float64"), "expected 48 bytes.*given 24"),
     "path not a str": (_entry(0, path=None), "'path'"),
     "checksum not a str": (_entry(0, sha256=0), "'sha256'"),
@@ -250,3 +251,14 @@ def test_round_trip_keeps_every_leaf_and_the_next_push_agrees(tmp_path):
         for s in (kv, fresh):
             s.push(3, [nd.ones(SHAPE, jaxkv.cpu(d)) * 0.3 for d in range(2)])
         assert_unchanged(fresh, contents(kv))
+
+
+def test_a_job_of_several_processes_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    kv = store()
+    kv.save(tmp_path / "s.npz")
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(jaxkv.KVStoreError, match="single-process job, given 2 processes"):
+        kv.save(tmp_path / "other.npz")
+    with pytest.raises(jaxkv.KVStoreError, match="single-process job, given 2 processes"):
+        kv.load(tmp_path / "s.npz")
+    assert not (tmp_path / "other.npz").exists()

@@ -212,3 +212,28 @@ def test_integer_values_are_refused_as_mxnet_does(kind):
     kv.push(3, [mx.nd.array([3, 0, 0, -3], dtype="int32", ctx=mx.cpu(d)) for d in range(2)])
     expected = [1.0, 0.0, 0.0, -1.0] if kind == "2bit" else [6.0, 0.0, 0.0, -6.0]
     assert kv.pull(3).tolist() == expected
+
+
+def test_values_from_one_device_are_cast_before_they_are_summed(devices):
+    """As in an uncompressed push: each value is cast to the stored dtype, then the device's
+    values are summed, then compressed. (Summed in float32 first, cpu(0)'s share would round to
+    1 + 2**-10 in float16 and leave a residual of 0.5 + 2**-10.)"""
+    state = jaxkv.init(
+        jaxkv.empty(compression={"type": "2bit", "threshold": 0.5}),
+        {"h": jnp.zeros(1, jnp.float16), "f": jnp.zeros(1)},
+    )
+    a, b = np.float32(1 + 2**-11), np.float32(2**-11)
+    on0 = lambda x: jax.device_put(jnp.asarray(x), devices[0])  # noqa: E731
+    new = jaxkv.push(
+        state,
+        {"h": [on0([a]), on0([b])], "f": [on0(jnp.ones(1, jnp.float16)), on0(np.ones(1))]},
+    )
+    assert float(np.asarray(new.residuals["h"])[0]) == 0.5
+    assert float(np.asarray(new["h"])[0]) == 0.5
+    np.testing.assert_array_equal(np.asarray(new.residuals["f"])[0], [1.5])  # 2 - 0.5
+
+
+def test_compression_in_a_job_of_several_processes_is_refused(monkeypatch):
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(jaxkv.KVStoreError, match="single-process job, given 2 processes"):
+        jaxkv.empty(compression={"type": "2bit", "threshold": 0.5})

@@ -87,11 +87,6 @@ STORES = [("local", None), ("local", None), ("device", None), ("device", 0.5), (
 DTYPE_POOLS = [[F32], [F16], [BF16], [I32], [F32, F16], [BF16, I32], [F16, BF16], [I32, F32]]
 WATCH = 10  # how many handed-over arrays stay watched
 MESH = jax.sharding.Mesh(jax.devices()[:2], ("d",))  # for values that span two devices
-# Known jaxkv defect: a compressed push sums one device's values for a key in their own dtypes
-# and casts the sum (an uncompressed push casts each value first), which strict dtype promotion
-# refuses when the dtypes differ. Until that is fixed, a compressed push gives each device's
-# values for a key one dtype; set this to False to exercise it again.
-ONE_DTYPE_PER_DEVICE_WHEN_COMPRESSED = True
 
 
 def add_updater(key, pushed, stored):
@@ -404,13 +399,6 @@ class KVStoreMachine(RuleBasedStateMachine):
         """``push`` marked refused (a compressed push of values on several devices) or left
         out (its result would not be exact), its arrays made."""
         push.refused = self.m.threshold is not None and any(p.dev is None for p in push.parts)
-        if self.m.threshold is not None and ONE_DTYPE_PER_DEVICE_WHEN_COMPRESSED:
-            for k, parts in push.by_key().items():
-                for d in {p.dev for p in parts} - {None}:
-                    mine = [p for p in parts if p.dev == d]
-                    if len({p.dtype for p in mine}) > 1:
-                        for p in mine:
-                            p.dtype = self.dtype_of(k)
         if not push.refused and self.m.optimizer is None:
             for k, parts in push.by_key().items():
                 if not self.keep_exact(k, parts):
