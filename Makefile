@@ -45,7 +45,7 @@ conformance: $(STAMP)
 	$(BIN)/python conformance/harness.py --n 500
 
 # Mutation tests (Cosmic Ray, in a venv of its own) of the store's arithmetic and checks; not
-# part of `make test`. Takes about 40 minutes on 2 cores: see docs/testing.md.
+# part of `make test`. Takes about 35 minutes on 2 cores: see docs/testing.md.
 # MUTATION_ARGS="--modules _ops,_state" runs only some modules; "--resume" continues a run;
 # "--retest" runs the survivors again after tests were added.
 MVENV := .venv-mutation
