@@ -37,6 +37,7 @@ clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info .coverage .coverage.*
 
 bench: $(STAMP)
+	bash conformance/setup_mxnet.sh >/dev/null
 	$(BIN)/python benchmarks/bench.py
 
 # Differential tests against real Apache MXNet 1.9.1, installed in its own venv.

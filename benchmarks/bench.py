@@ -40,7 +40,7 @@ import jaxkv  # noqa: E402
 import jaxkv.mx as mx  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SHARED = os.path.join(HERE, "..", "..", "shared")
+SHAPES = os.path.join(HERE, "data", "resnet50_shapes.json")  # ResNet-50 v1's 193 tensors
 MXNET_VENV = os.environ.get("MXNET_VENV", "/tmp/mxnet-1.9.1")
 D = 8
 ROUNDS = 3
@@ -52,7 +52,7 @@ def log(msg: str) -> None:
 
 def workload(name: str) -> list[tuple[int, ...]]:
     if name == "resnet50":
-        with open(os.path.join(SHARED, "data", "resnet50_shapes.json")) as f:
+        with open(SHAPES) as f:
             return [tuple(s) for s in json.load(f)]
     return [(16, 16)] * 1000
 
@@ -156,9 +156,8 @@ def naive_jax(shapes, steps) -> float:
 
 def memory() -> dict:
     """Steady-state peak RSS of the imperative ResNet-50 loop, in a process of its own."""
-    shapes = os.path.join(SHARED, "data", "resnet50_shapes.json")
     out = subprocess.run(
-        [sys.executable, os.path.join(HERE, "memory.py"), shapes],
+        [sys.executable, os.path.join(HERE, "memory.py"), SHAPES],
         capture_output=True,
         text=True,
         check=True,
@@ -170,7 +169,7 @@ def mxnet(work: str) -> float | None:
     python = os.path.join(MXNET_VENV, "bin", "python")
     if not os.path.exists(os.path.join(MXNET_VENV, ".ok")):
         return None
-    script = os.path.join(SHARED, "tools", "mxnet_baseline.py")
+    script = os.path.join(HERE, "mxnet_baseline.py")
     out = subprocess.run(
         [python, script, f"{work}:{D}"], capture_output=True, text=True, check=True
     ).stdout

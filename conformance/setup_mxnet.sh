@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Makes (once) a venv with Apache MXNet 1.9.1 under ${MXNET_VENV:-/tmp/mxnet-1.9.1}, as
-# shared/tools/mxnet_baseline.sh does, and prints the path of its python.
+# Makes (once) a venv with Apache MXNet 1.9.1 under ${MXNET_VENV:-/tmp/mxnet-1.9.1}, used by
+# `make conformance` and by the MXNet baseline of `make bench`, and prints the path of its python.
 # MXNet 1.9.1 needs numpy < 1.24, so it cannot share jaxkv's venv.
 set -eu
 V=${MXNET_VENV:-/tmp/mxnet-1.9.1}

@@ -1,4 +1,5 @@
-"""The five MXNet KVStore tutorials in /work/shared/seeds/, replayed through ``jaxkv.mx``.
+"""The five MXNet KVStore tutorials (in Clojure, Scala, Python and Perl), replayed through
+``jaxkv.mx``.
 
 Each test replays one tutorial statement by statement through the MXNet drop-in
 (``import jaxkv.mx as mx``), translating the tutorial's language to the Python API literally:
