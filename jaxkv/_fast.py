@@ -33,7 +33,9 @@ def single_device(x: jax.Array) -> jax.Device | None:
     """The device ``x`` lives on, or ``None`` if it spans several."""
     sharding = x.sharding
     if ENABLED and type(sharding) is SingleDeviceSharding:  # the common case, without a set
-        return sharding._device
+        device = getattr(sharding, "_device", None)
+        if device is not None:
+            return device
     devices = sharding.device_set
     return next(iter(devices)) if len(devices) == 1 else None
 
