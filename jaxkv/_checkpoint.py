@@ -150,26 +150,30 @@ def _check_manifest(manifest: Any, files: set[str]) -> None:
             f"arrays[{n}] 'shape' a list of sizes",
             shape,
         )
-        try:
-            if not isinstance(e.get("dtype"), str):  # jnp.dtype(None) would be float64
-                raise TypeError
-            jnp.dtype(e["dtype"])
-        except TypeError:
-            raise _Malformed(
-                f"manifest: expected arrays[{n}] 'dtype' a dtype name, given {e.get('dtype')!r}"
-            ) from None
+        _expect(_is_dtype_name(e.get("dtype")), f"arrays[{n}] 'dtype' a dtype name", e.get("dtype"))
         _expect(isinstance(e.get("sha256"), str), f"arrays[{n}] 'sha256' a str", e.get("sha256"))
         _expect(f"a{n}" in files, f"an array a{n} for arrays[{n}]", sorted(files))
         counts[e["key"]][e["part"]] += 1
+    # A whole-store file holds one value per key (and a residual under 2-bit compression); an
+    # optimizer-state file neither.
+    value = int(manifest["values"])
+    residual = int(manifest["values"] and bool(compression) and compression[0] == "2bit")
     for key, c in counts.items():
-        value, residual = (1, int(bool(compression) and compression[0] == "2bit"))
-        if not manifest["values"]:
-            value, residual = 0, 0
         _expect(
             c["value"] == value and c["residual"] == residual,
             f"key {key!r} with {value} value and {residual} residual entries",
             f"{c['value']} and {c['residual']}",
         )
+
+
+def _is_dtype_name(name: Any) -> bool:
+    if not isinstance(name, str):  # jnp.dtype(None) would be float64
+        return False
+    try:
+        jnp.dtype(name)
+    except TypeError:
+        return False
+    return True
 
 
 def _read(fname: str) -> tuple[dict, list[np.ndarray]]:

@@ -150,7 +150,7 @@ def push(
             f"axis_name={axis_name!r}: expected to be called inside pmap or shard_map, given an "
             "eager call (eagerly, a list of per-device values is already summed over devices)"
         )
-    return push_eager(state, grouped, index, updater, donate)
+    return push_eager(state, grouped, index, stored, opts, updater, donate)
 
 
 def pull(state: KVState, keys: Any, *, devices: Any = None) -> Any:

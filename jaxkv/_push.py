@@ -187,13 +187,14 @@ def push_eager(
     state: KVState,
     grouped: dict[Key, list[jax.Array]],
     index: list[int],
+    stored: list[jax.Array],
+    opts: list[Any],
     updater: Any,
     donate: bool,
 ) -> KVState:
     """``push`` of the validated eager contributions ``grouped`` (keys at ``index`` in
-    ``state``): one cached computation for all keys."""
-    stored = [state._values[i] for i in index]
-    opts = [state._opt_states[i] for i in index]
+    ``state``, with their stored values and optimizer states): one cached computation for all
+    keys."""
     if state.compression is None:
         layouts = [_layout(state, s, xs) for s, xs in zip(stored, grouped.values())]
     else:
