@@ -3,8 +3,10 @@
 Workloads (8 simulated CPU devices):
   resnet50  the 193 parameter tensors of ResNet-50 (25.6M float32)
   small     1000 keys of 16x16 float32
-  in-jit    a data-parallel train step under pmap and under shard_map, through jaxkv.push/pull,
-            against the same step hand-written with lax.psum + optax
+  in-jit    one data-parallel optax.adam step on the resnet50 tensors inside jit + shard_map
+            (and pmap): hand-written lax.psum beside jaxkv.push with a replicated and with a
+            sharded store, with and without GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (each in a
+            fresh process; benchmarks/injit.py says what each row does)
 
 Columns: jaxkv imperative (jaxkv.mx KVStore with nd outs, as in the MXNet tutorial), jaxkv
 functional (jaxkv.pushpull with per-device jax.Arrays), a naive per-key JAX loop, a
@@ -15,7 +17,7 @@ Every time is the median of at least 7 timed steps after warm-up, the best of th
 that time jaxkv, MXNet and the copy bandwidth back to back; ratios compare numbers from this run
 only. Writes benchmarks/results.md and benchmarks/results.png.
 
-Usage: python benchmarks/bench.py [--steps 7] [--quick]
+Usage: python benchmarks/bench.py [--steps 7] [--quick] [--only in-jit]
 """
 
 from __future__ import annotations
@@ -217,97 +219,28 @@ def jaxkv_functional(shapes, steps, counter_box) -> float:
     return ms
 
 
-def in_jit(steps) -> dict[str, float]:
-    """A data-parallel MLP train step: jaxkv.push inside pmap / shard_map vs lax.psum + optax."""
-    import functools
+def in_jit(steps) -> dict[str, dict]:
+    """The in-jit section (benchmarks/injit.py), once with the default malloc and once with
+    glibc's huge-page malloc, each in a process of its own."""
+    import injit
 
-    import optax
-    from jax.sharding import Mesh
-    from jax.sharding import PartitionSpec as P
-
-    opt = optax.sgd(0.01, momentum=0.9)
-    key = jax.random.key(0)
-    sizes = [256, 1024, 1024, 256]
-    params = {}
-    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-        key, sub = jax.random.split(key)
-        params[f"w{i}"] = jax.random.normal(sub, (a, b)) / np.sqrt(a)
-        params[f"b{i}"] = jnp.zeros(b)
-    x = jax.random.normal(key, (D * 64, sizes[0]))
-    y = jnp.roll(x, 1, axis=1)
-
-    def loss(p, x, y):
-        h = x
-        for i in range(len(sizes) - 1):
-            h = h @ p[f"w{i}"] + p[f"b{i}"]
-            h = jnp.tanh(h) if i < len(sizes) - 2 else h
-        return jnp.sum((h - y) ** 2) / x.shape[0] / D
-
-    results = {}
-
-    # pmap
-    @functools.partial(jax.pmap, axis_name="i", in_axes=(None, 0, 0), out_axes=None)
-    def kv_pmap(state, x, y):
-        p = {k: jaxkv.pull(state, k) for k in state.keys()}
-        return jaxkv.push(state, jax.grad(loss)(p, x, y), updater=opt, axis_name="i")
-
-    @functools.partial(jax.pmap, axis_name="i", in_axes=(None, None, 0, 0), out_axes=None)
-    def hand_pmap(p, s, x, y):
-        g = jax.lax.psum(jax.grad(loss)(p, x, y), "i")
-        u, s = opt.update(g, s, p)
-        return optax.apply_updates(p, u), s
-
-    xs, ys = x.reshape(D, -1, sizes[0]), y.reshape(D, -1, sizes[-1])
-    for label, ms in _in_jit_pair(kv_pmap, hand_pmap, params, opt, xs, ys, steps).items():
-        results[f"pmap {label}"] = ms
-
-    mesh = Mesh(jax.devices(), ("d",))
-
-    @jax.jit
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=P())
-    def kv_smap(state, x, y):
-        p = dict(zip(state.keys(), jaxkv.pull(state, list(state.keys()))))
-        return jaxkv.push(state, jax.grad(loss)(p, x, y), updater=opt, axis_name="d")
-
-    @jax.jit
-    @functools.partial(
-        jax.shard_map, mesh=mesh, in_specs=(P(), P(), P("d"), P("d")), out_specs=(P(), P())
-    )
-    def hand_smap(p, s, x, y):
-        g = jax.grad(loss)(p, x, y)  # shard_map already sums gradients of replicated params
-        u, s = opt.update(g, s, p)
-        return optax.apply_updates(p, u), s
-
-    for label, ms in _in_jit_pair(kv_smap, hand_smap, params, opt, x, y, steps).items():
-        results[f"shard_map {label}"] = ms
-    return results
+    lines = {}
+    for label, hugetlb in (("default malloc", False), ("hugetlb malloc", True)):
+        log(f"[in-jit] {label}: ResNet-50 adam step, 4 rows, {injit.ROUNDS} rounds ...")
+        lines[label] = injit.run_subprocess(steps, injit.ROUNDS, hugetlb, log=log)
+    return lines
 
 
-def _in_jit_pair(kv_step, hand_step, params, opt, x, y, steps):
-    # pmap takes a state with in_axes=None only if every leaf is replicated.
-    state = jaxkv.init(jaxkv.empty(bigarray_bound=None), params)
-    box = [kv_step(state, x, y)]  # the optimizer state appears after the first step
+def in_jit_lines(jit_rows) -> list[str]:
+    """The in-jit section's result lines: one per row and malloc, then the goals."""
+    import injit
 
-    def kv():
-        box[0] = kv_step(box[0], x, y)
-        jax.block_until_ready(box[0])
-
-    hbox = [(params, opt.init(params))]
-
-    def hand():
-        hbox[0] = hand_step(*hbox[0], x, y)
-        jax.block_until_ready(hbox[0])
-
-    for _ in range(2):  # the second call sees the shardings of the first call's outputs
-        kv()
-        hand()
-    with CompileCounter() as c:
-        # Interleave, alternating which goes first, so both see the same machine load.
-        t_kv, t_hand = [], []
-        for i in range(5):
-            for step, times in [(kv, t_kv), (hand, t_hand)][:: 1 if i % 2 == 0 else -1]:
-                times.append(median_ms(step, steps))
-    return {"jaxkv": min(t_kv), "hand-written": min(t_hand), "compiles": c.count}
+    out = []
+    for label, res in jit_rows.items():
+        out += injit.table(res, label)
+    for label, res in jit_rows.items():
+        out += [f"{label}: {g}" for g in injit.goals(res)]
+    return out
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -315,6 +248,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="skip the slow baselines")
+    parser.add_argument(
+        "--only", choices=["in-jit"], help="run only this section; print it, write no report"
+    )
     args = parser.parse_args()
     steps = max(args.steps, 7)
 
@@ -322,6 +258,9 @@ def main() -> None:
         f"jaxkv benchmark on {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, {D} simulated CPU devices, JAX {jax.__version__}"
     )
+    if args.only == "in-jit":
+        log("\n".join(in_jit_lines(in_jit(steps))))
+        return
     # Timings on this shared machine drift by tens of percent between minutes. Each workload is
     # measured in ROUNDS rounds, each timing jaxkv (both paths), MXNet and the copy bandwidth back
     # to back; every number reported is the best of its rounds (lowest time, highest bandwidth),
@@ -366,9 +305,7 @@ def main() -> None:
     bw = max(bws)
     for row in rows:
         row["floor"] = (2 * D + 1) * row["MB"] * 1e6 / (bw * 1e9) * 1e3
-    log("[in-jit] train steps under pmap and shard_map ...")
     jit_rows = in_jit(steps)
-    log(f"  {jit_rows}")
     log("[memory] peak RSS of the imperative resnet50 loop ...")
     mem = memory()
     log(f"  {mem}")
@@ -414,17 +351,7 @@ def write_report(rows, jit_rows, bw, mem) -> None:
         lines.append(f"| {r['workload']} | NumPy 1-thread | {_fmt(r['numpy'])} | | | | | | |")
         lines.append(f"| {r['workload']} | naive JAX | {_fmt(r['naive'])} | | | | | | |")
         lines.append(f"| {r['workload']} | MXNet 1.9.1 | {_fmt(r['mxnet'])} | | | | | | |")
-    lines += [
-        "",
-        "| in-jit step | jaxkv ms | hand-written ms | overhead | compiles |",
-        "|---|---|---|---|---|",
-    ]
-    for kind in ("pmap", "shard_map"):
-        a, b = jit_rows[f"{kind} jaxkv"], jit_rows[f"{kind} hand-written"]
-        lines.append(
-            f"| {kind} | {a:.2f} | {b:.2f} | {(a / b - 1) * 100:+.1f}% | "
-            f"{jit_rows[f'{kind} compiles']} |"
-        )
+    lines += ["", *in_jit_report(jit_rows)]
     lines += [
         "",
         "| workload | path | " + " | ".join(f"round {i + 1} ms" for i in range(ROUNDS)) + " |",
@@ -452,16 +379,59 @@ def write_report(rows, jit_rows, bw, mem) -> None:
     with open(os.path.join(HERE, "results.md"), "w") as f:
         f.write(text)
     log("\n" + text)
-    plot(rows)
+    plot(rows, jit_rows)
 
 
-def plot(rows) -> None:
+def in_jit_report(jit_rows) -> list[str]:
+    """The in-jit section of results.md: a table (one row per step and malloc), then the goals
+    and what the rows compare."""
+    import injit
+
+    lines = [
+        "In-jit: one data-parallel optax.adam step on the resnet50 tensors, 8 CPU devices. Every "
+        "row computes the same loss (device d: sum over tensors of vdot(param, its gradient "
+        "data)), so AD gives every row the same per-device gradients; each row sums them over "
+        "the devices, applies adam and carries the full parameters into the next step's "
+        "forward. The hand-written step replicates params and adam state and all-reduces the "
+        "gradients (lax.psum); jaxkv sharded keeps big tensors 1/D per device, all-gathers "
+        "them in the forward (jaxkv.gather), and AD's transpose reduce-scatters the gradients. "
+        "ms/step: median of at least 7 steps, best of "
+        f"{injit.ROUNDS} interleaved rounds in one process per malloc; compiles: during the "
+        "timed rounds; state: bytes of the state's shards on device 0.",
+        "",
+        "| in-jit step | malloc | ms/step | hand-written / this | compiles | state MB/device | "
+        + " | ".join(f"round {i + 1} ms" for i in range(injit.ROUNDS))
+        + " |",
+        "|---|---|---|---|---|---|" + "---|" * injit.ROUNDS,
+    ]
+    for label, res in jit_rows.items():
+        base = res["rows"].get("hand-written psum")
+        for name in injit.ROWS:
+            r = res["rows"].get(name)
+            if r is None:
+                reason = res["skipped"].get(name, "not built").replace("|", "/")
+                cells = [name, label, f"not run: {reason}"] + [""] * (3 + injit.ROUNDS)
+                lines.append("| " + " | ".join(cells) + " |")
+                continue
+            rounds = [f"{t:.1f}" for t in r["rounds"]]
+            lines.append(
+                f"| {name} | {label} | {r['ms']:.1f} | {_ratio(base and base['ms'], r['ms'])} | "
+                f"{r['compiles']} | {r['state_bytes'] / 1e6:.1f} | " + " | ".join(rounds) + " |"
+            )
+    lines.append("")
+    for label, res in jit_rows.items():
+        lines += [f"- {label}: {g}" for g in injit.goals(res)]
+    return lines
+
+
+def plot(rows, jit_rows=None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4))
+    panels = len(rows) + (1 if jit_rows else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4))
     series = [
         ("jaxkv\nimper.", "imperative", "C0"),
         ("jaxkv\nfunct.", "functional", "C9"),
@@ -476,8 +446,27 @@ def plot(rows) -> None:
         ax.set_yscale("log")
         ax.set_title(f"{r['workload']} ({r['MB']:.0f} MB): push from {D} devices, pull to {D}")
         ax.set_ylabel("ms per step (log scale, lower is better)")
+    if jit_rows:
+        plot_in_jit(axes[-1], jit_rows)
     fig.tight_layout()
     fig.savefig(os.path.join(HERE, "results.png"), dpi=100)
+
+
+def plot_in_jit(ax, jit_rows) -> None:
+    """Grouped bars: one group per in-jit step, one bar per malloc; rows not run are absent."""
+    import injit
+
+    names = list(injit.ROWS)
+    width = 0.8 / max(len(jit_rows), 1)
+    for i, (label, res) in enumerate(jit_rows.items()):
+        xs = [j + i * width for j, n in enumerate(names) if n in res["rows"]]
+        ys = [res["rows"][n]["ms"] for n in names if n in res["rows"]]
+        ax.bar(xs, ys, width, label=label, color=f"C{i}")
+    ax.set_xticks([j + width * (len(jit_rows) - 1) / 2 for j in range(len(names))])
+    ax.set_xticklabels([n.replace(" ", "\n", 1) for n in names])
+    ax.set_title(f"in-jit adam step, resnet50 tensors, {D} devices")
+    ax.set_ylabel("ms per step (lower is better)")
+    ax.legend()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,334 @@
+"""The benchmark's in-jit section: one data-parallel optax.adam step on ResNet-50's 193 tensors,
+8 CPU devices, hand-written beside jaxkv.push with a replicated and with a sharded store.
+
+Every row runs the same model: the loss on device d is ``sum_k vdot(param_k, g_k[d])``, where
+``g_k[d]`` is that device's gradient data for tensor k, so AD's gradient of parameter k on device
+d is ``g_k[d]``; each step computes the loss (the forward reads the full parameters), sums the
+gradients over the 8 devices and applies optax.adam.
+
+Rows:
+  hand-written psum   params and adam state replicated; the per-device gradient (AD w.r.t. a
+                      varying copy of the params) is summed with lax.psum inside jax.shard_map
+                      under jax.jit, then optax.adam updates the full params (donated)
+  jaxkv replicated    jaxkv.empty(bigarray_bound=None) in the same shard_map step:
+                      jaxkv.push(state, grads, updater=opt, axis_name='d'), where grads is AD's
+                      gradient w.r.t. the stored values (already summed by shard_map's AD)
+  jaxkv sharded       the default store (big tensors sharded 1/D per device) entering and leaving
+                      shard_map with jaxkv.specs(state, 'd'); the forward all-gathers the params
+                      with jaxkv.gather, so AD hands push shard-shaped, reduce-scattered grads
+  jaxkv pmap          the replicated store unmapped (in_axes=None) under jax.pmap, per-device
+                      grads pushed with axis_name
+
+Each ms/step is the median of at least 7 steps after warm-up, the best of 3 rounds that time
+the rows back to back (the order alternating); compiles are counted over the timed rounds;
+state bytes are those of the addressable shards on device 0.
+
+Run as a script, it prints one JSON line (bench.py runs it so, with and without
+GLIBC_TUNABLES=glibc.malloc.hugetlb=1).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+
+import jax
+
+if __name__ == "__main__":
+    jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxkv  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHAPES = os.path.join(HERE, "data", "resnet50_shapes.json")
+ROUNDS = 3
+ROWS = ("hand-written psum", "jaxkv replicated", "jaxkv sharded", "jaxkv pmap")
+HUGETLB = "glibc.malloc.hugetlb=1"
+
+
+def median_ms(step, steps: int) -> float:
+    step()  # compiled already: one step brings its buffers back after the other rows ran
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times) * 1e3)
+
+
+def device0_bytes(tree) -> int:
+    """Bytes of the addressable shards of ``tree``'s leaves that live on the first device."""
+    d0 = jax.devices()[0]
+    return sum(
+        s.data.nbytes
+        for leaf in jax.tree_util.tree_leaves(tree)
+        for s in leaf.addressable_shards
+        if s.device == d0
+    )
+
+
+def layout_bytes(tree) -> tuple[int, int]:
+    """(bytes of the leaves split across devices, bytes of the replicated leaves), full sizes."""
+    sharded = replicated = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if leaf.sharding.is_fully_replicated:
+            replicated += leaf.nbytes
+        else:
+            sharded += leaf.nbytes
+    return sharded, replicated
+
+
+class _Row:
+    """One row: a jitted step, its carried state, and how to time it."""
+
+    def __init__(self, step, carry, data):
+        self.step, self.carry, self.data = step, carry, data
+
+    def __call__(self):
+        self.carry, loss = self.step(self.carry, self.data)
+        jax.block_until_ready((self.carry, loss))
+
+    def state(self):
+        return self.carry
+
+
+def _rows(shapes, opt) -> tuple[dict, dict]:
+    """Builds every row; returns ({name: _Row}, {name: reason not run})."""
+    D = len(jax.devices())
+    mesh = Mesh(jax.devices(), ("d",))
+    keys = list(range(len(shapes)))
+    # Parameters and, per tensor, one gradient block per device: g[k] has shape (D, *shape_k),
+    # split along its first axis, device d holding g[k][d].
+    params = {
+        k: jax.device_put(jnp.full(s, 0.1, jnp.float32), NamedSharding(mesh, P()))
+        for k, s in zip(keys, shapes)
+    }
+    scale = jnp.arange(1, D + 1, dtype=jnp.float32) * 1e-3
+
+    @functools.partial(jax.jit, out_shardings=NamedSharding(mesh, P("d")))
+    def make_grads():
+        return {
+            k: scale.reshape((D,) + (1,) * len(s)) * (k % 7 + 1) * jnp.ones((D,) + s, jnp.float32)
+            for k, s in zip(keys, shapes)
+        }
+
+    grads = make_grads()
+
+    def local(g):
+        return {k: v[0] for k, v in g.items()}
+
+    def loss(full, g_local):
+        return sum(jnp.vdot(full[k], g_local[k]) for k in keys)
+
+    rows, skipped = {}, {}
+
+    # (a) hand-written: per-device gradient, lax.psum, optax.adam on the full replicated params.
+    @functools.partial(jax.jit, donate_argnums=0)
+    @functools.partial(
+        jax.shard_map, mesh=mesh, in_specs=((P(), P()), P("d")), out_specs=((P(), P()), P("d"))
+    )
+    def hand(carry, g):
+        p, s = carry
+        g_local = local(g)
+        # AD w.r.t. a varying copy gives this device's own gradient; psum sums it.
+        value, grad = jax.value_and_grad(loss)(jax.lax.pcast(p, "d", to="varying"), g_local)
+        grad = jax.lax.psum(grad, "d")
+        updates, s = opt.update(grad, s, p)
+        return (optax.apply_updates(p, updates), s), value[None]
+
+    rows["hand-written psum"] = _Row(hand, (params, opt.init(params)), grads)
+
+    init_optimizer = getattr(jaxkv, "init_optimizer", None)
+
+    # (b) jaxkv.push with a replicated store inside the same shard_map step.
+    @functools.partial(jax.jit, donate_argnums=0)
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("d")), out_specs=(P(), P("d")))
+    def kv_replicated(state, g):
+        value, grad = jax.value_and_grad(loss)(dict(state.values), local(g))
+        return jaxkv.push(state, grad, updater=opt, axis_name="d"), value[None]
+
+    # pmap: the replicated store unmapped; pmap tracks nothing, so push psums the gradients.
+    @functools.partial(
+        jax.pmap, axis_name="i", in_axes=(None, 0), out_axes=(None, 0), donate_argnums=0
+    )
+    def kv_pmap(state, g):
+        value, grad = jax.value_and_grad(loss)(dict(state.values), g)
+        return jaxkv.push(state, grad, updater=opt, axis_name="i"), value
+
+    for name, step in [("jaxkv replicated", kv_replicated), ("jaxkv pmap", kv_pmap)]:
+        if init_optimizer is None:
+            skipped[name] = "jaxkv.init_optimizer is not in this jaxkv"
+            continue
+        state = jaxkv.init(jaxkv.empty(bigarray_bound=None), params)
+        rows[name] = _Row(step, init_optimizer(state, opt), grads)
+
+    # (c) jaxkv.push with a sharded store: the forward all-gathers the local shards
+    # (jaxkv.gather), so AD's gradient w.r.t. them is already reduce-scattered, shard-shaped.
+    missing = [n for n in ("specs", "gather", "init_optimizer") if not hasattr(jaxkv, n)]
+    if missing:
+        skipped["jaxkv sharded"] = f"jaxkv.{', jaxkv.'.join(missing)} not in this jaxkv"
+    else:
+        state = jaxkv.init_optimizer(jaxkv.init(jaxkv.empty(), params), opt)
+        spec = jaxkv.specs(state, "d")
+
+        @functools.partial(jax.jit, donate_argnums=0)
+        @functools.partial(
+            jax.shard_map, mesh=mesh, in_specs=(spec, P("d")), out_specs=(spec, P("d"))
+        )
+        def kv_sharded(state, g):
+            g_local = local(g)
+
+            def sharded_loss(mine):
+                return loss(jaxkv.gather(state, mine, "d"), g_local)
+
+            value, grad = jax.value_and_grad(sharded_loss)(dict(state.values))
+            return jaxkv.push(state, grad, updater=opt, axis_name="d"), value[None]
+
+        rows["jaxkv sharded"] = _Row(kv_sharded, state, grads)
+    return rows, skipped
+
+
+def run(counter, steps: int = 7, rounds: int = ROUNDS, log=print) -> dict:
+    """Times every row, counting compiles with ``counter`` (bench.CompileCounter); returns
+    {"rows": {name: {...}}, "skipped": {name: reason}, "devices": D, "glibc_tunables": ...}."""
+
+    with open(SHAPES) as f:
+        shapes = [tuple(s) for s in json.load(f)]
+    opt = optax.adam(1e-3)
+    t0 = time.perf_counter()
+    rows, skipped = _rows(shapes, opt)
+    log(f"  [in-jit] set-up {time.perf_counter() - t0:.1f} s")
+    out: dict = {"skipped": skipped, "rows": {}}
+    for name in list(rows):
+        try:  # warm-up: the first two steps compile (the second sees the first's outputs)
+            t0 = time.perf_counter()
+            rows[name]()
+            rows[name]()
+            log(f"  [in-jit] {name}: warm-up (compiles) {time.perf_counter() - t0:.1f} s")
+        except Exception as e:  # a row that fails is reported, never timed
+            skipped[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            del rows[name]
+    times: dict[str, list[float]] = {n: [] for n in rows}
+    compiles = dict.fromkeys(rows, 0)
+    order = list(rows)
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            with counter() as c:
+                times[name].append(median_ms(rows[name], steps))
+            compiles[name] += c.count
+            log(f"  [in-jit] round {r + 1}/{rounds}: {name} {times[name][-1]:.1f} ms")
+    for name in rows:
+        state = rows[name].state()
+        sharded, replicated = layout_bytes(state)
+        out["rows"][name] = {
+            "ms": min(times[name]),
+            "rounds": times[name],
+            "compiles": compiles[name],
+            "state_bytes": device0_bytes(state),
+            "sharded_bytes": sharded,
+            "replicated_bytes": replicated,
+        }
+    out["devices"] = len(jax.devices())
+    out["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")
+    return out
+
+
+def goals(res: dict) -> list[str]:
+    """The two goals of the in-jit section, with the measured ratios."""
+    rows, D = res["rows"], res["devices"]
+    lines = []
+    a, c = rows.get("hand-written psum"), rows.get("jaxkv sharded")
+    if a and c:
+        ratio = a["ms"] / c["ms"]
+        verdict = "met" if ratio >= 1.5 else "NOT met"
+        lines.append(
+            f"goal: sharded step >= 1.5x faster than hand-written psum: "
+            f"{a['ms']:.1f} / {c['ms']:.1f} ms = {ratio:.2f}x ({verdict})"
+        )
+    else:
+        lines.append("goal: sharded step >= 1.5x faster than hand-written psum: not run")
+    if c:
+        ideal = c["sharded_bytes"] / D + c["replicated_bytes"]
+        ratio = c["state_bytes"] / ideal
+        verdict = "met" if ratio <= 1.2 else "NOT met"
+        lines.append(
+            f"goal: sharded per-device state <= 1.2 x (sharded/{D} + replicated): "
+            f"{c['state_bytes'] / 1e6:.1f} MB / {ideal / 1e6:.1f} MB = {ratio:.2f}x ({verdict})"
+        )
+    else:
+        lines.append("goal: sharded per-device state <= 1.2 x (sharded/D + replicated): not run")
+    return lines
+
+
+def table(res: dict, label: str) -> list[str]:
+    """One line per row: ms/step, vs hand-written, compiles, per-device state MB."""
+    rows = res["rows"]
+    base = rows.get("hand-written psum")
+    lines = []
+    for name in ROWS:
+        if name in rows:
+            r = rows[name]
+            speed = f"{base['ms'] / r['ms']:.2f}x" if base else "—"
+            lines.append(
+                f"{label:<14} {name:<18} {r['ms']:8.1f} ms/step  {speed:>6} vs hand-written  "
+                f"compiles {r['compiles']}  state {r['state_bytes'] / 1e6:6.1f} MB/device"
+            )
+        else:
+            reason = res["skipped"].get(name, "not built")
+            lines.append(f"{label:<14} {name:<18} not run: {reason}")
+    return lines
+
+
+def run_subprocess(steps: int, rounds: int, hugetlb: bool, log=print) -> dict:
+    """The section in a fresh process, with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 or without
+    GLIBC_TUNABLES; its progress lines pass through, its JSON result is returned."""
+    import subprocess  # noqa: PLC0415
+
+    env = dict(os.environ)
+    env.pop("GLIBC_TUNABLES", None)
+    if hugetlb:
+        env["GLIBC_TUNABLES"] = HUGETLB
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, env.get("PYTHONPATH")]))
+    proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--steps", str(steps), "--rounds", str(rounds)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    result = None
+    for line in proc.stdout:
+        if line.startswith("{"):
+            result = json.loads(line)
+        else:
+            log(line.rstrip())
+    if proc.wait() != 0 or result is None:
+        reason = f"the subprocess exited with {proc.returncode}"
+        return {"rows": {}, "skipped": dict.fromkeys(ROWS, reason), "devices": 8}
+    return result
+
+
+def main() -> None:
+    import argparse  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    args = parser.parse_args()
+    sys.path.insert(0, HERE)
+    from bench import CompileCounter  # noqa: PLC0415
+
+    res = run(CompileCounter, max(args.steps, 7), args.rounds, log=lambda m: print(m, flush=True))
+    print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
