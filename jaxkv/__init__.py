@@ -18,11 +18,14 @@ from ._errors import UnknownKeyError as UnknownKeyError
 from ._kvstore import KVStore as KVStore
 from ._kvstore import create as create
 from ._ops import Updater as Updater
+from ._ops import gather as gather
 from ._ops import init as init
+from ._ops import init_optimizer as init_optimizer
 from ._ops import pull as pull
 from ._ops import push as push
 from ._ops import pushpull as pushpull
 from ._ops import row_sparse_pull as row_sparse_pull
+from ._ops import specs as specs
 from ._state import KVState as KVState
 from ._state import empty as empty
 
@@ -42,11 +45,14 @@ __all__ = [
     "create",
     "current_context",
     "empty",
+    "gather",
     "gpu",
     "init",
+    "init_optimizer",
     "nd",
     "pull",
     "push",
     "pushpull",
     "row_sparse_pull",
+    "specs",
 ]

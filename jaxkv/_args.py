@@ -61,11 +61,16 @@ def as_array(x: Any) -> jax.Array:
     return jnp.asarray(x)
 
 
-def check_value(key: Key, x: jax.Array, stored: Any, what: str) -> None:
-    if tuple(x.shape) != tuple(stored.shape):
+def check_value(key: Key, x: jax.Array, stored: Any, what: str, whole: Any = None) -> None:
+    """Refuse a value of another shape than the stored one (``whole``, the shape of the whole
+    value, where ``stored`` is only this device's block of it inside ``shard_map``: either
+    shape is accepted then), or a complex value for a real one."""
+    whole = tuple(stored.shape) if whole is None else tuple(whole)
+    if tuple(x.shape) not in (whole, tuple(stored.shape)):
+        block = "" if whole == tuple(stored.shape) else f" or this device's block {stored.shape}"
         raise ShapeError(
             f"key {key!r}: {what} has shape {tuple(x.shape)}, expected the stored shape "
-            f"{tuple(stored.shape)} (dtype {stored.dtype})"
+            f"{whole}{block} (dtype {stored.dtype})"
         )
     if x.dtype.kind == "c" and stored.dtype.kind != "c":
         raise KVStoreError(
@@ -84,7 +89,7 @@ def group(state: KVState, keys: Any, values: Any) -> dict[Key, list[jax.Array]]:
         for n, v in enumerate(vs):
             x = as_array(v)
             what = "the pushed value" if len(vs) == 1 else f"pushed value {n}"
-            check_value(key, x, stored, what)
+            check_value(key, x, stored, what, state._shapes[i])
             arrays.append(x)
         grouped.setdefault(key, []).extend(arrays)
     return {k: grouped[k] for k in sorted(grouped)}

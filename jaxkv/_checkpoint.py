@@ -1,7 +1,8 @@
 """Saving and loading a store: one ``.npz`` file, written atomically, checked on load, no pickle.
 
-Layout: ``manifest`` (UTF-8 JSON as ``uint8``) lists every array with its key, part (``value``,
-``opt`` or ``residual``), tree path, shape, dtype and SHA-256, and the store's compression;
+Layout: ``manifest`` (UTF-8 JSON as ``uint8``) lists the keys, the optimizer groups (lists of
+keys), the store's compression, and every array with its key (or, for optimizer state, its
+group's index), part (``value``, ``opt`` or ``residual``), tree path, shape, dtype and SHA-256;
 ``manifest_sha256`` holds the manifest's own SHA-256 (hex, ASCII); ``a0``, ``a1``, ... hold the
 raw bytes. Loading checks both checksums and every manifest field, so any malformed file is a
 :class:`KVStoreError`, before the store changes.
@@ -29,20 +30,28 @@ from ._state import KVState, check_compressible, compression_config
 __all__ = ["load", "save"]
 
 _FORMAT = "jaxkv-store"
-_VERSION = 2  # 2: the manifest has a checksum of its own
+_VERSION = 3  # 2: the manifest has a checksum of its own; 3: optimizer state per group
 _PARTS = ("value", "opt", "residual")
 
 
 def _entries(state: KVState, values: bool):
-    """``(key, part, path, array)`` for every array to save, in a fixed order."""
-    for key in state.keys():
-        if values:
-            yield key, "value", "", state[key]
-        leaves = jax.tree_util.tree_flatten_with_path(state.opt_states[key])[0]
-        for path, leaf in leaves:
-            yield key, "opt", jax.tree_util.keystr(path), leaf
-        if values and state.residuals[key] is not None:
-            yield key, "residual", "", state.residuals[key]
+    """``(where, part, path, array)`` for every array to save, in a fixed order; ``where`` is
+    ``{'key': key}``, or ``{'group': index}`` for optimizer state."""
+    if values:
+        for key in state.keys():
+            yield {"key": key}, "value", "", state[key]
+            if state.residuals[key] is not None:
+                yield {"key": key}, "residual", "", state.residuals[key]
+    for n, opt in enumerate(state.opt_states.values()):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(opt)[0]:
+            yield {"group": n}, "opt", jax.tree_util.keystr(path), leaf
+
+
+def _label(entry: dict) -> str:
+    """How an array entry is named in messages."""
+    if "group" in entry:
+        return f"optimizer group {entry['group']} {entry['part']}{entry['path']}"
+    return f"key {entry['key']!r} {entry['part']}{entry['path']}"
 
 
 def _single_process(fname: str) -> None:
@@ -65,11 +74,12 @@ def save(fname: str, state: KVState, *, values: bool) -> None:
         "version": _VERSION,
         "values": values,
         "keys": list(state.keys()),
+        "groups": [list(g) for g in state.opt_states],
         "arrays": [],
         "compression": list(state.compression or []) or None,
     }
     arrays = {}
-    for n, (key, part, path, leaf) in enumerate(_entries(state, values)):
+    for n, (where, part, path, leaf) in enumerate(_entries(state, values)):
         host = host_copy(leaf)  # a sharded value: gathered without JAX caching a copy on it
         if host is None:
             host = np.asarray(jax.device_get(leaf))
@@ -77,7 +87,7 @@ def save(fname: str, state: KVState, *, values: bool) -> None:
         arrays[f"a{n}"] = np.frombuffer(raw, np.uint8)
         manifest["arrays"].append(
             {
-                "key": key,
+                **where,
                 "part": part,
                 "path": path,
                 "shape": list(host.shape),
@@ -136,13 +146,30 @@ def _check_manifest(manifest: Any, files: set[str]) -> None:
         except KVStoreError as e:
             raise _Malformed(f"manifest: 'compression' {compression!r}: {e}") from None
         _expect(list(config or []) == compression, "a valid 'compression'", compression)
+    groups = manifest.get("groups")
+    _expect(
+        isinstance(groups, list)
+        and all(isinstance(g, list) and g and all(k in keys for k in g) for g in groups),
+        "'groups' a list of non-empty lists of keys",
+        groups,
+    )
+    grouped = [k for g in groups for k in g]
+    _expect(len(set(grouped)) == len(grouped), "each key in one group at most", groups)
     entries = manifest.get("arrays")
     _expect(isinstance(entries, list), "'arrays' a list", entries)
     counts: dict[Any, dict[str, int]] = {k: dict.fromkeys(_PARTS, 0) for k in keys}
     for n, e in enumerate(entries):
         _expect(isinstance(e, dict), f"arrays[{n}] an object", e)
-        _expect(e.get("key") in counts, f"arrays[{n}] 'key' one of {keys}", e.get("key"))
         _expect(e.get("part") in _PARTS, f"arrays[{n}] 'part' one of {_PARTS}", e.get("part"))
+        if e["part"] == "opt":
+            g = e.get("group")
+            _expect(
+                type(g) is int and 0 <= g < len(groups) and "key" not in e,
+                f"arrays[{n}] 'group' an index below {len(groups)}",
+                g,
+            )
+        else:
+            _expect(e.get("key") in counts, f"arrays[{n}] 'key' one of {keys}", e.get("key"))
         _expect(isinstance(e.get("path"), str), f"arrays[{n}] 'path' a str", e.get("path"))
         shape = e.get("shape")
         _expect(
@@ -153,7 +180,8 @@ def _check_manifest(manifest: Any, files: set[str]) -> None:
         _expect(_is_dtype_name(e.get("dtype")), f"arrays[{n}] 'dtype' a dtype name", e.get("dtype"))
         _expect(isinstance(e.get("sha256"), str), f"arrays[{n}] 'sha256' a str", e.get("sha256"))
         _expect(f"a{n}" in files, f"an array a{n} for arrays[{n}]", sorted(files))
-        counts[e["key"]][e["part"]] += 1
+        if e["part"] != "opt":
+            counts[e["key"]][e["part"]] += 1
     # A whole-store file holds one value per key (and a residual under 2-bit compression); an
     # optimizer-state file neither.
     value = int(manifest["values"])
@@ -202,16 +230,15 @@ def _read(fname: str) -> tuple[dict, list[np.ndarray]]:
                 raw = z[f"a{n}"].tobytes()
                 if _sha256(raw) != entry["sha256"]:
                     raise KVStoreError(
-                        f"{fname}: key {entry['key']!r} {entry['part']}{entry['path']}: "
-                        "checksum mismatch, expected the saved SHA-256, given different bytes "
-                        "(the file is corrupt)"
+                        f"{fname}: {_label(entry)}: checksum mismatch, expected the saved "
+                        "SHA-256, given different bytes (the file is corrupt)"
                     )
                 dtype = jnp.dtype(entry["dtype"])
                 size = math.prod(entry["shape"]) * dtype.itemsize
                 if len(raw) != size:
                     raise KVStoreError(
-                        f"{fname}: key {entry['key']!r} {entry['part']}{entry['path']}: expected "
-                        f"{size} bytes for shape {entry['shape']} of {dtype}, given {len(raw)}"
+                        f"{fname}: {_label(entry)}: expected {size} bytes for shape "
+                        f"{entry['shape']} of {dtype}, given {len(raw)}"
                     )
                 arrays.append(np.frombuffer(raw, dtype).reshape(entry["shape"]))
     except KVStoreError:
@@ -238,9 +265,10 @@ def _read(fname: str) -> tuple[dict, list[np.ndarray]]:
 def load(fname: str, state: KVState, *, values: bool, optimizer: Any = None) -> KVState:
     """``state`` with what ``fname`` holds loaded into it; refuses any mismatch before changing.
 
-    With ``values=True`` the file's keys replace the store's contents; optimizer states in the
-    file need ``optimizer`` (to rebuild their structure). With ``values=False`` only optimizer
-    states are loaded, into a store whose keys and optimizer structure match the file.
+    With ``values=True`` the file's keys replace the store's contents. With ``values=False``
+    only optimizer states are loaded, into a store with the file's keys. Optimizer states in
+    the file need ``optimizer`` (to rebuild their structure); the file's optimizer groups
+    replace the store's.
     """
     _single_process(fname)
     manifest, arrays = _read(fname)
@@ -248,20 +276,19 @@ def load(fname: str, state: KVState, *, values: bool, optimizer: Any = None) -> 
         want = "a whole-store file (save)" if values else "an optimizer-state file"
         raise KVStoreError(f"{fname}: expected {want}, given the other kind")
     keys = manifest["keys"]
-    by_key: dict[Any, dict[str, list]] = {k: {"value": [], "opt": [], "residual": []} for k in keys}
+    groups = [tuple(sorted(g)) for g in manifest["groups"]]
+    by_key: dict[Any, dict[str, list]] = {k: {"value": [], "residual": []} for k in keys}
+    by_group: list[list] = [[] for _ in groups]
     for entry, arr in zip(manifest["arrays"], arrays):
-        by_key[entry["key"]][entry["part"]].append((entry["path"], arr))
+        if entry["part"] == "opt":
+            by_group[entry["group"]].append((entry["path"], arr))
+        else:
+            by_key[entry["key"]][entry["part"]].append((entry["path"], arr))
 
     if values:
         compression = manifest.get("compression")
         base = KVState(
-            (),
-            state.devices,
-            (),
-            (),
-            state.bigarray_bound,
-            (),
-            tuple(compression) if compression else None,
+            (), state.devices, (), (), state.bigarray_bound, (), tuple(compression or ()) or None
         )
         new_values, residuals = {}, {}
         for k in keys:
@@ -278,17 +305,6 @@ def load(fname: str, state: KVState, *, values: bool, optimizer: Any = None) -> 
                     )
                 residuals[k] = jax.device_put(r, sharding)
         base = base.replace(values=new_values, residuals=residuals)
-        templates = {}
-        for k in keys:
-            if by_key[k]["opt"]:
-                if optimizer is None:
-                    raise KVStoreError(
-                        f"{fname}: key {k!r} has optimizer state: expected a store with an "
-                        "optimizer to load it into, given none; call set_optimizer first"
-                    )
-                templates[k] = jax.eval_shape(optimizer.init, base[k])
-            else:
-                templates[k] = None
     else:
         if sorted(map(repr, keys)) != sorted(map(repr, state.keys())):
             raise KVStoreError(
@@ -296,18 +312,23 @@ def load(fname: str, state: KVState, *, values: bool, optimizer: Any = None) -> 
                 f"{list(state.keys())}, given keys {keys}"
             )
         base = state
-        templates = {k: state.opt_states[k] for k in keys}
+    if groups and optimizer is None:
+        raise KVStoreError(
+            f"{fname}: keys {list(groups[0])} have optimizer state: expected a store with an "
+            "optimizer to load it into, given none; call set_optimizer first"
+        )
 
-    opt_states = {}
-    for k in keys:
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(templates[k])
-        saved = by_key[k]["opt"]
+    opt_states: dict[tuple, Any] = {g: None for g in base.opt_states}
+    for group, saved in zip(groups, by_group):
+        template = jax.eval_shape(optimizer.init, {k: base[k] for k in group})
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
         want = [(jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype)) for p, x in leaves]
         given = [(p, tuple(a.shape), str(a.dtype)) for p, a in saved]
         if want != given:
             raise KVStoreError(
-                f"{fname}: key {k!r}: optimizer state expected {want}, given {given}"
+                f"{fname}: optimizer group {list(group)}: optimizer state expected {want}, "
+                f"given {given}"
             )
         placed = [jax.device_put(a, base.sharding_for(a.shape)) for _, a in saved]
-        opt_states[k] = jax.tree_util.tree_unflatten(treedef, placed)
+        opt_states[group] = jax.tree_util.tree_unflatten(treedef, placed)
     return base.replace(opt_states=opt_states)

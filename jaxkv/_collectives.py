@@ -14,29 +14,54 @@ import numpy as np
 from ._errors import KVStoreError
 from ._state import AXIS, BIGARRAY_BOUND, KVState
 
-__all__ = ["axis_sum", "scatters", "sum_over_devices"]
+__all__ = [
+    "axis_names",
+    "axis_size",
+    "axis_sum",
+    "fused_psum",
+    "fused_psum_scatter",
+    "scatters",
+    "sum_over_devices",
+    "unsummed_axes",
+]
+
+
+def axis_names(axis_name: Any) -> tuple:
+    """``axis_name`` (one mapped axis or several) as a tuple of names."""
+    return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
+
+
+def axis_size(names: tuple) -> int:
+    """The number of devices along the mapped axes ``names``; refuses an unbound name."""
+    try:
+        return math.prod(jax.lax.axis_size(name) for name in names)
+    except NameError as e:
+        raise KVStoreError(
+            f"axis_name {names[0] if len(names) == 1 else names!r}: expected an axis bound by "
+            f"an enclosing pmap or shard_map, given one that is not bound here ({e})"
+        ) from None
+
+
+def unsummed_axes(x: jax.Array, names: tuple) -> tuple:
+    """The axes among ``names`` over which ``x`` still has to be summed.
+
+    Under ``shard_map`` with varying-axis tracking, a value invariant along an axis (e.g. the
+    gradient of a replicated parameter, which JAX has already summed) needs no sum over it.
+    Under ``pmap`` (no tracking) every value is per-device and is summed.
+    """
+    axis_size(names)  # refuses unbound names
+    todo = []
+    for name in names:
+        tracked = name in jax.typeof(jax.lax.axis_index(name)).manual_axis_type.varying
+        if not tracked or name in jax.typeof(x).manual_axis_type.varying:
+            todo.append(name)
+    return tuple(todo)
 
 
 def axis_sum(x: jax.Array, axis_name: Any) -> jax.Array:
-    """Sum ``x`` over the mapped axes ``axis_name`` exactly once.
-
-    Under ``shard_map`` with varying-axis tracking, a value invariant along an axis (e.g. the
-    gradient of a replicated parameter, which JAX has already summed) is left as it is. Under
-    ``pmap`` (no tracking) every value is per-device and is summed.
-    """
-    names = axis_name if isinstance(axis_name, tuple | list) else (axis_name,)
-    todo = []
-    for name in names:
-        try:
-            tracked = name in jax.typeof(jax.lax.axis_index(name)).manual_axis_type.varying
-        except NameError as e:
-            raise KVStoreError(
-                f"axis_name {name!r}: expected an axis bound by an enclosing pmap or shard_map, "
-                f"given one that is not bound here ({e})"
-            ) from None
-        if not tracked or name in jax.typeof(x).manual_axis_type.varying:
-            todo.append(name)
-    return jax.lax.psum(x, tuple(todo)) if todo else x
+    """Sum ``x`` over the mapped axes ``axis_name`` exactly once (see :func:`unsummed_axes`)."""
+    todo = unsummed_axes(x, axis_names(axis_name))
+    return jax.lax.psum(x, todo) if todo else x
 
 
 # Values below this many elements are summed together through one flat buffer (one collective
@@ -58,16 +83,16 @@ def scatters(state: KVState, shape: tuple[int, ...]) -> bool:
 _SCATTER_FUSE_LIMIT = 1 << 18
 
 
-def _fused_psum(blocks: list[jax.Array]) -> list[jax.Array]:
+def fused_psum(blocks: list[jax.Array], axis: Any = AXIS) -> list[jax.Array]:
     """``psum`` of several blocks of one dtype through one flat buffer (one collective)."""
     if len(blocks) == 1:
-        return [jax.lax.psum(blocks[0], AXIS)]
-    flat = jax.lax.psum(jnp.concatenate([b.reshape(-1) for b in blocks]), AXIS)
+        return [jax.lax.psum(blocks[0], axis)]
+    flat = jax.lax.psum(jnp.concatenate([b.reshape(-1) for b in blocks]), axis)
     offsets = np.cumsum([0] + [b.size for b in blocks])
     return [flat[a:z].reshape(b.shape) for b, a, z in zip(blocks, offsets[:-1], offsets[1:])]
 
 
-def _fused_psum_scatter(blocks: list[jax.Array], n: int) -> list[jax.Array]:
+def fused_psum_scatter(blocks: list[jax.Array], n: int, axis: Any = AXIS) -> list[jax.Array]:
     """Tiled ``psum_scatter`` along axis 0 of several blocks through one flat buffer.
 
     Each block (first dimension divisible by ``n``) is viewed as ``(n, -1)``, so that row ``i``
@@ -75,9 +100,9 @@ def _fused_psum_scatter(blocks: list[jax.Array], n: int) -> list[jax.Array]:
     once, and split back.
     """
     if len(blocks) == 1:
-        return [jax.lax.psum_scatter(blocks[0], AXIS, scatter_dimension=0, tiled=True)]
+        return [jax.lax.psum_scatter(blocks[0], axis, scatter_dimension=0, tiled=True)]
     cat = jnp.concatenate([b.reshape(n, -1) for b in blocks], axis=1)
-    mine = jax.lax.psum_scatter(cat, AXIS, scatter_dimension=0, tiled=True)[0]
+    mine = jax.lax.psum_scatter(cat, axis, scatter_dimension=0, tiled=True)[0]
     offsets = np.cumsum([0] + [b.size // n for b in blocks])
     return [
         mine[a:z].reshape((b.shape[0] // n, *b.shape[1:]))
@@ -103,7 +128,7 @@ def sum_over_devices(blocks: list[jax.Array], scatter: list[bool]) -> list[jax.A
             groups.setdefault((s, b.dtype), []).append(i)
     for (s, _), idx in groups.items():
         parts = [blocks[i] for i in idx]
-        summed = _fused_psum_scatter(parts, n) if s else _fused_psum(parts)
+        summed = fused_psum_scatter(parts, n) if s else fused_psum(parts)
         for i, x in zip(idx, summed):
             out[i] = x
     return out

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import optax
 
-from . import _args, _arrays, _checkpoint, _compression, _dist, _fast, _ops, _push
+from . import _args, _arrays, _checkpoint, _compression, _dist, _fast, _ops
 from ._errors import KVStoreError, ShapeError
 from ._nd import NDArray, _unwrap
 from ._state import BIGARRAY_BOUND, KVState, empty
@@ -181,11 +181,7 @@ class KVStore:
             values = _unwrap_values(value)
             if self._type in _DIST_TYPES and jax.process_count() > 1:
                 values = _dist.from_rank_zero(jax.tree_util.tree_map(np.asarray, values))
-            state = _ops.init(self._state, key, values)
-            if isinstance(self._updater, optax.GradientTransformation):
-                fresh = [k for k in state.keys() if k not in self._state]
-                state = _push.init_opt_states(state, self._updater, fresh)
-            self._state = state
+            self._state = _ops.init(self._state, key, values)
 
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
         """Push values: each key's values (one per device) are summed, then the updater runs."""
@@ -275,15 +271,24 @@ class KVStore:
     _set_updater = set_updater
 
     def set_optimizer(self, optimizer: optax.GradientTransformation) -> None:
-        """Update values with an optax optimizer: each push is a gradient for its key."""
+        """Update values with an optax optimizer: each push is a gradient for its keys.
+
+        As in the functional core, the keys of one push are updated as one tree (one optimizer
+        group, made by the first push of those keys): code that pushes key by key gets one
+        state per key, which is MXNet's semantics; code that pushes a list of keys gets
+        ``optax.update`` on that list. A push of part of a group is refused.
+        """
         if not isinstance(optimizer, optax.GradientTransformation):
             raise KVStoreError(
                 "set_optimizer: expected an optax.GradientTransformation such as "
                 f"optax.sgd(0.1), given {type(optimizer).__name__}"
             )
         with self._lock:
+            if optimizer is not self._updater:  # states made for another optimizer go
+                self._state = self._state.replace(
+                    opt_states={g: None for g in self._state.opt_states}
+                )
             self._updater = optimizer
-            self._state = _push.init_opt_states(self._state, optimizer, self.keys())
 
     def set_gradient_compression(self, compression_params: dict) -> None:
         """Compress each device's pushed values before they are summed, as MXNet does.
@@ -323,7 +328,9 @@ class KVStore:
         """Load optimizer states saved by :meth:`save_optimizer_states` (integrity checked)."""
         with self._lock:
             self._require_optimizer("load_optimizer_states")
-            self._state = _checkpoint.load(fname, self._state, values=False)
+            self._state = _checkpoint.load(
+                fname, self._state, values=False, optimizer=self._updater
+            )
 
     def save(self, fname: str) -> None:
         """Save the whole store (values and optimizer states) to ``fname``."""
@@ -362,10 +369,10 @@ class KVStore:
         state = self._state
         donate = True
         if len(self._shared):  # something was handed out through `state`: keep it valid
-            pushed = {k for k, _ in _args.pairs(key, values, "values")}
-            opt_states = state.opt_states
+            pushed = {k for k, _ in _args.pairs(key, values, "values") if k in state}
+            groups = {state.opt_group(k) for k in pushed} - {None}
             leaves = jax.tree_util.tree_leaves(
-                [(state[k], opt_states[k]) for k in pushed if k in state]
+                [[state[k] for k in pushed], [state.opt_states[g] for g in groups]]
             )
             donate = not any(id(leaf) in self._shared for leaf in leaves)
         self._state = _ops.push(state, key, values, updater=self._updater, donate=donate)

@@ -21,16 +21,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec
 
 from ._args import MISSING, as_array, devices_of, group, is_traced, pairs
 from ._arrays import copies, replicate
 from ._compression import residual_zeros
 from ._errors import DuplicateKeyError, KeyTypeError, KVStoreError, ShapeError
-from ._push import Updater, init_opt_states, push_eager
+from ._push import Updater, init_opt_states, optimizer_group, push_eager
 from ._state import Key, KVState, check_compressible, key_kind
-from ._trace import push_in_trace
+from ._trace import gather, is_block, push_in_trace
 
-__all__ = ["Updater", "init", "pull", "push", "pushpull", "row_sparse_pull"]
+__all__ = [
+    "Updater",
+    "gather",
+    "init",
+    "init_optimizer",
+    "pull",
+    "push",
+    "pushpull",
+    "row_sparse_pull",
+    "specs",
+]
 
 
 def init(state: KVState, keys: Any, values: Any = MISSING) -> KVState:
@@ -131,29 +142,36 @@ def push(
       [2.0, 2.0]
     """
     grouped = group(state, keys, values)
-    if isinstance(updater, optax.GradientTransformation):
-        opt_states = state.opt_states
-        fresh = [k for k in grouped if opt_states[k] is None]
-        eager = not any(is_traced(x) for k in fresh for x in (state[k], *grouped[k]))
-        if fresh and eager:
-            state = init_opt_states(state, updater, fresh)
     index = [state.index(k) for k in grouped]
     stored = [state._values[i] for i in index]
-    opts = [state._opt_states[i] for i in index]
     traced = any(is_traced(x) for xs in grouped.values() for x in xs) or any(
-        is_traced(x) for x in jax.tree_util.tree_leaves((stored, opts))
+        is_traced(x) for x in stored
     )
+    opt_state = None
+    if isinstance(updater, optax.GradientTransformation):
+        group_keys, opt_state = optimizer_group(state, tuple(grouped))
+        traced = traced or any(is_traced(x) for x in jax.tree_util.tree_leaves(opt_state))
+        if opt_state is None and not traced:
+            state = init_opt_states(state, updater, group_keys)
+            opt_state = state.opt_states[group_keys]
     if traced:
-        return push_in_trace(state, grouped, stored, opts, updater, axis_name)
+        return push_in_trace(state, grouped, stored, opt_state, updater, axis_name)
     if axis_name is not None:
         raise KVStoreError(
             f"axis_name={axis_name!r}: expected to be called inside pmap or shard_map, given an "
             "eager call (eagerly, a list of per-device values is already summed over devices)"
         )
-    return push_eager(state, grouped, index, stored, opts, updater, donate)
+    return push_eager(state, grouped, index, stored, opt_state, updater, donate)
 
 
-def pull(state: KVState, keys: Any, *, devices: Any = None) -> Any:
+def pull(
+    state: KVState,
+    keys: Any,
+    *,
+    devices: Any = None,
+    axis_name: Any = None,
+    local: bool = False,
+) -> Any:
     """The stored value of ``keys`` (one key: one array; a list: a list, repeats allowed).
 
     Args:
@@ -163,6 +181,11 @@ def pull(state: KVState, keys: Any, *, devices: Any = None) -> Any:
         is one ``jax.Array`` replicated on exactly those devices. ``None`` returns the stored
         arrays themselves (replicated over the store's devices, or sharded across them for
         values above the big-array bound).
+      axis_name: inside ``shard_map``, with a state that entered with :func:`specs`: the
+        mapped axis the sharded values are split over. Their blocks are all-gathered, so each
+        device gets the whole value, as MXNet's pull gives.
+      local: inside ``shard_map``: give each sharded value's block on this device instead (no
+        communication); elsewhere the stored value as it is.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxkv
@@ -171,12 +194,104 @@ def pull(state: KVState, keys: Any, *, devices: Any = None) -> Any:
       [0.0, 1.0, 2.0]
     """
     single = not isinstance(keys, list | tuple)
-    values = [state[k] for k in ([keys] if single else keys)]
+    keys = [keys] if single else list(keys)
+    values = [state[k] for k in keys]
+    if not local and any(is_traced(v) and is_block(state, k, v) for k, v in zip(keys, values)):
+        whole = gather(state, {k: state[k] for k in set(keys)}, axis_name)
+        values = [whole[state.keys()[state.index(k)]] for k in keys]
     if devices is not None:
         target = devices_of(devices)
         if target != state.devices or any(state.is_sharded(v.shape) for v in values):
             values = replicate(values, target)
     return values[0] if single else values
+
+
+def specs(state: KVState, axis_name: Any) -> KVState:
+    """The ``PartitionSpec`` of every leaf of ``state``, for ``shard_map``'s ``in_specs`` and
+    ``out_specs``: values the store keeps sharded (and their optimizer-state leaves of the same
+    shape) are split along ``axis_name`` (``P(axis_name)``), all others replicated (``P()``).
+
+    Inside the step each sharded key's leaf is then this device's block; :func:`push` with
+    ``axis_name`` updates it in place and the state leaves the step in the same layout. Use
+    the store's devices in the same order for the mesh (``state.mesh`` is one).
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxkv
+      >>> s = jaxkv.init(jaxkv.empty(), {"w": jnp.zeros((8, 4096)), "b": jnp.zeros(3)})
+      >>> sp = jaxkv.specs(s, "d")
+      >>> sp.values["b"], sp.values["w"]
+      (P(), P('d',))
+    """
+    split = PartitionSpec(axis_name)
+
+    def spec(shape: tuple[int, ...]) -> PartitionSpec:
+        return split if state.is_sharded(shape) else PartitionSpec()
+
+    leaves = [spec(state.shapes[k]) for k in state.keys()]
+    opts = jax.tree_util.tree_map(lambda x: spec(tuple(x.shape)), list(state.opt_states.values()))
+    residuals = [None if r is None else split for r in state.residuals.values()]
+    return KVState(
+        state.keys(),
+        state.devices,
+        leaves,
+        opts,
+        state.bigarray_bound,
+        residuals,
+        state.compression,
+        tuple(state.shapes.values()),
+        tuple(state.opt_states),
+    )
+
+
+def init_optimizer(state: KVState, optimizer: Any, keys: Any = None) -> KVState:
+    """``state`` with a fresh optax optimizer state for ``keys`` (default: every key), made
+    ahead of the first step in the store's layout, so that a jitted step sees the same tree
+    in and out and compiles once.
+
+    The keys form one optimizer group: a push with ``updater=optimizer`` then updates them as
+    one tree, exactly as ``optax.update`` on ``{key: value}`` would (``clip_by_global_norm``
+    uses the norm over all of them), and must push all of them. Groups that lie inside
+    ``keys`` are replaced.
+
+    Raises:
+      KVStoreError: ``optimizer`` is not an optax transformation, or a key already belongs to
+        a group that reaches beyond ``keys``.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxkv, optax
+      >>> s = jaxkv.init(jaxkv.empty(), {"a": jnp.ones(3), "b": jnp.ones(2)})
+      >>> s = jaxkv.init_optimizer(s, optax.adam(0.1))
+      >>> list(s.opt_states)
+      [('a', 'b')]
+    """
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise KVStoreError(
+            "init_optimizer: expected an optax.GradientTransformation such as optax.adam(1e-3), "
+            f"given {type(optimizer).__name__}"
+        )
+    if keys is None:
+        keys = state.keys()
+    keys = [
+        state.keys()[state.index(k)] for k in (keys if isinstance(keys, list | tuple) else [keys])
+    ]
+    for known in state.opt_states:
+        outside = [k for k in known if k not in keys]
+        if outside and len(outside) < len(known):
+            raise KVStoreError(
+                f"keys {keys}: key {next(k for k in known if k in keys)!r} belongs to the "
+                f"optimizer group {list(known)}, expected a group inside the keys given, given "
+                f"keys without {outside}; include them, or leave the group's keys out"
+            )
+    values = [state[k] for k in keys]
+    if any(is_traced(v) for v in values):
+        if any(is_block(state, k, v) for k, v in zip(keys, values)):
+            raise KVStoreError(
+                f"keys {keys}: expected whole values to make optimizer state for, given this "
+                "device's blocks (inside shard_map); call jaxkv.init_optimizer before the step"
+            )
+        tree = dict(zip(keys, values))
+        return state.replace(opt_states={tuple(sorted(keys)): optimizer.init(tree)})
+    return init_opt_states(state, optimizer, keys)
 
 
 def pushpull(

@@ -24,7 +24,7 @@ from ._errors import KVStoreError, ShapeError
 from ._fast import single_device
 from ._state import AXIS, Key, KVState
 
-__all__ = ["Updater", "apply_updater", "init_opt_states", "push_eager"]
+__all__ = ["Updater", "apply_updater", "init_opt_states", "optimizer_group", "push_eager"]
 
 logger = logging.getLogger("jaxkv")
 
@@ -43,47 +43,105 @@ class Updater(Protocol):
 
 
 def init_opt_states(state: KVState, optimizer: Any, keys: Sequence[Key]) -> KVState:
-    """``state`` with fresh optimizer states for ``keys`` (one compiled computation).
+    """``state`` with a fresh optimizer state for the group ``keys`` (one compiled
+    computation): ``optimizer.init({key: value for key in keys})``, in the store's layout.
 
     Done before the first optimizer push, so that the push computation sees the same state
     structure from its first call on and never compiles a second time.
     """
     if not keys:
         return state
+    group = tuple(sorted(set(keys)))
     init = _opt_initialiser(optimizer, state.devices, state.bigarray_bound)
-    return state.replace(opt_states=dict(zip(keys, init([state[k] for k in keys]))))
+    return state.replace(opt_states={group: init({k: state[k] for k in group})})
 
 
 @functools.lru_cache(maxsize=64)
 def _opt_initialiser(optimizer: Any, devices: tuple, bound: int | None) -> Callable:
-    layout = KVState((), devices, (), (), bound)  # only its placement rules are used
-    return jax.jit(lambda vs: place(layout, [optimizer.init(v) for v in vs]))
+    layout = KVState((), devices, (), (), bound, (), None, ())  # only its placement rules
+    return jax.jit(lambda tree: place(layout, optimizer.init(tree)))
 
 
-def apply_updater(updater: Any, key: Key, pushed: jax.Array, stored: jax.Array, opt_state: Any):
-    """Run ``updater`` for one key; returns ``(new_stored, new_opt_state)``."""
-    if updater is None:
-        new = pushed
-    elif isinstance(updater, optax.GradientTransformation):
-        if opt_state is None:
-            opt_state = updater.init(stored)
-        updates, opt_state = updater.update(pushed, opt_state, stored)
-        new = optax.apply_updates(stored, updates)
+def _group_names(keys: Sequence[Key]) -> str:
+    return "[" + ", ".join(map(repr, keys)) + "]"
+
+
+def optimizer_group(state: KVState, keys: Sequence[Key]) -> tuple[tuple[Key, ...], Any]:
+    """The optimizer group an optax push of ``keys`` updates, and its state (``None`` if the
+    keys have none yet: they become a new group).
+
+    An optax push updates the pushed keys as one tree, as ``optax.update`` would. So the
+    pushed keys must be exactly one group, or all be without optimizer state; anything else
+    is refused, since part of a group's state (a shared step count, a global norm) would
+    otherwise be updated for keys that were not pushed.
+    """
+    keys = tuple(sorted(keys))
+    groups = {k: state.opt_group(k) for k in keys}
+    if all(g is None for g in groups.values()):
+        return keys, None
+    group = next(g for g in groups.values() if g is not None)
+    if group == keys:
+        return group, state.opt_states[group]
+    fresh = [k for k, g in groups.items() if g is None]
+    others = sorted({g for g in groups.values() if g is not None and g != group})
+    given = f"keys {_group_names(keys)}"
+    if fresh:
+        why = f"keys {_group_names(fresh)} have no optimizer state yet"
+    elif others:
+        why = f"they span the groups {', '.join(_group_names(g) for g in [group, *others])}"
     else:
-        new = updater(key, pushed, stored)
-        if new is None:
-            raise KVStoreError(
-                f"key {key!r}: the updater returned None, expected the new stored value. "
-                "MXNet-style in-place updaters (stored += ...) work through jaxkv.KVStore; "
-                "a functional updater must return the new value"
+        why = f"the group also holds {_group_names([k for k in group if k not in keys])}"
+    raise KVStoreError(
+        f"{given}: an optax push updates one optimizer group as one tree, expected exactly the "
+        f"keys of group {_group_names(group)}, given {_group_names(keys)} ({why}). A group is "
+        "the key set of the first optax push of its keys, or of jaxkv.init_optimizer. Push "
+        "the same keys together every time (zeros for keys without a gradient), or make the "
+        "groups you need with jaxkv.init_optimizer(state, optimizer, keys=...)"
+    )
+
+
+def apply_updater(
+    updater: Any,
+    keys: Sequence[Key],
+    pushed: Sequence[jax.Array],
+    stored: Sequence[jax.Array],
+    opt_state: Any,
+) -> tuple[list[jax.Array], Any]:
+    """Run ``updater`` for ``keys``; returns ``(new_values, new_opt_state)``.
+
+    An optax transformation updates the keys as one tree ``{key: value}`` (their group), as
+    ``optax.update`` + ``optax.apply_updates`` would; any other updater runs key by key.
+    """
+    if updater is None:
+        new = list(pushed)
+    elif isinstance(updater, optax.GradientTransformation):
+        params = dict(zip(keys, stored))
+        if opt_state is None:
+            opt_state = updater.init(params)
+        updates, opt_state = updater.update(dict(zip(keys, pushed)), opt_state, params)
+        result = optax.apply_updates(params, updates)
+        new = [result[k] for k in keys]
+    else:
+        new = []
+        for key, p, s in zip(keys, pushed, stored):
+            value = updater(key, p, s)
+            if value is None:
+                raise KVStoreError(
+                    f"key {key!r}: the updater returned None, expected the new stored value. "
+                    "MXNet-style in-place updaters (stored += ...) work through jaxkv.KVStore; "
+                    "a functional updater must return the new value"
+                )
+            new.append(value)
+    out = []
+    for key, value, s in zip(keys, new, stored):
+        value = as_array(value)
+        if tuple(value.shape) != tuple(s.shape):
+            raise ShapeError(
+                f"key {key!r}: the updater returned shape {tuple(value.shape)}, expected the "
+                f"stored shape {tuple(s.shape)}"
             )
-    new = as_array(new)
-    if tuple(new.shape) != tuple(stored.shape):
-        raise ShapeError(
-            f"key {key!r}: the updater returned shape {tuple(new.shape)}, expected the stored "
-            f"shape {tuple(stored.shape)}"
-        )
-    return new.astype(stored.dtype), opt_state
+        out.append(value.astype(s.dtype))
+    return out, opt_state
 
 
 def _layout(state: KVState, stored: jax.Array, xs: list[jax.Array]) -> tuple[str, jax.Array]:
@@ -147,7 +205,7 @@ def _build_push(state: KVState, keys, kinds, updater, donate) -> Callable:
     compressed = [i for i, kind in enumerate(kinds) if kind[0] == "compressed"]
     stacked = [i for i, kind in enumerate(kinds) if kind != "one"]
 
-    def run(stored, opt_states, residuals, pushed):
+    def run(stored, opt_state, residuals, pushed):
         inputs = {id(x) for x in pushed}
         pushed = [x.astype(s.dtype) for x, s in zip(pushed, stored)]
         inputs.update(id(x) for x in pushed)
@@ -171,11 +229,11 @@ def _build_push(state: KVState, keys, kinds, updater, donate) -> Callable:
             )([pushed[i] for i in stacked])
             for i, x in zip(stacked, summed):
                 pushed[i] = x.reshape(stored[i].shape)
-        results = [apply_updater(updater, *args) for args in zip(keys, pushed, stored, opt_states)]
+        values, opt_state = apply_updater(updater, keys, pushed, stored, opt_state)
         # A pushed array returned as is (assign) would be forwarded by jit, and the store would
         # share the caller's buffer; a later donating push would then delete the caller's array.
-        values = [jnp.copy(v) if id(v) in inputs else v for v, _ in results]
-        return place(state, values), place(state, [o for _, o in results]), residuals
+        values = [jnp.copy(v) if id(v) in inputs else v for v in values]
+        return place(state, values), place(state, opt_state), residuals
 
     return jax.jit(run, donate_argnums=(0, 1, 2) if donate else ())
 
@@ -188,13 +246,13 @@ def push_eager(
     grouped: dict[Key, list[jax.Array]],
     index: list[int],
     stored: list[jax.Array],
-    opts: list[Any],
+    opt_state: Any,
     updater: Any,
     donate: bool,
 ) -> KVState:
     """``push`` of the validated eager contributions ``grouped`` (keys at ``index`` in
-    ``state``, with their stored values and optimizer states): one cached computation for all
-    keys."""
+    ``state``, with their stored values and, for an optax updater, their group's optimizer
+    state): one cached computation for all keys."""
     if state.compression is None:
         layouts = [_layout(state, s, xs) for s, xs in zip(stored, grouped.values())]
     else:
@@ -204,9 +262,10 @@ def push_eager(
     kinds, pushed = zip(*layouts)
     residuals = [state._residuals[i] for i in index]
     fn = _PUSH_CACHE.get(state, tuple(grouped), kinds, updater, donate)
-    new_values, new_opts, new_residuals = fn(stored, opts, residuals, list(pushed))
+    new_values, new_opt, new_residuals = fn(stored, opt_state, residuals, list(pushed))
+    optax_push = isinstance(updater, optax.GradientTransformation)
     return state.replace(
         dict(zip(grouped, new_values)),
-        dict(zip(grouped, new_opts)),
+        {tuple(grouped): new_opt} if optax_push else None,
         dict(zip(grouped, new_residuals)),
     )

@@ -84,13 +84,17 @@ class KVState:
     """An immutable key-value store of arrays over a set of devices.
 
     Leaves: one stored value per key (a ``jax.Array`` over the store's devices, shape and dtype
-    fixed at ``init``), one optimizer state pytree per key (``None`` until an optax optimizer
-    first updates that key), and, under 2-bit gradient compression, one error-feedback residual
-    per key (shape ``(D * n, ...)`` for a value of shape ``(n, ...)``: each device's residual in
-    its own block). Aux data: the sorted key set, the devices, the big-array bound and the
-    compression. A value with at least ``bigarray_bound`` elements whose first dimension divides
-    by the number of devices is stored sharded along that dimension (each device holds 1/D of
-    it, and of its optimizer state); smaller values are replicated on every device.
+    fixed at ``init``), one optax optimizer state per *group* of keys (the keys one optimizer
+    updates as one tree: made by :func:`jaxkv.init_optimizer`, or by the first optax push of a
+    key set), and, under 2-bit gradient compression, one error-feedback residual per key (shape
+    ``(D * n, ...)`` for a value of shape ``(n, ...)``: each device's residual in its own
+    block). Aux data: the sorted key set, each key's (global) shape, the optimizer groups, the
+    devices, the big-array bound and the compression. Inside ``shard_map`` with
+    :func:`jaxkv.specs`, a sharded value's leaf is this device's block; the shapes in aux data
+    still say the whole value's shape. A value with at least ``bigarray_bound`` elements whose
+    first dimension divides by the number of devices is stored sharded along that dimension
+    (each device holds 1/D of it, and of its optimizer state); smaller values are replicated
+    on every device.
 
     Make one with :func:`jaxkv.empty` and :func:`jaxkv.init`; every operation returns a new state.
 
@@ -112,6 +116,8 @@ class KVState:
         "_residuals",
         "_compression",
         "_lookup",
+        "_shapes",
+        "_groups",
     )
 
     def __init__(
@@ -123,12 +129,18 @@ class KVState:
         bound: int | None = BIGARRAY_BOUND,
         residuals: Sequence[Any] = (),
         compression: tuple | None = None,
+        shapes: Sequence[tuple[int, ...]] | None = None,
+        groups: Sequence[tuple[Key, ...]] = (),
     ):
         # No validation here: pytree transformations rebuild states with arbitrary leaves.
         object.__setattr__(self, "_keys", keys)  # sorted, all int or all str
         object.__setattr__(self, "_devices", devices)
         object.__setattr__(self, "_values", tuple(values))  # aligned with _keys
-        object.__setattr__(self, "_opt_states", tuple(opt_states))  # aligned with _keys
+        if shapes is None:  # a fresh state: its values are whole
+            shapes = tuple(tuple(v.shape) for v in self._values)
+        object.__setattr__(self, "_shapes", tuple(shapes))  # whole values' shapes, as _keys
+        object.__setattr__(self, "_groups", tuple(groups))  # sorted tuples of keys, disjoint
+        object.__setattr__(self, "_opt_states", tuple(opt_states))  # aligned with _groups
         object.__setattr__(self, "_bound", bound)  # sharded storage from this many elements
         residuals = tuple(residuals) or (None,) * len(keys)  # aligned with _keys
         object.__setattr__(self, "_residuals", residuals)
@@ -141,7 +153,7 @@ class KVState:
     def _placement(self) -> KVState:
         """A state with no keys and this one's devices, big-array bound and compression: the
         static facts a cached computation may keep without keeping any of the arrays alive."""
-        return KVState((), self._devices, (), (), self._bound, (), self._compression)
+        return KVState((), self._devices, (), (), self._bound, (), self._compression, ())
 
     # -- pytree protocol -------------------------------------------------------------------
     def tree_flatten_with_keys(self):
@@ -156,13 +168,20 @@ class KVState:
         return (self._values, self._opt_states, self._residuals), self._aux()
 
     def _aux(self):
-        return (self._keys, self._devices, self._bound, self._compression)
+        return (
+            self._keys,
+            self._devices,
+            self._bound,
+            self._compression,
+            self._shapes,
+            self._groups,
+        )
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        keys, devices, bound, compression = aux
+        keys, devices, bound, compression, shapes, groups = aux
         values, opt_states, residuals = children
-        return cls(keys, devices, values, opt_states, bound, residuals, compression)
+        return cls(keys, devices, values, opt_states, bound, residuals, compression, shapes, groups)
 
     # -- read-only views -------------------------------------------------------------------
     def keys(self) -> tuple[Key, ...]:
@@ -223,9 +242,24 @@ class KVState:
         return MappingProxyType(dict(zip(self._keys, self._values)))
 
     @property
-    def opt_states(self) -> Mapping[Key, Any]:
-        """A read-only mapping from key to its optimizer state (``None`` where there is none)."""
-        return MappingProxyType(dict(zip(self._keys, self._opt_states)))
+    def shapes(self) -> Mapping[Key, tuple[int, ...]]:
+        """A read-only mapping from key to the shape of its whole value (also inside
+        ``shard_map``, where a sharded value's leaf is only this device's block)."""
+        return MappingProxyType(dict(zip(self._keys, self._shapes)))
+
+    @property
+    def opt_states(self) -> Mapping[tuple[Key, ...], Any]:
+        """A read-only mapping from each optimizer group (a sorted tuple of keys) to its optax
+        state, the state of ``optimizer.init({key: value for key in group})``."""
+        return MappingProxyType(dict(zip(self._groups, self._opt_states)))
+
+    def opt_group(self, key: Any) -> tuple[Key, ...] | None:
+        """The optimizer group ``key`` belongs to, or ``None`` if it has no optimizer state."""
+        key = self._keys[self.index(key)]
+        for group in self._groups:
+            if key in group:
+                return group
+        return None
 
     @property
     def key_kind(self) -> str | None:
@@ -276,25 +310,42 @@ class KVState:
     def replace(
         self,
         values: Mapping[Key, Any] | None = None,
-        opt_states: Mapping[Key, Any] | None = None,
+        opt_states: Mapping[tuple[Key, ...], Any] | None = None,
         residuals: Mapping[Key, Any] | None = None,
         compression: Any = _KEEP,
     ) -> KVState:
-        """A new state with some keys' leaves replaced or added (and maybe the compression)."""
-        old_v, old_o = dict(zip(self._keys, self._values)), dict(zip(self._keys, self._opt_states))
-        old_r = dict(zip(self._keys, self._residuals))
+        """A new state with some keys' leaves replaced or added (and maybe the compression).
+
+        ``opt_states`` maps optimizer groups (tuples of keys) to their state; a group replaces
+        every group that shares a key with it, and a state of ``None`` removes the group.
+        Keys keep their recorded shapes; new keys take their value's shape.
+        """
+        old_v, old_r = dict(zip(self._keys, self._values)), dict(zip(self._keys, self._residuals))
+        shapes = dict(zip(self._keys, self._shapes))
+        for k, v in (values or {}).items():
+            shapes.setdefault(k, tuple(v.shape))
         old_v.update(values or {})
-        old_o.update(opt_states or {})
         old_r.update(residuals or {})
         keys = tuple(sorted(old_v))
+        groups = dict(zip(self._groups, self._opt_states))
+        for group, opt in (opt_states or {}).items():
+            group = tuple(sorted(group))
+            for other in [g for g in groups if set(g) & set(group)]:
+                del groups[other]
+            if opt is not None:
+                groups[group] = opt
+        position = {k: i for i, k in enumerate(keys)}
+        order = sorted(groups, key=lambda g: position[g[0]])
         return KVState(
             keys,
             self._devices,
             [old_v[k] for k in keys],
-            [old_o.get(k) for k in keys],
+            [groups[g] for g in order],
             self._bound,
             [old_r.get(k) for k in keys],
             self._compression if compression is _KEEP else compression,
+            [shapes[k] for k in keys],
+            order,
         )
 
 
@@ -334,7 +385,7 @@ def empty(
         raise KVStoreError(
             f"bigarray_bound: expected a positive int or None, given {bigarray_bound!r}"
         )
-    return KVState((), devs, (), (), bigarray_bound, (), compression_config(compression))
+    return KVState((), devs, (), (), bigarray_bound, (), compression_config(compression), ())
 
 
 _COMPRESSION_TYPES = ("2bit", "fp16", "bf16", "none")

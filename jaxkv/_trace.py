@@ -1,42 +1,238 @@
-"""Push inside the user's trace (``jit``, ``pmap``, ``shard_map``): the updater runs in the
-caller's trace, and ``axis_name`` sums each value over the mapped axes exactly once."""
+"""Push and pull inside the user's trace (``jit``, ``pmap``, ``shard_map``).
+
+The updater runs in the caller's trace. With ``axis_name``, each value is summed over the
+mapped axes exactly once. A state that entered ``shard_map`` with :func:`jaxkv.specs` holds,
+for each sharded key, only this device's block (rows along axis 0) of the value; the shapes in
+its aux data still say the whole value's shape. For such a key:
+
+=====================================  ==================================================
+pushed value                           what ``push`` does with it
+=====================================  ==================================================
+whole shape, varying along the axis    reduce-scatter: each device keeps the sum of its rows
+whole shape, invariant (already summed) each device keeps its rows
+block shape                            taken as this device's rows of the sum (what AD
+                                       gives through :func:`gather`'s all-gather)
+=====================================  ==================================================
+
+then the updater updates the block: as it is when elementwise along the rows, else on the
+gathered whole value, keeping this device's rows (``_local.py``). The state leaves the step in
+the layout it came in.
+"""
 
 from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 import jax
+import optax
 
-from ._collectives import axis_sum
+from ._collectives import (
+    _SCATTER_FUSE_LIMIT,
+    axis_names,
+    axis_size,
+    fused_psum,
+    fused_psum_scatter,
+    unsummed_axes,
+)
 from ._errors import KVStoreError
+from ._local import run_on_blocks
 from ._push import apply_updater
 from ._state import Key, KVState
 
-__all__ = ["push_in_trace"]
+__all__ = ["gather", "is_block", "push_in_trace"]
+
+
+def is_block(state: KVState, key: Key, leaf: Any) -> bool:
+    """Whether ``leaf`` (the stored value of ``key``) is only this device's block."""
+    return tuple(leaf.shape) != state.shapes[key]
+
+
+def _block_size(state: KVState, leaves: Mapping[Key, Any], names: tuple) -> int:
+    """The number of devices along ``names``, checked against each key's block ``leaves``."""
+    if not names:
+        raise KVStoreError(
+            f"keys {list(leaves)}: each is only this device's block of its value (the state "
+            "entered shard_map with jaxkv.specs), expected axis_name=<the mapped axis it is "
+            "sharded over>, given none"
+        )
+    n = axis_size(names)
+    for key, leaf in leaves.items():
+        whole = state.shapes[key]
+        if whole[0] % n or tuple(leaf.shape) != (whole[0] // n, *whole[1:]):
+            raise KVStoreError(
+                f"key {key!r}: its leaf has shape {tuple(leaf.shape)}, expected the whole "
+                f"shape {whole} or its block over axis {names} ({n} devices); enter "
+                "shard_map with in_specs=jaxkv.specs(state, axis_name) on the store's devices"
+            )
+    return n
+
+
+def _gather_axes(names: tuple) -> Any:
+    return names if len(names) > 1 else names[0]
+
+
+def gather(state: KVState, values: Mapping[Key, Any], axis_name: Any) -> dict[Key, Any]:
+    """The whole value of each key in ``values`` (leaves as in ``state.values``): blocks are
+    all-gathered over ``axis_name``, whole values kept. ``jax.grad`` through it gives each
+    block's gradient already summed over the axis (AD's reduce-scatter)."""
+    keys = [state.keys()[state.index(k)] for k in values]
+    blocked = [k for k, v in zip(keys, values.values()) if is_block(state, k, v)]
+    names = axis_names(axis_name) if axis_name is not None else ()
+    if blocked:
+        _block_size(state, {k: v for k, v in zip(keys, values.values()) if k in blocked}, names)
+    out = {}
+    for key, value in zip(keys, values.values()):
+        if key in blocked:
+            value = jax.lax.all_gather(value, _gather_axes(names), tiled=True)
+        out[key] = value
+    return out
+
+
+def _sum_blocks(whole: list[tuple[int, jax.Array]], names: tuple, n: int) -> dict[int, Any]:
+    """This device's rows of the sum of whole-shape values over ``names``: reduce-scattered
+    where still to be summed (small ones together), else just this device's rows."""
+    out: dict[int, Any] = {}
+    small: dict[Any, list[int]] = {}
+    values = dict(whole)
+    for i, x in whole:
+        todo = unsummed_axes(x, names)
+        if set(todo) == set(names):
+            if x.size >= _SCATTER_FUSE_LIMIT:
+                out[i] = jax.lax.psum_scatter(x, _gather_axes(names), tiled=True)
+            else:
+                small.setdefault(x.dtype, []).append(i)
+            continue
+        if todo:
+            x = jax.lax.psum(x, todo)
+        rows = x.shape[0] // n
+        me = jax.lax.axis_index(_gather_axes(names))
+        out[i] = jax.lax.dynamic_slice_in_dim(x, me * rows, rows, 0)
+    for idx in small.values():
+        for i, x in zip(idx, fused_psum_scatter([values[i] for i in idx], n, _gather_axes(names))):
+            out[i] = x
+    return out
+
+
+def _sum_whole(whole: list[tuple[int, jax.Array]], names: tuple) -> dict[int, Any]:
+    """Each value summed over the axes of ``names`` it still varies along: one collective per
+    set of axes and dtype."""
+    out: dict[int, Any] = {}
+    groups: dict[tuple, list[int]] = {}
+    values = dict(whole)
+    for i, x in whole:
+        todo = unsummed_axes(x, names) if names else ()
+        if todo:
+            groups.setdefault((todo, x.dtype), []).append(i)
+        else:
+            out[i] = x
+    for (todo, _), idx in groups.items():
+        for i, x in zip(idx, fused_psum([values[i] for i in idx], todo)):
+            out[i] = x
+    return out
+
+
+def _opt_blocks(state: KVState, optimizer: Any, keys, stored, opt_state, n: int | None) -> Any:
+    """Which leaves of ``opt_state`` are this device's blocks: those whose shape differs from
+    what ``optimizer.init`` gives for the whole values."""
+    whole = jax.eval_shape(
+        optimizer.init,
+        {k: jax.ShapeDtypeStruct(state.shapes[k], s.dtype) for k, s in zip(keys, stored)},
+    )
+    if jax.tree_util.tree_structure(whole) != jax.tree_util.tree_structure(opt_state):
+        raise KVStoreError(
+            f"keys {list(keys)}: the optimizer state in the store does not have the structure "
+            "this optimizer makes; pass the optimizer the state was made with"
+        )
+
+    def block(w: Any, x: Any) -> bool:
+        if tuple(x.shape) == tuple(w.shape):
+            return False
+        if n is None or tuple(x.shape) != (w.shape[0] // n, *w.shape[1:]):
+            raise KVStoreError(
+                f"keys {list(keys)}: an optimizer-state leaf has shape {tuple(x.shape)}, "
+                f"expected {tuple(w.shape)} or its block; enter shard_map with "
+                "in_specs=jaxkv.specs(state, axis_name)"
+            )
+        return True
+
+    return jax.tree_util.tree_map(block, whole, opt_state)
 
 
 def push_in_trace(
     state: KVState,
     grouped: dict[Key, list[jax.Array]],
     stored: list[Any],
-    opts: list[Any],
+    opt_state: Any,
     updater: Any,
     axis_name: Any,
 ) -> KVState:
-    """``push`` of the validated contributions ``grouped`` (with their keys' stored values and
-    optimizer states) when any of them is traced."""
+    """``push`` of the validated contributions ``grouped`` (with their keys' stored values,
+    and for an optax updater their group's optimizer state) when any of them is traced."""
+    keys = list(grouped)
     if state.compression is not None:
         raise KVStoreError(
-            f"keys {list(grouped)}: a store with gradient compression {state.compression} "
+            f"keys {keys}: a store with gradient compression {state.compression} "
             "expects eager pushes, given traced values (inside jit, compress with the "
             "caller's own code)"
         )
-    new_v, new_o = {}, {}
-    for (key, xs), s, o in zip(grouped.items(), stored, opts):
-        total = functools.reduce(operator.add, [x.astype(s.dtype) for x in xs])
-        if axis_name is not None:
-            total = axis_sum(total, axis_name)
-        new_v[key], new_o[key] = apply_updater(updater, key, total, s, o)
-    return state.replace(new_v, new_o)
+    names = axis_names(axis_name) if axis_name is not None else ()
+    blocks = [is_block(state, k, s) for k, s in zip(keys, stored)]
+    n = None
+    if any(blocks):
+        n = _block_size(state, {k: s for k, s, b in zip(keys, stored, blocks) if b}, names)
+
+    # Sum each key's contributions on this device, then over the axes.
+    whole, to_scatter, local = [], [], {}
+    for i, (key, xs, s, b) in enumerate(zip(keys, grouped.values(), stored, blocks)):
+        xs = [x.astype(s.dtype) for x in xs]
+        full = [x for x in xs if tuple(x.shape) == state.shapes[key]]
+        parts = [x for x in xs if tuple(x.shape) != state.shapes[key]]  # blocks: summed
+        if b:
+            if full:
+                to_scatter.append((i, functools.reduce(operator.add, full)))
+            local[i] = parts
+        else:
+            whole.append((i, functools.reduce(operator.add, full)))
+    totals = _sum_whole(whole, names)
+    if to_scatter:
+        totals.update(_sum_blocks(to_scatter, names, n))
+    for i, parts in local.items():
+        if i in totals:
+            parts = [totals[i], *parts]
+        totals[i] = functools.reduce(operator.add, parts)
+    pushed = [totals[i] for i in range(len(keys))]
+
+    # Update: each block as the updater would update the whole value.
+    if isinstance(updater, optax.GradientTransformation):
+        if opt_state is None and any(blocks):
+            raise KVStoreError(
+                f"keys {keys}: expected optimizer state for the keys (their values are sharded "
+                "blocks here), given none; call state = jaxkv.init_optimizer(state, optimizer) "
+                "before the step"
+            )
+        opt_blocks = (
+            None if opt_state is None else _opt_blocks(state, updater, keys, stored, opt_state, n)
+        )
+
+        def step(stored, opt_state, pushed):
+            return apply_updater(updater, keys, pushed, stored, opt_state)
+
+        new, opt_state = run_on_blocks(
+            step,
+            (stored, opt_state, pushed),
+            (blocks, opt_blocks, blocks),
+            (blocks, opt_blocks),
+            names,
+        )
+        return state.replace(dict(zip(keys, new)), {tuple(keys): opt_state})
+    new = []
+    for key, s, p, b in zip(keys, stored, pushed, blocks):
+
+        def one(s, p, key=key):
+            return apply_updater(updater, [key], [p], [s], None)[0][0]
+
+        new.append(run_on_blocks(one, (s, p), (b, b), b, names))
+    return state.replace(dict(zip(keys, new)))

@@ -68,12 +68,14 @@ def test_flipped_array_bytes_inside_a_valid_zip_are_caught_by_the_checksum(tmp_p
     kv.save(path)
 
     def flip(arrays, manifest):
-        arrays["a1"][5] ^= 0x01  # one bit of key 3's optimizer state; the zip stays valid
+        # One bit of the optimizer state of group [3, 5]; the zip stays valid.
+        n = next(n for n, e in enumerate(manifest["arrays"]) if e["part"] == "opt")
+        arrays[f"a{n}"][5] ^= 0x01
 
     rewrite(path, flip)
-    kv.push(3, nd.ones(SHAPE))
+    kv.push([3, 5], [nd.ones(SHAPE)] * 2)
     before = contents(kv)
-    with pytest.raises(jaxkv.KVStoreError, match=r"key 3 opt.*checksum mismatch"):
+    with pytest.raises(jaxkv.KVStoreError, match=r"optimizer group 0 opt.*checksum mismatch"):
         kv.load(path)
     assert_unchanged(kv, before)
 
@@ -85,7 +87,8 @@ def test_an_edited_manifest_is_caught_by_its_own_checksum(tmp_path):
 
     def swap_keys(arrays, manifest):  # consistent, plausible, and wrong
         for entry in manifest["arrays"]:
-            entry["key"] = {3: 5, 5: 3}[entry["key"]]
+            if "key" in entry:
+                entry["key"] = {3: 5, 5: 3}[entry["key"]]
 
     rewrite(path, swap_keys, rehash=False)
     before = contents(kv)
@@ -196,9 +199,9 @@ def test_optimizer_states_of_another_optimizer_are_refused(tmp_path):
     momentum.save_optimizer_states(str(tmp_path / "opt.npz"))
     adam = store(ADAM)
     before = contents(adam)
-    with pytest.raises(jaxkv.KVStoreError, match=r"key 3: optimizer state expected"):
+    with pytest.raises(jaxkv.KVStoreError, match=r"group \[3, 5\]: optimizer state expected"):
         adam.load(tmp_path / "store.npz")
-    with pytest.raises(jaxkv.KVStoreError, match=r"key 3: optimizer state expected"):
+    with pytest.raises(jaxkv.KVStoreError, match=r"group \[3, 5\]: optimizer state expected"):
         adam.load_optimizer_states(str(tmp_path / "opt.npz"))
     assert_unchanged(adam, before)
     plain = store(None)
@@ -249,7 +252,7 @@ def test_round_trip_keeps_every_leaf_and_the_next_push_agrees(tmp_path):
         assert fresh.state.compression == kv.state.compression
         assert_unchanged(fresh, contents(kv))
         for s in (kv, fresh):
-            s.push(3, [nd.ones(SHAPE, jaxkv.cpu(d)) * 0.3 for d in range(2)])
+            s.push([3, 5], [[nd.ones(SHAPE, jaxkv.cpu(d)) * 0.3 for d in range(2)]] * 2)
         assert_unchanged(fresh, contents(kv))
 
 

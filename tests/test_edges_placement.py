@@ -60,8 +60,7 @@ def test_optimizer_state_follows_its_value(devices):
     s = jaxkv.init(jaxkv.empty(bigarray_bound=64), {"w": jnp.ones((16, 4)), "b": jnp.ones(4)})
     sgd = optax.sgd(0.5, momentum=0.5)
     s = jaxkv.push(s, ["w", "b"], [jnp.ones((16, 4)), jnp.ones(4)], updater=sgd)
-    (w_trace,) = jax.tree_util.tree_leaves(s.opt_states["w"])
-    (b_trace,) = jax.tree_util.tree_leaves(s.opt_states["b"])
+    b_trace, w_trace = jax.tree_util.tree_leaves(s.opt_states[("b", "w")])
     assert w_trace.shape == (16, 4) and not w_trace.sharding.is_fully_replicated
     assert b_trace.sharding.is_fully_replicated
     np.testing.assert_array_equal(np.asarray(s["w"]), np.full((16, 4), 0.5))

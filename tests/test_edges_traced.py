@@ -37,7 +37,7 @@ def test_an_optimizer_push_inside_jit_starts_its_state_there(state):
     np.testing.assert_array_equal(np.asarray(once["w"]), [-1.0, 0.0, 1.0])
     twice = step(once, jnp.ones(3))  # momentum: 1 + 0.5
     np.testing.assert_array_equal(np.asarray(twice["w"]), [-2.5, -1.5, -0.5])
-    assert once.opt_states["b"] is None
+    assert once.opt_group("b") is None
 
 
 def test_push_takes_the_store_keys_and_values_by_name_and_the_rest_only_by_name(state):

@@ -280,7 +280,7 @@ def test_save_and_load_round_trip(kv, tmp_path):
     kv.save(tmp_path / "store.npz")
     kv.save_optimizer_states(str(tmp_path / "opt.npz"))
     expected = values(kv)
-    expected_opt = jax.tree_util.tree_leaves(kv.state.opt_states[3])
+    expected_opt = jax.tree_util.tree_leaves(kv.state.opt_states[(3, 5)])
     kv.push([3, 5], [jnp.ones(SHAPE), jnp.ones(SHAPE)])
 
     fresh = jaxkv.create("local")
@@ -289,12 +289,12 @@ def test_save_and_load_round_trip(kv, tmp_path):
     for k, v in values(fresh).items():
         np.testing.assert_array_equal(v, expected[k])
     kv.load_optimizer_states(str(tmp_path / "opt.npz"))
-    for a, b in zip(jax.tree_util.tree_leaves(kv.state.opt_states[3]), expected_opt):
+    for a, b in zip(jax.tree_util.tree_leaves(kv.state.opt_states[(3, 5)]), expected_opt):
         np.testing.assert_array_equal(a, b)
     # Both stores continue identically from the loaded state.
     kv.load(tmp_path / "store.npz")
     for store in (kv, fresh):
-        store.push(3, jnp.ones(SHAPE))
+        store.push([3, 5], [jnp.ones(SHAPE), jnp.ones(SHAPE)])
     np.testing.assert_array_equal(kv.pull(3), fresh.pull(3))
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
 

@@ -206,10 +206,10 @@ def test_optax_updater_carries_its_state_from_push_to_push(state, call):
         params = optax.apply_updates(params, updates)
         np.testing.assert_allclose(s["v"], params, rtol=1e-6)
         for a, b in zip(
-            jax.tree_util.tree_leaves(s.opt_states["v"]), jax.tree_util.tree_leaves(opt_state)
+            jax.tree_util.tree_leaves(s.opt_states[("v",)]), jax.tree_util.tree_leaves(opt_state)
         ):
             np.testing.assert_allclose(a, b, rtol=1e-6)
-    assert s.opt_states["w"] is None  # keys not pushed get no optimizer state
+    assert s.opt_group("w") is None  # keys not pushed get no optimizer state
 
 
 def test_pull_places_results_on_exactly_the_requested_devices(state, devices):

@@ -91,9 +91,9 @@ def test_non_elementwise_updaters_see_the_whole_array(state, devices):
 def test_optimizer_state_is_sharded_too(state, devices):
     opt = optax.adam(0.1)
     new = jaxkv.push(state, ["big", "small"], [jnp.ones(BIG), jnp.ones(SMALL)], updater=opt)
-    mu = new.opt_states["big"][0].mu
+    mu = new.opt_states[("big", "small")][0].mu["big"]
     assert all(b == mu.nbytes // 8 for b in device_bytes(mu).values())
-    small_mu = new.opt_states["small"][0].mu
+    small_mu = new.opt_states[("big", "small")][0].mu["small"]
     assert all(b == small_mu.nbytes for b in device_bytes(small_mu).values())
     p = jnp.arange(64.0).reshape(BIG)
     upd, _ = opt.update(jnp.ones(BIG), opt.init(p), p)
