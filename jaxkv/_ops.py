@@ -301,11 +301,13 @@ def pushpull(
     *,
     updater: Updater | optax.GradientTransformation | None = None,
     devices: Any = None,
+    axis_name: Any = None,
     donate: bool = False,
 ) -> tuple[KVState, Any]:
     """``push`` then ``pull`` of the same keys: returns ``(new_state, pulled)``.
 
-    ``donate=True`` lets the push reuse the buffers of ``state``, as in :func:`push`.
+    ``donate=True`` lets the push reuse the buffers of ``state``, and ``axis_name`` (inside
+    ``pmap``/``shard_map``) is used by both, as in :func:`push` and :func:`pull`.
 
     Examples:
       >>> import jax.numpy as jnp, jaxkv
@@ -316,8 +318,8 @@ def pushpull(
     """
     if values is MISSING and isinstance(keys, Mapping):
         keys, values = list(keys.keys()), list(keys.values())
-    new = push(state, keys, values, updater=updater, donate=donate)
-    return new, pull(new, keys, devices=devices)
+    new = push(state, keys, values, updater=updater, axis_name=axis_name, donate=donate)
+    return new, pull(new, keys, devices=devices, axis_name=axis_name)
 
 
 @jax.jit

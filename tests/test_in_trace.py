@@ -347,3 +347,18 @@ def test_an_optimizer_state_made_for_another_optimizer_is_refused_in_the_step():
     step = functools.partial(jaxkv.push, keys="w", updater=optax.adam(0.1), axis_name=AXIS)
     with pytest.raises(jaxkv.KVStoreError, match="structure this optimizer makes"):
         in_store_mesh(state, lambda s: step(s, values=jnp.ones((8, 512))), (specs,), specs)(state)
+
+
+def test_pushpull_in_the_step_reduce_scatters_then_gathers():
+    state = jaxkv.init(jaxkv.empty(), {"w": jnp.zeros((64, 512))})
+    specs = jaxkv.specs(state, AXIS)
+    data, total = per_device_grads()
+
+    def step(state, g):
+        state, whole = jaxkv.pushpull(state, "w", g.reshape(64, 512), axis_name=AXIS)
+        return state, whole[None]
+
+    data = jax.device_put(data, NamedSharding(state.mesh, P(AXIS)))
+    new, whole = in_store_mesh(state, step, (specs, P(AXIS)), (specs, P(AXIS)))(state, data)
+    np.testing.assert_array_equal(np.asarray(new["w"]), total)
+    np.testing.assert_array_equal(np.asarray(whole), np.broadcast_to(total, (D, 64, 512)))
