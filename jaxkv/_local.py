@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend import core as jex
 
 __all__ = ["run_on_blocks"]
@@ -69,13 +70,15 @@ def _rule(eqn: Any, kinds: list[str]) -> list[str] | None:
         if _BLOCK in kinds:
             return None if _WHOLE in sized else [_BLOCK] * n_out
         return [_ROWS_ALIKE if sized and all(k == _ROWS_ALIKE for k in sized) else _WHOLE] * n_out
-    if _BLOCK not in kinds:
+    if _BLOCK not in kinds and _ROWS_ALIKE not in kinds:
         return [_WHOLE] * n_out
+    # A row-broadcast is a block too here: reducing it would count this device's rows only.
+    kind = _BLOCK if _BLOCK in kinds else _ROWS_ALIKE
     if name == "reshape" and eqn.params.get("dimensions") is None:
-        same_rows = eqn.params["new_sizes"][:1] == shapes[0][:1]
-        return [_BLOCK] if same_rows else None
+        same_rows = tuple(eqn.params["new_sizes"][:1]) == shapes[0][:1]
+        return [kind] if same_rows else None
     if name == "squeeze" and 0 not in eqn.params["dimensions"]:
-        return [_BLOCK]
+        return [kind]
     sub = _sub_jaxpr(eqn)
     return None if sub is None else _kinds(sub, kinds)
 
@@ -99,19 +102,45 @@ def _kinds(jaxpr: Any, kinds: Sequence[str]) -> list[str] | None:
     return [read(v) for v in jaxpr.outvars]
 
 
+def _constants(jaxpr: Any) -> list:
+    """Every primitive and constant of ``jaxpr`` (and the jaxprs it calls), in order."""
+    if isinstance(jaxpr, jex.ClosedJaxpr):
+        consts = [("const", np.asarray(c).tolist()) for c in jaxpr.consts]
+        return consts + _constants(jaxpr.jaxpr)
+    out: list = []
+    for eqn in jaxpr.eqns:
+        out.append(eqn.primitive.name)
+        out.extend(("literal", v.val) for v in eqn.invars if isinstance(v, jex.Literal))
+        for sub in jex.jaxprs_in_params(eqn.params):
+            out.extend(_constants(sub))
+    return out
+
+
+def _more_rows(x: Any) -> Any:
+    return jax.ShapeDtypeStruct((2 * x.shape[0], *x.shape[1:]), x.dtype)
+
+
 def is_blockwise(fn: Callable, args: Any, blocks: Any, out_blocks: Any) -> bool:
     """Whether ``fn(*args)`` may run on blocks: every output that ``out_blocks`` marks as a
-    block is computed row by row from the blocks ``blocks`` marks in ``args``, and every other
-    output from whole values only."""
+    block is computed row by row from the blocks ``blocks`` marks in ``args``, every other
+    output from whole values only, and nothing depends on how many rows a block has (``fn``
+    traced with twice the rows uses the same primitives and constants: ``x / x.size`` does
+    not)."""
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*shapes)
-    kinds = _kinds(closed, [_BLOCK if b else _WHOLE for b in jax.tree_util.tree_leaves(blocks)])
+    flags = jax.tree_util.tree_leaves(blocks)
+    kinds = _kinds(closed, [_BLOCK if b else _WHOLE for b in flags])
     if kinds is None:
         return False
-    want = jax.tree_util.tree_leaves(out_blocks)
     if jax.tree_util.tree_structure(out_shape) != jax.tree_util.tree_structure(out_blocks):
         return False
-    return all((k != _WHOLE) if b else (k != _BLOCK) for k, b in zip(kinds, want))
+    want = jax.tree_util.tree_leaves(out_blocks)
+    if not all((k != _WHOLE) if b else (k != _BLOCK) for k, b in zip(kinds, want)):
+        return False
+    leaves, treedef = jax.tree_util.tree_flatten(shapes)
+    bigger = [_more_rows(x) if b else x for x, b in zip(leaves, flags)]
+    twice = jax.make_jaxpr(fn)(*jax.tree_util.tree_unflatten(treedef, bigger))
+    return _constants(closed) == _constants(twice)
 
 
 def _axis_index(names: tuple) -> jax.Array:

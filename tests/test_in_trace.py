@@ -362,3 +362,26 @@ def test_pushpull_in_the_step_reduce_scatters_then_gathers():
     new, whole = in_store_mesh(state, step, (specs, P(AXIS)), (specs, P(AXIS)))(state, data)
     np.testing.assert_array_equal(np.asarray(new["w"]), total)
     np.testing.assert_array_equal(np.asarray(whole), np.broadcast_to(total, (D, 64, 512)))
+
+
+def _by_size(key, pushed, stored):
+    return stored - pushed / pushed.size  # the block's size would be 1/D of the value's
+
+
+def _by_count(key, pushed, stored):
+    return stored - pushed / jnp.sum(jnp.ones_like(stored))  # a reduction of a broadcast
+
+
+@pytest.mark.parametrize("updater", [_by_size, _by_count])
+def test_an_updater_that_depends_on_the_number_of_rows_sees_the_whole_value(updater):
+    start = jnp.ones((64, 512))
+    state = jaxkv.init(jaxkv.empty(), {"w": start})
+    specs = jaxkv.specs(state, AXIS)
+    data, total = per_device_grads()
+
+    def step(state, g):
+        return jaxkv.push(state, "w", g.reshape(64, 512), updater=updater, axis_name=AXIS)
+
+    data = jax.device_put(data, NamedSharding(state.mesh, P(AXIS)))
+    new = in_store_mesh(state, step, (specs, P(AXIS)), specs)(state, data)
+    np.testing.assert_allclose(new["w"], updater("w", total, start), rtol=1e-6)
