@@ -222,12 +222,15 @@ def jaxkv_functional(shapes, steps, counter_box) -> float:
 def in_jit(steps) -> dict[str, dict]:
     """The in-jit section (benchmarks/injit.py), once with the default malloc and once with
     glibc's huge-page malloc, each in a process of its own."""
+    import tempfile
+
     import injit
 
     lines = {}
-    for label, hugetlb in (("default malloc", False), ("hugetlb malloc", True)):
-        log(f"[in-jit] {label}: ResNet-50 adam step, 4 rows, {injit.ROUNDS} rounds ...")
-        lines[label] = injit.run_subprocess(steps, injit.ROUNDS, hugetlb, log=log)
+    with tempfile.TemporaryDirectory(prefix="jaxkv-bench-cache-") as cache:
+        for label, hugetlb in (("default malloc", False), ("hugetlb malloc", True)):
+            log(f"[in-jit] {label}: ResNet-50 adam step, 4 rows, {injit.ROUNDS} rounds ...")
+            lines[label] = injit.run_subprocess(steps, injit.ROUNDS, hugetlb, cache, log=log)
     return lines
 
 

@@ -288,15 +288,21 @@ def table(res: dict, label: str) -> list[str]:
     return lines
 
 
-def run_subprocess(steps: int, rounds: int, hugetlb: bool, log=print) -> dict:
+def run_subprocess(
+    steps: int, rounds: int, hugetlb: bool, cache_dir: str | None = None, log=print
+) -> dict:
     """The section in a fresh process, with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 or without
-    GLIBC_TUNABLES; its progress lines pass through, its JSON result is returned."""
+    GLIBC_TUNABLES; its progress lines pass through, its JSON result is returned. Processes
+    given the same ``cache_dir`` share JAX's persistent compilation cache (the steps compile
+    once; a cache hit still counts as a compile)."""
     import subprocess  # noqa: PLC0415
 
     env = dict(os.environ)
     env.pop("GLIBC_TUNABLES", None)
     if hugetlb:
         env["GLIBC_TUNABLES"] = HUGETLB
+    if cache_dir:
+        env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, env.get("PYTHONPATH")]))
     proc = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--steps", str(steps), "--rounds", str(rounds)],
