@@ -2,10 +2,13 @@
 
 An updater that is elementwise along axis 0 of the sharded values (sgd, momentum, adam, ...)
 gives on a device's block exactly the block of what it gives on the whole value, so it runs on
-the block as it is. Any other updater (``clip_by_global_norm``, trust ratios, custom reductions)
-would see only a part of each value: for those the blocks are all-gathered, the updater runs on
-the whole values, and each device keeps its block of the result. Which case applies is read from
-the updater's jaxpr, once per trace.
+the block as it is. An updater whose only cross-row steps are sums, maxima or minima over the
+rows (``clip_by_global_norm``, LAMB's trust ratio, a custom norm) runs on the blocks too, with
+each such reduction completed across devices (``psum`` / ``pmax`` / ``pmin`` of the partial
+results): its jaxpr is evaluated equation by equation. Anything else is run on the gathered
+whole values, each device keeping its block of the result. Which case applies is read from the
+updater's jaxpr, once per trace, and nothing that depends on a block's number of rows (``x /
+x.size``) runs on blocks.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ _ELEMENTWISE = frozenset(
     nextafter not or pow real reduce_precision rem round rsqrt select_n sign sin sinh sqrt square
     stop_gradient sub tan tanh xor""".split()  # noqa: SIM905
 )
+# Reductions over the rows, and the collective that completes them across devices.
+_REDUCTIONS = {"reduce_sum": "psum", "reduce_max": "pmax", "reduce_min": "pmin"}
 
 # What a value is, seen from one device: the block (rows along axis 0) of a sharded whole
 # value; a value that is the same in every row (a broadcast: valid as any device's block); or
@@ -46,48 +51,73 @@ def _broadcast_kind(kind: str, operand_shape: tuple, params: dict) -> str | None
     return _ROWS_ALIKE if kind == _ROWS_ALIKE and dims.index(0) == 0 else _WHOLE
 
 
-def _sub_jaxpr(eqn: Any) -> Any:
+def _called(params: dict) -> list[tuple[Any, list]]:
+    """The jaxprs in an equation's parameters, each with its constants."""
+    out = []
+    for value in params.values():
+        for item in value if isinstance(value, tuple | list) else [value]:
+            if isinstance(item, jex.ClosedJaxpr):
+                out.append((item.jaxpr, list(item.consts)))
+            elif isinstance(item, jex.Jaxpr):
+                out.append((item, []))
+    return out
+
+
+def _sub_jaxpr(eqn: Any) -> tuple[Any, list] | None:
     """The one jaxpr an equation calls with its own inputs and outputs (``jit``, custom
-    derivatives), or ``None``."""
+    derivatives), with its constants, or ``None``."""
     found = [
-        j
-        for j in jex.jaxprs_in_params(eqn.params)
+        (j, c)
+        for j, c in _called(eqn.params)
         if len(j.invars) == len(eqn.invars) and len(j.outvars) == len(eqn.outvars)
     ]
     return found[0] if len(found) == 1 else None
 
 
-def _rule(eqn: Any, kinds: list[str]) -> list[str] | None:
-    """The kinds of ``eqn``'s outputs, or ``None`` if it mixes rows of a block."""
+def _rule(eqn: Any, kinds: list[str], reduce: bool) -> tuple[list[str], str | None] | None:
+    """The kinds of ``eqn``'s outputs and what to do beyond binding it (``'inline'`` its
+    jaxpr, or the collective that completes a reduction over the rows), or ``None`` if it
+    mixes rows. Reductions over the rows are allowed only with ``reduce``."""
     name = eqn.primitive.name
     shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
     n_out = len(eqn.outvars)
     if name == "broadcast_in_dim":
         kind = _broadcast_kind(kinds[0], shapes[0], eqn.params)
-        return None if kind is None else [kind]
+        return None if kind is None else ([kind], None)
     if name in _ELEMENTWISE:
         sized = [k for k, s in zip(kinds, shapes) if s]  # scalars broadcast to any block
         if _BLOCK in kinds:
-            return None if _WHOLE in sized else [_BLOCK] * n_out
-        return [_ROWS_ALIKE if sized and all(k == _ROWS_ALIKE for k in sized) else _WHOLE] * n_out
+            return None if _WHOLE in sized else ([_BLOCK] * n_out, None)
+        alike = sized and all(k == _ROWS_ALIKE for k in sized)
+        return [_ROWS_ALIKE if alike else _WHOLE] * n_out, None
     if _BLOCK not in kinds and _ROWS_ALIKE not in kinds:
-        return [_WHOLE] * n_out
-    # A row-broadcast is a block too here: reducing it would count this device's rows only.
+        return [_WHOLE] * n_out, None
+    # A row-broadcast counts as a block here: reducing it would count this device's rows only.
     kind = _BLOCK if _BLOCK in kinds else _ROWS_ALIKE
     if name == "reshape" and eqn.params.get("dimensions") is None:
         same_rows = tuple(eqn.params["new_sizes"][:1]) == shapes[0][:1]
-        return [kind] if same_rows else None
+        return ([kind], None) if same_rows else None
     if name == "squeeze" and 0 not in eqn.params["dimensions"]:
-        return [kind]
+        return [kind], None
+    if name in _REDUCTIONS and kinds[0] == _BLOCK:
+        if 0 not in eqn.params["axes"]:
+            return [_BLOCK], None  # a reduction within each row
+        return ([_WHOLE], _REDUCTIONS[name]) if reduce else None
+    if name == "dot_general" and reduce and kinds == [_BLOCK, _BLOCK]:
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        if 0 in lc and 0 in rc and lc.index(0) == rc.index(0) and 0 not in lb + rb:
+            return [_WHOLE], "psum"  # contracts the rows: a sum of products over them
+        return None
     sub = _sub_jaxpr(eqn)
-    return None if sub is None else _kinds(sub, kinds)
+    if sub is None:
+        return None
+    out = _kinds(sub[0], kinds, reduce)
+    return None if out is None else (out, "inline")
 
 
-def _kinds(jaxpr: Any, kinds: Sequence[str]) -> list[str] | None:
+def _kinds(jaxpr: Any, kinds: Sequence[str], reduce: bool) -> list[str] | None:
     """The kind of each output of ``jaxpr`` given its inputs' kinds, or ``None`` if some
     equation mixes the rows of a block."""
-    if isinstance(jaxpr, jex.ClosedJaxpr):
-        jaxpr = jaxpr.jaxpr
     env: dict[Any, str] = {v: _WHOLE for v in jaxpr.constvars}
     env.update(zip(jaxpr.invars, kinds))
 
@@ -95,24 +125,21 @@ def _kinds(jaxpr: Any, kinds: Sequence[str]) -> list[str] | None:
         return _WHOLE if isinstance(v, jex.Literal) else env[v]
 
     for eqn in jaxpr.eqns:
-        out = _rule(eqn, [read(v) for v in eqn.invars])
-        if out is None:
+        rule = _rule(eqn, [read(v) for v in eqn.invars], reduce)
+        if rule is None:
             return None
-        env.update(zip(eqn.outvars, out))
+        env.update(zip(eqn.outvars, rule[0]))
     return [read(v) for v in jaxpr.outvars]
 
 
-def _constants(jaxpr: Any) -> list:
+def _constants(jaxpr: Any, consts: Sequence[Any] = ()) -> list:
     """Every primitive and constant of ``jaxpr`` (and the jaxprs it calls), in order."""
-    if isinstance(jaxpr, jex.ClosedJaxpr):
-        consts = [("const", np.asarray(c).tolist()) for c in jaxpr.consts]
-        return consts + _constants(jaxpr.jaxpr)
-    out: list = []
+    out: list = [("const", np.asarray(c).tolist()) for c in consts]
     for eqn in jaxpr.eqns:
         out.append(eqn.primitive.name)
         out.extend(("literal", v.val) for v in eqn.invars if isinstance(v, jex.Literal))
-        for sub in jex.jaxprs_in_params(eqn.params):
-            out.extend(_constants(sub))
+        for sub, sub_consts in _called(eqn.params):
+            out.extend(_constants(sub, sub_consts))
     return out
 
 
@@ -120,39 +147,89 @@ def _more_rows(x: Any) -> Any:
     return jax.ShapeDtypeStruct((2 * x.shape[0], *x.shape[1:]), x.dtype)
 
 
-def is_blockwise(fn: Callable, args: Any, blocks: Any, out_blocks: Any) -> bool:
-    """Whether ``fn(*args)`` may run on blocks: every output that ``out_blocks`` marks as a
-    block is computed row by row from the blocks ``blocks`` marks in ``args``, every other
-    output from whole values only, and nothing depends on how many rows a block has (``fn``
-    traced with twice the rows uses the same primitives and constants: ``x / x.size`` does
-    not)."""
+def _on_blocks(fn: Callable, args: Any, blocks: Any, out_blocks: Any, reduce: bool) -> Any:
+    """``fn``'s closed jaxpr and output tree if it may run on blocks (see the module doc):
+    every output ``out_blocks`` marks is a block, every other output a whole value, and
+    ``fn`` traced with twice the rows has the same primitives and constants; else ``None``."""
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*shapes)
     flags = jax.tree_util.tree_leaves(blocks)
-    kinds = _kinds(closed, [_BLOCK if b else _WHOLE for b in flags])
-    if kinds is None:
-        return False
-    if jax.tree_util.tree_structure(out_shape) != jax.tree_util.tree_structure(out_blocks):
-        return False
+    kinds = _kinds(closed.jaxpr, [_BLOCK if b else _WHOLE for b in flags], reduce)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    if kinds is None or out_tree != jax.tree_util.tree_structure(out_blocks):
+        return None
     want = jax.tree_util.tree_leaves(out_blocks)
     if not all((k != _WHOLE) if b else (k != _BLOCK) for k, b in zip(kinds, want)):
-        return False
+        return None
     leaves, treedef = jax.tree_util.tree_flatten(shapes)
     bigger = [_more_rows(x) if b else x for x, b in zip(leaves, flags)]
     twice = jax.make_jaxpr(fn)(*jax.tree_util.tree_unflatten(treedef, bigger))
-    return _constants(closed) == _constants(twice)
+    if _constants(closed.jaxpr, closed.consts) != _constants(twice.jaxpr, twice.consts):
+        return None
+    return closed, out_tree
 
 
-def _axis_index(names: tuple) -> jax.Array:
-    return jax.lax.axis_index(names if len(names) > 1 else names[0])
+def is_blockwise(fn: Callable, args: Any, blocks: Any, out_blocks: Any) -> bool:
+    """Whether ``fn(*args)`` may run as it is on the blocks ``blocks`` marks in ``args``."""
+    return _on_blocks(fn, args, blocks, out_blocks, reduce=False) is not None
+
+
+def _vma(x: Any) -> frozenset:
+    """The mapped axes ``x`` varies along (empty where JAX does not track them)."""
+    kind = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(kind, "varying", ()))
+
+
+def _bind(eqn: Any, values: list) -> list:
+    """Bind ``eqn``'s primitive to ``values``, first marking invariant inputs as varying
+    where others vary (what ``jax.lax`` does for its own functions under ``shard_map``)."""
+    every = frozenset().union(*(_vma(v) for v in values))
+    if every:
+        values = [
+            jax.lax.pcast(v, tuple(sorted(every - _vma(v))), to="varying") if every - _vma(v) else v
+            for v in values
+        ]
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns: Sequence = ()
+    if isinstance(params, tuple):  # older JAX: (subfuns, params)
+        subfuns, params = params
+    out = eqn.primitive.bind(*subfuns, *values, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _evaluate(jaxpr: Any, consts: Sequence, args: Sequence, kinds: Sequence, names: Any):
+    """Evaluate ``jaxpr`` on blocks, completing each reduction over the rows with its
+    collective over ``names``; returns the outputs and their kinds."""
+    env: dict[Any, tuple[Any, str]] = {v: (c, _WHOLE) for v, c in zip(jaxpr.constvars, consts)}
+    env.update(zip(jaxpr.invars, zip(args, kinds)))
+
+    def read(v: Any) -> tuple[Any, str]:
+        return (v.val, _WHOLE) if isinstance(v, jex.Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        values, in_kinds = zip(*map(read, eqn.invars)) if eqn.invars else ((), ())
+        out_kinds, action = _rule(eqn, list(in_kinds), reduce=True)  # checked by _on_blocks
+        if action == "inline":
+            sub, sub_consts = _sub_jaxpr(eqn)
+            outs, out_kinds = _evaluate(sub, sub_consts, values, in_kinds, names)
+        else:
+            outs = _bind(eqn, list(values))
+            if action is not None:
+                outs = [getattr(jax.lax, action)(outs[0], names)]
+        env.update(zip(eqn.outvars, zip(outs, out_kinds)))
+    results = [read(v) for v in jaxpr.outvars]
+    return [r[0] for r in results], [r[1] for r in results]
+
+
+def _axes(names: tuple) -> Any:
+    return names if len(names) > 1 else names[0]
 
 
 def _gather(x: jax.Array, names: tuple) -> jax.Array:
-    axes = names if len(names) > 1 else names[0]
     try:  # the same whole value on every device, typed so (varying-axis tracking)
-        return jax.lax.all_gather(x, axes, tiled=True, to="invarying")
+        return jax.lax.all_gather(x, _axes(names), tiled=True, to="invarying")
     except (TypeError, ValueError):
-        return jax.lax.all_gather(x, axes, tiled=True)
+        return jax.lax.all_gather(x, _axes(names), tiled=True)
 
 
 def run_on_blocks(fn: Callable, args: Any, blocks: Any, out_blocks: Any, names: tuple) -> Any:
@@ -160,17 +237,25 @@ def run_on_blocks(fn: Callable, args: Any, blocks: Any, out_blocks: Any, names: 
     values sharded over the mapped axes ``names``: the outputs ``out_blocks`` marks are this
     device's blocks of what ``fn`` gives on the whole values, the others whole.
 
-    Runs ``fn`` on the blocks when it is elementwise along them; otherwise gathers them, runs
-    ``fn`` on the whole values, and keeps this device's block of each output.
+    Runs ``fn`` on the blocks when it is elementwise along them, or evaluates its jaxpr on
+    them when its only cross-row steps are reductions (completed by collectives); otherwise
+    gathers the blocks, runs ``fn`` on the whole values, and keeps this device's block of each
+    output.
     """
     flags = jax.tree_util.tree_leaves(blocks)
     if not any(flags) or is_blockwise(fn, args, blocks, out_blocks):
         return fn(*args)
     leaves, treedef = jax.tree_util.tree_flatten(args)
+    found = _on_blocks(fn, args, blocks, out_blocks, reduce=True)
+    if found is not None and hasattr(jax.lax, "pcast"):
+        closed, out_tree = found
+        kinds = [_BLOCK if b else _WHOLE for b in flags]
+        outs, _ = _evaluate(closed.jaxpr, closed.consts, leaves, kinds, _axes(names))
+        return jax.tree_util.tree_unflatten(out_tree, outs)
     whole = [_gather(x, names) if b else x for x, b in zip(leaves, flags)]
     out = fn(*jax.tree_util.tree_unflatten(treedef, whole))
     n = math.prod(jax.lax.axis_size(a) for a in names)
-    me = _axis_index(names)
+    me = jax.lax.axis_index(_axes(names))
     out_leaves, out_def = jax.tree_util.tree_flatten(out)
     kept = [
         jax.lax.dynamic_slice_in_dim(x, me * (x.shape[0] // n), x.shape[0] // n, 0) if b else x

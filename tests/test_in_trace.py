@@ -23,6 +23,7 @@ OPTIMIZERS = {
     "sgd+momentum": optax.sgd(0.05, momentum=0.9),
     "adam": optax.adam(0.01),
     "clip+adam": CLIP_ADAM,
+    "lamb": optax.lamb(0.01),  # a trust ratio: norms of each key's value and update
 }
 
 
@@ -274,15 +275,22 @@ def test_a_whole_shape_value_is_reduce_scattered_once(invariant):
 
 
 def _normalise(key, pushed, stored):
-    return stored - pushed / jnp.sqrt(jnp.sum(pushed * pushed))  # a reduction over the value
+    return stored - pushed / jnp.sqrt(jnp.sum(pushed * pushed))  # a reduction over the rows
 
 
 def _scale(key, pushed, stored):
     return stored * 0.5 - pushed  # elementwise
 
 
-@pytest.mark.parametrize("updater", [_normalise, _scale])
-def test_an_updater_gives_on_blocks_what_it_gives_on_the_whole_value(updater):
+def _reverse(key, pushed, stored):
+    return stored - pushed[::-1]  # moves rows: no block holds its own result
+
+
+@pytest.mark.parametrize(
+    ("updater", "collective"),
+    [(_scale, None), (_normalise, "psum"), (_reverse, "all_gather")],
+)
+def test_an_updater_gives_on_blocks_what_it_gives_on_the_whole_value(updater, collective):
     start = jnp.arange(64 * 512, dtype=jnp.float32).reshape(64, 512) / 1e4
     state = jaxkv.init(jaxkv.empty(), {"w": start})
     specs = jaxkv.specs(state, AXIS)
@@ -295,9 +303,11 @@ def test_an_updater_gives_on_blocks_what_it_gives_on_the_whole_value(updater):
     fn = in_store_mesh(state, step, (specs, P(AXIS)), specs)
     new = fn(state, data)
     np.testing.assert_allclose(new["w"], updater("w", total, start), rtol=1e-6)
-    # Elementwise updaters run on the blocks: no gather of the stored value.
-    text = str(fn.trace(state, data).jaxpr)
-    assert ("all_gather" in text) == (updater is _normalise)
+    # Elementwise updaters run on the blocks as they are; reductions over the rows are
+    # completed with a collective; anything else runs on the gathered value.
+    text = fn.lower(state, data).as_text()
+    for name, op in [("psum", "all_reduce"), ("all_gather", "all_gather")]:
+        assert (f"stablehlo.{op}" in text) == (name == collective), name
 
 
 def test_pull_inside_the_step_gathers_or_gives_the_block():
