@@ -15,6 +15,10 @@ Workloads (8 simulated CPU devices, ResNet-50's 193 tensors, 25.6M float32):
               with a replicated store (the README's shard_map idiom)
   ad-adam     (only with --only) psum-adam with shard_map's varying-axis tracking on, so that
               AD sums the gradients instead of an explicit lax.psum
+  dist        (only with --only) python -m jaxkv.launch -n 2 --devices-per-process 2: a
+              dist_sync KVStore, push from each process's 2 devices and pull to them; "on" is
+              the launcher's default, "off" sets GLIBC_TUNABLES to an empty value; rank 0's
+              numbers
 
 For each: ms per step (median of the timed steps in one subprocess), minor page faults per step
 (``ru_minflt`` deltas of the whole process) and system CPU per step. Rounds alternate which
@@ -40,7 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SHAPES = os.path.join(HERE, "data", "resnet50_shapes.json")
 TUNABLE = "glibc.malloc.hugetlb=1"
 WORKLOADS = ("functional", "psum-adam", "jaxkv-jit")  # the default run
-EXTRA = ("ad-adam",)
+EXTRA = ("ad-adam", "dist")
 D = 8
 
 
@@ -69,7 +73,10 @@ def _child(work: str, steps: int) -> dict:
 
     import jax
 
-    jax.config.update("jax_num_cpu_devices", D)
+    if work == "dist":
+        import jaxkv  # noqa: F401  (joins the launched job, with its device count, first)
+    else:
+        jax.config.update("jax_num_cpu_devices", D)
     import jax.numpy as jnp
     import numpy as np
 
@@ -80,6 +87,8 @@ def _child(work: str, steps: int) -> dict:
         step = _functional(jax, jnp, devs, shapes)
     elif work == "jaxkv-jit":
         step = _jaxkv_jit(jax, jnp, devs, shapes)
+    elif work == "dist":
+        step = _dist(jax, shapes)
     else:
         step = _hand_adam(jax, jnp, devs, shapes, explicit_psum=work == "psum-adam")
     step()
@@ -197,6 +206,24 @@ def _jaxkv_jit(jax, jnp, devs, shapes):
     return step
 
 
+def _dist(jax, shapes):
+    import jaxkv.mx as mx
+
+    keys = list(range(len(shapes)))
+    local = range(len(jax.local_devices()))
+    kv = mx.kv.create("dist_sync")
+    kv.init(keys, [mx.nd.zeros(s) for s in shapes])
+    grads = [[mx.nd.ones(s, mx.cpu(d)) for d in local] for s in shapes]
+    outs = [[mx.nd.zeros(s, mx.cpu(d)) for d in local] for s in shapes]
+
+    def step():
+        kv.push(keys, grads)
+        kv.pull(keys, out=outs)
+        mx.nd.waitall()
+
+    return step
+
+
 def _data(jax, jnp, mesh):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -213,9 +240,17 @@ def _loss(p, x):
 
 # -- parent: interleaved rounds ------------------------------------------------------------------
 def _run(work: str, tunable: bool, steps: int) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", work, "--steps", str(steps)]
+    env = child_env(tunable)
+    if work == "dist":
+        cmd[1:1] = ["-m", "jaxkv.launch", "-n", "2", "--devices-per-process", "2"]
+        if not tunable:
+            env["GLIBC_TUNABLES"] = ""  # a value of the user's own: the launcher keeps it
+        else:
+            env.pop("GLIBC_TUNABLES")  # the launcher's default
     out = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--child", work, "--steps", str(steps)],
-        env=child_env(tunable),
+        cmd,
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,
@@ -233,7 +268,9 @@ def main() -> None:
     parser.add_argument("--child", choices=WORKLOADS + EXTRA, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(_child(args.child, args.steps)), flush=True)
+        result = _child(args.child, args.steps)
+        if os.environ.get("JAXKV_PROCESS_ID", "0") == "0":
+            print(json.dumps(result), flush=True)
         return
 
     print(f"THP: {thp_mode()}; {os.cpu_count()} cores; {D} simulated CPU devices", flush=True)
