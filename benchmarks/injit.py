@@ -88,7 +88,7 @@ def layout_bytes(tree) -> tuple[int, int]:
 
 
 class _Row:
-    """One row: a jitted step, its carried state, and how to time it."""
+    """One row: a jitted step, its carried state (params and optimizer state) and its data."""
 
     def __init__(self, step, carry, data):
         self.step, self.carry, self.data = step, carry, data
@@ -97,8 +97,22 @@ class _Row:
         self.carry, loss = self.step(self.carry, self.data)
         jax.block_until_ready((self.carry, loss))
 
-    def state(self):
-        return self.carry
+
+def _leaves(carry) -> list[np.ndarray]:
+    """The carried arrays in tree order: params, then adam's count, mu and nu (the same order
+    for the hand-written (params, opt_state) and for a KVState with one optimizer group)."""
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(carry)]
+
+
+def _max_rel_diff(leaves: list[np.ndarray], ref: list[np.ndarray]) -> float | None:
+    """max over leaves of max|a - b| / max|b|; None where the trees do not line up."""
+    if len(leaves) != len(ref) or any(a.shape != b.shape for a, b in zip(leaves, ref)):
+        return None
+    return max(
+        float(np.max(np.abs(a.astype(np.float64) - b)) / max(float(np.max(np.abs(b))), 1e-30))
+        for a, b in zip(leaves, ref)
+        if b.size
+    )
 
 
 def _rows(shapes, opt) -> tuple[dict, dict]:
@@ -208,26 +222,40 @@ def run(counter, steps: int = 7, rounds: int = ROUNDS, log=print) -> dict:
     rows, skipped = _rows(shapes, opt)
     log(f"  [in-jit] set-up {time.perf_counter() - t0:.1f} s")
     out: dict = {"skipped": skipped, "rows": {}}
+
+    def fail(name, e):  # a row that fails is reported, never timed
+        skipped[name] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        del rows[name]
+
     for name in list(rows):
         try:  # warm-up: the first two steps compile (the second sees the first's outputs)
             t0 = time.perf_counter()
             rows[name]()
             rows[name]()
             log(f"  [in-jit] {name}: warm-up (compiles) {time.perf_counter() - t0:.1f} s")
-        except Exception as e:  # a row that fails is reported, never timed
-            skipped[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            del rows[name]
+        except Exception as e:
+            fail(name, e)
     times: dict[str, list[float]] = {n: [] for n in rows}
     compiles = dict.fromkeys(rows, 0)
     order = list(rows)
     for r in range(rounds):
         for name in order if r % 2 == 0 else order[::-1]:
-            with counter() as c:
-                times[name].append(median_ms(rows[name], steps))
+            if name not in rows:
+                continue
+            try:
+                with counter() as c:
+                    times[name].append(median_ms(rows[name], steps))
+            except Exception as e:
+                fail(name, e)
+                continue
             compiles[name] += c.count
             log(f"  [in-jit] round {r + 1}/{rounds}: {name} {times[name][-1]:.1f} ms")
+    # Every row took the same steps from the same params with the same gradients, so all end
+    # with the same params and adam moments (up to the order of the float sums).
+    ref = _leaves(next(iter(rows.values())).carry) if rows else []
+    out["reference"] = next(iter(rows), None)
     for name in rows:
-        state = rows[name].state()
+        state = rows[name].carry
         sharded, replicated = layout_bytes(state)
         out["rows"][name] = {
             "ms": min(times[name]),
@@ -236,6 +264,7 @@ def run(counter, steps: int = 7, rounds: int = ROUNDS, log=print) -> dict:
             "state_bytes": device0_bytes(state),
             "sharded_bytes": sharded,
             "replicated_bytes": replicated,
+            "max_rel_diff": _max_rel_diff(_leaves(state), ref),
         }
     out["devices"] = len(jax.devices())
     out["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")
@@ -270,7 +299,8 @@ def goals(res: dict) -> list[str]:
 
 
 def table(res: dict, label: str) -> list[str]:
-    """One line per row: ms/step, vs hand-written, compiles, per-device state MB."""
+    """One line per row: ms/step, vs hand-written, compiles, per-device state MB, and the
+    largest relative difference of its final params and adam moments from the first row's."""
     rows = res["rows"]
     base = rows.get("hand-written psum")
     lines = []
@@ -280,12 +310,18 @@ def table(res: dict, label: str) -> list[str]:
             speed = f"{base['ms'] / r['ms']:.2f}x" if base else "—"
             lines.append(
                 f"{label:<14} {name:<18} {r['ms']:8.1f} ms/step  {speed:>6} vs hand-written  "
-                f"compiles {r['compiles']}  state {r['state_bytes'] / 1e6:6.1f} MB/device"
+                f"compiles {r['compiles']}  state {r['state_bytes'] / 1e6:6.1f} MB/device  "
+                f"max rel. diff {_diff(r)}"
             )
         else:
             reason = res["skipped"].get(name, "not built")
             lines.append(f"{label:<14} {name:<18} not run: {reason}")
     return lines
+
+
+def _diff(row: dict) -> str:
+    d = row.get("max_rel_diff")
+    return "—" if d is None else f"{d:.1e}"
 
 
 def run_subprocess(
