@@ -9,8 +9,8 @@ when the process starts, so each measurement runs in a subprocess with and witho
 Workloads (8 simulated CPU devices, ResNet-50's 193 tensors, 25.6M float32):
   functional  jaxkv.pushpull eagerly: push one value per tensor from each of the 8 devices,
               pull the sum back to all 8 (the functional row of benchmarks/bench.py)
-  psum-adam   the hand-written in-jit step: jax.jit + jax.shard_map, per-device gradients
-              summed with lax.psum, then optax.adam on replicated parameters
+  psum-adam   the hand-written in-jit step: jax.jit + jax.shard_map (check_vma=False),
+              per-device gradients summed with lax.psum, then optax.adam on replicated params
   jaxkv-jit   the same step through jaxkv.pull / jaxkv.push(updater=optax.adam, axis_name=...)
               with a replicated store (the README's shard_map idiom)
   ad-adam     (only with --only) psum-adam with shard_map's varying-axis tracking on, so that
@@ -24,7 +24,9 @@ For each: ms per step (median of the timed steps in one subprocess), minor page 
 (``ru_minflt`` deltas of the whole process) and system CPU per step. Rounds alternate which
 setting goes first; the table gives the best and the median over rounds, and the ratios.
 
-Usage: python benchmarks/hugetlb.py [--rounds 3] [--steps 3] [--only WORKLOAD ...]
+Usage: python benchmarks/hugetlb.py [--rounds 3] [--steps 3] [--only WORKLOAD]...
+The default run starts 18 subprocesses: about 3.6 minutes of CPU time on this project's 2-core
+machine, which took 5 to 6 minutes of wall time there while other work loaded it.
 
 ``child_env`` is the hook for other benchmarks: run a subprocess with ``env=child_env(True)``
 and with ``env=child_env(False)`` to time the same code with and without the tunable.
