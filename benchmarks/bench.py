@@ -400,8 +400,9 @@ def in_jit_report(jit_rows) -> list[str]:
         "jaxkv sharded keeps big tensors 1/D per device, all-gathers them for the forward "
         "(jaxkv.gather), and AD's transpose of that gather reduce-scatters the gradients; push "
         "updates each device's shard. "
-        "ms/step: median of at least 7 steps, best of "
-        f"{injit.ROUNDS} interleaved rounds in one process per malloc; compiles: during the "
+        "ms/step: median of at least 7 steps after warm-up, best of "
+        f"{injit.ROUNDS} rounds, the rows interleaved step by step, in one process per malloc; "
+        "compiles: during the "
         "timed rounds; state: bytes of the state's shards on device 0; diff: the largest "
         "relative difference of the row's final params and adam moments from the hand-written "
         "step's (every row takes the same steps on the same data).",
