@@ -106,6 +106,10 @@ def _max_rel_diff(leaves: list[np.ndarray], ref: list[np.ndarray]) -> float | No
     )
 
 
+def _reason(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+
+
 def _rows(shapes, opt) -> tuple[dict, dict]:
     """Builds every row; returns ({name: _Row}, {name: reason not run})."""
     D = len(jax.devices())
@@ -173,32 +177,37 @@ def _rows(shapes, opt) -> tuple[dict, dict]:
         if init_optimizer is None:
             skipped[name] = "jaxkv.init_optimizer is not in this jaxkv"
             continue
-        state = jaxkv.init(jaxkv.empty(bigarray_bound=None), params)
-        rows[name] = _Row(step, init_optimizer(state, opt), grads)
+        try:
+            state = jaxkv.init(jaxkv.empty(bigarray_bound=None), params)
+            rows[name] = _Row(step, init_optimizer(state, opt), grads)
+        except Exception as e:
+            skipped[name] = _reason(e)
 
     # (c) jaxkv.push with a sharded store: the forward all-gathers the local shards
     # (jaxkv.gather), so AD's gradient w.r.t. them is already reduce-scattered, shard-shaped.
     missing = [n for n in ("specs", "gather", "init_optimizer") if not hasattr(jaxkv, n)]
     if missing:
         skipped["jaxkv sharded"] = f"jaxkv.{', jaxkv.'.join(missing)} not in this jaxkv"
-    else:
+        return rows, skipped
+    try:
         state = jaxkv.init_optimizer(jaxkv.init(jaxkv.empty(), params), opt)
         spec = jaxkv.specs(state, "d")
+    except Exception as e:
+        skipped["jaxkv sharded"] = _reason(e)
+        return rows, skipped
 
-        @functools.partial(jax.jit, donate_argnums=0)
-        @functools.partial(
-            jax.shard_map, mesh=mesh, in_specs=(spec, P("d")), out_specs=(spec, P("d"))
-        )
-        def kv_sharded(state, g):
-            g_local = local(g)
+    @functools.partial(jax.jit, donate_argnums=0)
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(spec, P("d")), out_specs=(spec, P("d")))
+    def kv_sharded(state, g):
+        g_local = local(g)
 
-            def sharded_loss(mine):
-                return loss(jaxkv.gather(state, mine, "d"), g_local)
+        def sharded_loss(mine):
+            return loss(jaxkv.gather(state, mine, "d"), g_local)
 
-            value, grad = jax.value_and_grad(sharded_loss)(dict(state.values))
-            return jaxkv.push(state, grad, updater=opt, axis_name="d"), value[None]
+        value, grad = jax.value_and_grad(sharded_loss)(dict(state.values))
+        return jaxkv.push(state, grad, updater=opt, axis_name="d"), value[None]
 
-        rows["jaxkv sharded"] = _Row(kv_sharded, state, grads)
+    rows["jaxkv sharded"] = _Row(kv_sharded, state, grads)
     return rows, skipped
 
 
@@ -215,7 +224,7 @@ def run(counter, steps: int = 7, rounds: int = ROUNDS, log=print) -> dict:
     out: dict = {"skipped": skipped, "rows": {}}
 
     def fail(name, e):  # a row that fails is reported, never timed
-        skipped[name] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        skipped[name] = _reason(e)
         del rows[name]
 
     for name in list(rows):
