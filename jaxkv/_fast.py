@@ -4,18 +4,35 @@ These save host time per value on the eager path (a push or pull of ResNet-50's 
 handles thousands of arrays). Each is feature-checked: another JAX without the private name
 takes the public route, with the same results. ``JAXKV_NO_FAST_PATHS=1`` in the environment
 (read at import) turns every one of them off; the test suite runs a check that way.
+
+It also holds the feature detection of public names that moved between JAX versions
+(:func:`varying_axes`, :func:`to_varying`, :func:`all_gather_invariant`): each detected by
+attribute, or by trying the keyword, never by version; ``JAXKV_NO_FAST_PATHS`` does not affect
+them, since each JAX has one public route.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-__all__ = ["ENABLED", "ArrayImpl", "assemble", "per_device", "single_device"]
+__all__ = [
+    "CAN_MARK_VARYING",
+    "ENABLED",
+    "ArrayImpl",
+    "all_gather_invariant",
+    "assemble",
+    "per_device",
+    "single_device",
+    "to_varying",
+    "varying_axes",
+]
 
 ENABLED = os.environ.get("JAXKV_NO_FAST_PATHS", "") in ("", "0")
 
@@ -62,3 +79,52 @@ def per_device(x: jax.Array) -> list[jax.Array]:
     """The single-device arrays of ``x``, one per device that holds a part of it."""
     arrays = getattr(x, "_arrays", None) if ENABLED else None  # the public route: ~10x slower
     return list(arrays) if arrays is not None else [s.data for s in x.addressable_shards]
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The mapped axes (of an enclosing ``shard_map``) along which ``x`` varies; empty where
+    JAX does not track them (under ``pmap``, or outside any map).
+
+    ``jax.typeof(x).manual_axis_type.varying`` on JAX 0.10 and later, ``jax.typeof(x).vma`` on
+    the earlier versions that track varying axes.
+    """
+    aval = jax.typeof(x)
+    kind = getattr(aval, "manual_axis_type", None)
+    if kind is not None:
+        return frozenset(kind.varying)
+    return frozenset(getattr(aval, "vma", None) or ())
+
+
+# jax.lax.pcast(x, axes, to="varying"), called jax.lax.pvary before JAX 0.8.2 (and deprecated
+# after: it is looked up only where pcast is missing).
+CAN_MARK_VARYING = hasattr(jax.lax, "pcast") or hasattr(jax.lax, "pvary")
+
+
+def to_varying(x: Any, axes: tuple) -> Any:
+    """``x`` typed as varying along the mapped axes ``axes`` (its value unchanged), as
+    ``jax.lax`` does for its own functions when invariant and varying inputs meet."""
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)
+
+
+def all_gather_invariant(x: Any, axis_name: Any, *, tiled: bool = False) -> Any:
+    """``jax.lax.all_gather`` whose result is typed invariant along ``axis_name``: the same
+    whole value on every device, usable where ``shard_map``'s ``out_specs`` says replicated."""
+    try:
+        return jax.lax.all_gather(x, axis_name, tiled=tiled, to="invarying")
+    except (TypeError, ValueError):  # an older JAX: no `to`, or no "invarying"
+        pass
+    gather = getattr(jax.lax, "all_gather_invariant", None)  # its name until JAX 0.8.1
+    if gather is not None:
+        return gather(x, axis_name, tiled=tiled)
+    # None public (JAX 0.8.2 and 0.8.3): each device's part in zeros, summed (an all-reduce).
+    names = axis_name if isinstance(axis_name, tuple | list) else (axis_name,)
+    n = math.prod(jax.lax.axis_size(a) for a in names)
+    me = jax.lax.axis_index(axis_name)
+    if tiled:
+        rows = x.shape[0]
+        whole = jnp.zeros((n * rows, *x.shape[1:]), x.dtype)
+        return jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(whole, x, me * rows, 0), axis_name)
+    whole = jnp.zeros((n, *x.shape), x.dtype)
+    return jax.lax.psum(jax.lax.dynamic_update_index_in_dim(whole, x, me, 0), axis_name)
