@@ -403,13 +403,17 @@ def in_jit_report(jit_rows) -> list[str]:
         "ms/step: median of at least 7 steps after warm-up, best of "
         f"{injit.ROUNDS} rounds, the rows interleaved step by step, in one process per malloc; "
         "compiles: during the "
-        "timed rounds; state: bytes of the state's shards on device 0; diff: the largest "
+        "timed rounds; state: bytes of the state's shards on device 0; faults: the process's "
+        "minor page faults per step (median; XLA's temp buffers are fresh memory each step); "
+        "diff: the largest "
         "relative difference of the row's final params and adam moments from the hand-written "
         "step's (every row takes the same steps on the same data).",
         "",
         "| in-jit step | malloc | ms/step | hand-written / this | compiles | state MB/device | "
-        "diff | " + " | ".join(f"round {i + 1} ms" for i in range(injit.ROUNDS)) + " |",
-        "|---|---|---|---|---|---|---|" + "---|" * injit.ROUNDS,
+        "faults/step | diff | "
+        + " | ".join(f"round {i + 1} ms" for i in range(injit.ROUNDS))
+        + " |",
+        "|---|---|---|---|---|---|---|---|" + "---|" * injit.ROUNDS,
     ]
     for label, res in jit_rows.items():
         base = res["rows"].get("hand-written psum")
@@ -417,15 +421,14 @@ def in_jit_report(jit_rows) -> list[str]:
             r = res["rows"].get(name)
             if r is None:
                 reason = res["skipped"].get(name, "not built").replace("|", "/")
-                cells = [name, label, f"not run: {reason}"] + [""] * (4 + injit.ROUNDS)
+                cells = [name, label, f"not run: {reason}"] + [""] * (5 + injit.ROUNDS)
                 lines.append("| " + " | ".join(cells) + " |")
                 continue
             rounds = [f"{t:.1f}" for t in r["rounds"]]
             lines.append(
                 f"| {name} | {label} | {r['ms']:.1f} | {_ratio(base and base['ms'], r['ms'])} | "
-                f"{r['compiles']} | {r['state_bytes'] / 1e6:.1f} | {injit._diff(r)} | "
-                + " | ".join(rounds)
-                + " |"
+                f"{r['compiles']} | {r['state_bytes'] / 1e6:.1f} | "
+                f"{r.get('faults', 0) / 1e3:.0f}K | {injit._diff(r)} | " + " | ".join(rounds) + " |"
             )
     lines.append("")
     for label, res in jit_rows.items():

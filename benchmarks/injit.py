@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import resource
 import sys
 import time
 
@@ -240,6 +241,7 @@ def run(counter, steps: int = 7, rounds: int = ROUNDS, log=print) -> dict:
     # the load of a shared machine, which drifts over seconds, falls on all rows alike.
     times: dict[str, list[float]] = {n: [] for n in rows}
     compiles = dict.fromkeys(rows, 0)
+    faults: dict[str, list[int]] = {n: [] for n in rows}  # minor page faults per timed step
     for r in range(rounds):
         samples: dict[str, list[float]] = {n: [] for n in rows}
         for i in range(steps + 1):
@@ -249,9 +251,14 @@ def run(counter, steps: int = 7, rounds: int = ROUNDS, log=print) -> dict:
                     continue
                 try:
                     with counter() as c:
+                        f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                         t = time.perf_counter()
                         rows[name]()
                         samples[name].append(time.perf_counter() - t)
+                        if i:
+                            faults[name].append(
+                                resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f
+                            )
                 except Exception as e:
                     fail(name, e)
                     continue
@@ -273,6 +280,7 @@ def run(counter, steps: int = 7, rounds: int = ROUNDS, log=print) -> dict:
             "ms": min(times[name]),
             "rounds": times[name],
             "compiles": compiles[name],
+            "faults": float(np.median(faults[name])),
             "state_bytes": device0_bytes(state),
             "sharded_bytes": sharded,
             "replicated_bytes": replicated,
@@ -294,7 +302,7 @@ def goals(res: dict) -> list[str]:
         per_round = ", ".join(f"{x / y:.2f}x" for x, y in zip(a["rounds"], c["rounds"]))
         lines.append(
             f"goal: sharded step >= 1.5x faster than hand-written psum: "
-            f"{a['ms']:.1f} / {c['ms']:.1f} ms = {ratio:.2f}x ({verdict}; round by round "
+            f"{a['ms']:.1f} / {c['ms']:.1f} ms = {ratio:.3f}x ({verdict}; round by round "
             f"{per_round})"
         )
     else:
@@ -305,7 +313,7 @@ def goals(res: dict) -> list[str]:
         verdict = "met" if ratio <= 1.2 else "NOT met"
         lines.append(
             f"goal: sharded per-device state <= 1.2 x (sharded/{D} + replicated): "
-            f"{c['state_bytes'] / 1e6:.1f} MB / {ideal / 1e6:.1f} MB = {ratio:.2f}x ({verdict})"
+            f"{c['state_bytes'] / 1e6:.1f} MB / {ideal / 1e6:.1f} MB = {ratio:.3f}x ({verdict})"
         )
     else:
         lines.append("goal: sharded per-device state <= 1.2 x (sharded/D + replicated): not run")
@@ -325,7 +333,7 @@ def table(res: dict, label: str) -> list[str]:
             lines.append(
                 f"{label:<14} {name:<18} {r['ms']:8.1f} ms/step  {speed:>6} vs hand-written  "
                 f"compiles {r['compiles']}  state {r['state_bytes'] / 1e6:6.1f} MB/device  "
-                f"max rel. diff {_diff(r)}"
+                f"faults/step {r.get('faults', 0) / 1e3:.0f}K  max rel. diff {_diff(r)}"
             )
         else:
             reason = res["skipped"].get(name, "not built")
