@@ -22,12 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _orbax
 from ._arrays import host_copy
 from ._compression import residual_layout
 from ._errors import KVStoreError
 from ._state import KVState, check_compressible, compression_config
 
-__all__ = ["load", "save"]
+__all__ = ["load", "load_state", "save", "save_state"]
 
 _FORMAT = "jaxkv-store"
 _VERSION = 3  # 2: the manifest has a checksum of its own; 3: optimizer state per group
@@ -54,22 +55,9 @@ def _label(entry: dict) -> str:
     return f"key {entry['key']!r} {entry['part']}{entry['path']}"
 
 
-def _single_process(fname: str) -> None:
-    if jax.process_count() > 1:
-        raise KVStoreError(
-            f"{fname}: saving and loading expect a single-process job, given "
-            f"{jax.process_count()} processes (not supported across processes yet)"
-        )
-
-
-def _sha256(raw: bytes) -> str:
-    return hashlib.sha256(raw).hexdigest()
-
-
-def save(fname: str, state: KVState, *, values: bool) -> None:
-    """Write ``state`` (values and/or optimizer states) to ``fname`` atomically."""
-    _single_process(fname)
-    manifest: dict[str, Any] = {
+def _header(state: KVState, values: bool) -> dict[str, Any]:
+    """The manifest's fields other than the arrays'."""
+    return {
         "format": _FORMAT,
         "version": _VERSION,
         "values": values,
@@ -78,6 +66,21 @@ def save(fname: str, state: KVState, *, values: bool) -> None:
         "arrays": [],
         "compression": list(state.compression or []) or None,
     }
+
+
+def _sha256(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+def save(fname: str, state: KVState, *, values: bool) -> None:
+    """Write ``state`` (values and/or optimizer states) to ``fname`` atomically: one file in
+    a single-process job, a checkpoint directory (``_orbax``) in a multi-process job or where
+    ``fname`` already is one."""
+    fname = os.fspath(fname)
+    if jax.process_count() > 1 or _orbax.is_checkpoint(fname):
+        _orbax.save(fname, state, _header(state, values), list(_entries(state, values)))
+        return
+    manifest = _header(state, values)
     arrays = {}
     for n, (where, part, path, leaf) in enumerate(_entries(state, values)):
         host = host_copy(leaf)  # a sharded value: gathered without JAX caching a copy on it
@@ -121,12 +124,16 @@ def _expect(ok: bool, what: str, given: Any) -> None:
         raise _Malformed(f"manifest: expected {what}, given {given!r}")
 
 
-def _check_manifest(manifest: Any, files: set[str]) -> None:
-    """Every field ``load`` reads, checked against what ``save`` writes."""
+def _check_manifest(
+    manifest: Any, files: set[str] | None, fmt: str = _FORMAT, version: int = _VERSION
+) -> None:
+    """Every field ``load`` reads, checked against what ``save`` writes. ``files``: the arrays
+    in the ``.npz`` file, each with its own SHA-256 in the manifest; ``None`` for a checkpoint
+    directory, whose data files are checksummed per process instead."""
     _expect(isinstance(manifest, dict), "a JSON object", type(manifest).__name__)
     _expect(
-        manifest.get("format") == _FORMAT and manifest.get("version") == _VERSION,
-        f"format {_FORMAT!r} version {_VERSION}",
+        manifest.get("format") == fmt and manifest.get("version") == version,
+        f"format {fmt!r} version {version}",
         (manifest.get("format"), manifest.get("version")),
     )
     _expect(type(manifest.get("values")) is bool, "'values' true or false", manifest.get("values"))
@@ -178,8 +185,10 @@ def _check_manifest(manifest: Any, files: set[str]) -> None:
             shape,
         )
         _expect(_is_dtype_name(e.get("dtype")), f"arrays[{n}] 'dtype' a dtype name", e.get("dtype"))
-        _expect(isinstance(e.get("sha256"), str), f"arrays[{n}] 'sha256' a str", e.get("sha256"))
-        _expect(f"a{n}" in files, f"an array a{n} for arrays[{n}]", sorted(files))
+        if files is not None:
+            sha256 = e.get("sha256")
+            _expect(isinstance(sha256, str), f"arrays[{n}] 'sha256' a str", sha256)
+            _expect(f"a{n}" in files, f"an array a{n} for arrays[{n}]", sorted(files))
         if e["part"] != "opt":
             counts[e["key"]][e["part"]] += 1
     # A whole-store file holds one value per key (and a residual under 2-bit compression); an
@@ -265,46 +274,46 @@ def _read(fname: str) -> tuple[dict, list[np.ndarray]]:
 def load(fname: str, state: KVState, *, values: bool, optimizer: Any = None) -> KVState:
     """``state`` with what ``fname`` holds loaded into it; refuses any mismatch before changing.
 
-    With ``values=True`` the file's keys replace the store's contents. With ``values=False``
-    only optimizer states are loaded, into a store with the file's keys. Optimizer states in
-    the file need ``optimizer`` (to rebuild their structure); the file's optimizer groups
-    replace the store's.
+    ``fname`` is a file (this module's format) or a checkpoint directory (``_orbax``'s). With
+    ``values=True`` the saved keys replace the store's contents. With ``values=False`` only
+    optimizer states are loaded, into a store with the saved keys. Optimizer states need
+    ``optimizer`` (to rebuild their structure); the saved optimizer groups replace the store's.
+    Arrays land on ``state``'s devices, whatever devices or processes saved them.
     """
-    _single_process(fname)
-    manifest, arrays = _read(fname)
+    fname = os.fspath(fname)
+    if os.path.isdir(fname):
+        manifest, restore = _orbax.open_checkpoint(fname)
+    else:
+        manifest, arrays = _read(fname)
+
+        def restore(targets):
+            return [jax.device_put(a, t.sharding) for a, t in zip(arrays, targets)]
+
+    return _assemble(fname, manifest, state, values, optimizer, restore)
+
+
+def _assemble(
+    fname: str, manifest: dict, state: KVState, values: bool, optimizer: Any, restore: Any
+) -> KVState:
+    """Check a (well-formed) manifest against ``state`` and ``optimizer``, then ``restore`` its
+    arrays (given one ``jax.ShapeDtypeStruct`` with a sharding per manifest entry) and build the
+    loaded state. Every check runs before a byte of array data is read."""
     if manifest["values"] != values:
         want = "a whole-store file (save)" if values else "an optimizer-state file"
         raise KVStoreError(f"{fname}: expected {want}, given the other kind")
     keys = manifest["keys"]
     groups = [tuple(sorted(g)) for g in manifest["groups"]]
-    by_key: dict[Any, dict[str, list]] = {k: {"value": [], "residual": []} for k in keys}
-    by_group: list[list] = [[] for _ in groups]
-    for entry, arr in zip(manifest["arrays"], arrays):
-        if entry["part"] == "opt":
-            by_group[entry["group"]].append((entry["path"], arr))
-        else:
-            by_key[entry["key"]][entry["part"]].append((entry["path"], arr))
-
+    entries = manifest["arrays"]
     if values:
         compression = manifest.get("compression")
         base = KVState(
             (), state.devices, (), (), state.bigarray_bound, (), tuple(compression or ()) or None
         )
-        new_values, residuals = {}, {}
-        for k in keys:
-            value = by_key[k]["value"][0][1]
-            check_compressible(base.compression, k, value.dtype)
-            new_values[k] = jax.device_put(value, base.sharding_for(value.shape))
-            for _, r in by_key[k]["residual"]:
-                expected, sharding = residual_layout(base, value.shape)
-                if (r.shape, r.dtype) != (expected, value.dtype):
-                    raise KVStoreError(
-                        f"{fname}: key {k!r}: residual expected shape {expected} and dtype "
-                        f"{value.dtype} (one block per device of this store), given {r.shape} "
-                        f"and {r.dtype}"
-                    )
-                residuals[k] = jax.device_put(r, sharding)
-        base = base.replace(values=new_values, residuals=residuals)
+        like = {
+            e["key"]: jax.ShapeDtypeStruct(tuple(e["shape"]), jnp.dtype(e["dtype"]))
+            for e in entries
+            if e["part"] == "value"
+        }
     else:
         if sorted(map(repr, keys)) != sorted(map(repr, state.keys())):
             raise KVStoreError(
@@ -312,23 +321,100 @@ def load(fname: str, state: KVState, *, values: bool, optimizer: Any = None) -> 
                 f"{list(state.keys())}, given keys {keys}"
             )
         base = state
+        like = {k: jax.ShapeDtypeStruct(state[k].shape, state[k].dtype) for k in keys}
     if groups and optimizer is None:
         raise KVStoreError(
             f"{fname}: keys {list(groups[0])} have optimizer state: expected a store with an "
             "optimizer to load it into, given none; call set_optimizer first"
         )
 
-    opt_states: dict[tuple, Any] = {g: None for g in base.opt_states}
-    for group, saved in zip(groups, by_group):
-        template = jax.eval_shape(optimizer.init, {k: base[k] for k in group})
+    targets = []
+    for e in entries:
+        shape, dtype = tuple(e["shape"]), jnp.dtype(e["dtype"])
+        if e["part"] == "value":
+            check_compressible(base.compression, e["key"], dtype)
+            sharding = base.sharding_for(shape)
+        elif e["part"] == "residual":
+            value = like[e["key"]]
+            expected, sharding = residual_layout(base, value.shape)
+            if (shape, dtype) != (expected, value.dtype):
+                raise KVStoreError(
+                    f"{fname}: key {e['key']!r}: residual expected shape {expected} and dtype "
+                    f"{value.dtype} (one block per device of this store), given {shape} "
+                    f"and {dtype}"
+                )
+        else:
+            sharding = base.sharding_for(shape)
+        targets.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+
+    treedefs = []
+    for n, group in enumerate(groups):
+        template = jax.eval_shape(optimizer.init, {k: like[k] for k in group})
         leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
         want = [(jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype)) for p, x in leaves]
-        given = [(p, tuple(a.shape), str(a.dtype)) for p, a in saved]
+        given = [
+            (e["path"], tuple(e["shape"]), str(jnp.dtype(e["dtype"])))
+            for e in entries
+            if e["part"] == "opt" and e["group"] == n
+        ]
         if want != given:
             raise KVStoreError(
                 f"{fname}: optimizer group {list(group)}: optimizer state expected {want}, "
                 f"given {given}"
             )
-        placed = [jax.device_put(a, base.sharding_for(a.shape)) for _, a in saved]
+        treedefs.append(treedef)
+
+    arrays = restore(targets)
+    new_values: dict[Any, Any] = {}
+    residuals: dict[Any, Any] = {}
+    by_group: list[list] = [[] for _ in groups]
+    for e, a in zip(entries, arrays):
+        if e["part"] == "value":
+            new_values[e["key"]] = a
+        elif e["part"] == "residual":
+            residuals[e["key"]] = a
+        else:
+            by_group[e["group"]].append(a)
+    if values:
+        base = base.replace(values=new_values, residuals=residuals)
+    opt_states: dict[tuple, Any] = {g: None for g in base.opt_states}
+    for group, treedef, placed in zip(groups, treedefs, by_group):
         opt_states[group] = jax.tree_util.tree_unflatten(treedef, placed)
     return base.replace(opt_states=opt_states)
+
+
+def save_state(path: str | os.PathLike, state: KVState) -> None:
+    """Save a :class:`KVState` (values, optimizer states, residuals) to ``path``.
+
+    In a single-process job ``path`` is one file, written atomically; in a multi-process job
+    every process calls this with the same ``path``, a directory, and each writes only its own
+    shards (this needs ``orbax-checkpoint``: ``pip install 'jaxkv[dist]'``). A directory that
+    already holds a checkpoint is written in the directory format by a single process too.
+    Every load checks the saved bytes' SHA-256, so a damaged checkpoint is a
+    :class:`KVStoreError`, never a wrong value.
+
+    Examples:
+      >>> import os, tempfile, jax.numpy as jnp, optax, jaxkv
+      >>> from jaxkv._checkpoint import save_state, load_state
+      >>> opt = optax.sgd(0.1, momentum=0.9)
+      >>> state = jaxkv.init_optimizer(jaxkv.init(jaxkv.empty(), {"w": jnp.ones(3)}), opt)
+      >>> path = os.path.join(tempfile.mkdtemp(), "kv.npz")
+      >>> save_state(path, state)
+      >>> loaded = load_state(path, jaxkv.empty(), optimizer=opt)
+      >>> loaded["w"].tolist(), list(loaded.opt_states)
+      ([1.0, 1.0, 1.0], [('w',)])
+    """
+    if not isinstance(state, KVState):
+        raise KVStoreError(f"state: expected a jaxkv.KVState, given {type(state).__name__}")
+    save(path, state, values=True)
+
+
+def load_state(path: str | os.PathLike, like: KVState, *, optimizer: Any = None) -> KVState:
+    """The :class:`KVState` saved at ``path``, on the devices of ``like`` (an empty store such
+    as ``jaxkv.empty(devices)`` will do; its big-array bound also decides which values are
+    sharded). ``optimizer`` rebuilds the structure of saved optimizer states, and must be
+    given when there are some. Raises :class:`KVStoreError` for any damaged or mismatched
+    checkpoint. In a multi-process job every process calls it."""
+    if not isinstance(like, KVState):
+        raise KVStoreError(f"like: expected a jaxkv.KVState, given {type(like).__name__}")
+    return load(path, like, values=True, optimizer=optimizer)

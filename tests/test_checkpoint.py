@@ -256,12 +256,23 @@ def test_round_trip_keeps_every_leaf_and_the_next_push_agrees(tmp_path):
         assert_unchanged(fresh, contents(kv))
 
 
-def test_a_job_of_several_processes_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+def test_a_job_of_several_processes_saves_to_a_directory_not_over_a_file(tmp_path, monkeypatch):
     kv = store()
     kv.save(tmp_path / "s.npz")
+    before = (tmp_path / "s.npz").read_bytes()
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(jaxkv.KVStoreError, match="single-process job, given 2 processes"):
-        kv.save(tmp_path / "other.npz")
-    with pytest.raises(jaxkv.KVStoreError, match="single-process job, given 2 processes"):
-        kv.load(tmp_path / "s.npz")
-    assert not (tmp_path / "other.npz").exists()
+    with pytest.raises(jaxkv.KVStoreError, match="is a directory, given an existing file"):
+        kv.save(tmp_path / "s.npz")
+    assert (tmp_path / "s.npz").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.npz"]
+
+
+def test_checkpoint_directories_without_orbax_name_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    kv = store()
+    monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)  # as if not installed
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(jaxkv.KVStoreError, match=r"pip install 'jaxkv\[dist\]'"):
+        kv.save(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()

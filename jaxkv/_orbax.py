@@ -1,0 +1,337 @@
+"""Checkpoint directories: written by every process of a job through orbax-checkpoint, checked on
+load as strictly as the one-file format (``_checkpoint``).
+
+Layout of a checkpoint directory ``path``:
+
+- ``manifest.json``: ``{"manifest": <JSON text>, "sha256": <the text's SHA-256>}``. The manifest
+  has the one-file format's fields (keys, optimizer groups, compression, and per array its key
+  or group, part, tree path, shape and dtype), plus ``data`` (the data directory's name),
+  ``processes`` (how many wrote it) and ``files``: every file under ``data`` with its size, its
+  SHA-256 and the process that hashed it. Replacing this file (``os.replace``) commits a save.
+- ``data-<16 hex digits>/state/``: the arrays ``a0``, ``a1``, ... as orbax writes them, each
+  process its own shards (replicated arrays once). orbax-checkpoint does not checksum them.
+
+A save writes a new data directory, has each process hash the files it wrote (those under a
+``...process_<i>`` name; process 0 also hashes the shared ones), gathers the digests, and then
+process 0 commits the manifest and removes older data directories. A save killed part way
+leaves the previous manifest, and so the previous checkpoint, in place. A load checks the
+manifest (checksum and every field) and its fit to the loading store, then the processes share
+out the files and verify every size and SHA-256 (and that no file is missing or added), and only
+then asks orbax to restore the arrays onto the loading store's shardings: any topology.
+No file is read with pickle: orbax keeps its metadata in JSON, its data in tensorstore's formats.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import tempfile
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _dist
+from ._errors import KVStoreError
+
+__all__ = ["MANIFEST", "is_checkpoint", "open_checkpoint", "save"]
+
+MANIFEST = "manifest.json"
+FORMAT = "jaxkv-checkpoint"
+VERSION = 1
+_DATA = re.compile(r"data-[0-9a-f]{16}")
+_OWNER = re.compile(r"process_(\d+)")
+_HEX = re.compile(r"[0-9a-f]{64}")
+_CHUNK = 1 << 22
+
+
+def _ocp():
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:
+        raise KVStoreError(
+            "checkpoint directories (saving in a multi-process job, or loading one) expect "
+            f"orbax-checkpoint, given none installed ({e}); pip install 'jaxkv[dist]'"
+        ) from None
+    return ocp
+
+
+def is_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a checkpoint directory (it holds a manifest)."""
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def _owner(rel: str) -> int:
+    """The process that hashes the file ``rel``: the one its path names, else process 0."""
+    for part in reversed(rel.split("/")):
+        m = _OWNER.search(part)
+        if m and m.end() == len(part):
+            return int(m.group(1))
+    return 0
+
+
+def _files(root: str) -> list[str]:
+    """Every file under ``root``, as sorted relative paths with ``/``."""
+    out = []
+    for top, _, names in os.walk(root):
+        for name in names:
+            rel = os.path.relpath(os.path.join(top, name), root)
+            out.append(rel.replace(os.sep, "/"))
+    return sorted(out)
+
+
+def _digest(path: str) -> tuple[int, str]:
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def _gather(text: str) -> list[str]:
+    """``text`` from every process, in process order."""
+    if jax.process_count() == 1:
+        return [text]
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(text.encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([raw.size], np.int32)))
+    sizes = sizes.reshape(-1)
+    padded = np.zeros(max(int(sizes.max()), 1), np.uint8)
+    padded[: raw.size] = raw
+    every = np.asarray(multihost_utils.process_allgather(padded))
+    return [every[p, : int(n)].tobytes().decode() for p, n in enumerate(sizes)]
+
+
+def _token() -> str:
+    """A fresh data directory name, the same on every process (rank 0's)."""
+    mine = np.frombuffer(secrets.token_hex(8).encode(), np.uint8)
+    return "data-" + np.asarray(_dist.from_rank_zero(mine)).tobytes().decode()
+
+
+def save(path: str, state: Any, manifest: dict, entries: list) -> None:
+    """Write ``entries`` (``(where, part, tree path, array)``, as ``_checkpoint._entries``
+    gives them) and ``manifest`` (their store's fields) to the directory ``path``; every
+    process of the job calls it."""
+    ocp = _ocp()
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise KVStoreError(
+            f"{path}: a checkpoint of a multi-process job is a directory, given an existing "
+            "file; pass a directory path"
+        )
+    token = _token()
+    root = os.path.join(path, token, "state")
+    os.makedirs(os.path.dirname(root), exist_ok=True)
+    manifest.update(format=FORMAT, version=VERSION, data=token, processes=jax.process_count())
+    tree = {}
+    for n, (where, part, tree_path, leaf) in enumerate(entries):
+        if not isinstance(leaf, jax.Array):
+            leaf = np.asarray(leaf)
+        manifest["arrays"].append(
+            {
+                **where,
+                "part": part,
+                "path": tree_path,
+                "shape": list(leaf.shape),
+                "dtype": str(np.dtype(leaf.dtype)),
+            }
+        )
+        if leaf.size:  # orbax refuses empty arrays: the manifest alone describes them
+            tree[f"a{n}"] = leaf
+    if tree:
+        with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+            checkpointer.save(root, args=ocp.args.StandardSave(tree))
+    _dist.barrier("jaxkv.save: data written")
+    me = jax.process_index()
+    mine = {}
+    if os.path.isdir(root):
+        for rel in _files(root):
+            if _owner(rel) == me or (me == 0 and _owner(rel) >= jax.process_count()):
+                mine[rel] = _digest(os.path.join(root, rel))
+    files = {}
+    for process, text in enumerate(_gather(json.dumps(mine))):
+        for rel, (size, sha256) in json.loads(text).items():
+            files[rel] = {"process": process, "size": size, "sha256": sha256}
+    manifest["files"] = files
+    if me == 0:
+        _commit(path, manifest)
+        for name in os.listdir(path):  # older checkpoints, and saves that were cut short
+            if _DATA.fullmatch(name) and name != token:
+                shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+    _dist.barrier("jaxkv.save: committed")
+
+
+def _commit(path: str, manifest: dict) -> None:
+    text = json.dumps(manifest)
+    outer = json.dumps({"manifest": text, "sha256": hashlib.sha256(text.encode()).hexdigest()})
+    fd, tmp = tempfile.mkstemp(prefix=".jaxkv-", suffix=".tmp", dir=path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(outer.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(path, MANIFEST))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    try:
+        fd = os.open(path, os.O_RDONLY)  # the rename itself reaches the disk
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _check_files(manifest: dict) -> None:
+    from ._checkpoint import _expect
+
+    data, processes = manifest.get("data"), manifest.get("processes")
+    _expect(isinstance(data, str) and _DATA.fullmatch(data), "'data' a data directory", data)
+    _expect(type(processes) is int and processes >= 1, "'processes' a count", processes)
+    files = manifest.get("files")
+    _expect(isinstance(files, dict), "'files' an object", files)
+    for rel, f in files.items():
+        parts = rel.split("/")
+        _expect(
+            all(p not in ("", ".", "..") for p in parts), f"files[{rel!r}] a relative path", rel
+        )
+        _expect(
+            isinstance(f, dict)
+            and type(f.get("process")) is int
+            and 0 <= f["process"] < processes
+            and type(f.get("size")) is int
+            and f["size"] >= 0
+            and isinstance(f.get("sha256"), str)
+            and _HEX.fullmatch(f["sha256"]),
+            f"files[{rel!r}] with its process, size and SHA-256",
+            f,
+        )
+
+
+def open_checkpoint(path: str):
+    """The checked manifest of the checkpoint directory ``path``, and ``restore(targets)``,
+    which verifies every data file and returns the arrays placed as ``targets`` (one
+    ``jax.ShapeDtypeStruct`` with a sharding per manifest entry) say."""
+    from ._checkpoint import _check_manifest, _Malformed
+
+    path = os.path.abspath(path)
+    try:
+        with open(os.path.join(path, MANIFEST), "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise KVStoreError(
+            f"{path}: expected a jaxkv checkpoint (a file, or a directory with {MANIFEST}), "
+            f"given a directory without {MANIFEST}"
+        ) from None
+    except OSError as e:
+        raise KVStoreError(f"{path}: {MANIFEST} cannot be read ({e})") from None
+    try:
+        outer = json.loads(raw.decode())
+        if not (
+            isinstance(outer, dict)
+            and isinstance(outer.get("manifest"), str)
+            and isinstance(outer.get("sha256"), str)
+        ):
+            raise _Malformed(f"{MANIFEST}: expected an object with 'manifest' and 'sha256'")
+        text = outer["manifest"]
+        if hashlib.sha256(text.encode()).hexdigest() != outer["sha256"]:
+            raise KVStoreError(
+                f"{path}: manifest checksum mismatch, expected the saved SHA-256, given "
+                "different bytes (the file is corrupt or was edited)"
+            )
+        manifest = json.loads(text)
+        _check_manifest(manifest, None, FORMAT, VERSION)
+        _check_files(manifest)
+    except _Malformed as e:
+        raise KVStoreError(f"{path}: {e}") from None
+    except (ValueError, UnicodeError, RecursionError) as e:
+        raise KVStoreError(
+            f"{path}: expected a jaxkv checkpoint manifest, given one that cannot be read "
+            f"({type(e).__name__}: {e})"
+        ) from None
+
+    def restore(targets: list) -> list:
+        root = os.path.join(path, manifest["data"], "state")
+        _verify(path, root, manifest["files"])
+        tree = {f"a{n}": t for n, t in enumerate(targets) if t.size}
+        try:
+            out = {}
+            if tree:
+                ocp = _ocp()
+                with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+                    out = checkpointer.restore(root, args=ocp.args.StandardRestore(tree))
+            arrays = [out[f"a{n}"] if t.size else _empty(t) for n, t in enumerate(targets)]
+        except KVStoreError:
+            raise
+        except Exception as e:  # orbax's and tensorstore's own errors, of many types
+            raise KVStoreError(
+                f"{path}: the data cannot be restored ({type(e).__name__}: {e})"
+            ) from None
+        for n, (a, t) in enumerate(zip(arrays, targets)):
+            if (a.shape, a.dtype) != (t.shape, t.dtype):
+                raise KVStoreError(
+                    f"{path}: array a{n}: expected shape {t.shape} and dtype {t.dtype}, given "
+                    f"{a.shape} and {a.dtype}"
+                )
+        return arrays
+
+    return manifest, restore
+
+
+def _empty(target: Any) -> jax.Array:
+    """An empty array placed as ``target`` says (on every process's devices)."""
+    return jax.jit(
+        lambda: jax.numpy.zeros(target.shape, target.dtype), out_shardings=target.sharding
+    )()
+
+
+def _verify(path: str, root: str, files: dict) -> None:
+    """Every process checks its share of the data files; all raise if any found a fault."""
+    fault = ""
+    try:
+        present = _files(root) if os.path.isdir(root) else []
+    except OSError as e:
+        present, fault = [], f"the data directory cannot be listed ({e})"
+    if not fault and set(present) != set(files):
+        missing = sorted(set(files) - set(present))
+        extra = sorted(set(present) - set(files))
+        fault = (
+            f"expected the data files the manifest lists, given {len(missing)} missing "
+            f"{missing[:3]} and {len(extra)} not listed {extra[:3]}"
+        )
+    if not fault:
+        me, count = jax.process_index(), jax.process_count()
+        for n, rel in enumerate(sorted(files)):
+            if n % count != me:
+                continue
+            try:
+                size, sha256 = _digest(os.path.join(root, rel))
+            except OSError as e:
+                fault = f"data file {rel} cannot be read ({e})"
+                break
+            want = files[rel]
+            if size != want["size"]:
+                fault = f"data file {rel}: expected {want['size']} bytes, given {size}"
+                break
+            if sha256 != want["sha256"]:
+                fault = (
+                    f"data file {rel}: checksum mismatch, expected the SHA-256 process "
+                    f"{want['process']} saved, given different bytes (the file is corrupt)"
+                )
+                break
+    faults = [(p, f) for p, f in enumerate(_gather(fault)) if f]
+    if faults:
+        p, f = faults[0]
+        where = "" if jax.process_count() == 1 else f" (found by process {p})"
+        raise KVStoreError(f"{path}: {f}{where}")
