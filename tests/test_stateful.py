@@ -9,17 +9,22 @@ an optax optimizer (``optax.sgd(0.1, momentum=0.9)`` or ``optax.adam(0.05)``: fl
 only) and, on ``device`` stores, a 2-bit compression threshold. Then Hypothesis drives the store
 with ``init``, ``push``, ``pull``, ``pushpull``, ``broadcast``, ``row_sparse_pull``,
 ``set_updater`` (assign, a pure ``stored + pushed`` and an MXNet in-place ``stored += inp * 2``),
-``set_optimizer``, ``set_gradient_compression``, ``save`` / ``load`` (into the same store or a
-fresh one of the same configuration), reading ``kv.state`` and setting it back later, and with
-calls that must be refused.
+``set_optimizer``, ``jaxkv.init_optimizer`` (on ``kv.state``, the result set back),
+``set_gradient_compression``, ``save`` / ``load`` (into the same store or a fresh one of the same
+configuration), ``save_optimizer_states`` / ``load_optimizer_states``, reading ``kv.state`` and
+setting it back later, and with calls that must be refused.
 
 The model (tests/_model.py) follows MXNet: a push sums every value given for a key in the call
 (duplicate keys and per-device lists alike, each value cast to the stored dtype), compressing
-each device's share first when 2-bit compression is on, then the updater runs once per key. The
-data are small integers and every value is kept where its dtype is exact (a push whose result
-could leave that range has the signs of its values turned against the stored value, or is left
-out), so every pulled value is compared exactly, in the dtype it must have; only values an
-optimizer has touched are compared with a tolerance (rtol 1e-5), against optax run by hand.
+each device's share first when 2-bit compression is on, then a plain updater runs once per key.
+An optax optimizer keeps one state per group of keys and updates the distinct keys of a push as
+one tree: they must be exactly one group or all be without state (a new group); optimizer pushes
+mostly draw such key sets, and sometimes part of a group, keys of several groups or keys with
+and without state, which must be refused. The data are small integers and every value is kept
+where its dtype is exact (a push whose result could leave that range has the signs of its values
+turned against the stored value, or is left out), so every pulled value is compared exactly, in
+the dtype it must have; only values an optimizer has touched are compared with a tolerance (rtol
+1e-5), against optax run by hand on each group's tree.
 
 Every refusal must raise ``jaxkv.KVStoreError`` and leave the store and every ``out`` it was
 given exactly as before. Arrays handed to or received from the store (init and push values,
@@ -166,7 +171,7 @@ class Part:
 class Push:
     keys: Any  # as given to the store: a key or a list of keys
     entries: list  # [(key, single value?, [Part, ...])] in call order
-    refused: bool = False
+    refused: str | None = None  # why the store must refuse it
     skipped: bool = False
 
     @property
@@ -196,6 +201,7 @@ class KVStoreMachine(RuleBasedStateMachine):
         self.pulled: list = []  # (array, expected, dtype): arrays the store handed out
         self.states: list = []  # (KVState from kv.state, model snapshot, its values then)
         self.saved: tuple | None = None  # (path, model snapshot)
+        self.saved_opt: tuple | None = None  # (path, optimizer groups, key shapes)
         self.saves = 0
         self.steps = 0
         self.tmp = tempfile.mkdtemp(prefix="jaxkv-stateful-")
@@ -362,9 +368,52 @@ class KVStoreMachine(RuleBasedStateMachine):
         ks = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=4))
         return ks, ks
 
-    def draw_push(self, data) -> Push:
+    def draw_optax_keys(self, data, taken: bool = False) -> list | None:
+        """With an optimizer, the distinct keys of a push: mostly (with ``taken``, always) a set
+        it takes (one group exactly, or keys without state), sometimes one it refuses (part of
+        a group, keys of several groups, keys with and without state). None: any keys (no
+        optimizer, or now and then with one, as a plain push draws them)."""
+        if self.m.optimizer is None:
+            return None
+        how = "taken" if taken else data.draw(st.sampled_from(["taken"] * 3 + ["refused", "any"]))
+        if how == "any":
+            return None
+        if how == "refused":
+            wrong = [sets for sets in self.refused_optax_sets() if sets]
+            if wrong:
+                return list(data.draw(st.sampled_from(data.draw(st.sampled_from(wrong)))))
+        ks = list(data.draw(st.sampled_from(self.m.push_sets())))
+        if self.m.group_of(ks[0]) is None and len(ks) > 1 and data.draw(st.booleans()):
+            ks = data.draw(st.lists(st.sampled_from(ks), min_size=1, max_size=len(ks), unique=True))
+        return ks
+
+    def refused_optax_sets(self) -> list[list[tuple]]:
+        """Key sets an optax push must refuse, by kind: each group without one of its keys;
+        two groups together; a group with a key without state, or a group's key with one."""
+        groups, fresh = sorted(self.m.groups), self.m.ungrouped()
+        part = [tuple(k for k in g if k != drop) for g in groups if len(g) > 1 for drop in g]
+        several = [a + b for i, a in enumerate(groups) for b in groups[i + 1 :]]
+        mixed = [g + (k,) for g in groups for k in fresh]
+        mixed += [(g[0], k) for g in groups if len(g) > 1 for k in fresh]
+        return [part, several, mixed]
+
+    def draw_covering(self, data, ks: list):
+        """Keys for a push of exactly the distinct keys ``ks``, in any order, maybe with a
+        repeat or (one key) alone: (keys, [key, ...])."""
+        if len(ks) == 1 and data.draw(st.booleans()):
+            return ks[0], ks
+        ks = list(data.draw(st.permutations(ks)))
+        if len(ks) < 4 and not data.draw(st.integers(0, 3)):
+            ks.insert(data.draw(st.integers(0, len(ks))), data.draw(st.sampled_from(ks)))
+        return ks, ks
+
+    def draw_push(self, data, taken: bool = False) -> Push:
         """Keys and values for a push, kept where the model is exact (see the module doc)."""
-        keys, entries = self.draw_keys(data, self.known)
+        optax_keys = self.draw_optax_keys(data, taken)
+        if optax_keys is None:
+            keys, entries = self.draw_keys(data, self.known)
+        else:
+            keys, entries = self.draw_covering(data, optax_keys)
         compressed = self.m.threshold is not None
         # A compressed push refuses values that span several devices: seldom draw those.
         allow_pulled = not compressed or data.draw(st.integers(0, 3)) == 0
@@ -372,13 +421,17 @@ class KVStoreMachine(RuleBasedStateMachine):
             Push(keys, [(k, *self.draw_value(data, k, allow_pulled)) for k in entries])
         )
 
-    def draw_device_push(self, data) -> Push:
+    def draw_device_push(self, data, taken: bool = False) -> Push:
         """The data-parallel pattern: several distinct keys, each with one value per device
         from the same devices (all of them, or some), so that sharded keys of one dtype are
         reduce-scattered together."""
-        ks = list(self.known)  # mostly every key, as a training step pushes every gradient
-        if not data.draw(st.integers(0, 2)):
-            ks = data.draw(st.lists(st.sampled_from(ks), min_size=1, max_size=4, unique=True))
+        ks = self.draw_optax_keys(data, taken)
+        if ks is not None:
+            ks = list(data.draw(st.permutations(ks)))
+        else:
+            ks = list(self.known)  # mostly every key, as a training step pushes every gradient
+            if not data.draw(st.integers(0, 2)):
+                ks = data.draw(st.lists(st.sampled_from(ks), min_size=1, max_size=4, unique=True))
         if data.draw(st.booleans()):
             ks.sort(key=lambda k: not self.sharded(self.shape_of(k)))  # sharded keys first
         if data.draw(st.integers(0, 2)):
@@ -396,16 +449,38 @@ class KVStoreMachine(RuleBasedStateMachine):
         return self.checked_push(Push(ks, entries))
 
     def checked_push(self, push: Push) -> Push:
-        """``push`` marked refused (a compressed push of values on several devices) or left
-        out (its result would not be exact), its arrays made."""
-        push.refused = self.m.threshold is not None and any(p.dev is None for p in push.parts)
+        """``push`` marked refused (a compressed push of values on several devices, an optax
+        push of keys that are not one group) or left out (its result would not be exact), its
+        arrays made."""
+        if self.m.threshold is not None and any(p.dev is None for p in push.parts):
+            push.refused = "compressed push of a value on several devices"
+        elif self.m.optimizer is not None:
+            why = self.m.optax_refusal(push.by_key())
+            push.refused = why and f"optax push of {why}"
         if not push.refused and self.m.optimizer is None:
             for k, parts in push.by_key().items():
                 if not self.keep_exact(k, parts):
                     push.skipped = True
+        if not push.refused and self.m.optimizer is not None:
+            self.exact_gradients(push)
         for p in push.parts:
             p.make()
         return push
+
+    def exact_gradients(self, push: Push) -> None:
+        """Keep each key's summed gradient exact: a handed-out array that holds fractions (an
+        optimizer's result) is pushed only as a key's one value; beside others, its rounded
+        values are pushed instead. Float32 sums of fractions depend on the order, and the model
+        sums in float64: Adam's first step moves by ``lr * g / (|g| + eps)``, so a gradient
+        that cancels to 0 in one order and to 1e-9 in another moves by 0 or by ``lr / 10``."""
+        for k, parts in push.by_key().items():
+            if len(parts) < 2:
+                continue
+            for p in parts:
+                if p.kind == "pulled" and not np.array_equal(p.x, np.round(p.x)):
+                    p.kind, p.dev, p.x, p.handle = "array", 0, np.round(p.x), None
+                    p.dtype = self.dtype_of(k)
+                    event("push: a handed-out gradient rounded, its sum exact")
 
     def keep_exact(self, key, parts: list[Part]) -> bool:
         """Make pushing ``parts`` to ``key`` exact in the key's dtype, turning the signs of the
@@ -449,11 +524,14 @@ class KVStoreMachine(RuleBasedStateMachine):
         return contextlib.nullcontext()
 
     def apply_push(self, push: Push) -> None:
-        for k, parts in push.by_key().items():
-            self.m.push(k, [(p.dev, p.x) for p in parts])
+        by_key = push.by_key()
         if self.m.optimizer is not None:
             self.tolerant = True
-            event(f"push: an {self.m.optimizer} step")
+            new = self.m.group_of(next(iter(by_key))) is None
+            event(f"push: an {self.m.optimizer} step ({'new' if new else 'existing'} group)")
+            if len(by_key) > 1:
+                event("push: an optimizer step of 2+ keys")
+        self.m.push({k: [(p.dev, p.x) for p in parts] for k, parts in by_key.items()})
         if self.m.threshold is not None:
             event("push: 2-bit compressed")
         for dt in {self.dtype_of(k) for k in push.by_key()}:
@@ -484,7 +562,7 @@ class KVStoreMachine(RuleBasedStateMachine):
         for dt in self.dtypes:
             event(f"config: {dt.name} keys")
         self.kv = self.new_store()
-        if self.family != "plain" and data.draw(st.booleans()):
+        if self.family != "plain" and data.draw(st.integers(0, 3)):
             self.set_optimizer()
         # With the low bound, half the runs start with sharded keys only, of one dtype.
         sharded = self.bound == 16 and data.draw(st.booleans())
@@ -538,37 +616,52 @@ class KVStoreMachine(RuleBasedStateMachine):
             if self.sharded(p.x.shape):
                 event("init: a sharded key")
 
-    def draw_any_push(self, data) -> Push:
-        """Half the time the data-parallel pattern, else anything MXNet accepts."""
+    def draw_any_push(self, data, taken: bool = False) -> Push:
+        """Half the time the data-parallel pattern, else anything MXNet accepts (with
+        ``taken``, and an optimizer: of keys it takes)."""
         if data.draw(st.booleans()):
-            return self.draw_device_push(data)
-        return self.draw_push(data)
+            return self.draw_device_push(data, taken)
+        return self.draw_push(data, taken)
 
     @precondition(lambda self: self.m.keys)
     @rule(data=st.data())
     def push(self, data):
         self.run_push(self.draw_any_push(data))
 
+    @precondition(lambda self: self.m.optimizer is not None and self.m.keys)
+    @rule(data=st.data())
+    def optimizer_step(self, data):
+        """A push with the optimizer of keys it takes (one group, or keys without state), as a
+        training loop pushes: so that optimizer steps stay frequent beside the other rules
+        that optimizer runs have."""
+        self.run_push(self.draw_any_push(data, taken=True))
+
     @precondition(lambda self: self.m.keys)
     @rule()
     def push_every_key(self):
         """A training step: every key pushed from every device, with a fixed pattern of values
         that differs per element, device and key. Hypothesis puts the rules without arguments
-        first, and runs the first one most often: this is the one to run most."""
+        first, and runs the first one most often: this is the one to run most. With an
+        optimizer whose groups are not the whole key set, one group (or the keys without
+        state) in turn, so that the push is taken."""
+        ks = self.known
+        if self.m.optimizer is not None and self.m.optax_refusal(ks):
+            sets = self.m.push_sets()
+            ks = list(sets[self.steps % len(sets)])
         entries = []
-        for j, k in enumerate(self.known):
+        for j, k in enumerate(ks):
             shape, dtype = self.shape_of(k), self.dtype_of(k)
             base = np.arange(math.prod(shape), dtype=np.float64).reshape(shape)
             parts = [Part("array", d, dtype, (base + d + 3 * j) % 5 - 2) for d in range(NDEV)]
             entries.append((k, False, parts))
-        self.run_push(self.checked_push(Push(self.known, entries)))
+        self.run_push(self.checked_push(Push(ks, entries)))
 
     def run_push(self, push: Push) -> None:
         if push.skipped:
             event("push: left out (its result would not be exact)")
             return
         if push.refused:
-            event("refused: compressed push of a value on several devices")
+            event(f"refused: {push.refused}")
             self.refused(lambda: self.kv.push(push.keys, push.values))
             return
         self.note_push(push)
@@ -607,6 +700,7 @@ class KVStoreMachine(RuleBasedStateMachine):
             outs = [o for o, _ in drawn]
             out = outs if isinstance(keys, list) else outs[0]
             if push.refused:
+                event(f"refused: {push.refused}")
                 self.refused(lambda: self.kv.pushpull(keys, values, out=out), [h for _, h in drawn])
                 return
             self.note_push(push)
@@ -618,6 +712,7 @@ class KVStoreMachine(RuleBasedStateMachine):
             return
         in_place = all(isinstance(p.handle, nd.NDArray) for p in push.parts)
         if push.refused:
+            event(f"refused: {push.refused}")
             outs = [(p.handle, p.dev, p.x, p.dtype) for p in push.parts] if in_place else []
             self.refused(lambda: self.kv.pushpull(keys, values), [outs])
             return
@@ -647,9 +742,59 @@ class KVStoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.family != "plain")
     @rule()
     def set_optimizer(self):
+        """``set_optimizer``: after another updater every group goes; again, nothing changes."""
+        again = self.m.optimizer is not None
         self.kv.set_optimizer(OPTIMIZERS[self.family])
         self.m.set_optimizer(self.family)
-        event(f"set_optimizer: {self.family}")
+        event(f"set_optimizer: {self.family}{' again' if again else ''}")
+
+    def promotion(self):
+        """Where optax runs outside a push: standard dtype promotion for Adam (see
+        :meth:`updating`)."""
+        if self.family == "adam":
+            return jax.numpy_dtype_promotion("standard")
+        return contextlib.nullcontext()
+
+    @precondition(lambda self: self.family != "plain" and self.m.keys)
+    @rule(data=st.data())
+    def init_optimizer(self, data):
+        """``jaxkv.init_optimizer`` on ``kv.state`` (every key, or some), the result set back:
+        the keys become one group of fresh state; a group reaching beyond them is refused."""
+        how = data.draw(st.sampled_from(["all", "all", "groups", "any"]))
+        if how == "all":
+            keys = data.draw(st.sampled_from([None, self.known]))
+            ks = self.known
+        elif how == "groups":  # whole groups and keys without state: taken
+            units = [list(g) for g in self.m.groups] + [[k] for k in self.m.ungrouped()]
+            picked = data.draw(st.lists(st.sampled_from(units), min_size=1, unique_by=tuple))
+            keys = ks = [k for u in picked for k in u]
+        else:
+            keys = ks = data.draw(
+                st.lists(st.sampled_from(self.known), min_size=1, max_size=4, unique=True)
+            )
+        if len(ks) == 1 and data.draw(st.booleans()):
+            keys = ks[0]
+        state, tx = self.kv.state, OPTIMIZERS[self.family]
+        groups = list(state.opt_states)
+        with self.promotion():
+            why = self.m.init_optimizer(self.family, ks)
+            if why is not None:
+                event(f"refused: init_optimizer of {why}")
+                try:
+                    jaxkv.init_optimizer(state, tx, keys)
+                except jaxkv.KVStoreError:
+                    pass
+                else:
+                    raise AssertionError("expected jaxkv.KVStoreError, init_optimizer accepted")
+                assert list(state.opt_states) == groups
+                return
+            new = jaxkv.init_optimizer(state, tx, keys)
+        assert list(state.opt_states) == groups  # the given state is unchanged
+        self.check_opt_states(new)
+        for k in self.known:
+            self.same(new[k], self.m.keys[k].value, self.dtype_of(k), f"key {k!r} after it")
+        self.kv.state = new
+        event(f"init_optimizer: {'every key' if ks == self.known else 'some keys'}")
 
     @precondition(lambda self: self.threshold is not None)
     @rule(data=st.data())
@@ -807,20 +952,32 @@ class KVStoreMachine(RuleBasedStateMachine):
             else:
                 r = np.asarray(state.residuals[k]).reshape(NDEV, *shape)
                 _same(r, km.residual, km.dtype, f"residuals of key {k!r}")
-            opt = state.opt_states[k]
-            if km.opt is None:
-                assert opt is None, (k, opt)
-            else:
-                assert jax.tree_util.tree_structure(opt) == jax.tree_util.tree_structure(km.opt)
-                for a, b in zip(jax.tree_util.tree_leaves(opt), jax.tree_util.tree_leaves(km.opt)):
-                    _same(a, np.asarray(b, np.float64), b.dtype, f"opt state of {k!r}", True)
             if keep:
                 self.keep_pulled(jaxkv.pull(state, k))
+        self.check_opt_states(state)
         if not keep:
             return
         held = {k: np.asarray(v) for k, v in zip(self.known, jaxkv.pull(state, self.known))}
         self.states.append((state, self.m.snapshot(), held))
         del self.states[:-2]
+
+    def check_opt_states(self, state: jaxkv.KVState) -> None:
+        """``state`` holds the model's optimizer groups (sorted tuples of keys) and, for each,
+        the state of optax run by hand on the group's tree."""
+        groups = state.opt_states
+        assert sorted(groups) == sorted(self.m.groups), (list(groups), list(self.m.groups))
+        for k in self.known:
+            assert state.opt_group(k) == self.m.group_of(k), (k, state.opt_group(k))
+        for g, want in self.m.groups.items():
+            assert list(g) == sorted(g), g
+            got = groups[g]
+            assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want), g
+            for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+                _same(a, np.asarray(b, np.float64), b.dtype, f"opt state of group {g}", True)
+            if len(g) > 1:
+                event("opt states: a group of 2+ keys")
+        if len(groups) > 1:
+            event("opt states: 2+ groups")
 
     @precondition(lambda self: self.states)
     @rule(data=st.data())
@@ -851,7 +1008,7 @@ class KVStoreMachine(RuleBasedStateMachine):
                 target.set_optimizer(OPTIMIZERS[self.m.optimizer])
             else:
                 target.set_updater(UPDATERS[self.m.updater])
-        if self.m.optimizer is None and any(km.opt is not None for km in snap.keys.values()):
+        if self.m.optimizer is None and snap.groups:
             # The file holds optimizer states; a store without an optimizer cannot take them.
             event("refused: load of optimizer states into a store without an optimizer")
             self.refused(lambda: target.load(path))
@@ -861,6 +1018,40 @@ class KVStoreMachine(RuleBasedStateMachine):
         self.kv = target
         self.m.restore(snap)
         event(f"load: into a {'fresh' if fresh else 'the same'} store")
+
+    @precondition(lambda self: self.family != "plain" and self.m.keys)
+    @rule(data=st.data())
+    def optimizer_states_file(self, data):
+        """``save_optimizer_states``, or ``load_optimizer_states`` of the last such file: both
+        need an optimizer, and the load the file's keys (those of its groups of the shapes
+        saved); the file's groups replace the store's, values and residuals stay."""
+        shapes = {k: km.value.shape for k, km in self.m.keys.items()}
+        if self.saved_opt is None or data.draw(st.booleans()):
+            path = os.path.join(self.tmp, f"opt{self.saves}.npz")
+            self.saves += 1
+            if self.m.optimizer is None:
+                event("refused: save_optimizer_states without an optimizer")
+                self.refused(lambda: self.kv.save_optimizer_states(path))
+                return
+            self.kv.save_optimizer_states(path)
+            self.saved_opt = (path, dict(self.m.groups), shapes)
+            event("save_optimizer_states")
+            return
+        path, groups, saved = self.saved_opt
+        why = None
+        if self.m.optimizer is None:
+            why = "into a store without an optimizer"
+        elif set(saved) != set(shapes):
+            why = "of other keys"
+        elif any(saved[k] != shapes[k] for g in groups for k in g):
+            why = "of keys of other shapes"
+        if why is not None:
+            event(f"refused: load_optimizer_states {why}")
+            self.refused(lambda: self.kv.load_optimizer_states(path))
+            return
+        self.kv.load_optimizer_states(path)
+        self.m.groups = dict(groups)
+        event("load_optimizer_states")
 
     # -- refusals --------------------------------------------------------------------------
     @precondition(lambda self: self.m.keys)
@@ -1104,12 +1295,15 @@ class KVStoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def handed_states_untouched(self):
-        """A ``KVState`` read from ``kv.state`` keeps its values, whatever the store did since."""
+        """A ``KVState`` read from ``kv.state`` keeps its values (and its optimizer states stay
+        valid), whatever the store did since."""
         for state, _, held in self.states:
             keys = sorted(held)
             assert list(state.keys()) == keys
             for k, v in zip(keys, jaxkv.pull(state, keys)):
                 _same(v, held[k], held[k].dtype, f"key {k!r} of a handed-out state")
+            for leaf in jax.tree_util.tree_leaves(dict(state.opt_states)):
+                assert not leaf.is_deleted(), "an optimizer state of a handed-out state"
 
 
 def _keep_rows(value: np.ndarray, rows) -> np.ndarray:
