@@ -271,9 +271,8 @@ def init_optimizer(state: KVState, optimizer: Any, keys: Any = None) -> KVState:
         )
     if keys is None:
         keys = state.keys()
-    keys = [
-        state.keys()[state.index(k)] for k in (keys if isinstance(keys, list | tuple) else [keys])
-    ]
+    given = keys if isinstance(keys, list | tuple) else [keys]
+    keys = sorted({state.keys()[state.index(k)] for k in given})
     for known in state.opt_states:
         outside = [k for k in known if k not in keys]
         if outside and len(outside) < len(known):
@@ -290,7 +289,7 @@ def init_optimizer(state: KVState, optimizer: Any, keys: Any = None) -> KVState:
                 "device's blocks (inside shard_map); call jaxkv.init_optimizer before the step"
             )
         tree = dict(zip(keys, values))
-        return state.replace(opt_states={tuple(sorted(keys)): optimizer.init(tree)})
+        return state.replace(opt_states={tuple(keys): optimizer.init(tree)})
     return init_opt_states(state, optimizer, keys)
 
 

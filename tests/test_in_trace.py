@@ -103,6 +103,9 @@ def test_init_optimizer_makes_one_group_and_refuses_to_split_one(call):
     assert list(s.opt_states) == [("a", "b", "c")]
     with pytest.raises(jaxkv.KVStoreError, match="optax.GradientTransformation"):
         jaxkv.init_optimizer(s, lambda k, g, w: w)
+    fresh = jaxkv.init(jaxkv.empty(), {k: jnp.ones(3) for k in "ab"})
+    repeated = call(lambda s: jaxkv.init_optimizer(s, CLIP_ADAM, keys=["b", "b"]), fresh)
+    assert list(repeated.opt_states) == [("b",)]
 
 
 def test_kvstore_pushing_key_by_key_is_mxnet_and_a_list_is_optax_on_the_list():
