@@ -4,7 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test test-deep demo lint format bench conformance mutation clean
+.PHONY: test test-deep test-oldest test-newest _test-newest wheel-check demo lint format bench \
+	conformance mutation clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +18,62 @@ test: $(STAMP)
 	$(BIN)/coverage run -m pytest -q
 	$(BIN)/coverage combine -q
 	$(BIN)/coverage report
+	@echo "== the suite again with every private JAX name off (JAXKV_NO_FAST_PATHS=1)"
+	JAXKV_NO_FAST_PATHS=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
+	  --deselect tests/test_fast.py::test_the_public_fallbacks_give_the_same_results
+
+# The suite with the oldest JAX series pyproject.toml claims: its "jax>=X.Y" floor, pinned as
+# jax==X.Y.* (and jaxlib), in a venv of its own.
+OLDEST_JAX := $(shell sed -n 's/^ *"jax>=\([0-9.]*\)".*/\1/p' pyproject.toml)
+OVENV := .venv-oldest
+$(OVENV)/.installed: pyproject.toml
+	@test -n "$(OLDEST_JAX)" || { echo 'no "jax>=X.Y" line in pyproject.toml'; exit 1; }
+	$(PYTHON) -m venv --clear $(OVENV)
+	echo '*' > $(OVENV)/.gitignore
+	$(OVENV)/bin/pip install -q -e '.[test]' 'jax==$(OLDEST_JAX).*' 'jaxlib==$(OLDEST_JAX).*'
+	touch $@
+
+test-oldest: $(OVENV)/.installed
+	@$(OVENV)/bin/python -c 'import jax; print("== JAX", jax.__version__, "(the oldest claimed)")'
+	$(OVENV)/bin/python -m pytest -q -p no:cacheprovider
+
+# The suite with the newest JAX on the index, which needs Python >= 3.12: NEWEST_PYTHON if set,
+# else the first of python3.14 .. python3.12 and python3 on PATH that runs and is >= 3.12, else
+# the newest that pyenv installed. Without any, says so and succeeds.
+NVENV := .venv-newest
+test-newest:
+	@py="$(NEWEST_PYTHON)"; \
+	if [ -z "$$py" ]; then \
+	  for p in $$(command -v python3.14 python3.13 python3.12 python3 2>/dev/null) \
+	      $$(ls -d "$${PYENV_ROOT:-$$HOME/.pyenv}"/versions/3.*/bin/python3 2>/dev/null \
+	         | sort -rV); do \
+	    if "$$p" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then \
+	      py=$$p; break; \
+	    fi; \
+	  done; \
+	fi; \
+	if [ -z "$$py" ]; then \
+	  echo "test-newest: SKIPPED: no Python >= 3.12 on this machine (python3.12 or newer on"; \
+	  echo "PATH, or under pyenv), and JAX 0.11+ needs one; NEWEST_PYTHON=... names one."; \
+	else \
+	  $(MAKE) --no-print-directory _test-newest NEWEST_PYTHON="$$py"; \
+	fi
+
+$(NVENV)/.installed: pyproject.toml
+	$(NEWEST_PYTHON) -m venv --clear $(NVENV)
+	echo '*' > $(NVENV)/.gitignore
+	$(NVENV)/bin/pip install -q -e '.[test]'
+	touch $@
+
+_test-newest: $(NVENV)/.installed
+	$(NVENV)/bin/pip install -q -U jax jaxlib
+	@$(NVENV)/bin/python -c 'import jax, sys; print("== JAX", jax.__version__, "(the newest)")'
+	$(NVENV)/bin/python -m pytest -q -p no:cacheprovider
+
+# Builds the sdist and wheel, installs the wheel (not editable) into a fresh venv in a temporary
+# directory and runs the README's examples with it, outside the source tree.
+wheel-check: $(STAMP)
+	bash tools/wheel_check.sh $(BIN)/python
 
 # The property tests with thousands of examples: run before a change to the arithmetic lands.
 test-deep: $(STAMP)
@@ -34,7 +91,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix jaxkv tests examples benchmarks conformance
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info .coverage .coverage.*
+	rm -rf $(VENV) $(OVENV) $(NVENV) .pytest_cache .hypothesis *.egg-info .coverage .coverage.*
 
 bench: $(STAMP)
 	bash conformance/setup_mxnet.sh >/dev/null
