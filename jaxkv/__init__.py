@@ -29,7 +29,26 @@ from ._ops import specs as specs
 from ._state import KVState as KVState
 from ._state import empty as empty
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The installed distribution's version (one source: ``pyproject.toml``); in a source tree
+    that is not installed, the version ``pyproject.toml`` beside the package gives."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("jaxkv")
+    except metadata.PackageNotFoundError:
+        import tomllib
+        from pathlib import Path
+
+        try:
+            with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as f:
+                return str(tomllib.load(f)["project"]["version"])
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "Context",

@@ -1,0 +1,67 @@
+"""What a user installs: the version from the package metadata (one source: pyproject.toml),
+py.typed, and the JAX floor that `make test-oldest` reads. `make wheel-check` builds the wheel
+and runs the README's examples with it installed on its own."""
+
+import importlib.metadata
+import re
+import tomllib
+from pathlib import Path
+
+import jaxkv
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_the_version_is_the_one_in_pyproject():
+    assert jaxkv.__version__ == PYPROJECT["project"]["version"]
+    try:
+        installed = importlib.metadata.version("jaxkv")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path
+        return
+    assert jaxkv.__version__ == installed
+
+
+def test_without_metadata_the_version_comes_from_the_source_tree(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert jaxkv._version() == PYPROJECT["project"]["version"]
+
+
+def test_without_metadata_or_source_tree_the_version_says_unknown(monkeypatch, tmp_path):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    monkeypatch.setattr(jaxkv, "__file__", str(tmp_path / "jaxkv" / "__init__.py"))
+    assert jaxkv._version() == "0+unknown"
+
+
+def test_the_package_says_it_is_typed():
+    assert (Path(jaxkv.__file__).parent / "py.typed").is_file()
+    assert "py.typed" in PYPROJECT["tool"]["setuptools"]["package-data"]["jaxkv"]
+
+
+def _floor(name: str) -> str:
+    found = [
+        m.group(1)
+        for d in PYPROJECT["project"]["dependencies"]
+        if (m := re.fullmatch(rf"{name}>=([0-9]+\.[0-9]+(?:\.[0-9]+)?)", d))
+    ]
+    assert len(found) == 1, f"expected one {name}>=X.Y dependency: make test-oldest reads it"
+    return found[0]
+
+
+def test_jax_and_jaxlib_have_one_floor_and_no_ceiling():
+    assert _floor("jax") == _floor("jaxlib")
+    deps = PYPROJECT["project"]["dependencies"]
+    assert not [d for d in deps if re.match(r"jax(lib)?\b.*<", d)]
+
+
+def test_make_test_oldest_finds_the_floor():
+    """`make test-oldest` pins the series of pyproject.toml's `"jax>=X.Y"` line, read by sed."""
+    assert r"""s/^ *"jax>=\([0-9.]*\)".*/\1/p""" in (ROOT / "Makefile").read_text()
+    text = (ROOT / "pyproject.toml").read_text()
+    assert re.findall(r'(?m)^ *"jax>=([0-9.]*)"', text) == [_floor("jax")]
