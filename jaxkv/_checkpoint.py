@@ -287,7 +287,7 @@ def load(fname: str, state: KVState, *, values: bool, optimizer: Any = None) -> 
         manifest, arrays = _read(fname)
 
         def restore(targets):
-            return [jax.device_put(a, t.sharding) for a, t in zip(arrays, targets)]
+            return jax.device_put(arrays, [t.sharding for t in targets])  # one call: faster
 
     return _assemble(fname, manifest, state, values, optimizer, restore)
 
