@@ -2,8 +2,9 @@
 (``KVStore.save`` and ``save_state``, a directory each), reloads its own checkpoint and trains on
 exactly as before; the checkpoint then loads bit-exactly, optimizer state included, in this
 process on 4 devices (1 x 4) and in a job of 4 processes x 1 device (4 x 1), and training
-continues exactly as the saving job's did. Each job also refuses a copy with one flipped byte
-in a file another process wrote, on every process, its store unchanged."""
+continues exactly as the saving job's did; the 4 x 1 job also loads the one-file format that
+this process saves. Each job also refuses a copy with one flipped byte in a file another
+process wrote, on every process, its store unchanged."""
 
 import importlib.util
 import json
@@ -82,6 +83,7 @@ def test_saved_by_2x2_loads_on_1x4_and_4x1_and_training_continues_exactly(tmp_pa
     kv.set_optimizer(job.OPT)
     kv.load(tmp_path / "ckpt")
     assert_leaves(kv.state, tmp_path / "saved.npz")
+    kv.save(tmp_path / "single.npz")  # the one-file format, for the 4 x 1 job to load
     assert kv.state[5].sharding.device_set == set(devices[:4])
     assert not kv.state[5].sharding.is_fully_replicated  # sharded over the 4 devices
     state = load_state(tmp_path / "state", jaxkv.empty(devices[:4]), optimizer=job.OPT)
@@ -95,4 +97,5 @@ def test_saved_by_2x2_loads_on_1x4_and_4x1_and_training_continues_exactly(tmp_pa
     # 4 x 1: a job of 4 processes.
     stdout = launch(4, 1, "load", str(tmp_path))
     checks = ["load on another topology", "load_state on another topology"]
+    checks.append("load of a single-process file")
     expect(stdout, 4, [*checks, "training continues exactly", refused])

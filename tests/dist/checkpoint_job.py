@@ -5,8 +5,9 @@ dist_sync job that saves or loads checkpoint directories.
                                  (save_state), train 3 more; rank 0 writes DIR/saved.npz and
                                  DIR/after.npz (every leaf, whole); then load DIR/ckpt again and
                                  train the same 3 steps
-    checkpoint_job.py load DIR   load DIR/ckpt and DIR/state saved by another topology, compare
-                                 with DIR/saved.npz, train 3 steps, compare with DIR/after.npz
+    checkpoint_job.py load DIR   load DIR/ckpt and DIR/state saved by another topology, and
+                                 DIR/single.npz saved by one process, compare with
+                                 DIR/saved.npz, train 3 steps, compare with DIR/after.npz
 
 Both modes then damage a copy of the checkpoint (one byte of a file another process wrote) and
 expect every process to refuse it, its store unchanged. Every device pushes the same gradient
@@ -140,6 +141,9 @@ def main():
         check("load on another topology", whole(kv.state), saved(f"{directory}/saved.npz"))
         state = load_state(state_dir, jaxkv.empty(jax.devices()), optimizer=OPT)
         check("load_state on another topology", whole(state), saved(f"{directory}/saved.npz"))
+        single = store()  # a file a single-process job saved: every process reads it whole
+        single.load(os.path.join(directory, "single.npz"))
+        check("load of a single-process file", whole(single.state), saved(f"{directory}/saved.npz"))
         train(kv, [2, 3, 4])
         check("training continues exactly", whole(kv.state), saved(f"{directory}/after.npz"))
     damaged_is_refused(kv, directory)
