@@ -333,12 +333,24 @@ class KVStore:
             )
 
     def save(self, fname: str) -> None:
-        """Save the whole store (values and optimizer states) to ``fname``."""
+        """Save the whole store (values, optimizer states, residuals) to ``fname``.
+
+        A single-process job writes one file, atomically. In a multi-process job every process
+        calls ``save`` with the same path, a directory: each writes only its own shards (with
+        orbax-checkpoint, ``pip install 'jaxkv[dist]'``), and the save commits atomically. A
+        path that already is such a directory is written in that format by one process too.
+        """
         with self._lock:
             _checkpoint.save(fname, self._state, values=True)
 
     def load(self, fname: str) -> None:
-        """Replace the store's contents with those saved by :meth:`save`."""
+        """Replace the store's contents with those saved by :meth:`save`.
+
+        Either format loads onto this store's devices, whatever the processes and devices that
+        saved it; in a multi-process job every process calls ``load``. Every saved byte is
+        checked (SHA-256) first: a damaged checkpoint is a :class:`KVStoreError`, and the store
+        is unchanged.
+        """
         with self._lock:
             optimizer = self._updater
             if not isinstance(optimizer, optax.GradientTransformation):
