@@ -55,6 +55,29 @@ def _label(entry: dict) -> str:
     return f"key {entry['key']!r} {entry['part']}{entry['path']}"
 
 
+def _processes(fname: str, state: KVState) -> int:
+    """How many processes hold ``state``'s devices: 1, or all of the job's (a store over some
+    of them cannot save or load with the others, who would wait for it)."""
+    held = {d.process_index for d in state.devices}
+    if len(held) > 1 and len(held) != jax.process_count():
+        raise KVStoreError(
+            f"{fname}: expected a store on one process's devices or on every process's, given "
+            f"one on processes {sorted(held)} of {jax.process_count()}"
+        )
+    return len(held)
+
+
+def _together(fname: str, state: KVState) -> None:
+    """A checkpoint directory is written and read by every process of the job together, so
+    in a multi-process job only by a store over all of them."""
+    if jax.process_count() > 1 and _processes(fname, state) == 1:
+        raise KVStoreError(
+            f"{fname}: a checkpoint directory is saved and loaded by every process of the job "
+            f"together, into a store over all their devices (dist_sync), given a store on "
+            f"process {jax.process_index()}'s devices only; save such a store to a file"
+        )
+
+
 def _header(state: KVState, values: bool) -> dict[str, Any]:
     """The manifest's fields other than the arrays'."""
     return {
@@ -77,7 +100,8 @@ def save(fname: str, state: KVState, *, values: bool) -> None:
     a single-process job, a checkpoint directory (``_orbax``) in a multi-process job or where
     ``fname`` already is one."""
     fname = os.fspath(fname)
-    if jax.process_count() > 1 or _orbax.is_checkpoint(fname):
+    if _processes(fname, state) > 1 or _orbax.is_checkpoint(fname):
+        _together(fname, state)
         _orbax.save(fname, state, _header(state, values), list(_entries(state, values)))
         return
     manifest = _header(state, values)
@@ -282,6 +306,7 @@ def load(fname: str, state: KVState, *, values: bool, optimizer: Any = None) -> 
     """
     fname = os.fspath(fname)
     if os.path.isdir(fname):
+        _together(fname, state)
         manifest, restore = _orbax.open_checkpoint(fname)
     else:
         manifest, arrays = _read(fname)

@@ -256,23 +256,28 @@ def test_round_trip_keeps_every_leaf_and_the_next_push_agrees(tmp_path):
         assert_unchanged(fresh, contents(kv))
 
 
-def test_a_job_of_several_processes_saves_to_a_directory_not_over_a_file(tmp_path, monkeypatch):
+def test_a_store_on_one_process_of_several_saves_files_not_directories(tmp_path, monkeypatch):
     kv = store()
-    kv.save(tmp_path / "s.npz")
-    before = (tmp_path / "s.npz").read_bytes()
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "manifest.json").write_text("{}")  # looks like a checkpoint directory
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(jaxkv.KVStoreError, match="is a directory, given an existing file"):
-        kv.save(tmp_path / "s.npz")
-    assert (tmp_path / "s.npz").read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.npz"]
+    kv.save(tmp_path / "s.npz")  # this process's store, as in a single-process job
+    fresh = store(optimizer=SGD)
+    fresh.load(tmp_path / "s.npz")
+    assert_unchanged(fresh, contents(kv))
+    for call in (kv.save, kv.load):
+        with pytest.raises(jaxkv.KVStoreError, match="by every process of the job together"):
+            call(tmp_path / "dir")
+    assert sorted(p.name for p in (tmp_path / "dir").iterdir()) == ["manifest.json"]
 
 
 def test_checkpoint_directories_without_orbax_name_the_extra(tmp_path, monkeypatch):
     import sys
 
     kv = store()
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "manifest.json").write_text("{}")
     monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)  # as if not installed
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
     with pytest.raises(jaxkv.KVStoreError, match=r"pip install 'jaxkv\[dist\]'"):
-        kv.save(tmp_path / "ckpt")
-    assert not (tmp_path / "ckpt").exists()
+        kv.save(tmp_path / "dir")
+    assert sorted(p.name for p in (tmp_path / "dir").iterdir()) == ["manifest.json"]

@@ -72,6 +72,8 @@ def test_saved_by_2x2_loads_on_1x4_and_4x1_and_training_continues_exactly(tmp_pa
     stdout = launch(2, 2, "save", str(tmp_path))
     refused = "damaged checkpoint refused, store unchanged"
     expect(stdout, 2, ["load on the saving topology", "training continues exactly", refused])
+    expect(stdout, 2, ["refused over an existing file", "a local store's own file"])
+    expect(stdout, 2, ["refused a directory for a local store"])
     # Each process wrote its own shards: the manifest records who hashed which file.
     with open(tmp_path / "ckpt" / "manifest.json") as f:
         manifest = json.loads(json.load(f)["manifest"])

@@ -117,6 +117,33 @@ def damaged_is_refused(kv, directory):
     check("damaged checkpoint refused, store unchanged", whole(kv.state), before)
 
 
+def refused(name, call, *args):
+    try:
+        call(*args)
+    except jaxkv.KVStoreError:
+        print(f"rank {jax.process_index()} ok refused {name}", flush=True)
+    else:
+        raise AssertionError(f"not refused: {name}")
+
+
+def local_stores(directory, ckpt):
+    """A store on this process's devices only saves and loads files of its own, as in a
+    single-process job, and refuses checkpoint directories (the other processes would wait)."""
+    rank = jax.process_index()
+    local = mx.kv.create("local")
+    local.init(7, mx.nd.ones((2, 2)) * (rank + 1))
+    mine = os.path.join(directory, f"local{rank}.npz")
+    local.save(mine)
+    other = mx.kv.create("local")
+    other.load(mine)
+    check(
+        "a local store's own file",
+        [np.asarray(other.pull(7))],
+        [np.full((2, 2), rank + 1, np.float32)],
+    )
+    refused("a directory for a local store", local.load, ckpt)
+
+
 def main():
     mode, directory = sys.argv[1], sys.argv[2]
     rank = jax.process_index()
@@ -136,6 +163,8 @@ def main():
         check("load on the saving topology", whole(kv.state), here)
         train(kv, [2, 3, 4])
         check("training continues exactly", whole(kv.state), after)
+        refused("over an existing file", kv.save, os.path.join(directory, "saved.npz"))
+        local_stores(directory, ckpt)
     else:
         kv.load(ckpt)
         check("load on another topology", whole(kv.state), saved(f"{directory}/saved.npz"))
