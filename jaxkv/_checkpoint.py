@@ -96,9 +96,9 @@ def _sha256(raw: bytes) -> str:
 
 
 def save(fname: str, state: KVState, *, values: bool) -> None:
-    """Write ``state`` (values and/or optimizer states) to ``fname`` atomically: one file in
-    a single-process job, a checkpoint directory (``_orbax``) in a multi-process job or where
-    ``fname`` already is one."""
+    """Write ``state`` (values and/or optimizer states) to ``fname`` atomically: one file for
+    a store on one process, a checkpoint directory (``_orbax``) for a store over every process
+    of a job, or where ``fname`` already is one."""
     fname = os.fspath(fname)
     if _processes(fname, state) > 1 or _orbax.is_checkpoint(fname):
         _together(fname, state)
@@ -411,9 +411,10 @@ def _assemble(
 def save_state(path: str | os.PathLike, state: KVState) -> None:
     """Save a :class:`KVState` (values, optimizer states, residuals) to ``path``.
 
-    In a single-process job ``path`` is one file, written atomically; in a multi-process job
-    every process calls this with the same ``path``, a directory, and each writes only its own
-    shards (this needs ``orbax-checkpoint``: ``pip install 'jaxkv[dist]'``). A directory that
+    For a state on one process's devices ``path`` is one file, written atomically; for a state
+    over every process of a job, every process calls this with the same ``path``, a directory,
+    and each writes only its own shards (this needs ``orbax-checkpoint``: ``pip install
+    'jaxkv[dist]'``). A directory that
     already holds a checkpoint is written in the directory format by a single process too.
     Every load checks the saved bytes' SHA-256, so a damaged checkpoint is a
     :class:`KVStoreError`, never a wrong value.

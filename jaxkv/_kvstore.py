@@ -335,10 +335,11 @@ class KVStore:
     def save(self, fname: str) -> None:
         """Save the whole store (values, optimizer states, residuals) to ``fname``.
 
-        A single-process job writes one file, atomically. In a multi-process job every process
-        calls ``save`` with the same path, a directory: each writes only its own shards (with
-        orbax-checkpoint, ``pip install 'jaxkv[dist]'``), and the save commits atomically. A
-        path that already is such a directory is written in that format by one process too.
+        A single-process job writes one file, atomically. A ``dist_sync`` store of a
+        multi-process job writes a directory: every process calls ``save`` with the same path,
+        and each writes only its own shards (with orbax-checkpoint, ``pip install
+        'jaxkv[dist]'``); the save commits atomically. A path that already is such a directory
+        is written in that format by one process too.
         """
         with self._lock:
             _checkpoint.save(fname, self._state, values=True)
