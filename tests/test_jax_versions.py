@@ -4,6 +4,8 @@ same types and values on the JAX that runs the tests (`make test-oldest` and `ma
 run them on the oldest and the newest)."""
 
 import inspect
+import types
+import warnings
 from functools import partial
 
 import jax
@@ -47,7 +49,28 @@ def test_varying_axes_without_tracking(mesh):
     assert _fast.varying_axes(jnp.ones(3)) == frozenset()
 
 
-def test_to_varying_types_an_invariant_value_as_varying(mesh):
+def test_varying_axes_reads_vma_where_there_is_no_manual_axis_type(monkeypatch):
+    """JAX 0.8 and 0.9 call the set ``jax.typeof(x).vma``."""
+    monkeypatch.setattr(jax, "typeof", lambda x: types.SimpleNamespace(vma=frozenset({"d"})))
+    assert _fast.varying_axes(jnp.ones(3)) == {"d"}
+    monkeypatch.setattr(jax, "typeof", lambda x: types.SimpleNamespace())  # no tracking at all
+    assert _fast.varying_axes(jnp.ones(3)) == frozenset()
+
+
+def _pvary_only(mp):
+    """A JAX with jax.lax.pvary and no pcast (until 0.8.1)."""
+    pcast = getattr(jax.lax, "pcast", None)
+    if pcast is not None:
+        mp.delattr(jax.lax, "pcast")
+        with warnings.catch_warnings():  # reading the old pvary: deprecated where pcast exists
+            warnings.simplefilter("ignore", DeprecationWarning)
+            mp.setattr(jax.lax, "pvary", lambda x, a: pcast(x, a, to="varying"), raising=False)
+
+
+@pytest.mark.parametrize("route", ["this JAX", "pvary"])
+def test_to_varying_types_an_invariant_value_as_varying(mesh, monkeypatch, route):
+    if route == "pvary":
+        _pvary_only(monkeypatch)
     seen = {}
 
     @partial(jax.shard_map, mesh=mesh, in_specs=P(), out_specs=P("d"))
@@ -74,10 +97,32 @@ def _without_to(monkeypatch):
     monkeypatch.setattr(jax.lax, "all_gather", older)
 
 
+def _renamed(mp, mesh):
+    """A JAX whose all_gather takes no ``to`` but which has all_gather_invariant (until 0.8.1);
+    made from this JAX's ``to="invarying"`` where it has no all_gather_invariant of its own."""
+    gather = jax.lax.all_gather
+    if not hasattr(jax.lax, "all_gather_invariant"):
+        try:
+            jax.shard_map(
+                lambda x: gather(x, "d", to="invarying"), mesh=mesh, in_specs=P("d"), out_specs=P()
+            )(jnp.ones(8))
+        except ValueError:
+            pytest.skip("this JAX has neither all_gather_invariant nor all_gather(to='invarying')")
+
+        def renamed(x, axis_name, *, tiled=False):
+            return gather(x, axis_name, tiled=tiled, to="invarying")
+
+        mp.setattr(jax.lax, "all_gather_invariant", renamed, raising=False)
+    _without_to(mp)
+
+
 ROUTES = {
-    "this JAX": lambda mp: None,
-    "all_gather_invariant": lambda mp: _without_to(mp),
-    "psum": lambda mp: (_without_to(mp), mp.delattr(jax.lax, "all_gather_invariant", False)),
+    "this JAX": lambda mp, mesh: None,
+    "all_gather_invariant": _renamed,
+    "psum": lambda mp, mesh: (
+        _without_to(mp),
+        mp.delattr(jax.lax, "all_gather_invariant", False),
+    ),
 }
 
 
@@ -86,9 +131,7 @@ ROUTES = {
 def test_all_gather_invariant_gives_the_whole_value_typed_invariant(
     mesh, monkeypatch, route, tiled
 ):
-    ROUTES[route](monkeypatch)
-    if route == "all_gather_invariant" and not hasattr(jax.lax, "all_gather_invariant"):
-        pytest.skip("this JAX has no jax.lax.all_gather_invariant")
+    ROUTES[route](monkeypatch, mesh)
     seen = {}
 
     @partial(jax.shard_map, mesh=mesh, in_specs=P("d"), out_specs=P())  # checks replication
