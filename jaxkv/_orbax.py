@@ -270,6 +270,7 @@ def open_checkpoint(path: str):
             if tree:
                 ocp = _ocp()
                 with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+                    _match(path, checkpointer.metadata(root), tree)
                     out = checkpointer.restore(root, args=ocp.args.StandardRestore(tree))
             arrays = [out[f"a{n}"] if t.size else _empty(t) for n, t in enumerate(targets)]
         except KVStoreError:
@@ -287,6 +288,25 @@ def open_checkpoint(path: str):
         return arrays
 
     return manifest, restore
+
+
+def _match(path: str, metadata: Any, tree: dict) -> None:
+    """orbax's own record of the arrays against the manifest's: orbax would cast a stored
+    array to another dtype the manifest gave, rather than refuse it."""
+    metadata = getattr(metadata, "item_metadata", metadata)
+    stored = getattr(metadata, "tree", metadata)
+    if not isinstance(stored, dict) or set(stored) != set(tree):
+        names = sorted(stored) if isinstance(stored, dict) else type(stored).__name__
+        raise KVStoreError(
+            f"{path}: the data holds arrays {names}, expected {sorted(tree)} (the manifest's)"
+        )
+    for name, t in tree.items():
+        got = (tuple(getattr(stored[name], "shape", ())), getattr(stored[name], "dtype", None))
+        if got != (tuple(t.shape), t.dtype):
+            raise KVStoreError(
+                f"{path}: array {name}: the data holds shape {got[0]} and dtype {got[1]}, the "
+                f"manifest says {tuple(t.shape)} and {t.dtype}"
+            )
 
 
 def _empty(target: Any) -> jax.Array:

@@ -299,3 +299,13 @@ def test_a_kvstate_in_a_users_checkpoint_manager(tmp_path, devices):
     assert isinstance(out.kv, jaxkv.KVState)
     assert_same(out.kv, state)
     assert out.kv["w"].sharding.device_set == set(devices[:4])
+
+
+def test_data_that_disagrees_with_a_consistent_manifest_is_refused(tmp_path):
+    """A manifest rewritten with its checksum (a forgery, not damage) that gives an array
+    another dtype: orbax would cast the data; its own metadata disagrees, so it is refused."""
+    state = jaxkv.init(jaxkv.empty(), {"w": jnp.arange(4.0)})
+    new_checkpoint(tmp_path / "c", state)
+    edit_manifest(tmp_path / "c", lambda m: m["arrays"][0].update(dtype="bfloat16"))
+    with pytest.raises(jaxkv.KVStoreError, match="the data holds shape"):
+        load_state(tmp_path / "c", jaxkv.empty())
