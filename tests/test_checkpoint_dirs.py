@@ -309,3 +309,26 @@ def test_data_that_disagrees_with_a_consistent_manifest_is_refused(tmp_path):
     edit_manifest(tmp_path / "c", lambda m: m["arrays"][0].update(dtype="bfloat16"))
     with pytest.raises(jaxkv.KVStoreError, match="the data holds shape"):
         load_state(tmp_path / "c", jaxkv.empty())
+
+
+@pytest.mark.parametrize(
+    "content, pattern",
+    [
+        (None, "given a directory without manifest.json"),
+        (b"[1, 2]", "expected an object with 'manifest' and 'sha256'"),
+        (b'{"manifest": 1, "sha256": "x"}', "expected an object with 'manifest' and 'sha256'"),
+        (b"\xff\xfe", "cannot be read"),
+        (b"[" * 100000, "cannot be read"),
+    ],
+)
+def test_a_directory_without_a_readable_manifest_is_refused(tmp_path, content, pattern):
+    (tmp_path / "c").mkdir()
+    if content is not None:
+        (tmp_path / "c" / "manifest.json").write_bytes(content)
+    kv = jaxkv.create("device")
+    kv.init("x", nd.ones(2))
+    with pytest.raises(jaxkv.KVStoreError, match=pattern):
+        kv.load(tmp_path / "c")
+    with pytest.raises(jaxkv.KVStoreError, match="expected a jaxkv.KVState"):
+        load_state(tmp_path / "c", {"x": 1})
+    assert kv.keys() == ["x"]
