@@ -4,7 +4,9 @@ exactly as before; the checkpoint then loads bit-exactly, optimizer state includ
 process on 4 devices (1 x 4) and in a job of 4 processes x 1 device (4 x 1), and training
 continues exactly as the saving job's did; the 4 x 1 job also loads the one-file format that
 this process saves. Each job also refuses a copy with one flipped byte in a file another
-process wrote, on every process, its store unchanged."""
+process wrote, on every process, its store unchanged, and this process refuses a flipped byte
+in each file. A save in which one process dies before the commit leaves the previous
+checkpoint loadable."""
 
 import importlib.util
 import json
@@ -30,7 +32,7 @@ job = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(job)
 
 
-def launch(n, per_process, *args):
+def launch(n, per_process, *args, status=0):
     run = subprocess.run(
         [
             sys.executable,
@@ -47,7 +49,7 @@ def launch(n, per_process, *args):
         text=True,
         timeout=180,
     )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == status, run.stdout[-3000:] + run.stderr[-3000:]
     return run.stdout
 
 
@@ -96,8 +98,29 @@ def test_saved_by_2x2_loads_on_1x4_and_4x1_and_training_continues_exactly(tmp_pa
             kv.push(key, [nd.array(g, jaxkv.cpu(i)) for i in range(4)])
     assert_leaves(kv.state, tmp_path / "after.npz")
 
+    # Every file of the 2-process checkpoint, one byte flipped: refused, the store unchanged.
+    for rel in sorted(manifest["files"]):
+        victim = tmp_path / "ckpt" / manifest["data"] / "state" / rel
+        raw = bytearray(victim.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        victim.write_bytes(bytes(raw))
+        with pytest.raises(jaxkv.KVStoreError, match="checksum mismatch"):
+            kv.load(tmp_path / "ckpt")
+        raw[len(raw) // 2] ^= 0x10
+        victim.write_bytes(bytes(raw))
+    assert_leaves(kv.state, tmp_path / "after.npz")
+
     # 4 x 1: a job of 4 processes.
     stdout = launch(4, 1, "load", str(tmp_path))
     checks = ["load on another topology", "load_state on another topology"]
     checks.append("load of a single-process file")
     expect(stdout, 4, [*checks, "training continues exactly", refused])
+
+
+def test_a_save_killed_part_way_leaves_the_previous_checkpoint(tmp_path, devices):
+    launch(2, 2, "killed", str(tmp_path), status=9)
+    assert len([n for n in os.listdir(tmp_path / "killed") if n.startswith("data-")]) == 2
+    kv = jaxkv.KVStore("device", devices=devices[:4])
+    kv.set_optimizer(job.OPT)
+    kv.load(tmp_path / "killed")
+    assert_leaves(kv.state, tmp_path / "first.npz")

@@ -5,6 +5,7 @@ dist_sync job that saves or loads checkpoint directories.
                                  (save_state), train 3 more; rank 0 writes DIR/saved.npz and
                                  DIR/after.npz (every leaf, whole); then load DIR/ckpt again and
                                  train the same 3 steps
+    checkpoint_job.py killed DIR save DIR/killed, then save again and kill rank 1 part way
     checkpoint_job.py load DIR   load DIR/ckpt and DIR/state saved by another topology, and
                                  DIR/single.npz saved by one process, compare with
                                  DIR/saved.npz, train 3 steps, compare with DIR/after.npz
@@ -144,10 +145,30 @@ def local_stores(directory, ckpt):
     refused("a directory for a local store", local.load, ckpt)
 
 
+def killed(directory):
+    """Save DIR/killed once, then again with rank 1 killed after writing its shards, before
+    the commit: the launcher stops the job, and the first checkpoint must still load."""
+    from jaxkv import _orbax
+
+    kv = store()
+    kv.init(list(SHAPES), [mx.nd.array(initial(k)) for k in SHAPES])
+    train(kv, [0])
+    path = os.path.join(directory, "killed")
+    kv.save(path)
+    write(os.path.join(directory, "first.npz"), whole(kv.state))
+    train(kv, [1])
+    if jax.process_index() == 1:
+        _orbax._digest = lambda *args: os._exit(9)  # dies while hashing what it wrote
+    kv.save(path)
+    raise AssertionError("the save completed")
+
+
 def main():
     mode, directory = sys.argv[1], sys.argv[2]
     rank = jax.process_index()
     ckpt, state_dir = os.path.join(directory, "ckpt"), os.path.join(directory, "state")
+    if mode == "killed":
+        return killed(directory)
     kv = store()
     if mode == "save":
         kv.init(list(SHAPES), [mx.nd.array(initial(k)) for k in SHAPES])
