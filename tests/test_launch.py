@@ -1,0 +1,212 @@
+"""``python -m jaxkv.launch``: stop signals end every process it started, restarts after a
+failure resume the job, a stopped process ends the job within the bound, and the options."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxkv import _dist
+from jaxkv.launch import Launcher, main
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAUNCH = [sys.executable, "-m", "jaxkv.launch"]
+
+
+def job(name):
+    return os.path.join(HERE, "dist", name)
+
+
+def alive(pid):
+    """Whether ``pid`` runs (a zombie, not yet reaped by init, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_for_pids(directory, n, proc, timeout=120):
+    """The PIDs (each process's and its child's) the n processes of sleeper_job.py wrote."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = [directory / f"rank-{r}" for r in range(n)]
+        if all(f.exists() for f in files):
+            return [int(pid) for f in files for pid in f.read_text().split()]
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    raise AssertionError(f"the processes did not start in {timeout} s")
+
+
+def assert_all_gone(pids, within=10.0):
+    deadline = time.monotonic() + within
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if alive(p)], "processes outlived the launcher"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_stop_signal_ends_every_process(tmp_path, sig):
+    """The launcher's processes, and what they started, end with it (processes that import
+    neither jax nor jaxkv, so this runs fast)."""
+    proc = subprocess.Popen(
+        [*LAUNCH, "-n", "2", job("sleeper_job.py"), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pids = wait_for_pids(tmp_path, 2, proc)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + sig, err
+    assert f"{signal.Signals(sig).name}; stopping every process" in err
+    assert_all_gone(pids)
+
+
+def test_timeout_ends_a_joined_job(tmp_path):
+    """``timeout -s TERM`` around the launcher (what SLURM and Kubernetes also send): processes
+    that joined the job catch SIGTERM (JAX's preemption notifier), and still none survives.
+    The test sends SIGTERM to ``timeout`` once every process is up, which forwards it to the
+    launcher as its expiry would."""
+    proc = subprocess.Popen(
+        ["timeout", "-s", "TERM", "600", *LAUNCH, "-n", "2", "--devices-per-process", "1"]
+        + [job("sleeper_job.py"), str(tmp_path), "jax"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pids = wait_for_pids(tmp_path, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert_all_gone(pids)
+
+
+def test_killed_and_stopped_ranks_restart_to_the_uninterrupted_values(tmp_path):
+    """Attempt 0: rank 1 SIGKILLs itself at step 3; attempt 1: rank 0 (which serves the
+    coordinator) SIGSTOPs itself at step 4, and JAX's heartbeat timeout (10 s here) ends the job;
+    attempt 2 finishes. Each attempt resumes from rank 0's progress file, and every rank ends
+    with the values of an uninterrupted run: 6 steps of SGD (lr 0.5) on pushes of
+    (rank + 1) * (step + 1) from 2 processes, w = -0.5 * 3 * (1 + ... + 6) = -31.5."""
+    start = time.monotonic()
+    run = subprocess.run(
+        [*LAUNCH, "-n", "2", "--devices-per-process", "1", "--max-restarts", "2"]
+        + [job("restart_job.py"), str(tmp_path), "6", "1:kill@3", "0:stop@4"],
+        env={**os.environ, _dist.ENV_HEARTBEAT_TIMEOUT: "10"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    elapsed = time.monotonic() - start
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "restarting the job (restart 1 of 2)" in run.stderr
+    assert "restarting the job (restart 2 of 2)" in run.stderr
+    for rank in range(2):
+        assert f"rank {rank} attempt 0 starts at step 0" in run.stdout
+        # Rank 1 reached step 3, so step 2's push (which needs rank 0, after its save of
+        # step 1) completed: rank 0's file says 2 or 3; likewise 3 or 4 after attempt 1.
+        assert any(f"rank {rank} attempt 1 starts at step {s}\n" in run.stdout for s in (2, 3))
+        assert any(f"rank {rank} attempt 2 starts at step {s}\n" in run.stdout for s in (3, 4))
+        assert f"rank {rank} final {[-31.5] * 6}" in run.stdout
+    assert elapsed < 120, f"{elapsed:.0f} s"
+
+
+def test_each_process_gets_its_rank_and_restart_count(tmp_path, capfd):
+    """Node 1 of 2 with 3 processes each: ranks 3, 4, 5, and the restart count (processes
+    that import neither jax nor jaxkv)."""
+    script = tmp_path / "show.py"
+    script.write_text(
+        "import os, sys\n"
+        "e = os.environ\n"
+        "print('rank', e['JAXKV_PROCESS_ID'], 'of', e['JAXKV_NUM_PROCESSES'], 'local',"
+        " e['JAXKV_LOCAL_RANK'], 'node', e['JAXKV_NODE_RANK'], 'restart',"
+        " e['JAXKV_RESTART_COUNT'], e['JAXKV_COORDINATOR'], flush=True)\n"
+        "sys.exit(e['JAXKV_RESTART_COUNT'] == '0' and e['JAXKV_LOCAL_RANK'] == '0')\n"
+    )
+    launcher = Launcher(
+        3,
+        [str(script)],
+        nnodes=2,
+        node_rank=1,
+        coordinator="10.0.0.1:1234",
+        max_restarts=1,
+        restart_delay=0,
+    )
+    assert launcher.run() == 0
+    out = capfd.readouterr().out
+    # Attempt 0 fails as rank 3 exits (the others may be stopped before they print).
+    assert "rank 3 of 6 local 0 node 1 restart 0 10.0.0.1:1234" in out
+    for i in range(3):
+        assert f"rank {3 + i} of 6 local {i} node 1 restart 1 10.0.0.1:1234" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-n", "0"], "at least 1"),
+        (["-n", "1", "--nnodes", "2"], "needs --coordinator"),
+        (["-n", "1", "--nnodes", "2", "--node-rank", "2", "--coordinator", "h:1"], "0 .. 1"),
+        (["-n", "1", "--coordinator", "nohostport"], "HOST:PORT"),
+        (["-n", "1", "--max-restarts", "-1"], "0 or more"),
+    ],
+)
+def test_refused_options(args, message, capsys):
+    with pytest.raises(SystemExit):
+        main([*args, "x.py"])
+    assert message in capsys.readouterr().err
+
+
+def test_local_address_is_on_the_route_to_the_coordinator():
+    assert _dist.local_address("127.0.0.1:1234") == "127.0.0.1"
+    assert _dist.local_address("[::1]:1234") == "::1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: a route is enough, nothing is sent
+        except OSError:
+            pytest.skip("no IPv4 route off this machine")
+        expected = s.getsockname()[0]
+    assert _dist.local_address("192.0.2.1:1234") == expected
+
+
+def test_gloo_binding(monkeypatch):
+    monkeypatch.delenv(_dist.ENV_IFNAME, raising=False)
+    assert _dist.gloo_binding("127.0.0.1:5") == {"hostname": "127.0.0.1"}
+    monkeypatch.setenv(_dist.ENV_IFNAME, "eth7")
+    assert _dist.gloo_binding("127.0.0.1:5") == {"interface": "eth7"}
+
+
+def test_cluster_detection(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "OMPI_")):
+            monkeypatch.delenv(name)
+    assert _dist.detected_cluster() is None
+    slurm = {
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_NODELIST": "n[1-2]",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+    }
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert _dist.detected_cluster() is None  # one task: nothing to join
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert _dist.detected_cluster() == "slurm"
+    for name in slurm:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OMPI_MCA_orte_hnp_uri", "1531576320.0;tcp://10.96.0.1:34911")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    assert _dist.detected_cluster() == "ompi"
+
+
+def test_heartbeat_timeout(monkeypatch):
+    monkeypatch.delenv(_dist.ENV_HEARTBEAT_TIMEOUT, raising=False)
+    assert _dist.heartbeat_timeout() == _dist.DEFAULT_HEARTBEAT_TIMEOUT
+    monkeypatch.setenv(_dist.ENV_HEARTBEAT_TIMEOUT, "15")
+    assert _dist.heartbeat_timeout() == 15
+    monkeypatch.setenv(_dist.ENV_RESTART_COUNT, "2")
+    assert _dist.restart_count() == 2
