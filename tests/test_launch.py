@@ -210,3 +210,46 @@ def test_heartbeat_timeout(monkeypatch):
     assert _dist.heartbeat_timeout() == 15
     monkeypatch.setenv(_dist.ENV_RESTART_COUNT, "2")
     assert _dist.restart_count() == 2
+
+
+def test_a_slurm_step_joins_through_jax_detection():
+    """Two processes with the variables ``srun -n 2`` sets, and no launcher: each joins through
+    JAX's SLURM detection (coordinator: the step's first node, here localhost), and
+    kvstore_job.py's sums agree on both."""
+    launched = (_dist.ENV_COORDINATOR, _dist.ENV_NUM_PROCESSES, _dist.ENV_PROCESS_ID)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", *launched))}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {
+            **base,
+            "SLURM_JOB_ID": "4242",
+            "SLURM_STEP_NODELIST": "localhost",
+            "SLURM_STEP_NUM_NODES": "1",
+            "SLURM_NTASKS": "2",
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "JAX_COORDINATOR_PORT": str(port),  # JAX's own override of the job-id port
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, job("slurm_job.py"), "2"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, out + err
+        assert f"rank {rank} ok push sums over workers" in out
+        assert f"rank {rank} done" in out
