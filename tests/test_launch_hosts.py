@@ -1,7 +1,8 @@
 """Two hosts simulated on one machine: two network namespaces joined by a veth pair on a private
 test subnet, each running ``python -m jaxkv.launch --nnodes 2 --node-rank R`` with the
-coordinator on the first namespace's address. Gloo must bind to the veth's address (the host
-name resolves to 127.0.0.1 here, which the other "host" cannot reach).
+coordinator on the first namespace's address: every rank agrees on every sum, and a job whose
+rank dies on one host restarts on both. Gloo must bind to the veth's address (the host name
+resolves to 127.0.0.1 here, which the other "host" cannot reach).
 
 Needs root and ``ip`` (iproute2); skipped, with the reason, where namespaces cannot be made."""
 
@@ -56,25 +57,22 @@ def two_hosts():
         remove_namespaces()
 
 
-@pytest.mark.parametrize("binding", ["route", "JAXKV_IFNAME"])
-def test_two_hosts_agree_on_every_sum(two_hosts, binding):
-    """Each host: 1 process x 2 devices; kvstore_job.py checks init from rank 0, pushes summed
-    over both hosts' devices and a sharded value with SGD on every rank. ``route``: gloo binds to
-    the address on the route to the coordinator; ``JAXKV_IFNAME``: to the named interface."""
-    coordinator = f"{two_hosts[0]['addr']}:29500"
+def run_on_hosts(hosts, launcher_args, script, env=None):
+    """Runs the launcher in each namespace (node rank = its index; coordinator on the first);
+    returns each one's (returncode, stdout, stderr)."""
+    coordinator = f"{hosts[0]['addr']}:29500"
     procs = []
-    for rank, host in enumerate(two_hosts):
-        env = dict(os.environ)
-        env.pop("JAXKV_IFNAME", None)
-        if binding == "JAXKV_IFNAME":
-            env["JAXKV_IFNAME"] = host["veth"]
+    for rank, host in enumerate(hosts):
         command = ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "jaxkv.launch"]
         command += ["--nnodes", "2", "--node-rank", str(rank), "--coordinator", coordinator]
-        command += ["-n", "1", "--devices-per-process", "2"]
-        command += [os.path.join(HERE, "dist", "kvstore_job.py"), "2"]
+        command += [*launcher_args, *script]
         procs.append(
             subprocess.Popen(
-                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                command,
+                env={**os.environ, **(env(host) if env else {})},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
             )
         )
     try:
@@ -84,8 +82,36 @@ def test_two_hosts_agree_on_every_sum(two_hosts, binding):
             if p.poll() is None:
                 p.terminate()
                 p.wait()
-    for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, out + err
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+def test_two_hosts_agree_on_every_sum(two_hosts, monkeypatch):
+    """Each host: 1 process x 2 devices; kvstore_job.py checks init from rank 0, pushes summed
+    over both hosts' devices and a sharded value with SGD on every rank. Gloo binds to the
+    address on the route to the coordinator."""
+    monkeypatch.delenv("JAXKV_IFNAME", raising=False)
+    script = [os.path.join(HERE, "dist", "kvstore_job.py"), "2"]
+    results = run_on_hosts(two_hosts, ["-n", "1", "--devices-per-process", "2"], script)
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0, out + err
         for check in ("init from rank 0", "push sums over workers", "sharded value with sgd"):
             assert f"rank {rank} ok {check}" in out
         assert f"rank {rank} done" in out
+
+
+def test_two_hosts_restart_after_a_killed_rank(two_hosts, tmp_path):
+    """With gloo bound by JAXKV_IFNAME: rank 1 (on the second host) SIGKILLs itself at step 3;
+    both launchers restart their share of the job (after JAX's heartbeat timeout, 10 s here,
+    plus 5 s), and every rank ends with the values of an uninterrupted run (restart_job.py)."""
+    script = [os.path.join(HERE, "dist", "restart_job.py"), str(tmp_path), "6", "1:kill@3"]
+    results = run_on_hosts(
+        two_hosts,
+        ["-n", "1", "--devices-per-process", "1", "--max-restarts", "1"],
+        script,
+        env=lambda host: {"JAXKV_IFNAME": host["veth"], "JAXKV_HEARTBEAT_TIMEOUT": "10"},
+    )
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0, out + err
+        assert "restarting the job (restart 1 of 1)" in err
+        assert f"rank {rank} attempt 1 starts at step 0" not in out
+        assert f"rank {rank} final {[-31.5] * 6}" in out
