@@ -95,14 +95,14 @@ def _sha256(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
-def save(fname: str, state: KVState, *, values: bool) -> None:
+def save(fname: str, state: KVState, *, values: bool, directory: bool = False) -> None:
     """Write ``state`` (values and/or optimizer states) to ``fname`` atomically: one file for
     a store on one process, a checkpoint directory (``_orbax``) for a store over every process
-    of a job, or where ``fname`` already is one."""
+    of a job, or where ``fname`` already is one (or ``directory`` asks for one)."""
     fname = os.fspath(fname)
-    if _processes(fname, state) > 1 or _orbax.is_checkpoint(fname):
+    if directory or _processes(fname, state) > 1 or _orbax.is_checkpoint(fname):
         _together(fname, state)
-        _orbax.save(fname, state, _header(state, values), list(_entries(state, values)))
+        _orbax.save(fname, _header(state, values), list(_entries(state, values)))
         return
     manifest = _header(state, values)
     arrays = {}

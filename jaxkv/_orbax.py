@@ -114,7 +114,7 @@ def _token() -> str:
     return "data-" + np.asarray(_dist.from_rank_zero(mine)).tobytes().decode()
 
 
-def save(path: str, state: Any, manifest: dict, entries: list) -> None:
+def save(path: str, manifest: dict, entries: list) -> None:
     """Write ``entries`` (``(where, part, tree path, array)``, as ``_checkpoint._entries``
     gives them) and ``manifest`` (their store's fields) to the directory ``path``; every
     process of the job calls it."""

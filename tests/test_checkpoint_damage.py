@@ -45,9 +45,7 @@ def saved():
     kv.save(os.path.join(root, "s.npz"))
     state = kv.state
     directory = os.path.join(root, "dir")
-    _checkpoint._orbax.save(
-        directory, state, _checkpoint._header(state, True), list(_checkpoint._entries(state, True))
-    )
+    _checkpoint.save(directory, state, values=True, directory=True)
     yield leaves(kv), root
     shutil.rmtree(root)
 

@@ -29,9 +29,7 @@ ADAM = optax.adam(0.1)
 
 def new_checkpoint(path, state):
     """A checkpoint directory, as a multi-process job writes it (one process suffices)."""
-    _orbax.save(
-        str(path), state, _checkpoint._header(state, True), list(_checkpoint._entries(state, True))
-    )
+    _checkpoint.save(path, state, values=True, directory=True)
 
 
 def bump(kv, keys=("b", "w")):
@@ -103,12 +101,7 @@ def test_residuals_empty_values_and_optimizer_state_files(tmp_path, devices):
     # Optimizer states alone, into a directory that already is a checkpoint.
     opt_only = tmp_path / "opt"
     state = kv.state
-    _orbax.save(
-        str(opt_only),
-        state,
-        _checkpoint._header(state, False),
-        list(_checkpoint._entries(state, False)),
-    )
+    _checkpoint.save(opt_only, state, values=False, directory=True)
     bump(kv)
     before = dict(kv.state.opt_states)
     kv.save_optimizer_states(opt_only)
@@ -161,11 +154,10 @@ KILLED = textwrap.dedent(
     import sys, jax
     jax.config.update("jax_num_cpu_devices", 4)
     import jax.numpy as jnp, jaxkv
-    from jaxkv import _checkpoint, _orbax
+    from jaxkv import _checkpoint
     path = sys.argv[1]
     state = jaxkv.init(jaxkv.empty(), {"w": jnp.zeros((1024, 1024))})
-    _orbax.save(path, state, _checkpoint._header(state, True),
-                list(_checkpoint._entries(state, True)))
+    _checkpoint.save(path, state, values=True, directory=True)
     print("saved 0", flush=True)
     for i in range(1, 1000):
         state = jaxkv.init(jaxkv.empty(), {"w": jnp.full((1024, 1024), float(i))})
