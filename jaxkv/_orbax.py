@@ -164,6 +164,8 @@ def save(path: str, manifest: dict, entries: list) -> None:
         for name in os.listdir(path):  # older checkpoints, and saves that were cut short
             if _DATA.fullmatch(name) and name != token:
                 shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+            elif name.startswith(".jaxkv-") and name.endswith(".tmp"):
+                os.unlink(os.path.join(path, name))
     _dist.barrier("jaxkv.save: committed")
 
 
