@@ -6,6 +6,8 @@ training loops, and an imperative :class:`KVStore` with MXNet's API (:func:`crea
 
 from . import _dist  # noqa: F401  (first: joins a jaxkv.launch job before JAX starts)
 from . import nd as nd
+from ._checkpoint import load_state as load_state
+from ._checkpoint import save_state as save_state
 from ._context import Context as Context
 from ._context import cpu as cpu
 from ._context import current_context as current_context
@@ -68,10 +70,12 @@ __all__ = [
     "gpu",
     "init",
     "init_optimizer",
+    "load_state",
     "nd",
     "pull",
     "push",
     "pushpull",
     "row_sparse_pull",
+    "save_state",
     "specs",
 ]

@@ -421,12 +421,11 @@ def save_state(path: str | os.PathLike, state: KVState) -> None:
 
     Examples:
       >>> import os, tempfile, jax.numpy as jnp, optax, jaxkv
-      >>> from jaxkv._checkpoint import save_state, load_state
       >>> opt = optax.sgd(0.1, momentum=0.9)
       >>> state = jaxkv.init_optimizer(jaxkv.init(jaxkv.empty(), {"w": jnp.ones(3)}), opt)
       >>> path = os.path.join(tempfile.mkdtemp(), "kv.npz")
-      >>> save_state(path, state)
-      >>> loaded = load_state(path, jaxkv.empty(), optimizer=opt)
+      >>> jaxkv.save_state(path, state)
+      >>> loaded = jaxkv.load_state(path, jaxkv.empty(), optimizer=opt)
       >>> loaded["w"].tolist(), list(loaded.opt_states)
       ([1.0, 1.0, 1.0], [('w',)])
     """
