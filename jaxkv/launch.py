@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -75,16 +76,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent():
-    """For ``preexec_fn``: SIGKILL this child when the launcher dies (Linux), even by SIGKILL."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        return
-    parent = os.environ.get("_JAXKV_LAUNCHER_PID")
-    if parent and os.getppid() != int(parent):  # the launcher died before prctl
+try:  # looked up here, not in the child between fork and exec
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # pragma: no cover - not Linux
+    _PRCTL = None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """For ``preexec_fn``: SIGKILL this child when the launcher (``parent``) dies, even by
+    SIGKILL (Linux's ``PR_SET_PDEATHSIG``, kept across ``exec``)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # the launcher died before prctl
         os._exit(1)
 
 
@@ -214,7 +218,6 @@ class Launcher:
                         ENV_LOCAL_RANK: str(i),
                         ENV_NODE_RANK: str(self.node_rank),
                         ENV_RESTART_COUNT: str(attempt),
-                        "_JAXKV_LAUNCHER_PID": str(os.getpid()),
                     }
                 )
                 if self.devices_per_process:
@@ -224,7 +227,7 @@ class Launcher:
                         [sys.executable, *self.script],
                         env=env,
                         start_new_session=True,
-                        preexec_fn=_die_with_parent,
+                        preexec_fn=functools.partial(_die_with_parent, os.getpid()),
                     )
                 )
                 ranks.append(rank)

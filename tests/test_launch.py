@@ -1,6 +1,7 @@
 """``python -m jaxkv.launch``: stop signals end every process it started, restarts after a
 failure resume the job, a stopped process ends the job within the bound, and the options."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -65,6 +66,25 @@ def test_a_stop_signal_ends_every_process(tmp_path, sig):
     assert proc.returncode == 128 + sig, err
     assert f"{signal.Signals(sig).name}; stopping every process" in err
     assert_all_gone(pids)
+
+
+def test_the_processes_die_with_a_killed_launcher(tmp_path):
+    """SIGKILL, which the launcher cannot handle: the kernel kills its processes
+    (PR_SET_PDEATHSIG); what they started is reparented, not killed."""
+    proc = subprocess.Popen(
+        [*LAUNCH, "-n", "2", job("sleeper_job.py"), str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    pids = wait_for_pids(tmp_path, 2, proc)
+    proc.kill()
+    proc.wait(timeout=30)
+    try:
+        assert_all_gone(pids[::2])
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_timeout_ends_a_joined_job(tmp_path):
