@@ -187,11 +187,15 @@ def join_cluster() -> bool:
         return False
     _use_gloo()
     jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout())
-    coordinator = getattr(_jax_distributed_state(), "coordinator_address", None)
+    state = _jax_distributed_state()
+    coordinator = getattr(state, "coordinator_address", None)
     if coordinator:
         pin_gloo(gloo_binding(coordinator))
     exit_on_uncaught_exception()
-    logger.info("jaxkv: joined the %s job as process %d", cluster, jax.process_index())
+    # (not jax.process_index(): that would start the backends)
+    logger.info(
+        "jaxkv: joined the %s job as process %s", cluster, getattr(state, "process_id", "?")
+    )
     return True
 
 

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import functools
 import logging
 import os
 import signal
@@ -76,20 +74,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-try:  # looked up here, not in the child between fork and exec
-    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # pragma: no cover - not Linux
-    _PRCTL = None
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent: int) -> None:
-    """For ``preexec_fn``: SIGKILL this child when the launcher (``parent``) dies, even by
-    SIGKILL (Linux's ``PR_SET_PDEATHSIG``, kept across ``exec``)."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != parent:  # the launcher died before prctl
-        os._exit(1)
+#: Run by ``python -S -c`` in each new process before the script: asks the kernel for SIGKILL
+#: when the launcher dies (Linux's ``PR_SET_PDEATHSIG``, kept across ``exec``), gives up if the
+#: launcher is already gone, then replaces itself with ``python script.py args...`` (same PID).
+#: A ``preexec_fn`` would do it without a second interpreter, but forks from Python, which is
+#: not safe in a process where JAX's threads run (``launch()`` called in-process).
+_DIE_WITH_PARENT = """\
+import ctypes, os, sys
+try:
+    ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+"""
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
@@ -222,13 +221,9 @@ class Launcher:
                 )
                 if self.devices_per_process:
                     env[ENV_DEVICES_PER_PROCESS] = str(self.devices_per_process)
+                shim = [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid())]
                 procs.append(
-                    subprocess.Popen(
-                        [sys.executable, *self.script],
-                        env=env,
-                        start_new_session=True,
-                        preexec_fn=functools.partial(_die_with_parent, os.getpid()),
-                    )
+                    subprocess.Popen([*shim, *self.script], env=env, start_new_session=True)
                 )
                 ranks.append(rank)
             logger.info(
