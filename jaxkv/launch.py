@@ -238,7 +238,8 @@ class Launcher:
                 codes = [p.poll() for p in procs]
                 failed = [(r, c) for r, c in zip(ranks, codes) if c not in (None, 0)]
                 if failed:
-                    rank, code = failed[0]
+                    # One found dead by a signal is the likelier cause of the others' failures.
+                    rank, code = min(failed, key=lambda f: (f[1] > 0, f[0]))
                     logger.error(
                         "jaxkv.launch: process %d exited with %d; stopping the others", rank, code
                     )

@@ -106,12 +106,12 @@ def test_two_hosts_restart_after_a_killed_rank(two_hosts, tmp_path):
     script = [os.path.join(HERE, "dist", "restart_job.py"), str(tmp_path), "6", "1:kill@3"]
     results = run_on_hosts(
         two_hosts,
-        ["-n", "1", "--devices-per-process", "1", "--max-restarts", "1"],
+        ["-n", "1", "--devices-per-process", "1", "--max-restarts", "2"],
         script,
         env=lambda host: {"JAXKV_IFNAME": host["veth"], "JAXKV_HEARTBEAT_TIMEOUT": "10"},
     )
     for rank, (code, out, err) in enumerate(results):
         assert code == 0, out + err
-        assert "restarting the job (restart 1 of 1)" in err
+        assert "restarting the job (restart 1 of 2)" in err, out + err
         assert f"rank {rank} attempt 1 starts at step 0" not in out
         assert f"rank {rank} final {[-31.5] * 6}" in out
