@@ -22,9 +22,10 @@ import contextlib
 import logging
 import os
 import socket
-from typing import Any
 
 import jax
+
+from . import _fast
 
 logger = logging.getLogger("jaxkv")
 
@@ -84,28 +85,19 @@ def pin_gloo(binding: dict[str, str]) -> bool:
     """Make JAX's CPU backend create its gloo collectives with ``binding`` (gloo's ``hostname``
     or ``interface``). Call it after ``jax.distributed.initialize`` and before JAX starts its
     backends. JAX offers no public setting for this, so it replaces the CPU backend's factory
-    with JAX's own one given gloo collectives made here; where those names are missing (another
-    JAX), it logs a warning and leaves gloo's default (the host name's address). Returns whether
-    the pin is in place."""
-    try:
-        from jax._src import distributed as jax_distributed
-        from jax._src import xla_bridge
-        from jax._src.lib import _jax
-        from jax.extend.backend import register_backend_factory
-
-        make_collectives = _jax.make_gloo_tcp_collectives
-        make_cpu_client = xla_bridge.make_cpu_client
-    except (ImportError, AttributeError) as e:  # pragma: no cover - another JAX
-        logger.warning("jaxkv: cannot choose gloo's address (%s); it uses the host name's", e)
-        return False
-
-    def cpu_backend() -> Any:
-        collectives = make_collectives(
-            distributed_client=jax_distributed.global_state.client, **binding
+    with JAX's own one given gloo collectives made here (private names: ``_fast.py``); where
+    those are missing (another JAX, or ``JAXKV_NO_FAST_PATHS=1``), it logs a warning and leaves
+    gloo's default (the host name's address). Returns whether the pin is in place."""
+    backend = _fast.gloo_cpu_backend(binding)
+    if backend is None:
+        logger.warning(
+            "jaxkv: cannot choose gloo's address (no such hook in this JAX, or "
+            "JAXKV_NO_FAST_PATHS is set); it uses the host name's"
         )
-        return make_cpu_client(collectives=collectives)
+        return False
+    from jax.extend.backend import register_backend_factory
 
-    register_backend_factory("cpu", cpu_backend, priority=0, fail_quietly=False)
+    register_backend_factory("cpu", backend, priority=0, fail_quietly=False)
     return True
 
 
@@ -187,7 +179,7 @@ def join_cluster() -> bool:
         return False
     _use_gloo()
     jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout())
-    state = _jax_distributed_state()
+    state = _fast.distributed_state()
     coordinator = getattr(state, "coordinator_address", None)
     if coordinator:
         pin_gloo(gloo_binding(coordinator))
@@ -197,14 +189,6 @@ def join_cluster() -> bool:
         "jaxkv: joined the %s job as process %s", cluster, getattr(state, "process_id", "?")
     )
     return True
-
-
-def _jax_distributed_state() -> Any:
-    try:
-        from jax._src import distributed as jax_distributed
-    except ImportError:  # pragma: no cover - another JAX
-        return None
-    return jax_distributed.global_state
 
 
 def restart_count() -> int:

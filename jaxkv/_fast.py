@@ -5,6 +5,10 @@ handles thousands of arrays). Each is feature-checked: another JAX without the p
 takes the public route, with the same results. ``JAXKV_NO_FAST_PATHS=1`` in the environment
 (read at import) turns every one of them off; the test suite runs a check that way.
 
+It also reaches two private hooks of ``jax.distributed`` (:func:`gloo_cpu_backend`,
+:func:`distributed_state`) that let gloo bind to the interface toward the coordinator; without
+them gloo binds to the host name's address.
+
 It also holds the feature detection of public names that moved between JAX versions
 (:func:`varying_axes`, :func:`to_varying`, :func:`all_gather_invariant`): each detected by
 attribute, or by trying the keyword, never by version; ``JAXKV_NO_FAST_PATHS`` does not affect
@@ -28,6 +32,8 @@ __all__ = [
     "ArrayImpl",
     "all_gather_invariant",
     "assemble",
+    "distributed_state",
+    "gloo_cpu_backend",
     "per_device",
     "single_device",
     "to_varying",
@@ -128,3 +134,38 @@ def all_gather_invariant(x: Any, axis_name: Any, *, tiled: bool = False) -> Any:
         return jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(whole, x, me * rows, 0), axis_name)
     whole = jnp.zeros((n, *x.shape), x.dtype)
     return jax.lax.psum(jax.lax.dynamic_update_index_in_dim(whole, x, me, 0), axis_name)
+
+
+def gloo_cpu_backend(binding: dict[str, str]) -> Any:
+    """A factory for JAX's CPU backend whose gloo collectives bind as ``binding`` says (gloo's
+    ``hostname`` or ``interface``), or ``None`` where this JAX has no such hook. JAX offers no
+    public setting for gloo's address; without it gloo binds to the host name's address."""
+    if not ENABLED:
+        return None
+    try:
+        from jax._src import distributed as jax_distributed
+        from jax._src import xla_bridge
+        from jax._src.lib import _jax
+
+        make_collectives = _jax.make_gloo_tcp_collectives
+        make_cpu_client = xla_bridge.make_cpu_client
+    except (ImportError, AttributeError):  # another JAX
+        return None
+
+    def cpu_backend() -> Any:
+        client = jax_distributed.global_state.client
+        return make_cpu_client(collectives=make_collectives(distributed_client=client, **binding))
+
+    return cpu_backend
+
+
+def distributed_state() -> Any:
+    """JAX's record of the job this process joined (coordinator address, process id), or
+    ``None`` where this JAX does not expose it."""
+    if not ENABLED:
+        return None
+    try:
+        from jax._src import distributed as jax_distributed
+    except ImportError:  # another JAX
+        return None
+    return jax_distributed.global_state

@@ -119,6 +119,15 @@ class KVStore:
 
     def __init__(self, name: str = "local", devices: Any = None):
         if devices is None and name in _DIST_TYPES:
+            try:  # under SLURM or Open MPI with no launcher: JAX's own cluster detection
+                _dist.join_cluster()
+            except RuntimeError as e:
+                raise KVStoreError(
+                    f"create({name!r}): expected to join the cluster job found in the "
+                    "environment before JAX started, given a process where JAX has already "
+                    f"computed ({e}); create the store (or call jax.distributed.initialize()) "
+                    "before the first JAX computation"
+                ) from None
             devices = jax.devices()
         self._type = name
         self._lock = threading.RLock()

@@ -1,5 +1,5 @@
-"""Run by tests/test_launch.py without the launcher, with the variables ``srun`` sets: joins
-through JAX's SLURM detection (``jaxkv._dist.join_cluster``), then runs kvstore_job.py's checks.
+"""Run by tests/test_launch.py without the launcher, with the variables ``srun`` sets: runs
+kvstore_job.py's checks, whose ``create('dist_sync')`` joins through JAX's SLURM detection.
 
     slurm_job.py N
 """
@@ -9,14 +9,11 @@ import sys
 
 import jax
 
-from jaxkv import _dist
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 jax.config.update("jax_num_cpu_devices", 2)
-assert _dist.join_cluster()
-assert jax.process_index() == int(os.environ["SLURM_PROCID"])
 
 import kvstore_job  # noqa: E402
 
 kvstore_job.main()
+assert jax.process_index() == int(os.environ["SLURM_PROCID"])
