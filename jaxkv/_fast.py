@@ -11,19 +11,17 @@ them gloo binds to the host name's address.
 
 It also holds the feature detection of public names that moved between JAX versions
 (:func:`varying_axes`, :func:`to_varying`, :func:`all_gather_invariant`): each detected by
-attribute, or by trying the keyword, never by version; ``JAXKV_NO_FAST_PATHS`` does not affect
-them, since each JAX has one public route.
+attribute, or by trying the keyword, never by version. Where a JAX has a public route, it is
+taken whatever ``JAXKV_NO_FAST_PATHS`` says.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 __all__ = [
@@ -114,26 +112,34 @@ def to_varying(x: Any, axes: tuple) -> Any:
     return jax.lax.pvary(x, axes)
 
 
+# JAX 0.8.2 to 0.9.2 have no public all-gather typed invariant, but a private one.
+_private_gather: Any = None
+if ENABLED:
+    try:
+        from jax._src.lax.parallel import all_gather_invariant as _private_gather
+    except ImportError:  # another JAX: the public routes below
+        _private_gather = None
+
+
 def all_gather_invariant(x: Any, axis_name: Any, *, tiled: bool = False) -> Any:
     """``jax.lax.all_gather`` whose result is typed invariant along ``axis_name``: the same
-    whole value on every device, usable where ``shard_map``'s ``out_specs`` says replicated."""
+    whole value on every device, usable where ``shard_map``'s ``out_specs`` says replicated.
+
+    ``all_gather(..., to="invarying")`` from JAX 0.10, ``jax.lax.all_gather_invariant`` until
+    0.8.1, the private function of that name in between; without any of them (or with
+    ``JAXKV_NO_FAST_PATHS=1`` there) a plain ``all_gather``: the same values, typed varying.
+    """
     try:
         return jax.lax.all_gather(x, axis_name, tiled=tiled, to="invarying")
     except (TypeError, ValueError):  # an older JAX: no `to`, or no "invarying"
         pass
-    gather = getattr(jax.lax, "all_gather_invariant", None)  # its name until JAX 0.8.1
+    gather = getattr(jax.lax, "all_gather_invariant", None) or _private_gather
     if gather is not None:
-        return gather(x, axis_name, tiled=tiled)
-    # None public (JAX 0.8.2 and 0.8.3): each device's part in zeros, summed (an all-reduce).
-    names = axis_name if isinstance(axis_name, tuple | list) else (axis_name,)
-    n = math.prod(jax.lax.axis_size(a) for a in names)
-    me = jax.lax.axis_index(axis_name)
-    if tiled:
-        rows = x.shape[0]
-        whole = jnp.zeros((n * rows, *x.shape[1:]), x.dtype)
-        return jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(whole, x, me * rows, 0), axis_name)
-    whole = jnp.zeros((n, *x.shape), x.dtype)
-    return jax.lax.psum(jax.lax.dynamic_update_index_in_dim(whole, x, me, 0), axis_name)
+        try:
+            return gather(x, axis_name, tiled=tiled)
+        except TypeError:  # another signature
+            pass
+    return jax.lax.all_gather(x, axis_name, tiled=tiled)
 
 
 def gloo_cpu_backend(binding: dict[str, str]) -> Any:

@@ -97,44 +97,61 @@ def _without_to(monkeypatch):
     monkeypatch.setattr(jax.lax, "all_gather", older)
 
 
-def _renamed(mp, mesh):
-    """A JAX whose all_gather takes no ``to`` but which has all_gather_invariant (until 0.8.1);
-    made from this JAX's ``to="invarying"`` where it has no all_gather_invariant of its own."""
+def _invariant_gather(mesh):
+    """This JAX's all-gather typed invariant, whatever it is called (None without one)."""
     gather = jax.lax.all_gather
-    if not hasattr(jax.lax, "all_gather_invariant"):
-        try:
-            jax.shard_map(
-                lambda x: gather(x, "d", to="invarying"), mesh=mesh, in_specs=P("d"), out_specs=P()
-            )(jnp.ones(8))
-        except ValueError:
-            pytest.skip("this JAX has neither all_gather_invariant nor all_gather(to='invarying')")
+    found = getattr(jax.lax, "all_gather_invariant", None) or _fast._private_gather
+    if found is not None:
+        return found
+    try:
+        jax.shard_map(
+            lambda x: gather(x, "d", to="invarying"), mesh=mesh, in_specs=P("d"), out_specs=P()
+        )(jnp.ones(8))
+    except ValueError:
+        return None
+    return lambda x, axis_name, *, tiled=False: gather(x, axis_name, tiled=tiled, to="invarying")
 
-        def renamed(x, axis_name, *, tiled=False):
-            return gather(x, axis_name, tiled=tiled, to="invarying")
 
-        mp.setattr(jax.lax, "all_gather_invariant", renamed, raising=False)
+def _skip_without(gather):
+    if gather is None:
+        pytest.skip("this JAX's only all-gather typed invariant is private (fast paths are off)")
+    return gather
+
+
+def _public(mp, mesh):
+    """A JAX whose all_gather takes no ``to`` and with jax.lax.all_gather_invariant (<= 0.8.1)."""
+    gather = _skip_without(_invariant_gather(mesh))
+    mp.setattr(jax.lax, "all_gather_invariant", gather, raising=False)
     _without_to(mp)
 
 
-ROUTES = {
-    "this JAX": lambda mp, mesh: None,
-    "all_gather_invariant": _renamed,
-    "psum": lambda mp, mesh: (
-        _without_to(mp),
-        mp.delattr(jax.lax, "all_gather_invariant", False),
-    ),
-}
+def _private(mp, mesh):
+    """A JAX with neither, but the private all_gather_invariant (0.8.2 to 0.9.2)."""
+    mp.setattr(_fast, "_private_gather", _skip_without(_invariant_gather(mesh)))
+    mp.delattr(jax.lax, "all_gather_invariant", False)
+    _without_to(mp)
+
+
+def _plain(mp, mesh):
+    """Those JAX versions with JAXKV_NO_FAST_PATHS=1."""
+    mp.setattr(_fast, "_private_gather", None)
+    mp.delattr(jax.lax, "all_gather_invariant", False)
+    _without_to(mp)
+
+
+ROUTES = {"this JAX": None, "public": _public, "private": _private, "plain": _plain}
 
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("tiled", [True, False])
-def test_all_gather_invariant_gives_the_whole_value_typed_invariant(
-    mesh, monkeypatch, route, tiled
-):
-    ROUTES[route](monkeypatch, mesh)
+def test_all_gather_invariant_gives_the_whole_value(mesh, monkeypatch, route, tiled):
+    """Typed invariant (out_specs P() is checked), except by the plain route: typed varying."""
+    if ROUTES[route] is not None:
+        ROUTES[route](monkeypatch, mesh)
+    invariant = route != "plain" and (route != "this JAX" or _invariant_gather(mesh) is not None)
     seen = {}
 
-    @partial(jax.shard_map, mesh=mesh, in_specs=P("d"), out_specs=P())  # checks replication
+    @partial(jax.shard_map, mesh=mesh, in_specs=P("d"), out_specs=P(), check_vma=invariant)
     def step(x):
         whole = _fast.all_gather_invariant(x, "d", tiled=tiled)
         seen["whole"] = _fast.varying_axes(whole)
@@ -143,6 +160,19 @@ def test_all_gather_invariant_gives_the_whole_value_typed_invariant(
     x = jnp.arange(16.0).reshape(8, 2)
     np.testing.assert_array_equal(step(x), x if tiled else x.reshape(8, 1, 2))
     assert seen == {"whole": frozenset()}
+
+
+def test_the_plain_route_is_typed_varying(mesh, monkeypatch):
+    _plain(monkeypatch, mesh)
+    seen = {}
+
+    @partial(jax.shard_map, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+    def step(x):
+        seen["whole"] = _fast.varying_axes(_fast.all_gather_invariant(x, "d", tiled=True))
+        return x
+
+    step(jnp.arange(8.0))
+    assert seen == {"whole": {"d"}}
 
 
 def test_no_route_is_chosen_by_version():
