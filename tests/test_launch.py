@@ -150,9 +150,11 @@ def test_each_process_gets_its_rank_and_restart_count(tmp_path, capfd):
     script.write_text(
         "import os, sys\n"
         "e = os.environ\n"
-        "print('rank', e['JAXKV_PROCESS_ID'], 'of', e['JAXKV_NUM_PROCESSES'], 'local',"
-        " e['JAXKV_LOCAL_RANK'], 'node', e['JAXKV_NODE_RANK'], 'restart',"
-        " e['JAXKV_RESTART_COUNT'], e['JAXKV_COORDINATOR'], flush=True)\n"
+        # One write per line: the processes share the pipe.
+        "line = ' '.join(['rank', e['JAXKV_PROCESS_ID'], 'of', e['JAXKV_NUM_PROCESSES'],"
+        " 'local', e['JAXKV_LOCAL_RANK'], 'node', e['JAXKV_NODE_RANK'], 'restart',"
+        " e['JAXKV_RESTART_COUNT'], e['JAXKV_COORDINATOR']])\n"
+        "os.write(1, (line + '\\n').encode())\n"
         "sys.exit(e['JAXKV_RESTART_COUNT'] == '0' and e['JAXKV_LOCAL_RANK'] == '0')\n"
     )
     launcher = Launcher(
