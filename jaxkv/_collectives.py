@@ -12,9 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._errors import KVStoreError
+from ._fast import varying_axes
 from ._state import AXIS, BIGARRAY_BOUND, KVState
 
 __all__ = [
+    "axis_arg",
     "axis_names",
     "axis_size",
     "axis_sum",
@@ -29,6 +31,11 @@ __all__ = [
 def axis_names(axis_name: Any) -> tuple:
     """``axis_name`` (one mapped axis or several) as a tuple of names."""
     return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
+
+
+def axis_arg(names: tuple) -> Any:
+    """``names`` as JAX's collectives take them: one name alone, several as a tuple."""
+    return names if len(names) > 1 else names[0]
 
 
 def axis_size(names: tuple) -> int:
@@ -52,8 +59,8 @@ def unsummed_axes(x: jax.Array, names: tuple) -> tuple:
     axis_size(names)  # refuses unbound names
     todo = []
     for name in names:
-        tracked = name in jax.typeof(jax.lax.axis_index(name)).manual_axis_type.varying
-        if not tracked or name in jax.typeof(x).manual_axis_type.varying:
+        tracked = name in varying_axes(jax.lax.axis_index(name))
+        if not tracked or name in varying_axes(x):
             todo.append(name)
     return tuple(todo)
 

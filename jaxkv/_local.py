@@ -13,13 +13,15 @@ x.size``) runs on blocks.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.extend import core as jex
+
+from ._collectives import axis_arg, axis_size
+from ._fast import CAN_MARK_VARYING, all_gather_invariant, to_varying, varying_axes
 
 __all__ = ["run_on_blocks"]
 
@@ -174,19 +176,13 @@ def is_blockwise(fn: Callable, args: Any, blocks: Any, out_blocks: Any) -> bool:
     return _on_blocks(fn, args, blocks, out_blocks, reduce=False) is not None
 
 
-def _vma(x: Any) -> frozenset:
-    """The mapped axes ``x`` varies along (empty where JAX does not track them)."""
-    kind = getattr(jax.typeof(x), "manual_axis_type", None)
-    return frozenset(getattr(kind, "varying", ()))
-
-
 def _bind(eqn: Any, values: list) -> list:
     """Bind ``eqn``'s primitive to ``values``, first marking invariant inputs as varying
     where others vary (what ``jax.lax`` does for its own functions under ``shard_map``)."""
-    every = frozenset().union(*(_vma(v) for v in values))
+    every = frozenset().union(*(varying_axes(v) for v in values))
     if every:
         values = [
-            jax.lax.pcast(v, tuple(sorted(every - _vma(v))), to="varying") if every - _vma(v) else v
+            to_varying(v, tuple(sorted(every - varying_axes(v)))) if every - varying_axes(v) else v
             for v in values
         ]
     params = eqn.primitive.get_bind_params(eqn.params)
@@ -221,17 +217,6 @@ def _evaluate(jaxpr: Any, consts: Sequence, args: Sequence, kinds: Sequence, nam
     return [r[0] for r in results], [r[1] for r in results]
 
 
-def _axes(names: tuple) -> Any:
-    return names if len(names) > 1 else names[0]
-
-
-def _gather(x: jax.Array, names: tuple) -> jax.Array:
-    try:  # the same whole value on every device, typed so (varying-axis tracking)
-        return jax.lax.all_gather(x, _axes(names), tiled=True, to="invarying")
-    except (TypeError, ValueError):
-        return jax.lax.all_gather(x, _axes(names), tiled=True)
-
-
 def run_on_blocks(fn: Callable, args: Any, blocks: Any, out_blocks: Any, names: tuple) -> Any:
     """``fn(*args)`` where the leaves ``blocks`` marks are this device's blocks (axis 0) of
     values sharded over the mapped axes ``names``: the outputs ``out_blocks`` marks are this
@@ -247,15 +232,17 @@ def run_on_blocks(fn: Callable, args: Any, blocks: Any, out_blocks: Any, names: 
         return fn(*args)
     leaves, treedef = jax.tree_util.tree_flatten(args)
     found = _on_blocks(fn, args, blocks, out_blocks, reduce=True)
-    if found is not None and hasattr(jax.lax, "pcast"):
+    axes = axis_arg(names)
+    if found is not None and CAN_MARK_VARYING:
         closed, out_tree = found
         kinds = [_BLOCK if b else _WHOLE for b in flags]
-        outs, _ = _evaluate(closed.jaxpr, closed.consts, leaves, kinds, _axes(names))
+        outs, _ = _evaluate(closed.jaxpr, closed.consts, leaves, kinds, axes)
         return jax.tree_util.tree_unflatten(out_tree, outs)
-    whole = [_gather(x, names) if b else x for x, b in zip(leaves, flags)]
+    # The same whole value on every device, typed so where JAX tracks varying axes.
+    whole = [all_gather_invariant(x, axes, tiled=True) if b else x for x, b in zip(leaves, flags)]
     out = fn(*jax.tree_util.tree_unflatten(treedef, whole))
-    n = math.prod(jax.lax.axis_size(a) for a in names)
-    me = jax.lax.axis_index(_axes(names))
+    n = axis_size(names)
+    me = jax.lax.axis_index(axes)
     out_leaves, out_def = jax.tree_util.tree_flatten(out)
     kept = [
         jax.lax.dynamic_slice_in_dim(x, me * (x.shape[0] // n), x.shape[0] // n, 0) if b else x

@@ -31,6 +31,7 @@ import optax
 
 from ._collectives import (
     _SCATTER_FUSE_LIMIT,
+    axis_arg,
     axis_names,
     axis_size,
     fused_psum,
@@ -70,10 +71,6 @@ def _block_size(state: KVState, leaves: Mapping[Key, Any], names: tuple) -> int:
     return n
 
 
-def _gather_axes(names: tuple) -> Any:
-    return names if len(names) > 1 else names[0]
-
-
 def gather(state: KVState, values: Mapping[Key, Any], axis_name: Any) -> dict[Key, Any]:
     """The whole value of each key in ``values`` (leaves as in ``state.values``): blocks are
     all-gathered over ``axis_name``, whole values kept. ``jax.grad`` through it gives each
@@ -86,7 +83,7 @@ def gather(state: KVState, values: Mapping[Key, Any], axis_name: Any) -> dict[Ke
     out = {}
     for key, value in zip(keys, values.values()):
         if key in blocked:
-            value = jax.lax.all_gather(value, _gather_axes(names), tiled=True)
+            value = jax.lax.all_gather(value, axis_arg(names), tiled=True)
         out[key] = value
     return out
 
@@ -101,17 +98,17 @@ def _sum_blocks(whole: list[tuple[int, jax.Array]], names: tuple, n: int) -> dic
         todo = unsummed_axes(x, names)
         if set(todo) == set(names):
             if x.size >= _SCATTER_FUSE_LIMIT:
-                out[i] = jax.lax.psum_scatter(x, _gather_axes(names), tiled=True)
+                out[i] = jax.lax.psum_scatter(x, axis_arg(names), tiled=True)
             else:
                 small.setdefault(x.dtype, []).append(i)
             continue
         if todo:
             x = jax.lax.psum(x, todo)
         rows = x.shape[0] // n
-        me = jax.lax.axis_index(_gather_axes(names))
+        me = jax.lax.axis_index(axis_arg(names))
         out[i] = jax.lax.dynamic_slice_in_dim(x, me * rows, rows, 0)
     for idx in small.values():
-        for i, x in zip(idx, fused_psum_scatter([values[i] for i in idx], n, _gather_axes(names))):
+        for i, x in zip(idx, fused_psum_scatter([values[i] for i in idx], n, axis_arg(names))):
             out[i] = x
     return out
 
