@@ -289,12 +289,9 @@ def _reverse(key, pushed, stored):
     return stored - pushed[::-1]  # moves rows: no block holds its own result
 
 
-@pytest.mark.parametrize(
-    ("updater", "collective"),
-    [(_scale, None), (_normalise, "psum"), (_reverse, "all_gather")],
-)
-def test_an_updater_gives_on_blocks_what_it_gives_on_the_whole_value(updater, collective):
-    start = jnp.arange(64 * 512, dtype=jnp.float32).reshape(64, 512) / 1e4
+def pushed_through(updater, start):
+    """A step pushing each device's gradient data to a sharded key "w" holding ``start`` with
+    ``updater``; returns the jitted step, the state, the data and what "w" must then hold."""
     state = jaxkv.init(jaxkv.empty(), {"w": start})
     specs = jaxkv.specs(state, AXIS)
     data, total = per_device_grads()
@@ -304,8 +301,18 @@ def test_an_updater_gives_on_blocks_what_it_gives_on_the_whole_value(updater, co
 
     data = jax.device_put(data, NamedSharding(state.mesh, P(AXIS)))
     fn = in_store_mesh(state, step, (specs, P(AXIS)), specs)
+    return fn, state, data, updater("w", total, start)
+
+
+@pytest.mark.parametrize(
+    ("updater", "collective"),
+    [(_scale, None), (_normalise, "psum"), (_reverse, "all_gather")],
+)
+def test_an_updater_gives_on_blocks_what_it_gives_on_the_whole_value(updater, collective):
+    start = jnp.arange(64 * 512, dtype=jnp.float32).reshape(64, 512) / 1e4
+    fn, state, data, expected = pushed_through(updater, start)
     new = fn(state, data)
-    np.testing.assert_allclose(new["w"], updater("w", total, start), rtol=1e-6)
+    np.testing.assert_allclose(new["w"], expected, rtol=1e-6)
     # Elementwise updaters run on the blocks as they are; reductions over the rows are
     # completed with a collective; anything else runs on the gathered value.
     text = fn.lower(state, data).as_text()
@@ -387,14 +394,5 @@ def _by_count(key, pushed, stored):
 
 @pytest.mark.parametrize("updater", [_by_size, _by_count])
 def test_an_updater_that_depends_on_the_number_of_rows_sees_the_whole_value(updater):
-    start = jnp.ones((64, 512))
-    state = jaxkv.init(jaxkv.empty(), {"w": start})
-    specs = jaxkv.specs(state, AXIS)
-    data, total = per_device_grads()
-
-    def step(state, g):
-        return jaxkv.push(state, "w", g.reshape(64, 512), updater=updater, axis_name=AXIS)
-
-    data = jax.device_put(data, NamedSharding(state.mesh, P(AXIS)))
-    new = in_store_mesh(state, step, (specs, P(AXIS)), specs)(state, data)
-    np.testing.assert_allclose(new["w"], updater("w", total, start), rtol=1e-6)
+    fn, state, data, expected = pushed_through(updater, jnp.ones((64, 512)))
+    np.testing.assert_allclose(fn(state, data)["w"], expected, rtol=1e-6)
