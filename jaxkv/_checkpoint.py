@@ -16,6 +16,7 @@ import math
 import os
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -26,7 +27,7 @@ from . import _orbax
 from ._arrays import host_copy
 from ._compression import residual_layout
 from ._errors import KVStoreError
-from ._state import KVState, check_compressible, compression_config
+from ._state import Key, KVState, check_compressible, compression_config
 
 __all__ = ["load", "load_state", "save", "save_state"]
 
@@ -35,7 +36,7 @@ _VERSION = 3  # 2: the manifest has a checksum of its own; 3: optimizer state pe
 _PARTS = ("value", "opt", "residual")
 
 
-def _entries(state: KVState, values: bool):
+def _entries(state: KVState, values: bool) -> Iterator[tuple[dict[str, Key], str, str, jax.Array]]:
     """``(where, part, path, array)`` for every array to save, in a fixed order; ``where`` is
     ``{'key': key}``, or ``{'group': index}`` for optimizer state."""
     if values:
@@ -95,7 +96,9 @@ def _sha256(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
-def save(fname: str, state: KVState, *, values: bool, directory: bool = False) -> None:
+def save(
+    fname: str | os.PathLike[str], state: KVState, *, values: bool, directory: bool = False
+) -> None:
     """Write ``state`` (values and/or optimizer states) to ``fname`` atomically: one file for
     a store on one process, a checkpoint directory (``_orbax``) for a store over every process
     of a job, or where ``fname`` already is one (or ``directory`` asks for one)."""
@@ -125,11 +128,12 @@ def save(fname: str, state: KVState, *, values: bool, directory: bool = False) -
     text = json.dumps(manifest).encode()
     arrays["manifest"] = np.frombuffer(text, np.uint8)
     arrays["manifest_sha256"] = np.frombuffer(_sha256(text).encode(), np.uint8)
-    directory = os.path.dirname(os.path.abspath(fname))
-    fd, tmp = tempfile.mkstemp(prefix=".jaxkv-", suffix=".tmp", dir=directory)
+    parent = os.path.dirname(os.path.abspath(fname))
+    fd, tmp = tempfile.mkstemp(prefix=".jaxkv-", suffix=".tmp", dir=parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
+            # numpy's stub: a ** argument might reach savez's allow_pickle.
+            np.savez(f, **arrays)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, fname)
@@ -143,7 +147,7 @@ class _Malformed(Exception):
     """A manifest field that is not what ``save`` writes (turned into a KVStoreError)."""
 
 
-def _expect(ok: bool, what: str, given: Any) -> None:
+def _expect(ok: object, what: str, given: Any) -> None:
     if not ok:
         raise _Malformed(f"manifest: expected {what}, given {given!r}")
 
@@ -174,8 +178,8 @@ def _check_manifest(
             params["threshold"] = compression[1]
         try:
             config = compression_config(params)
-        except KVStoreError as e:
-            raise _Malformed(f"manifest: 'compression' {compression!r}: {e}") from None
+        except KVStoreError as err:
+            raise _Malformed(f"manifest: 'compression' {compression!r}: {err}") from None
         _expect(list(config or []) == compression, "a valid 'compression'", compression)
     groups = manifest.get("groups")
     _expect(
@@ -295,7 +299,9 @@ def _read(fname: str) -> tuple[dict, list[np.ndarray]]:
     return manifest, arrays
 
 
-def load(fname: str, state: KVState, *, values: bool, optimizer: Any = None) -> KVState:
+def load(
+    fname: str | os.PathLike[str], state: KVState, *, values: bool, optimizer: Any = None
+) -> KVState:
     """``state`` with what ``fname`` holds loaded into it; refuses any mismatch before changing.
 
     ``fname`` is a file (this module's format) or a checkpoint directory (``_orbax``'s). With
@@ -311,7 +317,7 @@ def load(fname: str, state: KVState, *, values: bool, optimizer: Any = None) -> 
     else:
         manifest, arrays = _read(fname)
 
-        def restore(targets):
+        def restore(targets: list) -> list:
             return jax.device_put(arrays, [t.sharding for t in targets])  # one call: faster
 
     return _assemble(fname, manifest, state, values, optimizer, restore)
@@ -324,8 +330,8 @@ def _assemble(
     arrays (given one ``jax.ShapeDtypeStruct`` with a sharding per manifest entry) and build the
     loaded state. Every check runs before a byte of array data is read."""
     if manifest["values"] != values:
-        want = "a whole-store file (save)" if values else "an optimizer-state file"
-        raise KVStoreError(f"{fname}: expected {want}, given the other kind")
+        kind = "a whole-store file (save)" if values else "an optimizer-state file"
+        raise KVStoreError(f"{fname}: expected {kind}, given the other kind")
     keys = manifest["keys"]
     groups = [tuple(sorted(g)) for g in manifest["groups"]]
     entries = manifest["arrays"]
@@ -408,7 +414,7 @@ def _assemble(
     return base.replace(opt_states=opt_states)
 
 
-def save_state(path: str | os.PathLike, state: KVState) -> None:
+def save_state(path: str | os.PathLike[str], state: KVState) -> None:
     """Save a :class:`KVState` (values, optimizer states, residuals) to ``path``.
 
     For a state on one process's devices ``path`` is one file, written atomically; for a state
@@ -434,7 +440,7 @@ def save_state(path: str | os.PathLike, state: KVState) -> None:
     save(path, state, values=True)
 
 
-def load_state(path: str | os.PathLike, like: KVState, *, optimizer: Any = None) -> KVState:
+def load_state(path: str | os.PathLike[str], like: KVState, *, optimizer: Any = None) -> KVState:
     """The :class:`KVState` saved at ``path``, on the devices of ``like`` (an empty store such
     as ``jaxkv.empty(devices)`` will do; its big-array bound also decides which values are
     sharded). ``optimizer`` rebuilds the structure of saved optimizer states, and must be

@@ -39,7 +39,12 @@ def set_compression(state: KVState, params: Mapping[str, Any] | None) -> KVState
     return with_config.replace(residuals={k: residual_zeros(state, state[k]) for k in state.keys()})
 
 
-def compress(config: tuple, masks: list[tuple[bool, ...]], blocks, residuals):
+def compress(
+    config: tuple,
+    masks: list[tuple[bool, ...]],
+    blocks: list[jax.Array],
+    residuals: list[jax.Array],
+) -> tuple[list[jax.Array], list[jax.Array]]:
     """Inside ``shard_map``: each device compresses its own block before the sum, as MXNet does.
 
     ``('2bit', t)``: error feedback. The device adds its block to its residual, sends ``+t``
@@ -65,7 +70,9 @@ def compress(config: tuple, masks: list[tuple[bool, ...]], blocks, residuals):
     return quantized, kept
 
 
-def layout_compressed(state: KVState, key: Key, stored: jax.Array, xs: list[jax.Array]):
+def layout_compressed(
+    state: KVState, key: Key, stored: jax.Array, xs: list[jax.Array]
+) -> tuple[tuple[str, tuple[bool, ...]], jax.Array]:
     """Like :func:`_layout` for a compressed store: always one block per device (devices that
     pushed nothing get zeros), plus the static mask of devices that pushed."""
     positions = state.local_positions

@@ -44,10 +44,14 @@ class Context:
     """
 
     __slots__ = ("device_type", "device_id", "device")
+    device_type: str
+    device_id: int
+    device: jax.Device
 
-    def __init__(self, device_type: str | Context, device_id: int = 0):
+    def __init__(self, device_type: str | Context, device_id: int = 0) -> None:
         if isinstance(device_type, Context):
-            device_type, device_id = device_type.device_type, device_type.device_id
+            device_id = device_type.device_id
+            device_type = device_type.device_type
         if device_type not in _PLATFORMS:
             raise KVStoreError(
                 f"unknown device type: expected one of {sorted(_PLATFORMS)}, given {device_type!r}"
@@ -69,7 +73,7 @@ class Context:
         index = _local_devices(platform).index(device)
         return cls(platform, index)
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, Context) and self.device == other.device
 
     def __hash__(self) -> int:
@@ -85,7 +89,7 @@ class Context:
         stack.append(self)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         _DEFAULT.stack.pop()
 
 

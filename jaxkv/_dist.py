@@ -22,6 +22,8 @@ import contextlib
 import logging
 import os
 import socket
+from types import TracebackType
+from typing import Any
 
 import jax
 
@@ -117,7 +119,9 @@ def exit_on_uncaught_exception() -> None:
 
     previous = sys.excepthook
 
-    def hook(kind, value, traceback):
+    def hook(
+        kind: type[BaseException], value: BaseException, traceback: TracebackType | None
+    ) -> None:
         try:
             previous(kind, value, traceback)
         finally:
@@ -196,6 +200,17 @@ def restart_count() -> int:
     return int(os.environ.get(ENV_RESTART_COUNT, "0") or 0)
 
 
+def process_devices() -> list[jax.Device]:
+    """The first device of each process, in process order: where a ``dist_sync`` store keeps
+    its values (one copy per process). A push sums the values from a process's devices there
+    first, then across processes, so the bytes between processes do not grow with the devices
+    in each; a pull copies to the devices asked for."""
+    first: dict[int, jax.Device] = {}
+    for d in jax.devices():
+        first.setdefault(d.process_index, d)
+    return [first[i] for i in sorted(first)]
+
+
 def barrier(name: str) -> None:
     """Wait until every process reaches this point (a no-op in a single-process job)."""
     if jax.process_count() > 1:
@@ -204,7 +219,7 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def from_rank_zero(tree):
+def from_rank_zero(tree: Any) -> Any:
     """``tree`` (host arrays) as rank 0 has it, on every process."""
     if jax.process_count() == 1:
         return tree

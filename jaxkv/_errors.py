@@ -7,6 +7,8 @@ MXNet or Python user would catch (``KeyError``, ``ValueError``, ``TypeError``), 
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 __all__ = [
     "DuplicateKeyError",
     "KVStoreError",
@@ -42,7 +44,7 @@ class ShapeError(KVStoreError, ValueError):
     """A value or ``out`` has the wrong shape, or lists do not pair up."""
 
 
-def unknown_key(key, known) -> UnknownKeyError:
+def unknown_key(key: object, known: Collection[int | str]) -> UnknownKeyError:
     shown = sorted(known)[:8]
     more = "" if len(known) <= 8 else f" (and {len(known) - 8} more)"
     return UnknownKeyError(

@@ -158,7 +158,10 @@ def _on_blocks(fn: Callable, args: Any, blocks: Any, out_blocks: Any, reduce: bo
     flags = jax.tree_util.tree_leaves(blocks)
     kinds = _kinds(closed.jaxpr, [_BLOCK if b else _WHOLE for b in flags], reduce)
     out_tree = jax.tree_util.tree_structure(out_shape)
-    if kinds is None or out_tree != jax.tree_util.tree_structure(out_blocks):
+    if kinds is None:
+        return None
+    # jaxlib ships no stub for PyTreeDef, so mypy cannot type the comparison.
+    if out_tree != jax.tree_util.tree_structure(out_blocks):  # type: ignore[operator]
         return None
     want = jax.tree_util.tree_leaves(out_blocks)
     if not all((k != _WHOLE) if b else (k != _BLOCK) for k, b in zip(kinds, want)):
@@ -193,7 +196,9 @@ def _bind(eqn: Any, values: list) -> list:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _evaluate(jaxpr: Any, consts: Sequence, args: Sequence, kinds: Sequence, names: Any):
+def _evaluate(
+    jaxpr: Any, consts: Sequence, args: Sequence, kinds: Sequence, names: Any
+) -> tuple[list[Any], list[str]]:
     """Evaluate ``jaxpr`` on blocks, completing each reduction over the rows with its
     collective over ``names``; returns the outputs and their kinds."""
     env: dict[Any, tuple[Any, str]] = {v: (c, _WHOLE) for v, c in zip(jaxpr.constvars, consts)}
@@ -204,9 +209,13 @@ def _evaluate(jaxpr: Any, consts: Sequence, args: Sequence, kinds: Sequence, nam
 
     for eqn in jaxpr.eqns:
         values, in_kinds = zip(*map(read, eqn.invars)) if eqn.invars else ((), ())
-        out_kinds, action = _rule(eqn, list(in_kinds), reduce=True)  # checked by _on_blocks
+        rule = _rule(eqn, list(in_kinds), reduce=True)
+        assert rule is not None  # checked by _on_blocks
+        out_kinds, action = rule
         if action == "inline":
-            sub, sub_consts = _sub_jaxpr(eqn)
+            called = _sub_jaxpr(eqn)
+            assert called is not None  # _rule inlines only an equation that calls one jaxpr
+            sub, sub_consts = called
             outs, out_kinds = _evaluate(sub, sub_consts, values, in_kinds, names)
         else:
             outs = _bind(eqn, list(values))

@@ -8,11 +8,14 @@ MXNet-style updater (``stored += input * 2``) works inside ``jit``.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
+from jax.typing import ArrayLike
 
 from ._context import Context, current_context
 from ._errors import KVStoreError, ShapeError
@@ -47,7 +50,7 @@ class NDArray:
     __slots__ = ("_data", "_where", "__weakref__")
     __array_priority__ = 1000.0  # numpy defers to our reflected operators
 
-    def __init__(self, data: jax.Array):
+    def __init__(self, data: jax.Array) -> None:
         self._data = data
         self._where: tuple[Any, Any] = (None, None)  # (array, its device), see _device
 
@@ -100,12 +103,12 @@ class NDArray:
         """The ``jax.Array`` this handle currently holds."""
         return self._data
 
-    def asscalar(self):
+    def asscalar(self) -> int | float | complex:
         if self.size != 1:
             raise ShapeError(f"asscalar: expected an array of size 1, given shape {self.shape}")
         return self.asnumpy().reshape(()).item()
 
-    def __array__(self, dtype=None, copy=None):
+    def __array__(self, dtype: npt.DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
         out = np.asarray(self._data)
         return out.astype(dtype) if dtype is not None else out
 
@@ -115,10 +118,10 @@ class NDArray:
     def wait_to_read(self) -> None:
         self._data.block_until_ready()
 
-    def astype(self, dtype, copy: bool = True) -> NDArray:
+    def astype(self, dtype: npt.DTypeLike, copy: bool = True) -> NDArray:
         return NDArray(self._data.astype(_dtype(dtype)))
 
-    def reshape(self, *shape) -> NDArray:
+    def reshape(self, *shape: Any) -> NDArray:
         """A new array with the same values in another shape (``a.reshape((2, 2))``)."""
         if len(shape) == 1 and not isinstance(shape[0], numbers.Integral):
             shape = tuple(shape[0])
@@ -141,78 +144,83 @@ class NDArray:
         return self if self.context == context else self.copyto(context)
 
     # -- indexing ----------------------------------------------------------------------------
-    def __getitem__(self, index) -> NDArray:
+    def __getitem__(self, index: Any) -> NDArray:
         return NDArray(self._data[_unwrap(index)])
 
-    def __setitem__(self, index, value) -> None:
-        value = jnp.asarray(_unwrap(value), dtype=self._data.dtype)
+    def __setitem__(self, index: Any, value: NDArray | ArrayLike) -> None:
+        new = jnp.asarray(_unwrap(value), dtype=self._data.dtype)
         if isinstance(index, slice) and index == slice(None):
-            if value.shape != self.shape:
+            if new.shape != self.shape:
                 try:
-                    value = jnp.broadcast_to(value, self.shape)
+                    new = jnp.broadcast_to(new, self.shape)
                 except ValueError:
                     raise ShapeError(
                         f"a[:] = value: expected a value of shape {self.shape} (or one that "
-                        f"broadcasts to it), given shape {tuple(value.shape)}"
+                        f"broadcasts to it), given shape {tuple(new.shape)}"
                     ) from None
-            if not (_is_traced(value) or _is_traced(self._data)):
-                value = jax.device_put(value, self._data.sharding)
-            self._data = value
+            if not (_is_traced(new) or _is_traced(self._data)):
+                new = jax.device_put(new, self._data.sharding)
+            self._data = new
         else:
-            self._data = self._data.at[_unwrap(index)].set(value)
+            self._data = self._data.at[_unwrap(index)].set(new)
 
     # -- arithmetic ----------------------------------------------------------------------------
-    def _binary(self, other, op, reflected=False) -> NDArray:
+    def _binary(
+        self,
+        other: NDArray | ArrayLike,
+        op: Callable[[Any, Any], jax.Array],
+        reflected: bool = False,
+    ) -> NDArray:
         a, b = self._data, _unwrap(other)
         return NDArray(op(b, a) if reflected else op(a, b))
 
-    def _inplace(self, other, op) -> NDArray:
+    def _inplace(self, other: NDArray | ArrayLike, op: Callable[[Any, Any], jax.Array]) -> NDArray:
         self._data = op(self._data, _unwrap(other)).astype(self._data.dtype)
         return self
 
-    def __add__(self, o):
+    def __add__(self, o: NDArray | ArrayLike) -> NDArray:
         return self._binary(o, jnp.add)
 
-    def __radd__(self, o):
+    def __radd__(self, o: NDArray | ArrayLike) -> NDArray:
         return self._binary(o, jnp.add, True)
 
-    def __sub__(self, o):
+    def __sub__(self, o: NDArray | ArrayLike) -> NDArray:
         return self._binary(o, jnp.subtract)
 
-    def __rsub__(self, o):
+    def __rsub__(self, o: NDArray | ArrayLike) -> NDArray:
         return self._binary(o, jnp.subtract, True)
 
-    def __mul__(self, o):
+    def __mul__(self, o: NDArray | ArrayLike) -> NDArray:
         return self._binary(o, jnp.multiply)
 
-    def __rmul__(self, o):
+    def __rmul__(self, o: NDArray | ArrayLike) -> NDArray:
         return self._binary(o, jnp.multiply, True)
 
-    def __truediv__(self, o):
+    def __truediv__(self, o: NDArray | ArrayLike) -> NDArray:
         return self._binary(o, jnp.true_divide)
 
-    def __rtruediv__(self, o):
+    def __rtruediv__(self, o: NDArray | ArrayLike) -> NDArray:
         return self._binary(o, jnp.true_divide, True)
 
-    def __pow__(self, o):
+    def __pow__(self, o: NDArray | ArrayLike) -> NDArray:
         return self._binary(o, jnp.power)
 
-    def __neg__(self):
+    def __neg__(self) -> NDArray:
         return NDArray(-self._data)
 
-    def __abs__(self):
+    def __abs__(self) -> NDArray:
         return NDArray(jnp.abs(self._data))
 
-    def __iadd__(self, o):
+    def __iadd__(self, o: NDArray | ArrayLike) -> NDArray:
         return self._inplace(o, jnp.add)
 
-    def __isub__(self, o):
+    def __isub__(self, o: NDArray | ArrayLike) -> NDArray:
         return self._inplace(o, jnp.subtract)
 
-    def __imul__(self, o):
+    def __imul__(self, o: NDArray | ArrayLike) -> NDArray:
         return self._inplace(o, jnp.multiply)
 
-    def __itruediv__(self, o):
+    def __itruediv__(self, o: NDArray | ArrayLike) -> NDArray:
         return self._inplace(o, jnp.true_divide)
 
     def __repr__(self) -> str:
@@ -255,33 +263,62 @@ def _dtype(dtype: Any) -> np.dtype:
     return jax.dtypes.canonicalize_dtype(np.dtype(dtype or _DEFAULT_DTYPE))
 
 
-def _fill(shape, value, ctx, dtype, kwargs) -> NDArray:
+def _fill(
+    shape: int | Sequence[int],
+    value: ArrayLike,
+    ctx: Context | None,
+    dtype: npt.DTypeLike | None,
+    kwargs: dict[str, Any],
+) -> NDArray:
     _check_kwargs(dict(kwargs))
     dtype = _dtype(dtype)
     return NDArray(jnp.full(_shape(shape), value, dtype, device=_ctx(ctx).device))
 
 
-def zeros(shape, ctx: Context | None = None, dtype=None, **kwargs) -> NDArray:
+def zeros(
+    shape: int | Sequence[int],
+    ctx: Context | None = None,
+    dtype: npt.DTypeLike | None = None,
+    **kwargs: Any,
+) -> NDArray:
     """An array of zeros (float32 unless ``dtype``) on ``ctx`` (default: current context)."""
     return _fill(shape, 0, ctx, dtype, kwargs)
 
 
-def ones(shape, ctx: Context | None = None, dtype=None, **kwargs) -> NDArray:
+def ones(
+    shape: int | Sequence[int],
+    ctx: Context | None = None,
+    dtype: npt.DTypeLike | None = None,
+    **kwargs: Any,
+) -> NDArray:
     """An array of ones (float32 unless ``dtype``) on ``ctx`` (default: current context)."""
     return _fill(shape, 1, ctx, dtype, kwargs)
 
 
-def empty(shape, ctx: Context | None = None, dtype=None, **kwargs) -> NDArray:
+def empty(
+    shape: int | Sequence[int],
+    ctx: Context | None = None,
+    dtype: npt.DTypeLike | None = None,
+    **kwargs: Any,
+) -> NDArray:
     """An array of the given shape; JAX has no uninitialised memory, so it holds zeros."""
     return _fill(shape, 0, ctx, dtype, kwargs)
 
 
-def full(shape, val, ctx: Context | None = None, dtype=None, **kwargs) -> NDArray:
+def full(
+    shape: int | Sequence[int],
+    val: ArrayLike,
+    ctx: Context | None = None,
+    dtype: npt.DTypeLike | None = None,
+    **kwargs: Any,
+) -> NDArray:
     """An array filled with ``val`` (float32 unless ``dtype``) on ``ctx``."""
     return _fill(shape, val, ctx, dtype, kwargs)
 
 
-def array(source, ctx: Context | None = None, dtype=None) -> NDArray:
+def array(
+    source: NDArray | npt.ArrayLike, ctx: Context | None = None, dtype: npt.DTypeLike | None = None
+) -> NDArray:
     """An array copied from ``source`` onto ``ctx``.
 
     As in MXNet, the dtype is ``source.dtype`` for an ``NDArray`` (or ``jax.Array``) and

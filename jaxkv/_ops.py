@@ -343,6 +343,8 @@ def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = No
     if value.ndim == 0:
         raise ShapeError(f"key {key!r}: row_sparse_pull expects a value with rows, given a scalar")
     rows = value.shape[0]
+    ids: jax.Array | np.ndarray  # on device where traced, else on the host
+    mask: jax.Array | np.ndarray
     if is_traced(row_ids) or is_traced(value):
         # Traced ids cannot be refused: those outside [0, rows) select no row. (JAX's own
         # indexing would wrap -1 around to the last row.)

@@ -30,6 +30,8 @@ import re
 import secrets
 import shutil
 import tempfile
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -49,7 +51,7 @@ _HEX = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 1 << 22
 
 
-def _ocp():
+def _ocp() -> ModuleType:
     try:
         import orbax.checkpoint as ocp
     except ImportError as e:
@@ -201,7 +203,7 @@ def _check_files(manifest: dict) -> None:
     data, processes = manifest.get("data"), manifest.get("processes")
     _expect(isinstance(data, str) and _DATA.fullmatch(data), "'data' a data directory", data)
     _expect(type(processes) is int and processes >= 1, "'processes' a count", processes)
-    files = manifest.get("files")
+    files: Any = manifest.get("files")  # parsed JSON, checked next
     _expect(isinstance(files, dict), "'files' an object", files)
     for rel, f in files.items():
         parts = rel.split("/")
@@ -221,7 +223,7 @@ def _check_files(manifest: dict) -> None:
         )
 
 
-def open_checkpoint(path: str):
+def open_checkpoint(path: str) -> tuple[dict[str, Any], Callable[[list], list]]:
     """The checked manifest of the checkpoint directory ``path``, and ``restore(targets)``,
     which verifies every data file and returns the arrays placed as ``targets`` (one
     ``jax.ShapeDtypeStruct`` with a sharding per manifest entry) say."""

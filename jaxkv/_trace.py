@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -131,14 +131,23 @@ def _sum_whole(whole: list[tuple[int, jax.Array]], names: tuple) -> dict[int, An
     return out
 
 
-def _opt_blocks(state: KVState, optimizer: Any, keys, stored, opt_state, n: int | None) -> Any:
+def _opt_blocks(
+    state: KVState,
+    optimizer: Any,
+    keys: Sequence[Key],
+    stored: Sequence[Any],
+    opt_state: Any,
+    n: int | None,
+) -> Any:
     """Which leaves of ``opt_state`` are this device's blocks: those whose shape differs from
     what ``optimizer.init`` gives for the whole values."""
     whole = jax.eval_shape(
         optimizer.init,
         {k: jax.ShapeDtypeStruct(state.shapes[k], s.dtype) for k, s in zip(keys, stored)},
     )
-    if jax.tree_util.tree_structure(whole) != jax.tree_util.tree_structure(opt_state):
+    want = jax.tree_util.tree_structure(whole)
+    # jaxlib ships no stub for PyTreeDef, so mypy cannot type the comparison.
+    if want != jax.tree_util.tree_structure(opt_state):  # type: ignore[operator]
         raise KVStoreError(
             f"keys {list(keys)}: the optimizer state in the store does not have the structure "
             "this optimizer makes; pass the optimizer the state was made with"
@@ -195,6 +204,7 @@ def push_in_trace(
             whole.append((i, functools.reduce(operator.add, full)))
     totals = _sum_whole(whole, names)
     if to_scatter:
+        assert n is not None  # set above: to_scatter holds only keys whose values are blocks
         totals.update(_sum_blocks(to_scatter, names, n))
     for i, parts in local.items():
         if i in totals:
@@ -214,7 +224,7 @@ def push_in_trace(
             None if opt_state is None else _opt_blocks(state, updater, keys, stored, opt_state, n)
         )
 
-        def step(stored, opt_state, pushed):
+        def step(stored: list[Any], opt_state: Any, pushed: list[Any]) -> tuple[list[Any], Any]:
             return apply_updater(updater, keys, pushed, stored, opt_state)
 
         new, opt_state = run_on_blocks(
@@ -228,7 +238,7 @@ def push_in_trace(
     new = []
     for key, s, p, b in zip(keys, stored, pushed, blocks):
 
-        def one(s, p, key=key):
+        def one(s: Any, p: Any, key: Key = key) -> Any:
             return apply_updater(updater, [key], [p], [s], None)[0][0]
 
         new.append(run_on_blocks(one, (s, p), (b, b), b, names))
