@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
 .PHONY: test test-deep test-oldest test-newest _test-newest wheel-check demo lint format bench \
-	conformance mutation clean
+	conformance mutation clean docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/ruff check jaxkv tests examples benchmarks conformance
+	$(BIN)/mypy jaxkv
 	rm -f .coverage .coverage.*
 	$(BIN)/coverage run -m pytest -q
 	$(BIN)/coverage combine -q
@@ -86,6 +87,19 @@ test-deep: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
+# The HTML documentation, docs/_build/html: the README, the guides, the troubleshooting page and
+# the API reference (autodoc over every public name; docs/conf.py). Offline: no intersphinx.
+# -W: any warning fails (a broken link or reference, a docstring Sphinx cannot read); -E: every
+# page is read again, so a warning of an unchanged page is not skipped.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install -q -e '.[docs]'
+	touch $@
+
+docs: $(DOCS_STAMP)
+	$(BIN)/sphinx-build -E -W --keep-going -n -q -b html docs docs/_build/html
+	@echo "== docs/_build/html/index.html"
+
 lint: $(STAMP)
 	$(BIN)/ruff check jaxkv tests examples benchmarks conformance
 	$(BIN)/ruff format --check jaxkv tests examples benchmarks conformance
@@ -95,7 +109,8 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix jaxkv tests examples benchmarks conformance
 
 clean:
-	rm -rf $(VENV) $(OVENV) $(NVENV) .pytest_cache .hypothesis *.egg-info .coverage .coverage.*
+	rm -rf $(VENV) $(OVENV) $(NVENV) .pytest_cache .mypy_cache .hypothesis *.egg-info .coverage \
+	  .coverage.*
 
 bench: $(STAMP)
 	bash conformance/setup_mxnet.sh >/dev/null

@@ -22,7 +22,7 @@ import optax
 from . import _args, _arrays, _checkpoint, _compression, _dist, _fast, _ops
 from ._errors import KVStoreError, ShapeError
 from ._nd import NDArray, _unwrap
-from ._state import BIGARRAY_BOUND, KVState, empty
+from ._state import BIGARRAY_BOUND, Key, KVState, empty
 
 __all__ = ["KVStore", "create"]
 
@@ -85,7 +85,7 @@ def _from_mxnet_updater(updater: Any) -> Any:
         )
 
     @functools.wraps(updater)
-    def pure(key, pushed, stored):
+    def pure(key: Key, pushed: jax.Array, stored: jax.Array) -> jax.Array:
         handle = NDArray(stored)
         out = updater(key, NDArray(pushed), handle)
         return handle._data if out is None else _unwrap(out)
@@ -128,11 +128,17 @@ class KVStore:
                     f"computed ({e}); create the store (or call jax.distributed.initialize()) "
                     "before the first JAX computation"
                 ) from None
-            devices = jax.devices()
+            devices = _dist.process_devices()
         self._type = name
         self._lock = threading.RLock()
-        # MXNet's knob for which arrays are big enough to be split across devices.
-        bound = int(os.environ.get("MXNET_KVSTORE_BIGARRAY_BOUND", BIGARRAY_BOUND))
+        # MXNet's knob for which arrays are big enough to be split across devices. Across
+        # processes a split costs an all-gather at each pull and saves nothing in the push, so
+        # a multi-process store splits only when the knob is set.
+        bound: int | None = BIGARRAY_BOUND
+        if "MXNET_KVSTORE_BIGARRAY_BOUND" in os.environ:
+            bound = int(os.environ["MXNET_KVSTORE_BIGARRAY_BOUND"])
+        elif len({d.process_index for d in devices or ()}) > 1:
+            bound = None
         self._state: KVState = empty(devices, bigarray_bound=bound)
         self._updater: Any = None
         self._wrappers: dict[int, tuple[Any, Any]] = {}  # id(updater) -> (updater, wrapper)
@@ -197,10 +203,12 @@ class KVStore:
         with self._lock:
             self._update(key, _unwrap_values(value))
 
-    def pull(self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True):
-        """Pull values into ``out`` (``NDArray``s, each filled on its own device).
+    def pull(
+        self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True
+    ) -> jax.Array | list[jax.Array] | None:
+        """Pull values into ``out`` (``NDArray`` handles, each filled on its own device).
 
-        With ``out=None``, returns the value(s) as ``jax.Array``s instead.
+        With ``out=None``, returns the value(s) as ``jax.Array`` objects instead.
         """
         with self._lock:
             if out is None:
@@ -210,7 +218,9 @@ class KVStore:
             self._fill(pairs)
             return None
 
-    def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0):
+    def pushpull(
+        self, key: Any, value: Any, out: Any = None, priority: int = 0
+    ) -> jax.Array | list[jax.Array] | None:
         """Push ``value`` then pull into ``out`` (or into ``value`` itself when ``out=None``)."""
         with self._lock:
             pairs = None
@@ -236,7 +246,9 @@ class KVStore:
                 raise
             self._fill(pairs)
 
-    def row_sparse_pull(self, key: Any, out: Any = None, priority: int = 0, row_ids: Any = None):
+    def row_sparse_pull(
+        self, key: Any, out: Any = None, priority: int = 0, row_ids: Any = None
+    ) -> jax.Array | list[jax.Array] | None:
         """Pull only the rows ``row_ids`` (others zero) into ``out``, or return them."""
         if row_ids is None:
             raise KVStoreError(f"key {key!r}: row_sparse_pull expects row_ids, given None")
@@ -266,6 +278,7 @@ class KVStore:
                     filled.append((o, _ops.row_sparse_pull(state, k, _unwrap(next(it)))))
             for o, v in filled:
                 o[:] = v
+            return None
 
     # -- updaters and optimizers ---------------------------------------------------------------
     def set_updater(self, updater: Any) -> None:
@@ -392,19 +405,19 @@ class KVStore:
         donate = True
         if len(self._shared):  # something was handed out through `state`: keep it valid
             pushed = {k for k, _ in _args.pairs(key, values, "values") if k in state}
-            groups = {state.opt_group(k) for k in pushed} - {None}
+            groups = {g for k in pushed if (g := state.opt_group(k)) is not None}
             leaves = jax.tree_util.tree_leaves(
                 [[state[k] for k in pushed], [state.opt_states[g] for g in groups]]
             )
             donate = not any(id(leaf) in self._shared for leaf in leaves)
         self._state = _ops.push(state, key, values, updater=self._updater, donate=donate)
 
-    def _values(self, key: Any):
+    def _values(self, key: Any) -> jax.Array | list[jax.Array]:
         single = not isinstance(key, list | tuple)
         values = _arrays.replicated_copies(self._state, [key] if single else list(key))
         return values[0] if single else values
 
-    def _check_outs(self, pairs) -> None:
+    def _check_outs(self, pairs: list[tuple[Key, list]]) -> None:
         for k, outs in pairs:
             stored = self._state[k]
             for o in outs:
@@ -422,7 +435,7 @@ class KVStore:
                         f"{tuple(stored.shape)}"
                     )
 
-    def _fill(self, pairs) -> None:
+    def _fill(self, pairs: list[tuple[Key, list]]) -> None:
         """Give each (checked) out the value of its key, on the out's own device.
 
         Replicated values are copied in one computation. Sharded values are all-gathered a
@@ -437,7 +450,7 @@ class KVStore:
         big = [k for k in outs_of if state.is_sharded(state[k].shape)]
         position: dict[Any, int] = {}
 
-        def hand_out(keys, values):
+        def hand_out(keys: list[Key], values: list[jax.Array]) -> None:
             for key, value in zip(keys, values):
                 arrays = _fast.per_device(value)
                 if not position:

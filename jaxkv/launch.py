@@ -34,6 +34,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 from ._dist import (
     ENV_COORDINATOR,
@@ -113,24 +116,28 @@ def _stop(procs: list[subprocess.Popen], grace: float = GRACE) -> None:
         p.wait()
 
 
+# What signal.signal takes and returns: a function, SIG_DFL or SIG_IGN, or None.
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
 class _Signals:
     """Records the first stop signal; installed only in the main thread."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.received: int | None = None
-        self._saved: dict[int, object] = {}
+        self._saved: dict[int, _Handler] = {}
 
-    def __enter__(self):
+    def __enter__(self) -> _Signals:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._saved[sig] = signal.signal(sig, self._handle)
         return self
 
-    def _handle(self, signum, frame):
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
             self.received = signum
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         for sig, handler in self._saved.items():
             signal.signal(sig, handler)
 
