@@ -116,7 +116,10 @@ def to_varying(x: Any, axes: tuple) -> Any:
 _private_gather: Any = None
 if ENABLED:
     try:
-        from jax._src.lax.parallel import all_gather_invariant as _private_gather
+        from jax._src.lax import parallel as _parallel
+
+        # Looked up by name: later JAX renamed it (and typing the import would fail there).
+        _private_gather = getattr(_parallel, "all_gather_invariant", None)
     except ImportError:  # another JAX: the public routes below
         _private_gather = None
 
