@@ -6,3 +6,7 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+# Sphinx's configuration is no module of jaxkv (--doctest-modules would import it, and Sphinx,
+# which only the docs extra installs); the built site is no test input.
+collect_ignore = ["docs/conf.py", "docs/_build"]
