@@ -117,7 +117,7 @@ class KVStore:
       [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]
     """
 
-    def __init__(self, name: str = "local", devices: Any = None):
+    def __init__(self, name: str = "local", devices: Any = None) -> None:
         if devices is None and name in _DIST_TYPES:
             try:  # under SLURM or Open MPI with no launcher: JAX's own cluster detection
                 _dist.join_cluster()

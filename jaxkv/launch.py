@@ -156,7 +156,7 @@ class Launcher:
         coordinator: str | None = None,
         max_restarts: int = 0,
         restart_delay: float | None = None,
-    ):
+    ) -> None:
         """``restart_delay``: seconds to wait before a restart; by default none on one node,
         and JAX's heartbeat timeout plus 5 s on several (see :meth:`run`)."""
         if n < 1:
