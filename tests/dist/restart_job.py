@@ -1,19 +1,23 @@
-"""Run by tests/test_launch.py under ``python -m jaxkv.launch --max-restarts R``: a training
-loop that keeps its progress in a file of its own and resumes from it after a restart.
+"""Run by tests/test_launch.py and tests/test_launch_hosts.py under
+``python -m jaxkv.launch --max-restarts R``: the restart pattern of docs/distributed.md, a
+training loop that checkpoints with ``kv.save`` every k steps and resumes with ``kv.load``.
 
-    restart_job.py DIR STEPS [FAULT ...]
+    restart_job.py DIR STEPS EVERY [FAULT ...]
 
 FAULT number a (``RANK:kill@STEP`` or ``RANK:stop@STEP``) is what happens on attempt a
-(JAXKV_RESTART_COUNT == a): that rank SIGKILLs or SIGSTOPs itself when it reaches that step.
+(JAXKV_RESTART_COUNT == a): that rank SIGKILLs or SIGSTOPs itself when it is about to run step
+STEP (0-based: STEP steps done).
 
-Each step pushes ``(rank + 1) * (step + 1)`` from every local device and applies SGD; after the
-pull, each rank writes ``DIR/progress-<rank>.npy`` (the next step, then the values) by an
-atomic rename. On start, every rank loads its own file and ``init``s the store with it: the
-store keeps rank 0's values, so every rank resumes from rank 0's step. (Synchronous steps make
-rank 0's file at least as new as the last step every rank finished before the failure.)
+Each step pushes ``(rank + 1) * (step + 1)`` from every local device to ``w`` and applies SGD
+with momentum (optimizer state that a checkpoint must carry). After every EVERY steps, every
+rank calls ``kv.save(DIR/step-N)`` (N: steps done; a checkpoint directory in a multi-process
+job). On start, every rank loads the newest complete checkpoint, if any, and runs the steps
+after it: a fault between two checkpoints makes the restarted job redo the steps since the last.
+Each rank prints ``rank R attempt A starts at step S`` and, at the end, ``rank R final [...]``.
 """
 
 import os
+import re
 import signal
 import sys
 
@@ -24,20 +28,55 @@ import optax
 import jaxkv.mx as mx
 
 SHAPE = (2, 3)
+# Momentum 0.5 keeps every value a small dyadic number, exact in float32 in any order of
+# operations, so the tests' NumPy reference is exact too.
+OPTIMIZER = optax.sgd(0.5, momentum=0.5)
+
+
+def latest(directory):
+    """``(steps done, path)`` of the newest complete checkpoint in ``directory``, or
+    ``(0, None)``. A checkpoint is complete once its save returned: a directory's
+    ``manifest.json`` (or a one-process job's file) appears by an atomic rename."""
+    found = [(0, None)]
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        m = re.fullmatch(r"step-(\d+)", name)
+        if m and (os.path.isfile(path) or os.path.isfile(os.path.join(path, "manifest.json"))):
+            found.append((int(m[1]), path))
+    return max(found)
+
+
+def uninterrupted(steps, processes, devices_per_process, lose_momentum_at=()):
+    """``w`` after ``steps`` steps with no fault, computed with NumPy (float32, as the store):
+    each step's gradient is the sum of every device's push. ``lose_momentum_at``: steps before
+    which the momentum is dropped (what a resume without the optimizer state would give)."""
+    w, trace = np.zeros(SHAPE, np.float32), np.zeros(SHAPE, np.float32)
+    for step in range(steps):
+        if step in lose_momentum_at:
+            trace = np.zeros_like(trace)
+        pushed = sum((rank + 1) * (step + 1) for rank in range(processes)) * devices_per_process
+        trace = np.float32(pushed) + np.float32(0.5) * trace
+        w = w + np.float32(-0.5) * trace
+    return w.ravel().tolist()
+
+
+def say(line):
+    os.write(1, (line + "\n").encode())  # one write: the processes share the pipe
 
 
 def main():
-    directory, steps, faults = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    directory, steps, every, faults = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
     attempt = int(os.environ["JAXKV_RESTART_COUNT"])
     kv = mx.kv.create("dist_sync")
     rank, local = kv.rank, jax.local_devices()
     fault = faults[attempt].split(":") if attempt < len(faults) else None
-    progress = os.path.join(directory, f"progress-{rank}.npy")
-    saved = np.load(progress) if os.path.exists(progress) else np.zeros(1 + np.prod(SHAPE))
-    kv.init(["step", "w"], [mx.nd.array(saved[:1]), mx.nd.array(saved[1:].reshape(SHAPE))])
-    start = int(np.asarray(kv.pull("step"))[0])  # rank 0's, on every rank
-    print(f"rank {rank} attempt {attempt} starts at step {start}", flush=True)
-    kv.set_optimizer(optax.sgd(0.5))
+    kv.set_optimizer(OPTIMIZER)  # first: load restores the optimizer's state
+    start, path = latest(directory)
+    if path:
+        kv.load(path)
+    else:
+        kv.init("w", mx.nd.zeros(SHAPE))
+    say(f"rank {rank} attempt {attempt} starts at step {start}")
     for step in range(start, steps):
         if fault and int(fault[0]) == rank and fault[1] in (f"kill@{step}", f"stop@{step}"):
             os.kill(os.getpid(), signal.SIGKILL if fault[1].startswith("kill") else signal.SIGSTOP)
@@ -45,11 +84,9 @@ def main():
             mx.nd.ones(SHAPE, mx.cpu(i)) * ((rank + 1) * (step + 1)) for i in range(len(local))
         ]
         kv.push("w", grads)
-        w = np.asarray(kv.pull("w"))
-        tmp = f"{progress}.tmp.npy"
-        np.save(tmp, np.concatenate([[step + 1], w.ravel()]))
-        os.replace(tmp, progress)
-    print(f"rank {rank} final {w.ravel().tolist()}", flush=True)
+        if (step + 1) % every == 0:
+            kv.save(os.path.join(directory, f"step-{step + 1}"))
+    say(f"rank {rank} final {np.asarray(kv.pull('w')).ravel().tolist()}")
 
 
 if __name__ == "__main__":
