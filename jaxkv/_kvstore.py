@@ -104,8 +104,9 @@ def _unwrap_values(values: Any) -> Any:
 class KVStore:
     """MXNet's KVStore: ``init``, ``push``, ``pull`` and friends, over a :class:`KVState`.
 
-    Make one with :func:`jaxkv.create`. Values are ``jaxkv.nd.NDArray``s or ``jax.Array``s;
-    ``pull(key)`` returns ``jax.Array``s, and ``pull(key, out=...)`` fills ``NDArray`` handles.
+    Make one with :func:`jaxkv.create`. Values are :class:`jaxkv.nd.NDArray` handles or
+    ``jax.Array`` objects; ``pull(key)`` returns ``jax.Array`` objects, and
+    ``pull(key, out=...)`` fills ``NDArray`` handles.
 
     Examples:
       >>> import jaxkv, jaxkv.nd as nd
