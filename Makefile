@@ -110,7 +110,7 @@ format: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(OVENV) $(NVENV) .pytest_cache .mypy_cache .hypothesis *.egg-info .coverage \
-	  .coverage.*
+	  .coverage.* docs/_build
 
 bench: $(STAMP)
 	bash conformance/setup_mxnet.sh >/dev/null
