@@ -97,7 +97,7 @@ $(DOCS_STAMP): $(STAMP) pyproject.toml
 	touch $@
 
 docs: $(DOCS_STAMP)
-	$(BIN)/sphinx-build -E -W --keep-going -n -q -b html docs docs/_build/html
+	$(BIN)/sphinx-build -E -W --keep-going -n -q -b html -d docs/_build/doctrees docs docs/_build/html
 	@echo "== docs/_build/html/index.html"
 
 lint: $(STAMP)
