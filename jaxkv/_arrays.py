@@ -21,6 +21,7 @@ from ._state import AXIS, Key, KVState, _mesh
 __all__ = [
     "copies",
     "host_copy",
+    "host_empty",
     "place",
     "replicate",
     "replicated_copies",
@@ -109,11 +110,32 @@ def replicate(values: Sequence[jax.Array], devices: tuple[jax.Device, ...]) -> l
             f"devices={list(devices)}: expected an eager call; inside jit the caller's "
             "shardings decide where values live"
         )
+    sharding: SingleDeviceSharding | NamedSharding
     if len(devices) == 1:
         sharding = SingleDeviceSharding(devices[0])
     else:
         sharding = NamedSharding(_mesh(devices), PartitionSpec())
-    return _device_put(list(values), sharding)
+    if all(v.is_fully_addressable for v in values):
+        return _device_put(list(values), sharding)
+    # A multi-process job: each process copies from a whole copy of its own (gathered first
+    # where the value is split across processes); a target beyond this process's devices is
+    # filled from host memory, as device_put cannot move arrays between processes.
+    split = [i for i, v in enumerate(values) if not v.is_fully_replicated]
+    values = list(values)
+    for i, x in zip(
+        split, _all_gather([values[i] for i in split], _whole(values[split[0]])) if split else []
+    ):
+        values[i] = x
+    local = [v.addressable_shards[0].data if not v.is_fully_addressable else v for v in values]
+    me = jax.process_index()
+    if any(d.process_index != me for d in devices):
+        return list(jax.device_put([np.asarray(v) for v in local], [sharding] * len(local)))
+    return _device_put(local, sharding)
+
+
+def _whole(x: jax.Array) -> NamedSharding:
+    """Replicated over the mesh of ``x``'s sharding (a ``NamedSharding``)."""
+    return NamedSharding(x.sharding.mesh, PartitionSpec())  # type: ignore[attr-defined]
 
 
 def _device_put(values: list[jax.Array], sharding: Any) -> list[jax.Array]:
@@ -142,7 +164,7 @@ def host_copy(x: jax.Array) -> np.ndarray | None:
         or any(d.platform != "cpu" for d in sharding.device_set)
     ):
         return None
-    host = _aligned_empty(x.shape, np.dtype(x.dtype))
+    host = host_empty(x.shape, np.dtype(x.dtype))
     where = _indices(sharding, x.shape)
     for shard in per_device(x):
         host[where[single_device(shard)]] = np.asarray(shard)  # reads the buffer in place
@@ -159,7 +181,7 @@ def _indices(sharding: Any, shape: tuple[int, ...]) -> Mapping[jax.Device, Any]:
 _ALIGN = 64  # bytes; XLA's CPU runtime reads host buffers in place only if so aligned
 
 
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+def host_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + _ALIGN, np.uint8)
     start = -raw.ctypes.data % _ALIGN

@@ -80,6 +80,10 @@ _FUSE_LIMIT = BIGARRAY_BOUND
 def scatters(state: KVState, shape: tuple[int, ...]) -> bool:
     """Whether a pushed value of ``shape`` is reduce-scattered (else fused into an all-reduce)."""
     n = len(state.devices)
+    if jax.process_count() > 1:
+        # Across processes a reduce-scatter costs what an all-reduce does (gloo runs one), and
+        # the value would then need an all-gather as well.
+        return state.is_sharded(shape)
     return state.is_sharded(shape) or (
         len(shape) > 0 and shape[0] % n == 0 and math.prod(shape) >= _FUSE_LIMIT
     )
@@ -131,6 +135,8 @@ def sum_over_devices(blocks: list[jax.Array], scatter: list[bool]) -> list[jax.A
     for i, (b, s) in enumerate(zip(blocks, scatter)):
         if s and b.size >= _SCATTER_FUSE_LIMIT:
             out[i] = jax.lax.psum_scatter(b, AXIS, scatter_dimension=0, tiled=True)
+        elif b.size >= _SCATTER_FUSE_LIMIT and jax.process_count() > 1:
+            out[i] = jax.lax.psum(b, AXIS)  # across processes: no copy into a fused buffer
         else:
             groups.setdefault((s, b.dtype), []).append(i)
     for (s, _), idx in groups.items():

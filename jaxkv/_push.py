@@ -13,11 +13,12 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
 from ._args import as_array
-from ._arrays import place, stacked
+from ._arrays import host_empty, place, stacked
 from ._collectives import scatters, sum_over_devices
 from ._compression import compress, layout_compressed
 from ._errors import KVStoreError, ShapeError
@@ -169,6 +170,85 @@ def _layout(state: KVState, stored: jax.Array, xs: list[jax.Array]) -> tuple[str
     return "one", functools.reduce(operator.add, placed)
 
 
+def one_device_per_process(state: KVState) -> bool:
+    """Whether ``state`` is a multi-process store with one device in each process (the layout
+    of a ``dist_sync`` ``KVStore``), whose pushes sum within each process first."""
+    return jax.process_count() > 1 and len(state.local_positions) == 1
+
+
+def local_sums(
+    state: KVState, keys: list[Key], stored: list[jax.Array], xss: list[list[jax.Array]]
+) -> list[jax.Array]:
+    """Each key's contributions from this process's devices, summed on the process's store
+    device: the first, within-process half of a hierarchical push.
+
+    Several values on CPU devices are added in place by NumPy (CPU devices share host memory),
+    in call order, into a buffer that ``home`` reads without a copy. Any others are copied to
+    ``home`` and added in one computation, in call order. The sum across
+    processes then runs over one device per process, so the bytes between processes do not
+    grow with the devices in each, and no collective spans devices of one process (gloo would
+    carry those over loopback TCP too).
+    """
+    (home,) = state.local_positions
+    for key, xs in zip(keys, xss):
+        for x in xs:
+            if not x.is_fully_addressable:
+                raise KVStoreError(
+                    f"key {key!r}: a multi-process push expects this process's own values "
+                    f"(arrays on its devices), given an array over several processes' devices "
+                    f"{sorted(d.id for d in x.sharding.device_set)}; push each process's part"
+                )
+    out: list[Any] = [None] * len(xss)
+    rest = []
+    for i, (xs, s) in enumerate(zip(xss, stored)):
+        if len(xs) > 1 and _host_addable(xs, s.dtype):
+            out[i] = _host_sum(xs, home)
+        else:
+            rest.append(i)
+    # The others: copied to ``home`` where they are elsewhere, then added up in one computation.
+    xss = [list(xs) for xs in xss]
+    away = [(i, j) for i in rest for j, x in enumerate(xss[i]) if single_device(x) != home]
+    if away:
+        moved = jax.device_put([xss[i][j] for i, j in away], home)
+        for (i, j), x in zip(away, moved):
+            xss[i][j] = x
+    several = [i for i in rest if len(xss[i]) > 1]
+    for i in rest:
+        x = xss[i][0]
+        out[i] = x if x.dtype == stored[i].dtype else x.astype(stored[i].dtype)
+    if several:
+        dtypes = tuple(stored[i].dtype for i in several)
+        for i, x in zip(several, _add_up([xss[i] for i in several], dtypes)):
+            out[i] = x
+    return out
+
+
+def _host_addable(xs: list[jax.Array], dtype: Any) -> bool:
+    """Whether NumPy can add ``xs`` where they are, as XLA would: of the stored ``dtype``, a
+    NumPy number type, each on one CPU device."""
+    return np.dtype(dtype).kind in "fiu" and all(
+        x.dtype == dtype and single_device(x) is not None and single_device(x).platform == "cpu"
+        for x in xs
+    )
+
+
+def _host_sum(xs: list[jax.Array], home: jax.Device) -> jax.Array:
+    """``xs`` (on CPU devices of this process) summed in order into one fresh host buffer,
+    read in place by ``home``: CPU devices share host memory, so each value is read where it
+    is, with no copy to ``home`` first (half the memory traffic of copy-then-add)."""
+    out = host_empty(xs[0].shape, np.dtype(xs[0].dtype))
+    np.add(np.asarray(xs[0]), np.asarray(xs[1]), out=out)
+    for x in xs[2:]:
+        np.add(out, np.asarray(x), out=out)
+    return jax.device_put(out, home)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _add_up(xss: list[list[jax.Array]], dtypes: tuple) -> list[jax.Array]:
+    """Each list of ``xss`` summed in order, in its dtype of ``dtypes``."""
+    return [functools.reduce(operator.add, [x.astype(t) for x in xs]) for xs, t in zip(xss, dtypes)]
+
+
 class _PushCache:
     """Jitted push computations, one per static signature, least recently used dropped first."""
 
@@ -253,7 +333,10 @@ def push_eager(
     """``push`` of the validated eager contributions ``grouped`` (keys at ``index`` in
     ``state``, with their stored values and, for an optax updater, their group's optimizer
     state): one cached computation for all keys."""
-    if state.compression is None:
+    if state.compression is None and one_device_per_process(state):
+        sums = local_sums(state, list(grouped), stored, list(grouped.values()))
+        layouts = [("stacked", stacked(state, s, [x], x.dtype)) for s, x in zip(stored, sums)]
+    elif state.compression is None:
         layouts = [_layout(state, s, xs) for s, xs in zip(stored, grouped.values())]
     else:
         layouts = [

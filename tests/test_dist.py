@@ -53,3 +53,23 @@ def test_launcher_refuses_no_processes():
         timeout=60,
     )
     assert run.returncode != 0 and "at least 1" in run.stderr
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_dist_sync_sums_within_each_process_then_across(n):
+    """Pushes from any of a process's devices (several, one, the same one twice, none of the
+    store's own) are summed there, then across processes; pulls to every device equal a NumPy
+    sum, assigned or through sgd, with values kept whole or split by MXNet's bound."""
+    run = launch(n, "hierarchy_job.py")
+    assert run.returncode == 0, run.stdout + run.stderr
+    for rank in range(n):
+        for check in (
+            "assign step 1 key big",
+            "sgd step 1 key i",
+            "split step 1 key m",
+            "float16 pushed to float32",
+            "flat store",
+            "global value refused",
+        ):
+            assert f"rank {rank} ok {check}" in run.stdout, run.stdout + run.stderr
+        assert f"rank {rank} done" in run.stdout
