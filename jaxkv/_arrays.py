@@ -141,8 +141,8 @@ def _whole(x: jax.Array) -> NamedSharding:
 def _device_put(values: list[jax.Array], sharding: Any) -> list[jax.Array]:
     """``jax.device_put`` of each of ``values`` to ``sharding``; values sharded over CPU devices
     of this process go through one host buffer of their own (see :func:`host_copy`)."""
-    sources = [host_copy(v) for v in values]
-    sources = [v if h is None else h for v, h in zip(values, sources)]
+    copies = [host_copy(v) for v in values]
+    sources = [v if h is None else h for v, h in zip(values, copies)]
     return list(jax.device_put(sources, [sharding] * len(values)))
 
 
@@ -157,11 +157,12 @@ def host_copy(x: jax.Array) -> np.ndarray | None:
     value for as long as that lives.
     """
     sharding = x.sharding
+    devices: set[jax.Device] = sharding.device_set
     if (
-        len(sharding.device_set) < 2
+        len(devices) < 2
         or x.is_fully_replicated
         or not x.is_fully_addressable
-        or any(d.platform != "cpu" for d in sharding.device_set)
+        or any(d.platform != "cpu" for d in devices)
     ):
         return None
     host = host_empty(x.shape, np.dtype(x.dtype))

@@ -29,6 +29,11 @@ __all__ = ["Updater", "apply_updater", "init_opt_states", "optimizer_group", "pu
 
 logger = logging.getLogger("jaxkv")
 
+# How a key's contributions reach the push computation: ``'one'`` (one value, on the store's
+# devices), ``'stacked'`` (one block per device, to be summed), or ``('compressed', mask)``
+# (one block per device, compressed first; ``mask`` says which devices pushed).
+Kind = str | tuple[str, tuple[bool, ...]]
+
 
 class Updater(Protocol):
     """How a pushed value is merged into the stored one.
@@ -193,10 +198,11 @@ def local_sums(
     for key, xs in zip(keys, xss):
         for x in xs:
             if not x.is_fully_addressable:
+                devices: set[jax.Device] = x.sharding.device_set
                 raise KVStoreError(
                     f"key {key!r}: a multi-process push expects this process's own values "
                     f"(arrays on its devices), given an array over several processes' devices "
-                    f"{sorted(d.id for d in x.sharding.device_set)}; push each process's part"
+                    f"{sorted(d.id for d in devices)}; push each process's part"
                 )
     out: list[Any] = [None] * len(xss)
     rest = []
@@ -227,8 +233,7 @@ def _host_addable(xs: list[jax.Array], dtype: Any) -> bool:
     """Whether NumPy can add ``xs`` where they are, as XLA would: of the stored ``dtype``, a
     NumPy number type, each on one CPU device."""
     return np.dtype(dtype).kind in "fiu" and all(
-        x.dtype == dtype and single_device(x) is not None and single_device(x).platform == "cpu"
-        for x in xs
+        x.dtype == dtype and (d := single_device(x)) is not None and d.platform == "cpu" for x in xs
     )
 
 
@@ -256,7 +261,14 @@ class _PushCache:
         self._size = size
         self._fns: collections.OrderedDict = collections.OrderedDict()
 
-    def get(self, state: KVState, keys, kinds, updater, donate) -> Callable:
+    def get(
+        self,
+        state: KVState,
+        keys: tuple[Key, ...],
+        kinds: tuple[Kind, ...],
+        updater: Any,
+        donate: bool,
+    ) -> Callable:
         sig = (
             state.devices,
             state.bigarray_bound,
@@ -278,21 +290,32 @@ class _PushCache:
         return fn
 
 
-def _build_push(state: KVState, keys, kinds, updater, donate) -> Callable:
+def _build_push(
+    state: KVState, keys: tuple[Key, ...], kinds: tuple[Kind, ...], updater: Any, donate: bool
+) -> Callable:
     """The jitted push for one signature. ``state`` supplies only static facts (mesh, bound,
     compression); the cached computation keeps none of its arrays."""
     state = state._placement()
-    compressed = [i for i, kind in enumerate(kinds) if kind[0] == "compressed"]
+    masks = {
+        i: kind[1]
+        for i, kind in enumerate(kinds)
+        if isinstance(kind, tuple) and kind[0] == "compressed"
+    }
+    compressed = list(masks)  # the compressed keys' positions, with their masks above
     stacked = [i for i, kind in enumerate(kinds) if kind != "one"]
 
-    def run(stored, opt_state, residuals, pushed):
+    def run(
+        stored: list[jax.Array], opt_state: Any, residuals: list[Any], pushed: list[jax.Array]
+    ) -> tuple[Any, Any, list[Any]]:
         inputs = {id(x) for x in pushed}
         pushed = [x.astype(s.dtype) for x, s in zip(pushed, stored)]
         inputs.update(id(x) for x in pushed)
         residuals = list(residuals)
         if compressed:
+            config = state.compression
+            assert config is not None, "compressed layouts come only from a compressed store"
             quantized, kept = jax.shard_map(
-                functools.partial(compress, state.compression, [kinds[i][1] for i in compressed]),
+                functools.partial(compress, config, list(masks.values())),
                 mesh=state.mesh,
                 in_specs=PartitionSpec(AXIS),
                 out_specs=PartitionSpec(AXIS),
@@ -335,7 +358,9 @@ def push_eager(
     state): one cached computation for all keys."""
     if state.compression is None and one_device_per_process(state):
         sums = local_sums(state, list(grouped), stored, list(grouped.values()))
-        layouts = [("stacked", stacked(state, s, [x], x.dtype)) for s, x in zip(stored, sums)]
+        layouts: list[tuple[Kind, jax.Array]] = [
+            ("stacked", stacked(state, s, [x], x.dtype)) for s, x in zip(stored, sums)
+        ]
     elif state.compression is None:
         layouts = [_layout(state, s, xs) for s, xs in zip(stored, grouped.values())]
     else:

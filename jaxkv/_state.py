@@ -29,6 +29,15 @@ AXIS = "kv"  # The name of the store's one mesh axis.
 # sharding from 16K elements up made push + pull of ResNet-50's parameters fastest.
 BIGARRAY_BOUND = 1 << 14
 _KEEP = object()
+# A state's aux data: keys, devices, big-array bound, compression, shapes, optimizer groups.
+_Aux = tuple[
+    tuple[Key, ...],
+    tuple[jax.Device, ...],
+    int | None,
+    tuple | None,
+    tuple[tuple[int, ...], ...],
+    tuple[tuple[Key, ...], ...],
+]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -119,6 +128,17 @@ class KVState:
         "_shapes",
         "_groups",
     )
+    # The slots' types (annotations only: a class-level value would clash with the slot).
+    _keys: tuple[Key, ...]
+    _devices: tuple[jax.Device, ...]
+    _values: tuple[Any, ...]
+    _opt_states: tuple[Any, ...]
+    _bound: int | None
+    _residuals: tuple[Any, ...]
+    _compression: tuple | None
+    _lookup: dict[Key, int] | None
+    _shapes: tuple[tuple[int, ...], ...]
+    _groups: tuple[tuple[Key, ...], ...]
 
     def __init__(
         self,
@@ -147,7 +167,7 @@ class KVState:
         object.__setattr__(self, "_compression", compression)  # e.g. ("2bit", 0.5), or None
         object.__setattr__(self, "_lookup", None)  # key -> position, built on first use
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("KVState is immutable: operations return a new state")
 
     def _placement(self) -> KVState:
@@ -156,7 +176,9 @@ class KVState:
         return KVState((), self._devices, (), (), self._bound, (), self._compression, ())
 
     # -- pytree protocol -------------------------------------------------------------------
-    def tree_flatten_with_keys(self):
+    def tree_flatten_with_keys(
+        self,
+    ) -> tuple[tuple[tuple[jax.tree_util.GetAttrKey, tuple[Any, ...]], ...], _Aux]:
         children = (
             (jax.tree_util.GetAttrKey("values"), self._values),
             (jax.tree_util.GetAttrKey("opt_states"), self._opt_states),
@@ -164,10 +186,10 @@ class KVState:
         )
         return children, self._aux()
 
-    def tree_flatten(self):
+    def tree_flatten(self) -> tuple[tuple[tuple[Any, ...], ...], _Aux]:
         return (self._values, self._opt_states, self._residuals), self._aux()
 
-    def _aux(self):
+    def _aux(self) -> _Aux:
         return (
             self._keys,
             self._devices,
@@ -178,7 +200,7 @@ class KVState:
         )
 
     @classmethod
-    def tree_unflatten(cls, aux, children):
+    def tree_unflatten(cls, aux: _Aux, children: Sequence[Sequence[Any]]) -> KVState:
         keys, devices, bound, compression, shapes, groups = aux
         values, opt_states, residuals = children
         return cls(keys, devices, values, opt_states, bound, residuals, compression, shapes, groups)
@@ -272,7 +294,7 @@ class KVState:
         except KVStoreError:
             return False
 
-    def __getitem__(self, key: Key):
+    def __getitem__(self, key: Key) -> Any:
         return self._values[self.index(key)]
 
     def __len__(self) -> int:
@@ -286,9 +308,11 @@ class KVState:
     # -- helpers for the operations ----------------------------------------------------------
     @property
     def _index(self) -> dict[Key, int]:
-        if self._lookup is None:
-            object.__setattr__(self, "_lookup", {k: i for i, k in enumerate(self._keys)})
-        return self._lookup
+        lookup = self._lookup
+        if lookup is None:
+            lookup = {k: i for i, k in enumerate(self._keys)}
+            object.__setattr__(self, "_lookup", lookup)
+        return lookup
 
     def index(self, key: Any) -> int:
         """Position of ``key`` in :meth:`keys`; refuses unknown keys and the wrong key kind."""
