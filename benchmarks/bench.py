@@ -17,7 +17,13 @@ Every time is the median of at least 7 timed steps after warm-up, the best of th
 that time jaxkv, MXNet and the copy bandwidth back to back; ratios compare numbers from this run
 only. Writes benchmarks/results.md and benchmarks/results.png.
 
-Usage: python benchmarks/bench.py [--steps 7] [--quick] [--only in-jit]
+  dist      ResNet-50 push + pull in 2 processes (1, then 2 devices each), jaxkv dist_sync
+            beside MXNet 1.9.1 dist_sync with 2 servers (benchmarks/dist.py)
+
+The resnet50 rows are also timed with JAXKV_NO_FAST_PATHS=1 (no private JAX names), in
+processes of their own.
+
+Usage: python benchmarks/bench.py [--steps 7] [--quick] [--only in-jit|dist]
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+import dist  # noqa: E402  (benchmarks/dist.py)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -219,6 +226,26 @@ def jaxkv_functional(shapes, steps, counter_box) -> float:
     return ms
 
 
+def no_fast_paths(steps, rounds: int = 2) -> dict[str, float]:
+    """The resnet50 imperative and functional ms/step with every private JAX name off
+    (``JAXKV_NO_FAST_PATHS=1``, read when jaxkv is imported: so in processes of their own),
+    the best of ``rounds``."""
+    env = dict(os.environ, JAXKV_NO_FAST_PATHS="1")
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        out = subprocess.run(
+            [sys.executable, __file__, "--only", "no-fast-paths", "--steps", str(steps)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=env,
+        ).stdout
+        line = next(x for x in out.splitlines() if x.startswith("NO_FAST_PATHS "))
+        for path, ms in json.loads(line.split(" ", 1)[1]).items():
+            best[path] = min(ms, best.get(path, ms))
+    return best
+
+
 def in_jit(steps) -> dict[str, dict]:
     """The in-jit section (benchmarks/injit.py), once with the default malloc and once with
     glibc's huge-page malloc, each in a process of its own."""
@@ -252,7 +279,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="skip the slow baselines")
     parser.add_argument(
-        "--only", choices=["in-jit"], help="run only this section; print it, write no report"
+        "--only",
+        choices=["in-jit", "dist", "no-fast-paths"],
+        help="run only this section; print it, write no report",
     )
     args = parser.parse_args()
     steps = max(args.steps, 7)
@@ -263,6 +292,17 @@ def main() -> None:
     )
     if args.only == "in-jit":
         log("\n".join(in_jit_lines(in_jit(steps))))
+        return
+    if args.only == "dist":
+        log("\n".join(dist.lines(dist.run(steps, log=log))))
+        return
+    if args.only == "no-fast-paths":  # run by no_fast_paths(), in a process of its own
+        shapes, counts = workload("resnet50"), []
+        times = {
+            "imperative": jaxkv_imperative(shapes, steps, counts),
+            "functional": jaxkv_functional(shapes, steps, counts),
+        }
+        print("NO_FAST_PATHS " + json.dumps(times), flush=True)
         return
     # Timings on this shared machine drift by tens of percent between minutes. Each workload is
     # measured in ROUNDS rounds, each timing jaxkv (both paths), MXNet and the copy bandwidth back
@@ -308,11 +348,15 @@ def main() -> None:
     bw = max(bws)
     for row in rows:
         row["floor"] = (2 * D + 1) * row["MB"] * 1e6 / (bw * 1e9) * 1e3
+    log("[resnet50] jaxkv with JAXKV_NO_FAST_PATHS=1 (no private JAX names), best of 2 ...")
+    slow = no_fast_paths(steps)
+    log(f"  {slow}")
     jit_rows = in_jit(steps)
+    dist_rows = dist.run(steps, log=log)
     log("[memory] peak RSS of the imperative resnet50 loop ...")
     mem = memory()
     log(f"  {mem}")
-    write_report(rows, jit_rows, bw, mem)
+    write_report(rows, jit_rows, bw, mem, slow, dist_rows)
 
 
 def _fmt(x, unit=""):
@@ -323,7 +367,7 @@ def _ratio(a, b):
     return "—" if a is None or b is None else f"{a / b:.2f}x"
 
 
-def write_report(rows, jit_rows, bw, mem) -> None:
+def write_report(rows, jit_rows, bw, mem, slow, dist_rows) -> None:
     machine = (
         f"{platform.machine()}, {os.cpu_count()} cores, {D} simulated CPU devices, "
         f"JAX {jax.__version__}, copy bandwidth {bw:.1f} GB/s"
@@ -354,6 +398,21 @@ def write_report(rows, jit_rows, bw, mem) -> None:
         lines.append(f"| {r['workload']} | NumPy 1-thread | {_fmt(r['numpy'])} | | | | | | |")
         lines.append(f"| {r['workload']} | naive JAX | {_fmt(r['naive'])} | | | | | | |")
         lines.append(f"| {r['workload']} | MXNet 1.9.1 | {_fmt(r['mxnet'])} | | | | | | |")
+    resnet = next(r for r in rows if r["workload"] == "resnet50")
+    lines += [
+        "",
+        "With `JAXKV_NO_FAST_PATHS=1` (no private JAX name; what a JAX without them gives), "
+        "resnet50, best of 2 runs in processes of their own:",
+        "",
+        "| path | ms/step, fast paths off | ms/step, on (above) | off / on |",
+        "|---|---|---|---|",
+    ]
+    for path in ("imperative", "functional"):
+        lines.append(
+            f"| jaxkv {path} | {slow[path]:.1f} | {resnet[path]:.1f} | "
+            f"{_ratio(slow[path], resnet[path])} |"
+        )
+    lines += ["", *dist_report(dist_rows)]
     lines += ["", *in_jit_report(jit_rows)]
     lines += [
         "",
@@ -383,6 +442,30 @@ def write_report(rows, jit_rows, bw, mem) -> None:
         f.write(text)
     log("\n" + text)
     plot(rows, jit_rows)
+
+
+def dist_report(dist_rows) -> list[str]:
+    """The multi-process section of results.md (benchmarks/dist.py)."""
+    lines = [
+        f"Multi-process: ResNet-50's 193 tensors, push from D devices then pull to D, in "
+        f"{dist.PROCESSES} processes on this machine: MXNet 1.9.1 `dist_sync` with "
+        f"{dist.SERVERS} servers beside jaxkv `dist_sync` (gloo, started by "
+        "`python -m jaxkv.launch`). Median of at least 7 steps after warm-up, best of "
+        f"{len(next(iter(dist_rows))['rounds']['jaxkv'])} rounds, each side's first step's "
+        "values checked.",
+        "",
+        "| devices per process | jaxkv ms/step | MXNet ms/step | MXNet / jaxkv | values | "
+        "jaxkv rounds | MXNet rounds |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in dist_rows:
+        rounds = {k: ", ".join(f"{t:.1f}" for t in v) or "not run" for k, v in r["rounds"].items()}
+        lines.append(
+            f"| {r['D']} | {r['jaxkv']:.1f} | {_fmt(r['mxnet'])} | "
+            f"{_ratio(r['mxnet'], r['jaxkv'])} | {'ok' if r['ok'] else 'WRONG'} | "
+            f"{rounds['jaxkv']} | {rounds['mxnet']} |"
+        )
+    return lines
 
 
 def in_jit_report(jit_rows) -> list[str]:
