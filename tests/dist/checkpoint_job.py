@@ -31,7 +31,7 @@ import jaxkv.mx as mx  # importing jaxkv joins the job
 from jaxkv._checkpoint import load_state, save_state
 
 OPT = optax.sgd(0.25, momentum=0.5)
-SHAPES = {3: (4, 3), 5: (64, 512), 8: (0,)}  # replicated, sharded over the 4 devices, empty
+SHAPES = {3: (4, 3), 5: (64, 512), 8: (0,)}  # replicated, split across processes, empty
 
 
 def gradient(key, step):
@@ -82,6 +82,9 @@ def write(path, arrays):
 
 
 def store():
+    # MXNet's bound set: key 5 is split across the processes, so that each writes its part
+    # (a dist_sync store otherwise keeps every value whole in each process).
+    os.environ["MXNET_KVSTORE_BIGARRAY_BOUND"] = str(2**14)
     kv = mx.kv.create("dist_sync")
     kv.set_optimizer(OPT)
     return kv
