@@ -79,7 +79,8 @@ def _free_port() -> int:
 
 #: Run by ``python -S -c`` in each new process before the script: asks the kernel for SIGKILL
 #: when the launcher dies (Linux's ``PR_SET_PDEATHSIG``, kept across ``exec``), gives up if the
-#: launcher is already gone, then replaces itself with ``python script.py args...`` (same PID).
+#: launcher is already gone, then replaces itself with the command line after the launcher's PID,
+#: ``python -c _RUN_SCRIPT script.py args...`` (same PID).
 #: A ``preexec_fn`` would do it without a second interpreter, but forks from Python, which is
 #: not safe in a process where JAX's threads run (``launch()`` called in-process).
 _DIE_WITH_PARENT = """\
@@ -90,7 +91,62 @@ except (OSError, AttributeError):
     pass
 if os.getppid() != int(sys.argv[1]):
     os._exit(1)
-os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+os.execv(sys.executable, sys.argv[2:])
+"""
+
+#: Run by ``python -c`` in each process (after the shim above) instead of ``python script.py
+#: args...``, which it does as Python would (``__main__``, ``sys.argv``, ``sys.path[0]``, the
+#: traceback of an uncaught exception), with one difference: a process that joined a JAX job
+#: and ends with ``sys.exit(n)`` (or ``raise SystemExit(n)``), n not 0, exits at once with
+#: that status, without running its ``atexit`` handlers. JAX's shutdown, an ``atexit``
+#: handler, would otherwise wait, up to 5 minutes, for every other process to finish, while
+#: they wait for it in their next collective (as for an uncaught exception: ``_dist.py``).
+_RUN_SCRIPT = """\
+def _jaxkv_run_script():
+    import importlib.machinery, io, os, runpy, sys
+    globals().pop("_jaxkv_run_script")
+    path = sys.argv[1]
+    sys.argv = sys.argv[1:]
+    try:
+        if os.path.isfile(path):
+            sys.path[0] = os.path.dirname(os.path.realpath(path))
+            with io.open_code(path) as f:
+                code = compile(f.read(), path, "exec", dont_inherit=True)
+            loader = importlib.machinery.SourceFileLoader("__main__", path)
+            globals().update(__file__=path, __cached__=None, __loader__=loader)
+            exec(code, globals())
+        else:  # a directory or zip file with __main__.py
+            sys.path[0] = path
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        jax = sys.modules.get("jax")
+        several = int(os.environ.get("JAXKV_NUM_PROCESSES") or 1) > 1
+        if e.code in (None, 0) or not several or not getattr(jax, "distributed", None):
+            raise
+        try:
+            joined = jax.distributed.is_initialized()
+        except Exception:
+            joined = False
+        if not joined:
+            raise
+        status = e.code
+        if not isinstance(status, int):
+            print(status, file=sys.stderr)
+            status = 1
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(status)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:
+        # As Python reports it: from the script's own frame.
+        e = e.with_traceback(e.__traceback__.tb_next)
+        sys.excepthook(type(e), e, e.__traceback__)
+        sys.exit(1)
+_jaxkv_run_script()
 """
 
 
@@ -230,7 +286,11 @@ class Launcher:
                     env[ENV_DEVICES_PER_PROCESS] = str(self.devices_per_process)
                 shim = [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid())]
                 procs.append(
-                    subprocess.Popen([*shim, *self.script], env=env, start_new_session=True)
+                    subprocess.Popen(
+                        [*shim, sys.executable, "-c", _RUN_SCRIPT, *self.script],
+                        env=env,
+                        start_new_session=True,
+                    )
                 )
                 ranks.append(rank)
             logger.info(
@@ -241,17 +301,23 @@ class Launcher:
                 coordinator,
                 f", restart {attempt}" if attempt else "",
             )
+            # (rank, status) in the order the processes exit: the first to fail is the likelier
+            # cause of the others' failures (a collective with a process that is gone fails),
+            # even when the launcher finds them all gone at once.
+            exits: list[tuple[int, int]] = []
+            for rank, p in zip(ranks, procs):
+                threading.Thread(
+                    target=lambda rank=rank, p=p: exits.append((rank, p.wait())), daemon=True
+                ).start()
             while signals.received is None:
-                codes = [p.poll() for p in procs]
-                failed = [(r, c) for r, c in zip(ranks, codes) if c not in (None, 0)]
+                failed = [(r, c) for r, c in list(exits) if c != 0]
                 if failed:
-                    # One found dead by a signal is the likelier cause of the others' failures.
-                    rank, code = min(failed, key=lambda f: (f[1] > 0, f[0]))
+                    rank, code = failed[0]
                     logger.error(
                         "jaxkv.launch: process %d exited with %d; stopping the others", rank, code
                     )
                     return code if code > 0 else 128 - code
-                if all(c == 0 for c in codes):
+                if len(exits) == len(procs):
                     return 0
                 time.sleep(0.05)
             logger.error(

@@ -149,6 +149,54 @@ def test_killed_and_stopped_ranks_restart_to_the_uninterrupted_values(tmp_path):
     assert elapsed < 120, f"{elapsed:.0f} s"
 
 
+@pytest.mark.parametrize("how", ["sys.exit", "raise"])
+def test_a_rank_that_exits_non_zero_ends_the_job_at_once(how):
+    """Rank 1 of a joined job ends with ``sys.exit(3)`` (or ``raise SystemExit(3)``) while
+    rank 0 waits for it in a collective: the launcher's script runner makes rank 1 exit at once,
+    rather than wait at JAX's shutdown for rank 0 (5 minutes), and the launcher stops the job.
+    Its status is that of the first process it finds failed: rank 1's 3, or rank 0's 1 when its
+    failed collective was found first."""
+    start = time.monotonic()
+    run = subprocess.run(
+        [*LAUNCH, "-n", "2", "--devices-per-process", "1", job("exit_job.py"), how],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    elapsed = time.monotonic() - start
+    output = run.stdout + run.stderr
+    assert "rank 0 pushed" in run.stdout and "rank 1 pushed" in run.stdout, output
+    assert run.returncode in (3, 1), output
+    assert re.search(r"process (1 exited with 3|0 exited with 1); stopping the others", output)
+    assert elapsed < 60, f"{elapsed:.0f} s"
+
+
+def test_the_script_runs_as_python_runs_it(tmp_path, capfd):
+    """What the script sees (``__name__``, ``__file__``, ``sys.argv``, ``sys.path[0]``), an
+    uncaught exception's traceback (from the script's own frame), and exit statuses, in
+    processes that join no JAX job."""
+    script = tmp_path / "show.py"
+    script.write_text(
+        "import os, sys\n"
+        "line = f'{__name__} {__file__} {sys.argv} {sys.path[0]} {type(__loader__).__name__}'\n"
+        "os.write(1, (line + '\\n').encode())\n"
+        "if sys.argv[1] == 'raise':\n"
+        "    raise ValueError('boom')\n"
+        "sys.exit(sys.argv[1] if sys.argv[1] == 'text' else int(sys.argv[1]))\n"
+    )
+    for arg, status in [("0", 0), ("4", 4), ("text", 1), ("raise", 1)]:
+        assert Launcher(1, [str(script), arg]).run() == status, arg
+        out, err = capfd.readouterr()
+        want = f"__main__ {script} {[str(script), arg]} {tmp_path} SourceFileLoader"
+        assert want in out, out
+        if arg == "text":
+            assert "text" in err.splitlines()
+        if arg == "raise":
+            assert err.split("Traceback (most recent call last):\n")[1].startswith(
+                f'  File "{script}", line 5, in <module>'
+            ), err
+
+
 def test_each_process_gets_its_rank_and_restart_count(tmp_path, capfd):
     """Node 1 of 2 with 3 processes each: ranks 3, 4, 5, and the restart count (processes
     that import neither jax nor jaxkv)."""
