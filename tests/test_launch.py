@@ -149,16 +149,16 @@ def test_killed_and_stopped_ranks_restart_to_the_uninterrupted_values(tmp_path):
     assert elapsed < 120, f"{elapsed:.0f} s"
 
 
-@pytest.mark.parametrize("how", ["sys.exit", "raise"])
-def test_a_rank_that_exits_non_zero_ends_the_job_at_once(how):
-    """Rank 1 of a joined job ends with ``sys.exit(3)`` (or ``raise SystemExit(3)``) while
-    rank 0 waits for it in a collective: the launcher's script runner makes rank 1 exit at once,
-    rather than wait at JAX's shutdown for rank 0 (5 minutes), and the launcher stops the job.
-    Its status is that of the first process it finds failed: rank 1's 3, or rank 0's 1 when its
-    failed collective was found first."""
+def test_a_rank_that_exits_non_zero_ends_the_job_at_once():
+    """Rank 1 of a joined job ends with ``sys.exit(3)`` while rank 0 waits for it in a
+    collective: the launcher's script runner, which catches the SystemExit (``raise
+    SystemExit(3)`` takes the same path), makes rank 1 exit at once rather than wait at JAX's
+    shutdown for rank 0 (5 minutes), and the launcher stops the job. Its status is that of the
+    first process it finds failed: rank 1's 3, or rank 0's 1 when its failed collective was
+    found first."""
     start = time.monotonic()
     run = subprocess.run(
-        [*LAUNCH, "-n", "2", "--devices-per-process", "1", job("exit_job.py"), how],
+        [*LAUNCH, "-n", "2", "--devices-per-process", "1", job("exit_job.py"), "sys.exit"],
         capture_output=True,
         text=True,
         timeout=240,
