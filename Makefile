@@ -27,8 +27,8 @@ test: $(STAMP)
 	  --ignore tests/test_launch_hosts.py --ignore tests/test_launch.py \
 	  --ignore tests/test_launch_env.py
 
-# The suite with the oldest JAX series pyproject.toml claims: its "jax>=X.Y" floor, pinned as
-# jax==X.Y.* (and jaxlib), in a venv of its own.
+# The suite with the oldest JAX pyproject.toml claims: its "jax>=X.Y[.Z]" floor, pinned as
+# jax==X.Y[.Z].* (and jaxlib; "0.8.1" pins jax==0.8.1.*), in a venv of its own.
 OLDEST_JAX := $(shell sed -n 's/^ *"jax>=\([0-9.]*\)".*/\1/p' pyproject.toml)
 OVENV := .venv-oldest
 $(OVENV)/.installed: pyproject.toml
@@ -109,7 +109,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix jaxkv tests examples benchmarks conformance
 
 clean:
-	rm -rf $(VENV) $(OVENV) $(NVENV) .pytest_cache .mypy_cache .hypothesis *.egg-info .coverage \
+	rm -rf $(VENV) $(OVENV) $(NVENV) .venv-mxnet .pytest_cache .mypy_cache .hypothesis *.egg-info .coverage \
 	  .coverage.* docs/_build
 
 bench: $(STAMP)

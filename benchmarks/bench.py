@@ -50,7 +50,7 @@ import jaxkv.mx as mx  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAPES = os.path.join(HERE, "data", "resnet50_shapes.json")  # ResNet-50 v1's 193 tensors
-MXNET_VENV = os.environ.get("MXNET_VENV", "/tmp/mxnet-1.9.1")
+MXNET_VENV = os.environ.get("MXNET_VENV", os.path.join(HERE, "..", ".venv-mxnet"))
 D = 8
 ROUNDS = 3
 

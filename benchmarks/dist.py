@@ -23,7 +23,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAPES = os.path.join(HERE, "data", "resnet50_shapes.json")
-MXNET_VENV = os.environ.get("MXNET_VENV", "/tmp/mxnet-1.9.1")
+MXNET_VENV = os.environ.get("MXNET_VENV", os.path.join(HERE, "..", ".venv-mxnet"))
 PROCESSES = 2
 SERVERS = 2
 TIMEOUT = 300  # seconds for one side's whole job

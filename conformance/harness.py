@@ -35,7 +35,7 @@ PROGRESS_EVERY = 50
 
 
 def default_mxnet_python() -> str:
-    venv = os.environ.get("MXNET_VENV", "/tmp/mxnet-1.9.1")
+    venv = os.environ.get("MXNET_VENV", os.path.join(os.path.dirname(HERE), ".venv-mxnet"))
     return os.environ.get("MXNET_PYTHON", os.path.join(venv, "bin", "python"))
 
 
@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         "--mxnet-python",
         default=default_mxnet_python(),
         help="the python of MXNet's venv (default $MXNET_PYTHON or "
-        "${MXNET_VENV:-/tmp/mxnet-1.9.1}/bin/python)",
+        "${MXNET_VENV:-.venv-mxnet}/bin/python)",
     )
     parser.add_argument(
         "--isolation",

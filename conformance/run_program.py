@@ -2,7 +2,7 @@
 
 One program, from a file or stdin (what ``programs.py --seed S`` prints)::
 
-    python programs.py --seed 42 | /tmp/mxnet-1.9.1/bin/python run_program.py --impl mxnet
+    python programs.py --seed 42 | ../.venv-mxnet/bin/python run_program.py --impl mxnet
     python programs.py --seed 42 | ../.venv/bin/python run_program.py --impl jaxkv
 
 prints ``{"id": 42, "ops": [outcome, ...]}``, one outcome per op: ``{"status": "ok", "values":
