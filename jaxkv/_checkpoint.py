@@ -129,6 +129,7 @@ def save(
     arrays["manifest"] = np.frombuffer(text, np.uint8)
     arrays["manifest_sha256"] = np.frombuffer(_sha256(text).encode(), np.uint8)
     parent = os.path.dirname(os.path.abspath(fname))
+    os.makedirs(parent, exist_ok=True)  # as a checkpoint directory's save does
     fd, tmp = tempfile.mkstemp(prefix=".jaxkv-", suffix=".tmp", dir=parent)
     try:
         with os.fdopen(fd, "wb") as f:

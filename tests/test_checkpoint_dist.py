@@ -125,3 +125,16 @@ def test_a_save_killed_part_way_leaves_the_previous_checkpoint(tmp_path, devices
     kv.set_optimizer(job.OPT)
     kv.load(tmp_path / "killed")
     assert_leaves(kv.state, tmp_path / "first.npz")
+
+
+@pytest.mark.parametrize("directory", [False, True])
+def test_a_save_makes_the_missing_parent_directories(tmp_path, directory):
+    """``ckpt/step-2`` under a ``ckpt`` that does not exist yet, as the restart pattern of
+    docs/distributed.md saves: a one-process job's file and a job's directory alike."""
+    from jaxkv import _checkpoint
+
+    state = jaxkv.init(jaxkv.empty(), {"w": jax.numpy.arange(3.0)})
+    path = tmp_path / "ckpt" / "more" / "step-2"
+    _checkpoint.save(path, state, values=True, directory=directory)
+    assert path.is_dir() == directory
+    assert load_state(path, jaxkv.empty())["w"].tolist() == [0.0, 1.0, 2.0]
