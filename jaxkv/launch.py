@@ -105,7 +105,7 @@ _RUN_SCRIPT = """\
 def _jaxkv_run_script():
     import importlib.machinery, io, os, runpy, sys
     globals().pop("_jaxkv_run_script")
-    path = sys.argv[1]
+    path = os.path.abspath(sys.argv[1])  # as Python makes the __main__ module's __file__
     sys.argv = sys.argv[1:]
     try:
         if os.path.isfile(path):
@@ -117,7 +117,7 @@ def _jaxkv_run_script():
             exec(code, globals())
         else:  # a directory or zip file with __main__.py
             sys.path[0] = path
-            runpy.run_path(path, run_name="__main__")
+            runpy.run_path(sys.argv[0], run_name="__main__")
     except SystemExit as e:
         jax = sys.modules.get("jax")
         several = int(os.environ.get("JAXKV_NUM_PROCESSES") or 1) > 1
