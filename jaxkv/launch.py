@@ -12,9 +12,12 @@ address on the route toward the coordinator, or to the interface named in JAXKV_
 
 When a process fails, the launcher stops the others and exits with that process's status; with
 ``--max-restarts R`` it starts the whole job again instead, up to R times, with
-JAXKV_RESTART_COUNT (0, 1, ...) in the environment. SIGTERM, SIGINT and SIGHUP stop every
-process it started (SIGTERM, then SIGKILL after a grace period, to each process's whole process
-group); the processes also get SIGKILL if the launcher itself dies.
+JAXKV_RESTART_COUNT (0, 1, ...) in the environment. Each process runs the script as
+``python script.py`` would, except that ``sys.exit(n)``, n not 0, in a process of a
+multi-process job exits at once (JAX's shutdown would wait for the other processes).
+SIGTERM, SIGINT and SIGHUP stop every process it started (SIGTERM, then SIGKILL after a grace
+period, to each process's whole process group); the processes also get SIGKILL if the launcher
+itself dies.
 
 Unless GLIBC_TUNABLES is already set, the processes start with
 GLIBC_TUNABLES=glibc.malloc.hugetlb=1: glibc's malloc then takes transparent huge pages, which
