@@ -219,8 +219,8 @@ def specs(state: KVState, axis_name: Any) -> KVState:
       >>> import jax.numpy as jnp, jaxkv
       >>> s = jaxkv.init(jaxkv.empty(), {"w": jnp.zeros((8, 4096)), "b": jnp.zeros(3)})
       >>> sp = jaxkv.specs(s, "d")
-      >>> sp.values["b"], sp.values["w"]
-      (P(), P('d',))
+      >>> tuple(sp.values["b"]), tuple(sp.values["w"])
+      ((), ('d',))
     """
     split = PartitionSpec(axis_name)
 

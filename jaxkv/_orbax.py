@@ -315,9 +315,8 @@ def _match(path: str, metadata: Any, tree: dict) -> None:
 
 def _empty(target: Any) -> jax.Array:
     """An empty array placed as ``target`` says (on every process's devices)."""
-    return jax.jit(
-        lambda: jax.numpy.zeros(target.shape, target.dtype), out_shardings=target.sharding
-    )()
+    block = np.zeros(target.sharding.shard_shape(target.shape), target.dtype)
+    return jax.make_array_from_callback(target.shape, target.sharding, lambda _: block)
 
 
 def _verify(path: str, root: str, files: dict) -> None:

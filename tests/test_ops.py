@@ -204,7 +204,9 @@ def test_optax_updater_carries_its_state_from_push_to_push(state, call):
         s = call(lambda s, g: jaxkv.push(s, "v", g, updater=ADAM), s, g)
         updates, opt_state = ADAM.update(jnp.asarray(g), opt_state, params)
         params = optax.apply_updates(params, updates)
-        np.testing.assert_allclose(s["v"], params, rtol=1e-6)
+        # atol: one element ends near 0 (-0.0024, after steps of 0.1), where a float32
+        # rounding of the steps (JAX 0.8.1 fuses Adam differently) is 4e-6 of it.
+        np.testing.assert_allclose(s["v"], params, rtol=1e-6, atol=1e-7)
         for a, b in zip(
             jax.tree_util.tree_leaves(s.opt_states[("v",)]), jax.tree_util.tree_leaves(opt_state)
         ):
