@@ -452,16 +452,22 @@ class KVStore:
         position: dict[Any, int] = {}
 
         def hand_out(keys: list[Key], values: list[jax.Array]) -> None:
+            elsewhere: list[tuple[NDArray, jax.Array, Any]] = []  # outs off the store's devices
             for key, value in zip(keys, values):
                 arrays = _fast.per_device(value)
                 if not position:
                     position.update({_fast.single_device(x): i for i, x in enumerate(arrays)})
-                dtype = value.dtype
                 for o in outs_of[key]:
                     device = o._device()
                     i = position.get(device)
-                    x = arrays[i] if i is not None else jax.device_put(arrays[0], device)
-                    o._set(x if o._data.dtype == dtype else x.astype(o._data.dtype), device)
+                    if i is None:
+                        elsewhere.append((o, arrays[0], device))
+                    else:
+                        _set(o, arrays[i], device)
+            if elsewhere:  # copied there in one call (a dist_sync store: one device per process)
+                moved = jax.device_put([x for _, x, _ in elsewhere], [d for _, _, d in elsewhere])
+                for (o, _, device), x in zip(elsewhere, moved):
+                    _set(o, x, device)
 
         # One copy computation for all replicated values, then the sharded ones in chunks:
         # chunking everything together measured ~30% slower on ResNet-50.
@@ -474,6 +480,11 @@ class KVStore:
             if size >= _GATHER_CHUNK_BYTES or i == len(big) - 1:
                 hand_out(chunk, _arrays.replicated_copies(state, chunk))
                 chunk, size = [], 0
+
+
+def _set(out: NDArray, x: jax.Array, device: Any) -> None:
+    """Rebind ``out`` to ``x`` (on ``device``), in ``out``'s dtype."""
+    out._set(x if out._data.dtype == x.dtype else x.astype(out._data.dtype), device)
 
 
 # How many bytes of sharded values a pull all-gathers before handing them out.
