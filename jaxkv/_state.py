@@ -232,7 +232,7 @@ class KVState:
 
     @property
     def sharding(self) -> NamedSharding:
-        """Replicated over :attr:`devices`: where values below the big-array bound live."""
+        """The replicated sharding over :attr:`devices`, where small values live."""
         return NamedSharding(self.mesh, PartitionSpec())
 
     @property
