@@ -22,6 +22,10 @@ import contextlib
 import logging
 import os
 import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -40,6 +44,7 @@ ENV_NODE_RANK = "JAXKV_NODE_RANK"
 ENV_RESTART_COUNT = "JAXKV_RESTART_COUNT"
 ENV_IFNAME = "JAXKV_IFNAME"
 ENV_HEARTBEAT_TIMEOUT = "JAXKV_HEARTBEAT_TIMEOUT"
+ENV_COLLECTIVE_TIMEOUT = "JAXKV_COLLECTIVE_TIMEOUT"
 
 #: Seconds without a heartbeat after which JAX's coordination service declares a process dead
 #: and ends the job (JAX's own default is 100 s). ``JAXKV_HEARTBEAT_TIMEOUT`` overrides it.
@@ -211,12 +216,123 @@ def process_devices() -> list[jax.Device]:
     return [first[i] for i in sorted(first)]
 
 
+#: Seconds a ``dist_sync`` store's collective may wait for the other processes before this
+#: process ends itself (``JAXKV_COLLECTIVE_TIMEOUT`` overrides it; 0 turns the watch off).
+DEFAULT_COLLECTIVE_TIMEOUT = 90
+
+#: The exit status of a process whose collective waited longer than that (as ``timeout``'s).
+EXIT_HUNG = 124
+
+
+def collective_timeout() -> float:
+    """The collective timeout in seconds: ``JAXKV_COLLECTIVE_TIMEOUT``, else the default."""
+    value = os.environ.get(ENV_COLLECTIVE_TIMEOUT, "")
+    return float(value) if value else DEFAULT_COLLECTIVE_TIMEOUT
+
+
+class _Watchdog:
+    """Ends this process when one of its collectives waits too long for the other processes.
+
+    JAX's heartbeats catch a process that stopped (SIGSTOP, a frozen machine), but not one that
+    is alive and never reaches the next collective (a deadlock, an endless loop): the others
+    would wait for it for ever. Each ``dist_sync`` push, barrier and broadcast is watched from a
+    daemon thread; one still unfinished after :func:`collective_timeout` seconds logs why and
+    exits the process with :data:`EXIT_HUNG`, so that ``jaxkv.launch`` stops (or restarts) the
+    whole job, the hung process included.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple[str, float, Callable[[], bool]]] = {}
+        self._count = 0
+        self._thread: threading.Thread | None = None
+
+    def watch(self, what: str, done: Callable[[], bool]) -> int | None:
+        """Watch an operation that is finished once ``done()`` is true; returns its handle, or
+        ``None`` where nothing is watched (one process, or the timeout set to 0)."""
+        if jax.process_count() == 1 or collective_timeout() <= 0:
+            return None
+        with self._lock:
+            self._count += 1
+            self._pending[self._count] = (what, time.monotonic(), done)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="jaxkv-watchdog")
+                self._thread.daemon = True
+                self._thread.start()
+            return self._count
+
+    def forget(self, handle: int | None) -> None:
+        with self._lock:
+            self._pending.pop(handle or 0, None)
+
+    def _run(self) -> None:
+        while True:
+            timeout = collective_timeout()
+            time.sleep(min(1.0, timeout / 4))
+            with self._lock:
+                pending = list(self._pending.items())
+            now = time.monotonic()
+            for handle, (what, start, done) in pending:
+                if done():
+                    self.forget(handle)
+                elif now - start > timeout:
+                    _hung(what, now - start, timeout)
+
+
+def _hung(what: str, waited: float, timeout: float) -> None:
+    message = (
+        f"jaxkv: process {jax.process_index()}: a {what} has waited {waited:.0f} s for the "
+        f"other processes ({ENV_COLLECTIVE_TIMEOUT}={timeout:g}); one of them is hung or far "
+        "behind. Ending this process (status 124) so that the launcher stops or restarts the "
+        f"job. If some processes legitimately run that much longer between steps (e.g. an "
+        f"evaluation on rank 0 only), raise {ENV_COLLECTIVE_TIMEOUT}; 0 turns this off."
+    )
+    logger.error(message)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # exiting anyway
+            stream.flush()
+    os._exit(EXIT_HUNG)
+
+
+_WATCHDOG = _Watchdog()
+
+
+@jax.jit
+def _first(x: jax.Array) -> jax.Array:
+    """A tiny array of its own that is ready only once ``x`` is."""
+    return x.reshape(-1)[:1]
+
+
+def watch_result(what: str, value: jax.Array) -> None:
+    """Watch the computation that makes ``value`` (an array of a multi-process store) until it
+    is done (see :class:`_Watchdog`)."""
+    if jax.process_count() == 1 or collective_timeout() <= 0:
+        return
+    # A token of the watchdog's own: ``value`` itself may be donated to the next push, and
+    # asking a deleted array whether it is ready is not safe.
+    token = _first(value.addressable_shards[0].data)
+    _WATCHDOG.watch(what, token.is_ready)
+
+
+@contextlib.contextmanager
+def watched(what: str) -> Iterator[None]:
+    """Watch a blocking call made in the ``with`` block (see :class:`_Watchdog`)."""
+    finished = threading.Event()
+    handle = _WATCHDOG.watch(what, finished.is_set)
+    try:
+        yield
+    finally:
+        finished.set()
+        _WATCHDOG.forget(handle)
+
+
 def barrier(name: str) -> None:
     """Wait until every process reaches this point (a no-op in a single-process job)."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        multihost_utils.sync_global_devices(name)
+        with watched(f"barrier ({name})"):
+            multihost_utils.sync_global_devices(name)
 
 
 def from_rank_zero(tree: Any) -> Any:
@@ -225,7 +341,8 @@ def from_rank_zero(tree: Any) -> Any:
         return tree
     from jax.experimental import multihost_utils
 
-    return multihost_utils.broadcast_one_to_all(tree)
+    with watched("broadcast of rank 0's values"):
+        return multihost_utils.broadcast_one_to_all(tree)
 
 
 join_launched_job()

@@ -411,7 +411,14 @@ class KVStore:
                 [[state[k] for k in pushed], [state.opt_states[g] for g in groups]]
             )
             donate = not any(id(leaf) in self._shared for leaf in leaves)
-        self._state = _ops.push(state, key, values, updater=self._updater, donate=donate)
+        if self._type not in _DIST_TYPES or jax.process_count() == 1:
+            self._state = _ops.push(state, key, values, updater=self._updater, donate=donate)
+            return
+        # Across processes, XLA may run the push's collective before returning, or later.
+        with _dist.watched("push"):
+            self._state = _ops.push(state, key, values, updater=self._updater, donate=donate)
+        first = next(iter(_args.pairs(key, values, "values")))[0]
+        _dist.watch_result("push", self._state[first])
 
     def _values(self, key: Any) -> jax.Array | list[jax.Array]:
         single = not isinstance(key, list | tuple)

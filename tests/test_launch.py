@@ -149,6 +149,33 @@ def test_killed_and_stopped_ranks_restart_to_the_uninterrupted_values(tmp_path):
     assert elapsed < 120, f"{elapsed:.0f} s"
 
 
+def test_a_hung_rank_ends_the_job_after_the_collective_timeout(tmp_path):
+    """Rank 1 sleeps for ever before step 3 (alive: JAX's heartbeats go on), so rank 0's push
+    waits; after JAXKV_COLLECTIVE_TIMEOUT (5 s here) rank 0 ends itself with status 124, the
+    launcher stops rank 1 and restarts the job, which resumes from step-2 and ends with exactly
+    the values of an uninterrupted run."""
+    pytest.importorskip("orbax.checkpoint")
+    start = time.monotonic()
+    run = subprocess.run(
+        [*LAUNCH, "-n", "2", "--devices-per-process", "1", "--max-restarts", "2"]
+        + [job("restart_job.py"), str(tmp_path), "4", "2", "1:hang@3"],
+        env={**os.environ, _dist.ENV_COLLECTIVE_TIMEOUT: "5"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    elapsed = time.monotonic() - start
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    assert "process 0 exited with 124" in run.stderr, output
+    assert "a push has waited" in run.stderr and "JAXKV_COLLECTIVE_TIMEOUT=5" in run.stderr
+    want = restart_job.uninterrupted(4, processes=2, devices_per_process=1)
+    for rank in range(2):
+        assert f"rank {rank} attempt 1 starts at step 2" in run.stdout, output
+        assert f"rank {rank} final {want}" in run.stdout, output
+    assert elapsed < 90, f"{elapsed:.0f} s"
+
+
 def test_a_rank_that_exits_non_zero_ends_the_job_at_once():
     """Rank 1 of a joined job ends with ``sys.exit(3)`` while rank 0 waits for it in a
     collective: the launcher's script runner, which catches the SystemExit (``raise

@@ -4,9 +4,10 @@ training loop that checkpoints with ``kv.save`` every k steps and resumes with `
 
     restart_job.py DIR STEPS EVERY [FAULT ...]
 
-FAULT number a (``RANK:kill@STEP`` or ``RANK:stop@STEP``) is what happens on attempt a
-(JAXKV_RESTART_COUNT == a): that rank SIGKILLs or SIGSTOPs itself when it is about to run step
-STEP (0-based: STEP steps done).
+FAULT number a (``RANK:kill@STEP``, ``RANK:stop@STEP`` or ``RANK:hang@STEP``) is what happens on
+attempt a (JAXKV_RESTART_COUNT == a): that rank SIGKILLs or SIGSTOPs itself, or sleeps for ever
+(alive, heartbeats going, never reaching the next push), when it is about to run step STEP
+(0-based: STEP steps done).
 
 Each step pushes ``(rank + 1) * (step + 1)`` from every local device to ``w`` and applies SGD
 with momentum (optimizer state that a checkpoint must carry). After every EVERY steps, every
@@ -20,6 +21,7 @@ import os
 import re
 import signal
 import sys
+import time
 
 import jax
 import numpy as np
@@ -78,6 +80,8 @@ def main():
         kv.init("w", mx.nd.zeros(SHAPE))
     say(f"rank {rank} attempt {attempt} starts at step {start}")
     for step in range(start, steps):
+        if fault and int(fault[0]) == rank and fault[1] == f"hang@{step}":
+            time.sleep(1e6)
         if fault and int(fault[0]) == rank and fault[1] in (f"kill@{step}", f"stop@{step}"):
             os.kill(os.getpid(), signal.SIGKILL if fault[1].startswith("kill") else signal.SIGSTOP)
         grads = [
