@@ -134,11 +134,11 @@ class KVStore:
         self._lock = threading.RLock()
         # MXNet's knob for which arrays are big enough to be split across devices. Across
         # processes a split costs an all-gather at each pull and saves nothing in the push, so
-        # a multi-process store splits only when the knob is set.
+        # a multi-process dist store splits only when the knob is set.
         bound: int | None = BIGARRAY_BOUND
         if "MXNET_KVSTORE_BIGARRAY_BOUND" in os.environ:
             bound = int(os.environ["MXNET_KVSTORE_BIGARRAY_BOUND"])
-        elif len({d.process_index for d in devices or ()}) > 1:
+        elif name in _DIST_TYPES and jax.process_count() > 1:
             bound = None
         self._state: KVState = empty(devices, bigarray_bound=bound)
         self._updater: Any = None

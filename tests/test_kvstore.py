@@ -73,6 +73,14 @@ def test_outs_are_filled_on_their_own_devices(kv):
     assert half.dtype == np.float16 and half.context == jaxkv.cpu(2)
 
 
+def test_a_store_over_contexts_sums_over_those_devices_only():
+    store = jaxkv.KVStore("local", devices=[jaxkv.cpu(1), jaxkv.cpu(2)])
+    assert store.state.devices == (jax.devices()[1], jax.devices()[2])
+    store.init(3, nd.zeros(SHAPE))
+    store.push(3, [nd.ones(SHAPE, jaxkv.cpu(i)) for i in (1, 2)])
+    np.testing.assert_array_equal(store.pull(3), np.full(SHAPE, 2.0))
+
+
 def test_lists_of_lists_and_duplicates(kv):
     grads = [
         [nd.ones(SHAPE, jaxkv.cpu(i)) for i in range(4)],
