@@ -243,18 +243,20 @@ class _Watchdog:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: dict[int, tuple[str, float, Callable[[], bool]]] = {}
+        # handle -> (what, when it started, the timeout it was armed with, whether it is done)
+        self._pending: dict[int, tuple[str, float, float, Callable[[], bool]]] = {}
         self._count = 0
         self._thread: threading.Thread | None = None
 
     def watch(self, what: str, done: Callable[[], bool]) -> int | None:
         """Watch an operation that is finished once ``done()`` is true; returns its handle, or
         ``None`` where nothing is watched (one process, or the timeout set to 0)."""
-        if jax.process_count() == 1 or collective_timeout() <= 0:
+        timeout = collective_timeout()
+        if jax.process_count() == 1 or timeout <= 0:
             return None
         with self._lock:
             self._count += 1
-            self._pending[self._count] = (what, time.monotonic(), done)
+            self._pending[self._count] = (what, time.monotonic(), timeout, done)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="jaxkv-watchdog")
                 self._thread.daemon = True
@@ -266,17 +268,18 @@ class _Watchdog:
             self._pending.pop(handle or 0, None)
 
     def _run(self) -> None:
+        period = 1.0
         while True:
-            timeout = collective_timeout()
-            time.sleep(min(1.0, timeout / 4))
+            time.sleep(period)
             with self._lock:
                 pending = list(self._pending.items())
             now = time.monotonic()
-            for handle, (what, start, done) in pending:
+            for handle, (what, start, timeout, done) in pending:
                 if done():
                     self.forget(handle)
                 elif now - start > timeout:
                     _hung(what, now - start, timeout)
+            period = min([1.0] + [entry[2] / 4 for _, entry in pending])
 
 
 def _hung(what: str, waited: float, timeout: float) -> None:
