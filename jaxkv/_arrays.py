@@ -120,12 +120,12 @@ def replicate(values: Sequence[jax.Array], devices: tuple[jax.Device, ...]) -> l
     # A multi-process job: each process copies from a whole copy of its own (gathered first
     # where the value is split across processes); a target beyond this process's devices is
     # filled from host memory, as device_put cannot move arrays between processes.
-    split = [i for i, v in enumerate(values) if not v.is_fully_replicated]
     values = list(values)
-    for i, x in zip(
-        split, _all_gather([values[i] for i in split], _whole(values[split[0]])) if split else []
-    ):
-        values[i] = x
+    split = [i for i, v in enumerate(values) if not v.is_fully_replicated]
+    if split:
+        gathered = _all_gather([values[i] for i in split], _whole(values[split[0]]))
+        for i, x in zip(split, gathered):
+            values[i] = x
     local = [v.addressable_shards[0].data if not v.is_fully_addressable else v for v in values]
     me = jax.process_index()
     if any(d.process_index != me for d in devices):
