@@ -69,6 +69,7 @@ def test_dist_sync_sums_within_each_process_then_across(n):
             "split step 1 key m",
             "float16 pushed to float32",
             "flat store",
+            "flat split store",
             "global value refused",
         ):
             assert f"rank {rank} ok {check}" in run.stdout, run.stdout + run.stderr

@@ -95,6 +95,13 @@ def main():
     state = jaxkv.push(state, "w", [jax.device_put(np.ones((8, 3), np.float32), d) for d in local])
     got = jaxkv.pull(state, "w", devices=local[:1])
     check("flat store", got, np.full((8, 3), workers * len(local), np.float32))
+    # The same with the value split across every device: pulled whole onto this process's.
+    state = jaxkv.init(jaxkv.empty(jax.devices(), bigarray_bound=4), {"w": np.zeros((12, 3))})
+    assert state.is_sharded((12, 3))
+    rows = [np.arange(36, dtype=np.float32).reshape(12, 3) + d.id for d in local]
+    state = jaxkv.push(state, "w", [jax.device_put(r, d) for r, d in zip(rows, local)])
+    want = sum(np.arange(36, dtype=np.float32).reshape(12, 3) + d.id for d in jax.devices())
+    check("flat split store", jaxkv.pull(state, "w", devices=local), want)
     # A value spread over several processes' devices is refused: it is nobody's contribution.
     before = np.asarray(kv.pull("v"))
     whole = jax.device_put(np.ones(SHAPES["v"], np.float32), kv.state.sharding)
