@@ -113,6 +113,23 @@ def test_timeout_ends_a_joined_job(tmp_path):
     assert_all_gone(pids)
 
 
+def restart_job_run(tmp_path, max_restarts, args, env):
+    """restart_job.py (``DIR STEPS EVERY [FAULT ...]`` after DIR) in 2 processes of 1 device,
+    with ``max_restarts`` and ``env`` added to the environment; returns the completed run, its
+    stdout + stderr, and the seconds it took."""
+    pytest.importorskip("orbax.checkpoint")
+    start = time.monotonic()
+    run = subprocess.run(
+        [*LAUNCH, "-n", "2", "--devices-per-process", "1", "--max-restarts", str(max_restarts)]
+        + [job("restart_job.py"), str(tmp_path), *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    return run, run.stdout + run.stderr, time.monotonic() - start
+
+
 def test_killed_and_stopped_ranks_restart_to_the_uninterrupted_values(tmp_path):
     """restart_job.py checkpoints with kv.save every 2 of 6 steps. Attempt 0: rank 1 SIGKILLs
     itself before step 3 (step 3 is redone); attempt 1 resumes from step-2 and rank 0 (which
@@ -120,18 +137,9 @@ def test_killed_and_stopped_ranks_restart_to_the_uninterrupted_values(tmp_path):
     here) ends the job (step 5 is redone); attempt 2 resumes from step-4 and finishes. Every
     rank ends with exactly the values of an uninterrupted run, momentum included (one restart
     more is allowed, for a failure of the loaded machine's own)."""
-    pytest.importorskip("orbax.checkpoint")
-    start = time.monotonic()
-    run = subprocess.run(
-        [*LAUNCH, "-n", "2", "--devices-per-process", "1", "--max-restarts", "3"]
-        + [job("restart_job.py"), str(tmp_path), "6", "2", "1:kill@3", "0:stop@5"],
-        env={**os.environ, _dist.ENV_HEARTBEAT_TIMEOUT: "10"},
-        capture_output=True,
-        text=True,
-        timeout=240,
+    run, output, elapsed = restart_job_run(
+        tmp_path, 3, ["6", "2", "1:kill@3", "0:stop@5"], {_dist.ENV_HEARTBEAT_TIMEOUT: "10"}
     )
-    elapsed = time.monotonic() - start
-    output = run.stdout + run.stderr
     assert run.returncode == 0, output
     assert "restarting the job (restart 2 of 3)" in run.stderr, output
     want = restart_job.uninterrupted(6, processes=2, devices_per_process=1)
@@ -154,18 +162,9 @@ def test_a_hung_rank_ends_the_job_after_the_collective_timeout(tmp_path):
     waits; after JAXKV_COLLECTIVE_TIMEOUT (5 s here) rank 0 ends itself with status 124, the
     launcher stops rank 1 and restarts the job, which resumes from step-2 and ends with exactly
     the values of an uninterrupted run."""
-    pytest.importorskip("orbax.checkpoint")
-    start = time.monotonic()
-    run = subprocess.run(
-        [*LAUNCH, "-n", "2", "--devices-per-process", "1", "--max-restarts", "2"]
-        + [job("restart_job.py"), str(tmp_path), "4", "2", "1:hang@3"],
-        env={**os.environ, _dist.ENV_COLLECTIVE_TIMEOUT: "5"},
-        capture_output=True,
-        text=True,
-        timeout=240,
+    run, output, elapsed = restart_job_run(
+        tmp_path, 2, ["4", "2", "1:hang@3"], {_dist.ENV_COLLECTIVE_TIMEOUT: "5"}
     )
-    elapsed = time.monotonic() - start
-    output = run.stdout + run.stderr
     assert run.returncode == 0, output
     assert "process 0 exited with 124" in run.stderr, output
     assert "a push has waited" in run.stderr and "JAXKV_COLLECTIVE_TIMEOUT=5" in run.stderr
