@@ -14,15 +14,12 @@ Each side's worker checks the first step's values before timing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SHAPES = os.path.join(HERE, "data", "resnet50_shapes.json")
 MXNET_VENV = os.environ.get("MXNET_VENV", os.path.join(HERE, "..", ".venv-mxnet"))
 PROCESSES = 2
 SERVERS = 2
@@ -94,37 +91,14 @@ def jaxkv_dist(devices: int, steps: int) -> tuple[float, bool] | None:
 
 
 def worker(steps: int) -> None:
-    """One process of the jaxkv job: the same loop as MXNet's worker, through ``jaxkv.mx``."""
+    """One process of the jaxkv job: ``dist_worker.py``'s loop, as MXNet's workers run it,
+    through ``jaxkv.mx``."""
+    import dist_worker
     import jax
-    import numpy as np
 
     import jaxkv.mx as mx
 
-    with open(SHAPES) as f:
-        shapes = [tuple(s) for s in json.load(f)]
-    keys = list(range(len(shapes)))
-    devices = len(jax.local_devices())
-    kv = mx.kv.create("dist_sync")
-    kv.init(keys, [mx.nd.zeros(s) for s in shapes])
-    grads = [[mx.nd.ones(s, mx.cpu(d)) for d in range(devices)] for s in shapes]
-    outs = [[mx.nd.zeros(s, mx.cpu(d)) for d in range(devices)] for s in shapes]
-
-    def step():
-        kv.push(keys, grads)
-        kv.pull(keys, out=outs)
-        mx.nd.waitall()
-
-    step()
-    expected = kv.num_workers * devices
-    ok = all(bool((o.asnumpy() == expected).all()) for out in outs for o in out)
-    step()
-    ts = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step()
-        ts.append(time.perf_counter() - t)
-    if kv.rank == 0:
-        print(f"jaxkv dist D={devices} median_ms={np.median(ts) * 1e3:.2f} ok={ok}", flush=True)
+    dist_worker.run(mx, "jaxkv", len(jax.local_devices()), steps)
 
 
 def run(steps: int = 7, rounds: int = 2, log=print) -> list[dict]:
