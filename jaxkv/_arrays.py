@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from . import _dist
 from ._args import is_traced
 from ._errors import KVStoreError
 from ._fast import assemble, per_device, single_device
@@ -53,7 +54,7 @@ def replicated_copies(state: KVState, keys: Sequence[Key]) -> list[jax.Array]:
     if sharded:
         parts = [values[i] for i in sharded]
         if jax.process_count() > 1:  # device_put cannot reach other processes' shards
-            gathered = _all_gather(parts, state.sharding)
+            gathered = _gathered(parts, state.sharding)
         else:
             gathered = _device_put(parts, state.sharding)
         for i, x in zip(sharded, gathered):
@@ -62,6 +63,15 @@ def replicated_copies(state: KVState, keys: Sequence[Key]) -> list[jax.Array]:
         for i, x in zip(replicated, copies([values[i] for i in replicated])):
             out[i] = x
     return out
+
+
+def _gathered(values: list[jax.Array], sharding: NamedSharding) -> list[jax.Array]:
+    """``values`` (split across processes) replicated by ``sharding``: an all-gather across
+    processes, run after this process's earlier collectives (see ``_dist._Order``)."""
+    with _dist.collective("all-gather of split values") as turn:
+        gathered = _all_gather(values, sharding)
+        turn.issued(gathered[0])
+    return gathered
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -123,7 +133,7 @@ def replicate(values: Sequence[jax.Array], devices: tuple[jax.Device, ...]) -> l
     values = list(values)
     split = [i for i, v in enumerate(values) if not v.is_fully_replicated]
     if split:
-        gathered = _all_gather([values[i] for i in split], _whole(values[split[0]]))
+        gathered = _gathered([values[i] for i in split], _whole(values[split[0]]))
         for i, x in zip(split, gathered):
             values[i] = x
     local = [v.addressable_shards[0].data if not v.is_fully_addressable else v for v in values]

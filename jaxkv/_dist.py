@@ -30,6 +30,7 @@ from types import TracebackType
 from typing import Any
 
 import jax
+import numpy as np
 
 from . import _fast
 
@@ -306,17 +307,6 @@ def _first(x: jax.Array) -> jax.Array:
     return x.reshape(-1)[:1]
 
 
-def watch_result(what: str, value: jax.Array) -> None:
-    """Watch the computation that makes ``value`` (an array of a multi-process store) until it
-    is done (see :class:`_Watchdog`)."""
-    if jax.process_count() == 1 or collective_timeout() <= 0:
-        return
-    # A token of the watchdog's own: ``value`` itself may be donated to the next push, and
-    # asking a deleted array whether it is ready is not safe.
-    token = _first(value.addressable_shards[0].data)
-    _WATCHDOG.watch(what, token.is_ready)
-
-
 @contextlib.contextmanager
 def watched(what: str) -> Iterator[None]:
     """Watch a blocking call made in the ``with`` block (see :class:`_Watchdog`)."""
@@ -329,23 +319,108 @@ def watched(what: str) -> Iterator[None]:
         _WATCHDOG.forget(handle)
 
 
+class _Turn:
+    """One turn in :data:`_ORDER`: what runs in it, and how to say that it dispatched an
+    asynchronous computation."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.token: jax.Array | None = None
+
+    def issued(self, value: jax.Array) -> None:
+        """The computation of this turn that makes ``value`` runs asynchronously: the next
+        turn waits until ``value`` is ready, and the watchdog watches it meanwhile."""
+        if jax.process_count() == 1:
+            return
+        # A token of our own: ``value`` itself may be donated to the next computation, and
+        # asking a deleted array whether it is ready is not safe.
+        token = _first(value.addressable_shards[0].data)
+        self.token = token
+        if collective_timeout() > 0:
+            _WATCHDOG.watch(self.what, token.is_ready)
+
+
+class _Order:
+    """The one order of this process's collectives.
+
+    XLA:CPU runs computations that do not depend on each other's results in any order, and at
+    the same time, on its threads; two computations with collectives among the same devices
+    may then reach gloo in one order in one process and in the other order in another (a
+    collective mismatch: gloo aborts, "Received data size doesn't match expected size", or
+    both wait for ever), even though every process dispatched them in the same order. So every
+    jaxkv computation that may communicate with other processes, and every host-side
+    collective (barrier, broadcast, all-gather), takes a turn: it starts only once the one
+    before it in this process has finished. Every process calls jaxkv in the same order, so
+    the collectives run in that order everywhere. One lock makes the turns of several threads
+    one sequence too (their order across processes is then the caller's to keep).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._last: _Turn | None = None
+
+    @contextlib.contextmanager
+    def turn(self, what: str) -> Iterator[_Turn]:
+        """Wait until the previous turn's computations have finished, then run the ``with``
+        block (its blocking calls watched by the watchdog) as the next turn."""
+        with self._lock:
+            last, self._last = self._last, None
+            if last is not None and last.token is not None:
+                last.token.block_until_ready()  # watched since it was issued
+            turn = _Turn(what)
+            try:
+                with watched(what):
+                    yield turn
+            finally:
+                self._last = turn
+
+
+_ORDER = _Order()
+
+
+@contextlib.contextmanager
+def collective(what: str) -> Iterator[_Turn]:
+    """Run the ``with`` block as this process's next collective turn (see :class:`_Order`):
+    after every earlier jaxkv computation that communicates with other processes has
+    finished. A computation it dispatches that runs on asynchronously is registered with
+    ``turn.issued(result)``. In a single-process job it only runs the block."""
+    if jax.process_count() == 1:
+        yield _Turn(what)
+        return
+    with _ORDER.turn(what) as turn:
+        yield turn
+
+
 def barrier(name: str) -> None:
-    """Wait until every process reaches this point (a no-op in a single-process job)."""
+    """Wait until every process reaches this point (a no-op in a single-process job), after
+    this process's earlier collectives."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        with watched(f"barrier ({name})"):
+        with collective(f"barrier ({name})"):
             multihost_utils.sync_global_devices(name)
 
 
 def from_rank_zero(tree: Any) -> Any:
-    """``tree`` (host arrays) as rank 0 has it, on every process."""
+    """``tree`` (host arrays) as rank 0 has it, on every process, after this process's earlier
+    collectives."""
     if jax.process_count() == 1:
         return tree
     from jax.experimental import multihost_utils
 
-    with watched("broadcast of rank 0's values"):
+    with collective("broadcast of rank 0's values"):
         return multihost_utils.broadcast_one_to_all(tree)
+
+
+def all_gather(x: np.ndarray) -> np.ndarray:
+    """``x`` (a host array of the same shape in every process) from every process, stacked in
+    process order, after this process's earlier collectives."""
+    if jax.process_count() == 1:
+        return x[None]
+    from jax.experimental import multihost_utils
+
+    with collective("all-gather of every process's values"):
+        return np.asarray(multihost_utils.process_allgather(x))
 
 
 join_launched_job()

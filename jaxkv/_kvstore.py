@@ -263,6 +263,11 @@ class KVStore:
                         f"keys {keys!r}: expected {len(keys)} row_ids, given {len(ids)}"
                     )
                 rows = [_ops.row_sparse_pull(state, k, _unwrap(r)) for k, r in zip(keys, ids)]
+                # As pull returns them: whole on the store's devices (split values gathered).
+                rows = [
+                    r if r.is_fully_replicated else _arrays.replicate([r], state.devices)[0]
+                    for r in rows
+                ]
                 return rows if isinstance(key, list | tuple) else rows[0]
             pairs = _args.pairs(key, out, "outs")
             n = sum(len(outs) for _, outs in pairs)
@@ -276,9 +281,11 @@ class KVStore:
             filled = []
             for k, outs in pairs:
                 for o in outs:
-                    filled.append((o, _ops.row_sparse_pull(state, k, _unwrap(next(it)))))
-            for o, v in filled:
-                o[:] = v
+                    device = o._device()
+                    rows = _ops.row_sparse_pull(state, k, _unwrap(next(it)), devices=[device])
+                    filled.append((o, rows, device))
+            for o, rows, device in filled:
+                _set(o, rows, device)
             return None
 
     # -- updaters and optimizers ---------------------------------------------------------------
@@ -411,14 +418,7 @@ class KVStore:
                 [[state[k] for k in pushed], [state.opt_states[g] for g in groups]]
             )
             donate = not any(id(leaf) in self._shared for leaf in leaves)
-        if self._type not in _DIST_TYPES or jax.process_count() == 1:
-            self._state = _ops.push(state, key, values, updater=self._updater, donate=donate)
-            return
-        # Across processes, XLA may run the push's collective before returning, or later.
-        with _dist.watched("push"):
-            self._state = _ops.push(state, key, values, updater=self._updater, donate=donate)
-        first = next(iter(_args.pairs(key, values, "values")))[0]
-        _dist.watch_result("push", self._state[first])
+        self._state = _ops.push(state, key, values, updater=self._updater, donate=donate)
 
     def _values(self, key: Any) -> jax.Array | list[jax.Array]:
         single = not isinstance(key, list | tuple)

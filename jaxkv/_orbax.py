@@ -99,14 +99,11 @@ def _gather(text: str) -> list[str]:
     """``text`` from every process, in process order."""
     if jax.process_count() == 1:
         return [text]
-    from jax.experimental import multihost_utils
-
     raw = np.frombuffer(text.encode(), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.array([raw.size], np.int32)))
-    sizes = sizes.reshape(-1)
+    sizes = _dist.all_gather(np.array([raw.size], np.int32)).reshape(-1)
     padded = np.zeros(max(int(sizes.max()), 1), np.uint8)
     padded[: raw.size] = raw
-    every = np.asarray(multihost_utils.process_allgather(padded))
+    every = _dist.all_gather(padded)
     return [every[p, : int(n)].tobytes().decode() for p, n in enumerate(sizes)]
 
 
@@ -120,13 +117,20 @@ def save(path: str, manifest: dict, entries: list) -> None:
     """Write ``entries`` (``(where, part, tree path, array)``, as ``_checkpoint._entries``
     gives them) and ``manifest`` (their store's fields) to the directory ``path``; every
     process of the job calls it."""
-    ocp = _ocp()
+    _ocp()  # refused before anything is written where orbax is missing
     path = os.path.abspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise KVStoreError(
             f"{path}: a checkpoint of a multi-process job is a directory, given an existing "
             "file; pass a directory path"
         )
+    # One collective turn for the whole save: orbax's own barriers are collectives too.
+    with _dist.collective("checkpoint save"):
+        _save(path, manifest, entries)
+
+
+def _save(path: str, manifest: dict, entries: list) -> None:
+    ocp = _ocp()
     token = _token()
     root = os.path.join(path, token, "state")
     os.makedirs(os.path.dirname(root), exist_ok=True)
@@ -266,6 +270,11 @@ def open_checkpoint(path: str) -> tuple[dict[str, Any], Callable[[list], list]]:
         ) from None
 
     def restore(targets: list) -> list:
+        # One collective turn for the whole load: orbax's own barriers are collectives too.
+        with _dist.collective("checkpoint load"):
+            return _restore(targets)
+
+    def _restore(targets: list) -> list:
         root = os.path.join(path, manifest["data"], "state")
         _verify(path, root, manifest["files"])
         tree = {f"a{n}": t for n, t in enumerate(targets) if t.size}

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
+from . import _dist
 from ._args import as_array
 from ._arrays import host_empty, place, stacked
 from ._collectives import scatters, sum_over_devices
@@ -375,7 +376,12 @@ def push_eager(
     kinds, pushed = zip(*layouts)
     residuals = [state._residuals[i] for i in index]
     fn = _PUSH_CACHE.get(state, tuple(grouped), kinds, updater, donate)
-    new_values, new_opt, new_residuals = fn(stored, opt_state, residuals, list(pushed))
+    if len(state.local_positions) == len(state.devices):  # no other process's devices
+        new_values, new_opt, new_residuals = fn(stored, opt_state, residuals, list(pushed))
+    else:  # its collectives run after this process's earlier ones (see _dist._Order)
+        with _dist.collective("push") as turn:
+            new_values, new_opt, new_residuals = fn(stored, opt_state, residuals, list(pushed))
+            turn.issued(new_values[0])
     optax_push = isinstance(updater, optax.GradientTransformation)
     return state.replace(
         dict(zip(grouped, new_values)),
