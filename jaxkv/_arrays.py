@@ -31,13 +31,17 @@ __all__ = [
 ]
 
 
-@jax.jit
 def copies(values: list[jax.Array]) -> list[jax.Array]:
     """Fresh buffers holding ``values``, with the same shardings.
 
     ``device_put`` may let a shard alias its source even with ``may_alias=False``; a stored
     value that aliased a user's array (or another key's value) would break donation.
     """
+    return _dist.ordered("copy", _copies, values)
+
+
+@jax.jit
+def _copies(values: list[jax.Array]) -> list[jax.Array]:
     return [jnp.copy(v) for v in values]
 
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from . import _dist
 from ._arrays import stacked, stacked_sharding
 from ._errors import KVStoreError
 from ._fast import single_device
@@ -103,4 +104,7 @@ def residual_layout(state: KVState, shape: tuple[int, ...]) -> tuple[tuple, Name
 def residual_zeros(state: KVState, stored: jax.Array) -> jax.Array:
     """A zero residual for a value like ``stored``."""
     shape, sharding = residual_layout(state, stored.shape)
-    return jnp.zeros(shape, stored.dtype, device=sharding)
+    spans = len(state.local_positions) != len(state.devices)
+    return _dist.ordered(
+        "residual", lambda: jnp.zeros(shape, stored.dtype, device=sharding), spans=spans
+    )

@@ -391,6 +391,28 @@ def collective(what: str) -> Iterator[_Turn]:
         yield turn
 
 
+def ordered(what: str, fn: Callable[..., Any], *args: Any, spans: bool | None = None) -> Any:
+    """``fn(*args)``, a jitted computation; where it runs on other processes' devices too (an
+    argument does, or ``spans`` says so), as this process's next collective turn (see
+    :class:`_Order`): XLA may add collectives to any computation over several processes'
+    devices (resharding an operand, say), not only to those that ask for one."""
+    if jax.process_count() == 1:
+        return fn(*args)
+    if spans is None:
+        spans = any(
+            isinstance(x, jax.Array) and not x.is_fully_addressable
+            for x in jax.tree_util.tree_leaves(args)
+        )
+    if not spans:
+        return fn(*args)
+    with collective(what) as turn:
+        out = fn(*args)
+        results = [x for x in jax.tree_util.tree_leaves(out) if isinstance(x, jax.Array)]
+        if results:
+            turn.issued(results[0])
+    return out
+
+
 def barrier(name: str) -> None:
     """Wait until every process reaches this point (a no-op in a single-process job), after
     this process's earlier collectives."""

@@ -282,10 +282,10 @@ class KVStore:
             for k, outs in pairs:
                 for o in outs:
                     device = o._device()
-                    rows = _ops.row_sparse_pull(state, k, _unwrap(next(it)), devices=[device])
-                    filled.append((o, rows, device))
-            for o, rows, device in filled:
-                _set(o, rows, device)
+                    kept = _ops.row_sparse_pull(state, k, _unwrap(next(it)), devices=[device])
+                    filled.append((o, kept, device))
+            for o, kept, device in filled:
+                _set(o, kept, device)
             return None
 
     # -- updaters and optimizers ---------------------------------------------------------------

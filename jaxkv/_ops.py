@@ -23,6 +23,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
+from . import _dist
 from ._args import MISSING, as_array, devices_of, group, is_traced, pairs
 from ._arrays import copies, replicate
 from ._compression import residual_zeros
@@ -368,5 +369,5 @@ def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = No
         mask = np.zeros(rows, bool)
         mask[ids] = True
         mask = jax.device_put(mask, state.sharding)  # replicated: it is small
-    out = _keep_rows(value, mask)
+    out = _dist.ordered("row_sparse_pull", _keep_rows, value, mask)
     return out if devices is None else replicate([out], devices_of(devices))[0]

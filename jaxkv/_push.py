@@ -60,7 +60,8 @@ def init_opt_states(state: KVState, optimizer: Any, keys: Sequence[Key]) -> KVSt
         return state
     group = tuple(sorted(set(keys)))
     init = _opt_initialiser(optimizer, state.devices, state.bigarray_bound)
-    return state.replace(opt_states={group: init({k: state[k] for k in group})})
+    opt_state = _dist.ordered("optimizer init", init, {k: state[k] for k in group})
+    return state.replace(opt_states={group: opt_state})
 
 
 @functools.lru_cache(maxsize=64)

@@ -22,6 +22,7 @@ import random
 import sys
 
 SEED, OPS, DIRECTORY = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+VERBOSE = bool(os.environ.get("JAXKV_STRESS_VERBOSE"))  # each call, to stderr
 if len(sys.argv) > 4:
     os.environ["MXNET_KVSTORE_BIGARRAY_BOUND"] = sys.argv[4]
 
@@ -138,6 +139,8 @@ def main():
             if not subsets:
                 op = "pull"
         seen.append(op)
+        if VERBOSE:
+            os.write(2, f"rank {rank} op {len(seen)} {op}\n".encode())
         if op == "init":
             k = rng.choice(fresh)
             value = np.full(SHAPES[k], rng.randint(-3, 3), np.float32)
