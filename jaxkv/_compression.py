@@ -9,16 +9,25 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 
 from . import _dist
 from ._arrays import stacked, stacked_sharding
 from ._errors import KVStoreError
 from ._fast import single_device
-from ._state import AXIS, Key, KVState, check_compressible, compression_config
+from ._state import (
+    AXIS,
+    Key,
+    KVState,
+    check_compressible,
+    check_compression_devices,
+    compression_config,
+)
 
 __all__ = [
     "compress",
+    "exchange",
     "layout_compressed",
     "residual_layout",
     "residual_zeros",
@@ -32,6 +41,7 @@ def set_compression(state: KVState, params: Mapping[str, Any] | None) -> KVState
     ``{'type': '2bit', 'threshold': t}`` starts every key's residual at zero.
     """
     config = compression_config(params)
+    check_compression_devices(config, state.devices)
     for key in state.keys():
         check_compressible(config, key, state[key].dtype)
     with_config = state.replace(compression=config, residuals={k: None for k in state.keys()})
@@ -69,6 +79,75 @@ def compress(
             kept.append(residual)
         quantized.append(q)
     return quantized, kept
+
+
+def exchange(
+    config: tuple, split: list[bool], blocks: list[jax.Array], residuals: list[Any]
+) -> tuple[list[jax.Array], list[Any]]:
+    """Inside ``shard_map`` over one device per process: each process compresses its own sum
+    (its devices' values, added at full precision), the processes exchange the compressed
+    values in one all-gather, and every process decodes and adds them up, in process order.
+
+    This is MXNet's ``dist_sync``: a worker compresses its summed gradient once, with one
+    error-feedback residual per worker and key, and the servers decode and sum what the
+    workers send. ``('2bit', t)`` sends 16 two-bit codes per 32-bit word (+t, -t or 0, as
+    :func:`compress` decides them); ``('fp16',)`` / ``('bf16',)`` send 16-bit values, which are
+    added in the stored dtype. Where ``split`` says so, a process keeps only its rows of the
+    sum (the value is split across the processes). Returns the sums and the new residuals.
+    """
+    processes = jax.lax.axis_size(AXIS)
+    me = jax.lax.axis_index(AXIS)
+    if config[0] == "2bit":
+        t = config[1]
+        payload, kept = [], []
+        for block, residual in zip(blocks, residuals):
+            acc = residual + block
+            up, down = acc >= jnp.asarray(t, acc.dtype), acc <= jnp.asarray(-t, acc.dtype)
+            q = jnp.where(up, t, jnp.where(down, -t, 0)).astype(acc.dtype)
+            kept.append(acc - q)
+            payload.append(_pack(jnp.where(up, 1, jnp.where(down, 2, 0)).astype(jnp.uint32)))
+    else:
+        low = jnp.float16 if config[0] == "fp16" else jnp.bfloat16
+        payload = [jax.lax.bitcast_convert_type(b.astype(low), jnp.uint16).ravel() for b in blocks]
+        kept = list(residuals)
+    sizes = [p.size for p in payload]
+    every = jax.lax.all_gather(jnp.concatenate(payload), AXIS)  # (processes, words)
+    out, start = [], 0
+    for block, size, s in zip(blocks, sizes, split):
+        part = every[:, start : start + size]
+        start += size
+        if config[0] == "2bit":
+            codes = _unpack(part, block.size).reshape(processes, *block.shape)
+            t = jnp.asarray(config[1], block.dtype)
+            values = jnp.where(codes == 1, t, jnp.where(codes == 2, -t, jnp.zeros_like(t)))
+        else:
+            values = jax.lax.bitcast_convert_type(part, low).astype(block.dtype)
+            values = values.reshape(processes, *block.shape)
+        total = functools.reduce(operator.add, [values[p] for p in range(processes)])
+        if s:  # this process's rows only
+            rows = block.shape[0] // processes
+            total = jax.lax.dynamic_slice_in_dim(total, me * rows, rows, axis=0)
+        out.append(total)
+    return out, kept
+
+
+_CODES_PER_WORD = 16
+_SHIFTS = np.arange(_CODES_PER_WORD, dtype=np.uint32) * 2
+
+
+def _pack(codes: jax.Array) -> jax.Array:
+    """2-bit codes (``uint32`` values 0..3) packed 16 to a 32-bit word, the first code in the
+    lowest bits; the last word is padded with zeros."""
+    flat = codes.ravel()
+    flat = jnp.pad(flat, (0, -flat.size % _CODES_PER_WORD))
+    shifted = flat.reshape(-1, _CODES_PER_WORD) << jnp.asarray(_SHIFTS)
+    return functools.reduce(jnp.bitwise_or, [shifted[:, i] for i in range(_CODES_PER_WORD)])
+
+
+def _unpack(words: jax.Array, size: int) -> jax.Array:
+    """The first ``size`` 2-bit codes of each row of ``words`` (as :func:`_pack` made them)."""
+    codes = (words[..., None] >> jnp.asarray(_SHIFTS)) & jnp.uint32(3)
+    return codes.reshape(*words.shape[:-1], -1)[..., :size]
 
 
 def layout_compressed(

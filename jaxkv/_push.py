@@ -21,7 +21,7 @@ from . import _dist
 from ._args import as_array
 from ._arrays import host_empty, place, stacked
 from ._collectives import scatters, sum_over_devices
-from ._compression import compress, layout_compressed
+from ._compression import compress, exchange, layout_compressed
 from ._errors import KVStoreError, ShapeError
 from ._fast import single_device
 from ._state import AXIS, Key, KVState
@@ -31,8 +31,10 @@ __all__ = ["Updater", "apply_updater", "init_opt_states", "optimizer_group", "pu
 logger = logging.getLogger("jaxkv")
 
 # How a key's contributions reach the push computation: ``'one'`` (one value, on the store's
-# devices), ``'stacked'`` (one block per device, to be summed), or ``('compressed', mask)``
-# (one block per device, compressed first; ``mask`` says which devices pushed).
+# devices), ``'stacked'`` (one block per device, to be summed), ``('compressed', mask)``
+# (one block per device, compressed first; ``mask`` says which devices pushed), or
+# ``'exchanged'`` (one block per process, its devices' sum, compressed and exchanged across
+# the processes: a compressed store with one device per process).
 Kind = str | tuple[str, tuple[bool, ...]]
 
 
@@ -309,7 +311,8 @@ def _build_push(
         if isinstance(kind, tuple) and kind[0] == "compressed"
     }
     compressed = list(masks)  # the compressed keys' positions, with their masks above
-    stacked = [i for i, kind in enumerate(kinds) if kind != "one"]
+    exchanged = [i for i, kind in enumerate(kinds) if kind == "exchanged"]
+    stacked = [i for i, kind in enumerate(kinds) if kind not in ("one", "exchanged")]
 
     def run(
         stored: list[jax.Array], opt_state: Any, residuals: list[Any], pushed: list[jax.Array]
@@ -329,6 +332,24 @@ def _build_push(
             )([pushed[i] for i in compressed], [residuals[i] for i in compressed])
             for i, q, r in zip(compressed, quantized, kept):
                 pushed[i], residuals[i] = q, r
+        if exchanged:
+            config = state.compression
+            assert config is not None, "exchanged layouts come only from a compressed store"
+            split = [state.is_sharded(stored[i].shape) for i in exchanged]
+            summed, kept = jax.shard_map(
+                functools.partial(exchange, config, split),
+                mesh=state.mesh,
+                in_specs=PartitionSpec(AXIS),
+                out_specs=(
+                    [PartitionSpec(AXIS) if s else PartitionSpec() for s in split],
+                    PartitionSpec(AXIS),
+                ),
+                # Every process decodes the same all-gathered words, so the sums agree; JAX
+                # types an all-gather's result as varying and cannot see that.
+                check_vma=False,
+            )([pushed[i] for i in exchanged], [residuals[i] for i in exchanged])
+            for i, x, r in zip(exchanged, summed, kept):
+                pushed[i], residuals[i] = x.reshape(stored[i].shape), r
         if stacked:
             scatter = [scatters(state, stored[i].shape) for i in stacked]
             summed = jax.shard_map(
@@ -363,10 +384,12 @@ def push_eager(
     """``push`` of the validated eager contributions ``grouped`` (keys at ``index`` in
     ``state``, with their stored values and, for an optax updater, their group's optimizer
     state): one cached computation for all keys."""
-    if state.compression is None and one_device_per_process(state):
+    if one_device_per_process(state):
+        # Each process's values summed at full precision first; compressed after that, once.
         sums = local_sums(state, list(grouped), stored, list(grouped.values()))
+        kind = "stacked" if state.compression is None else "exchanged"
         layouts: list[tuple[Kind, jax.Array]] = [
-            ("stacked", stacked(state, s, [x], x.dtype)) for s, x in zip(stored, sums)
+            (kind, stacked(state, s, [x], x.dtype)) for s, x in zip(stored, sums)
         ]
     elif state.compression is None:
         layouts = [_layout(state, s, xs) for s, xs in zip(stored, grouped.values())]

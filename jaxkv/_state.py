@@ -409,7 +409,9 @@ def empty(
         raise KVStoreError(
             f"bigarray_bound: expected a positive int or None, given {bigarray_bound!r}"
         )
-    return KVState((), devs, (), (), bigarray_bound, (), compression_config(compression), ())
+    config = compression_config(compression)
+    check_compression_devices(config, devs)
+    return KVState((), devs, (), (), bigarray_bound, (), config, ())
 
 
 _COMPRESSION_TYPES = ("2bit", "fp16", "bf16", "none")
@@ -432,11 +434,6 @@ def compression_config(params: Mapping[str, Any] | None) -> tuple | None:
         )
     if kind == "none":
         return None
-    if jax.process_count() > 1:
-        raise KVStoreError(
-            f"gradient compression {kind!r}: expected a single-process job, given "
-            f"{jax.process_count()} processes (not supported across processes yet)"
-        )
     if kind != "2bit":
         return (kind,)
     threshold = params.get("threshold", 0.5)  # MXNet's default
@@ -446,6 +443,23 @@ def compression_config(params: Mapping[str, Any] | None) -> tuple | None:
             f"MXNet), given {threshold!r}"
         )
     return ("2bit", float(threshold))
+
+
+def check_compression_devices(config: tuple | None, devices: tuple[jax.Device, ...]) -> None:
+    """Refuse compression for a store over several processes with other than one device in
+    each: across processes, each process compresses the sum of its own devices' values once
+    (MXNet's ``dist_sync``), which needs the ``dist_sync`` layout."""
+    if config is None or jax.process_count() == 1:
+        return
+    me = jax.process_index()
+    mine = [d for d in devices if d.process_index == me]
+    if len(mine) != len(devices) and len(mine) != 1:
+        raise KVStoreError(
+            f"gradient compression {config[0]!r}: across processes expected a store with one "
+            f"device per process (a dist_sync KVStore), given {len(mine)} devices of this "
+            f"process among {len(devices)}; use jaxkv.create('dist_sync'), or "
+            "jaxkv.empty(one device of each process, compression=...)"
+        )
 
 
 def check_compressible(config: tuple | None, key: Key, dtype: Any) -> None:
