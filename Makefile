@@ -80,9 +80,11 @@ _test-newest: $(NVENV)/.installed
 wheel-check: $(STAMP)
 	bash tools/wheel_check.sh $(BIN)/python
 
-# The property tests with thousands of examples: run before a change to the arithmetic lands.
+# The property tests with thousands of examples, and the multi-process stress test with many
+# long sequences of calls: run before a change to the arithmetic or to collectives lands.
 test-deep: $(STAMP)
-	HYPOTHESIS_PROFILE=deep $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_stateful.py
+	HYPOTHESIS_PROFILE=deep JAXKV_STRESS=deep $(BIN)/python -m pytest -q -p no:cacheprovider \
+	  tests/test_stateful.py tests/test_dist_stress.py
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
