@@ -230,6 +230,9 @@ def _check_manifest(
             f"key {key!r} with {value} value and {residual} residual entries",
             f"{c['value']} and {c['residual']}",
         )
+    if files is not None:  # nothing beside them, as a checkpoint directory holds no stray file
+        listed = {f"a{n}" for n in range(len(entries))} | {"manifest", "manifest_sha256"}
+        _expect(files <= listed, "no arrays but the manifest's", sorted(files - listed))
 
 
 def _is_dtype_name(name: Any) -> bool:

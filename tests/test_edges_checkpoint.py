@@ -165,3 +165,24 @@ def test_values_load_onto_the_loading_store_devices(tmp_path, devices):
     assert fresh.state[3].sharding.device_set == set(devices[5:])
     np.testing.assert_array_equal(np.asarray(fresh.pull(3)), np.arange(6.0))
     assert jnp.asarray(fresh.pull(3)).dtype == jnp.float32
+
+
+def test_an_array_the_manifest_does_not_list_is_refused(tmp_path):
+    """As a checkpoint directory refuses a stray file: nothing beside the listed arrays."""
+    import io
+    import zipfile
+
+    kv = jaxkv.create("local")
+    kv.init("w", nd.ones(3))
+    path = tmp_path / "s.npz"
+    kv.save(path)
+    with zipfile.ZipFile(path, "a") as z:
+        stray = io.BytesIO()
+        np.save(stray, np.zeros(2))
+        z.writestr("a9.npy", stray.getvalue())
+    other = jaxkv.create("local")
+    other.init("v", nd.zeros(2))
+    before = leaves(other)
+    with pytest.raises(jaxkv.KVStoreError, match=r"no arrays but the manifest's, given \['a9'\]"):
+        other.load(path)
+    assert_same_leaves(leaves(other), before)
