@@ -132,15 +132,6 @@ def jaxkv_dist(devices: int, steps: int, compression: str | None = None) -> tupl
     return result
 
 
-def _reason(error: Exception) -> str:
-    """The line of a failed job's output that names the error: jaxkv's own (a process that
-    fails first takes the others down with other errors), else the last ``...Error: ...``."""
-    text = [line.strip() for line in str(error).splitlines() if line.strip()]
-    named = [line for line in text if line.split(":")[0].endswith("Error")]
-    own = [line for line in named if line.startswith("jaxkv.")]
-    return (own or named or text or ["no output"])[-1]
-
-
 def worker(steps: int, compression: str | None = None) -> None:
     """One process of the jaxkv job: ``dist_worker.py``'s loop, as MXNet's workers run it,
     through ``jaxkv.mx``."""
@@ -155,8 +146,7 @@ def worker(steps: int, compression: str | None = None) -> None:
 def run(steps: int = 7, rounds: int = 2, log=print, compression: str | None = None) -> list[dict]:
     """Both sides at 1 and 2 devices per process, ``rounds`` times back to back; each number is
     the best of its rounds. One row per D: ``{'D', 'mxnet', 'jaxkv', 'ok', 'rounds',
-    'compression'}``. With ``compression`` (``'2bit'``), a jaxkv side that fails is reported
-    as unavailable (``'jaxkv': None``) rather than raised."""
+    'compression'}``; ``compression``: ``None`` or ``'2bit'``, on both sides."""
     rows = []
     kind = f" {compression}" if compression else ""
     for devices in (1, 2):
@@ -168,13 +158,7 @@ def run(steps: int = 7, rounds: int = 2, log=print, compression: str | None = No
                     f"[dist] {PROCESSES} processes x {devices} devices, round {r + 1}/{rounds}: "
                     f"{name} dist_sync{kind} ..."
                 )
-                try:
-                    result = fn(devices, steps, compression)
-                except RuntimeError as e:
-                    if not compression:
-                        raise
-                    log(f"  unavailable: {_reason(e)}")
-                    continue
+                result = fn(devices, steps, compression)
                 if result is None:
                     log("  not run (no MXNet venv)")
                     continue
