@@ -13,7 +13,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RECORDED = os.path.join(HERE, "..", "conformance", "data", "mxnet_dist_2bit.json")
 
 
-def test_compression_across_processes_gives_mxnet_dist_syncs_values():
+def test_compression_across_processes_gives_mxnet_dist_syncs_values(tmp_path):
     run = subprocess.run(
         [
             sys.executable,
@@ -25,6 +25,7 @@ def test_compression_across_processes_gives_mxnet_dist_syncs_values():
             "2",
             os.path.join(HERE, "dist", "compression_job.py"),
             RECORDED,
+            str(tmp_path / "ckpt"),
         ],
         capture_output=True,
         text=True,
@@ -33,6 +34,7 @@ def test_compression_across_processes_gives_mxnet_dist_syncs_values():
     assert run.returncode == 0, run.stdout + run.stderr
     for rank in range(2):
         assert f"rank {rank} ok refused" in run.stdout
+        assert f"rank {rank} ok resumed from a checkpoint" in run.stdout
         for n in range(9):
             assert f"rank {rank} ok run {n} " in run.stdout, run.stdout
         for kind in ("fp16", "bf16"):

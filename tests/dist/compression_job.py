@@ -3,7 +3,7 @@
 ``dist_sync`` with 2 workers (recorded by conformance/record_dist_compression.py into
 conformance/data/mxnet_dist_2bit.json) and against a NumPy model of its semantics.
 
-    compression_job.py RECORDED.json
+    compression_job.py RECORDED.json CHECKPOINT_DIR
 
 For each recorded run (threshold, store type, big-array bound, optimizer), a ``dist_sync``
 store gets ``{'type': '2bit', 'threshold': t}``, every key is initialised to the recorded init
@@ -12,7 +12,8 @@ pulls every key. Each pull must be MXNet's, exactly. MXNet's servers decode with
 written with 6 decimals (``%f``); where that differs from the threshold (0.1234567, 3e-7),
 jaxkv decodes with the threshold itself, and the pulls must be the model's with it instead.
 
-Then fp16 and bf16 (beyond MXNet): each process's sum is rounded to 16 bits, sent, and the
+A run saved after 3 steps and loaded into a fresh store (its residuals, one per process,
+with it) must go on exactly as MXNet's. Then fp16 and bf16 (beyond MXNet): each process's sum is rounded to 16 bits, sent, and the
 processes' values are added in float32, in process order. Last, the bytes each process writes (to
 its sockets) per push of a 2**20-element key, compressed and not: the compressed push must
 send at most 1/14 as much.
@@ -65,8 +66,10 @@ def model(threshold, decode, optimizer):
     return pulls
 
 
-def run_store(store, params, optimizer, bound, pushes):
-    """Pulls of every key after each step of ``pushes(key, step)`` (this process's values)."""
+def run_store(store, params, optimizer, bound, pushes, resume=None):
+    """Pulls of every key after each step of ``pushes(key, step)`` (this process's values).
+    ``resume=(step, directory)``: after that many steps, save the store there and go on in a
+    fresh store that loads it (values and every process's residuals)."""
     if bound is None:
         os.environ.pop("MXNET_KVSTORE_BIGARRAY_BOUND", None)
     else:
@@ -81,6 +84,13 @@ def run_store(store, params, optimizer, bound, pushes):
     kv.init(keys, [mx.nd.full(KEYS[str(k)]["shape"], RECORDED["init"]) for k in keys])
     pulls = {str(k): [] for k in keys}
     for step in range(STEPS):
+        if resume and step == resume[0]:
+            kv.save(resume[1])
+            kv = mx.kv.create(store)
+            kv.set_gradient_compression(params)
+            if optimizer:
+                kv.set_optimizer(optax.sgd(optimizer["sgd"]))
+            kv.load(resume[1])
         kv.push(keys, [pushes(str(k), step) for k in keys])
         for k in keys:
             pulls[str(k)].append(np.asarray(kv.pull(k)))
@@ -114,6 +124,20 @@ def check_mxnet_runs(rank):
                     got[k][step], want[k][step], err_msg=f"run {n} key {k} step {step}"
                 )
         say(f"rank {rank} ok run {n} {'mxnet' if exact else 'model'} t={run['threshold']}")
+
+
+def check_resumed_run(rank, directory):
+    """Saved after 3 steps and loaded into a fresh store, a run goes on exactly as MXNet's."""
+    run = RECORDED["runs"][0]
+    params = {"type": "2bit", "threshold": run["threshold"]}
+    _, got = run_store(
+        "dist_sync", params, None, run["bigarray_bound"], recorded_inputs(rank), (3, directory)
+    )
+    for k in KEYS:
+        for step in range(STEPS):
+            want = np.asarray(run["pulls"][k][step], np.float32)
+            np.testing.assert_array_equal(got[k][step], want, err_msg=f"key {k} step {step}")
+    say(f"rank {rank} ok resumed from a checkpoint")
 
 
 def check_half_precision(rank, processes):
@@ -187,6 +211,7 @@ def main():
     assert processes == RECORDED["workers"], "run with as many processes as MXNet had workers"
     check_refusal(rank)
     check_mxnet_runs(rank)
+    check_resumed_run(rank, sys.argv[2])
     check_half_precision(rank, processes)
     check_bytes(rank)
     say(f"rank {rank} done")
