@@ -360,16 +360,16 @@ class _Order:
         self._last: _Turn | None = None
 
     @contextlib.contextmanager
-    def turn(self, what: str) -> Iterator[_Turn]:
+    def turn(self, what: str, watch: bool) -> Iterator[_Turn]:
         """Wait until the previous turn's computations have finished, then run the ``with``
-        block (its blocking calls watched by the watchdog) as the next turn."""
+        block as the next turn (watched by the watchdog while it blocks, if ``watch``)."""
         with self._lock:
             last, self._last = self._last, None
             if last is not None and last.token is not None:
                 last.token.block_until_ready()  # watched since it was issued
             turn = _Turn(what)
             try:
-                with watched(what):
+                with watched(what) if watch else contextlib.nullcontext():
                     yield turn
             finally:
                 self._last = turn
@@ -379,15 +379,17 @@ _ORDER = _Order()
 
 
 @contextlib.contextmanager
-def collective(what: str) -> Iterator[_Turn]:
+def collective(what: str, watch: bool = True) -> Iterator[_Turn]:
     """Run the ``with`` block as this process's next collective turn (see :class:`_Order`):
     after every earlier jaxkv computation that communicates with other processes has
     finished. A computation it dispatches that runs on asynchronously is registered with
-    ``turn.issued(result)``. In a single-process job it only runs the block."""
+    ``turn.issued(result)``. ``watch=False``: the block may legitimately take long (a whole
+    checkpoint save), so only the collectives inside it, each a turn of its own, are watched.
+    In a single-process job it only runs the block."""
     if jax.process_count() == 1:
         yield _Turn(what)
         return
-    with _ORDER.turn(what) as turn:
+    with _ORDER.turn(what, watch) as turn:
         yield turn
 
 

@@ -125,7 +125,7 @@ def save(path: str, manifest: dict, entries: list) -> None:
             "file; pass a directory path"
         )
     # One collective turn for the whole save: orbax's own barriers are collectives too.
-    with _dist.collective("checkpoint save"):
+    with _dist.collective("checkpoint save", watch=False):
         _save(path, manifest, entries)
 
 
@@ -271,7 +271,7 @@ def open_checkpoint(path: str) -> tuple[dict[str, Any], Callable[[list], list]]:
 
     def restore(targets: list) -> list:
         # One collective turn for the whole load: orbax's own barriers are collectives too.
-        with _dist.collective("checkpoint load"):
+        with _dist.collective("checkpoint load", watch=False):
             return _restore(targets)
 
     def _restore(targets: list) -> list:
