@@ -11,9 +11,8 @@ checkpoint loadable."""
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
+import _jobs
 import jax
 import numpy as np
 import pytest
@@ -33,22 +32,7 @@ _spec.loader.exec_module(job)
 
 
 def launch(n, per_process, *args, ok=True):
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxkv.launch",
-            "-n",
-            str(n),
-            "--devices-per-process",
-            str(per_process),
-            SCRIPT,
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    run = _jobs.launch(n, "checkpoint_job.py", *args, per_process=per_process, timeout=180)
     assert (run.returncode == 0) == ok, run.stdout[-3000:] + run.stderr[-3000:]
     return run.stdout
 

@@ -1,32 +1,11 @@
 """Many processes: ``python -m jaxkv.launch`` runs dist_sync jobs over jax.distributed (gloo
 collectives between local CPU processes), and stops a job whose process dies."""
 
-import os
 import subprocess
 import sys
 
 import pytest
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def launch(n, script, *args, timeout=240):
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxkv.launch",
-            "-n",
-            str(n),
-            "--devices-per-process",
-            "2",
-            os.path.join(HERE, "dist", script),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+from _jobs import launch
 
 
 @pytest.mark.parametrize("n", [2, 3])

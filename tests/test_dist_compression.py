@@ -6,31 +6,15 @@ fp16 and bf16 send each process's sum in 16 bits; a compressed push writes at mo
 bytes of an uncompressed one; a store with several devices per process is refused."""
 
 import os
-import subprocess
-import sys
+
+from _jobs import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RECORDED = os.path.join(HERE, "..", "conformance", "data", "mxnet_dist_2bit.json")
 
 
 def test_compression_across_processes_gives_mxnet_dist_syncs_values(tmp_path):
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxkv.launch",
-            "-n",
-            "2",
-            "--devices-per-process",
-            "2",
-            os.path.join(HERE, "dist", "compression_job.py"),
-            RECORDED,
-            str(tmp_path / "ckpt"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = launch(2, "compression_job.py", RECORDED, tmp_path / "ckpt", timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     for rank in range(2):
         assert f"rank {rank} ok refused" in run.stdout

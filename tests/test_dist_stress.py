@@ -11,14 +11,12 @@ many more seeds and calls; ``JAXKV_STRESS_SEEDS`` / ``JAXKV_STRESS_OPS`` set the
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
+from _jobs import launch
 
 pytest.importorskip("orbax.checkpoint")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 DEEP = os.environ.get("JAXKV_STRESS") == "deep"
 SEEDS = int(os.environ.get("JAXKV_STRESS_SEEDS") or (8 if DEEP else 1))
 OPS = int(os.environ.get("JAXKV_STRESS_OPS") or (300 if DEEP else 60))
@@ -31,22 +29,7 @@ BOUND = "12"  # elements: the keys "a" and "e" are then split across the process
 def test_a_random_sequence_of_calls_gives_the_models_values(tmp_path, n, split, seed):
     seed = 1000 * n + 2 * seed + split + 2  # another sequence for each case
     args = [str(seed), str(OPS), str(tmp_path)] + ([BOUND] if split else [])
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxkv.launch",
-            "-n",
-            str(n),
-            "--devices-per-process",
-            "2",
-            os.path.join(HERE, "dist", "stress_job.py"),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120 + 2 * OPS,
-    )
+    run = launch(n, "stress_job.py", *args, timeout=120 + 2 * OPS)
     assert run.returncode == 0, f"stress_job.py {' '.join(args)}:\n{run.stdout}{run.stderr}"
     lines = [line.split() for line in run.stdout.splitlines() if " ok " in line]
     assert sorted(int(line[1]) for line in lines) == list(range(n)), run.stdout + run.stderr
