@@ -13,7 +13,17 @@ def test_dist_sync_job(n):
     run = launch(n, "kvstore_job.py", str(n))
     assert run.returncode == 0, run.stdout + run.stderr
     for rank in range(n):
-        for check in ("init from rank 0", "push sums over workers", "sharded value with sgd"):
+        for check in (
+            "init from rank 0",
+            "push sums over workers",
+            "sharded value with sgd",
+            "broadcast f",
+            "broadcast b",
+            "broadcast i",
+            "broadcast nan bits",
+            "all-gather",
+            "mismatched barriers refused",
+        ):
             assert f"rank {rank} ok {check}" in run.stdout
         assert f"rank {rank} done" in run.stdout
 

@@ -9,7 +9,9 @@ import jax
 import numpy as np
 import optax
 
+import jaxkv
 import jaxkv.mx as mx  # importing jaxkv joins the job (importing jax starts no backend)
+from jaxkv import _dist
 
 SHAPE = (4, 3)
 
@@ -38,6 +40,30 @@ def main():
     kv.set_optimizer(optax.sgd(0.5))
     kv.push(5, mx.nd.ones((64, 512)))
     check("sharded value with sgd", kv.pull(5), np.full((64, 512), -0.5 * workers))
+    # Host-side collectives: rank 0's values bit for bit (-0.0, a NaN's payload, bools, ints,
+    # a scalar, an empty array), every process's values gathered in order, and barriers of
+    # different names refused on every process (they run different code).
+    nan = np.array([0x7FC00123 + rank], np.uint32).view(np.float32)
+    tree = {
+        "f": np.array([-0.0, 1.5 + rank], np.float32),
+        "nan": nan,
+        "b": np.array([rank == 0, rank != 0]),
+        "i": np.int64(-(2**40) - rank),
+        "e": np.zeros((0, 3), np.float16),
+    }
+    got = _dist.from_rank_zero(tree)
+    for name, want in (("f", [-0.0, 1.5]), ("b", [True, False]), ("i", -(2**40))):
+        check(f"broadcast {name}", got[name], want)
+    assert np.signbit(got["f"][0]) and got["e"].shape == (0, 3), got
+    check("broadcast nan bits", got["nan"].view(np.uint32), [0x7FC00123])
+    check(
+        "all-gather", _dist.all_gather(np.array([rank, -rank])), [[r, -r] for r in range(workers)]
+    )
+    try:
+        _dist.barrier(f"rank {rank}")
+    except jaxkv.KVStoreError as e:
+        assert "different ones" in str(e), e
+        print(f"rank {rank} ok mismatched barriers refused", flush=True)
     kv.barrier()
     print(f"rank {rank} done", flush=True)
 
