@@ -72,10 +72,7 @@ def replicated_copies(state: KVState, keys: Sequence[Key]) -> list[jax.Array]:
 def _gathered(values: list[jax.Array], sharding: NamedSharding) -> list[jax.Array]:
     """``values`` (split across processes) replicated by ``sharding``: an all-gather across
     processes, run after this process's earlier collectives (see ``_dist._Order``)."""
-    with _dist.collective("all-gather of split values") as turn:
-        gathered = _all_gather(values, sharding)
-        turn.issued(gathered[0])
-    return gathered
+    return _dist.ordered("all-gather of split values", _all_gather, values, sharding, spans=True)
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -459,13 +459,14 @@ def _mine(x: jax.Array) -> np.ndarray:
     return np.asarray(x.addressable_shards[0].data)
 
 
-def all_gather(x: np.ndarray) -> np.ndarray:
+def all_gather(x: np.ndarray, what: str = "all-gather of every process's values") -> np.ndarray:
     """``x`` (a host array of the same shape and dtype in every process) from every process,
-    stacked in process order, after this process's earlier collectives."""
+    stacked in process order, after this process's earlier collectives (``what`` names the
+    turn for the watchdog)."""
     x = np.asarray(x)
     if jax.process_count() == 1:
         return x[None]
-    with collective("all-gather of every process's values"):
+    with collective(what):
         return _mine(_host_collectives()[1](_rows(x)))
 
 
@@ -497,8 +498,7 @@ def barrier(name: str) -> None:
     if jax.process_count() == 1:
         return
     digest = np.frombuffer(hashlib.sha256(name.encode()).digest()[:8], np.uint8)
-    with collective(f"barrier ({name})"):
-        every = _mine(_host_collectives()[1](_rows(digest)))
+    every = all_gather(digest, f"barrier ({name})")
     if not (every == digest).all():
         from ._errors import KVStoreError
 

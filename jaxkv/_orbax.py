@@ -117,7 +117,7 @@ def save(path: str, manifest: dict, entries: list) -> None:
     """Write ``entries`` (``(where, part, tree path, array)``, as ``_checkpoint._entries``
     gives them) and ``manifest`` (their store's fields) to the directory ``path``; every
     process of the job calls it."""
-    _ocp()  # refused before anything is written where orbax is missing
+    ocp = _ocp()  # refused before anything is written where orbax is missing
     path = os.path.abspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise KVStoreError(
@@ -126,11 +126,10 @@ def save(path: str, manifest: dict, entries: list) -> None:
         )
     # One collective turn for the whole save: orbax's own barriers are collectives too.
     with _dist.collective("checkpoint save", watch=False):
-        _save(path, manifest, entries)
+        _save(ocp, path, manifest, entries)
 
 
-def _save(path: str, manifest: dict, entries: list) -> None:
-    ocp = _ocp()
+def _save(ocp: ModuleType, path: str, manifest: dict, entries: list) -> None:
     token = _token()
     root = os.path.join(path, token, "state")
     os.makedirs(os.path.dirname(root), exist_ok=True)

@@ -400,12 +400,10 @@ def push_eager(
     kinds, pushed = zip(*layouts)
     residuals = [state._residuals[i] for i in index]
     fn = _PUSH_CACHE.get(state, tuple(grouped), kinds, updater, donate)
-    if len(state.local_positions) == len(state.devices):  # no other process's devices
-        new_values, new_opt, new_residuals = fn(stored, opt_state, residuals, list(pushed))
-    else:  # its collectives run after this process's earlier ones (see _dist._Order)
-        with _dist.collective("push") as turn:
-            new_values, new_opt, new_residuals = fn(stored, opt_state, residuals, list(pushed))
-            turn.issued(new_values[0])
+    # Over other processes' devices too, its collectives run after this process's earlier ones.
+    new_values, new_opt, new_residuals = _dist.ordered(
+        "push", fn, stored, opt_state, residuals, list(pushed)
+    )
     optax_push = isinstance(updater, optax.GradientTransformation)
     return state.replace(
         dict(zip(grouped, new_values)),
