@@ -1,5 +1,10 @@
 """jaxkv's benchmark: push from D devices then pull to D devices, beside its baselines.
 
+Where it ran heads the log and results.md: JAX's default backend, its device kind and count,
+the CPU devices used, the library versions. Every section but the GPU one runs on CPU devices
+taken explicitly (``jax.devices("cpu")``; the sections run in processes of their own get
+JAX_PLATFORMS=cpu), so it means the same on a machine with an accelerator.
+
 Workloads (8 simulated CPU devices):
   resnet50  the 193 parameter tensors of ResNet-50 (25.6M float32)
   small     1000 keys of 16x16 float32
@@ -29,6 +34,7 @@ Usage: python benchmarks/bench.py [--steps 7] [--quick] [--only in-jit|dist]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -57,6 +63,49 @@ ROUNDS = 3
 
 def log(msg: str) -> None:
     print(msg, flush=True)
+
+
+def cpu_devices() -> list[jax.Device]:
+    """The D CPU devices the multi-device sections run on, asked for by platform."""
+    devs = jax.devices("cpu")
+    if len(devs) < D:
+        raise RuntimeError(f"expected {D} CPU devices (jax_num_cpu_devices), found {len(devs)}")
+    return devs[:D]
+
+
+def where() -> str:
+    """Where this run happens: JAX's default backend, its device kind and count, the CPU
+    devices the CPU sections use, the machine and the library versions."""
+    import jaxlib
+    import optax
+
+    devs = jax.devices()
+    try:
+        cpus = f"{len(cpu_devices())} simulated CPU devices (jax.devices('cpu'))"
+    except RuntimeError as e:
+        cpus = f"no CPU devices ({e})"
+    return (
+        f"default backend {jax.default_backend()} (device kind {devs[0].device_kind}, {len(devs)} "
+        f"device{'s' if len(devs) > 1 else ''}); CPU sections on {cpus}; "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
+        f"JAX {jax.__version__}, jaxlib {jaxlib.__version__}, optax {optax.__version__}, "
+        f"jaxkv {jaxkv.__version__}"
+    )
+
+
+@contextlib.contextmanager
+def cpu_children():
+    """Processes started inside run on JAX's CPU backend only (JAX_PLATFORMS=cpu): the
+    sections that run in processes of their own take ``jax.devices()`` to be the CPU devices."""
+    before = os.environ.get("JAX_PLATFORMS")
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["JAX_PLATFORMS"]
+        else:
+            os.environ["JAX_PLATFORMS"] = before
 
 
 def workload(name: str) -> list[tuple[int, ...]]:
@@ -146,8 +195,8 @@ def numpy_reduce_copy(shapes, steps) -> float:
 
 
 def naive_jax(shapes, steps) -> float:
-    devs = jax.devices()
-    grads = [[jax.device_put(jnp.ones(s), d) for d in devs] for s in shapes]
+    devs = cpu_devices()
+    grads = [[jnp.ones(s, device=d) for d in devs] for s in shapes]
     stored = [jnp.zeros(s, device=devs[0]) for s in shapes]
 
     def step():
@@ -170,6 +219,7 @@ def memory() -> dict:
         capture_output=True,
         text=True,
         check=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
     ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -191,8 +241,9 @@ def mxnet(work: str) -> float | None:
 # -- jaxkv -------------------------------------------------------------------------------------
 def jaxkv_imperative(shapes, steps, counter_box) -> float:
     keys = list(range(len(shapes)))
-    kv = mx.kv.create("local")
-    kv.init(keys, [mx.nd.zeros(s) for s in shapes])
+    # mx.kv.create spans the default backend's devices: the store is given the CPU devices.
+    kv = mx.kv.KVStore("local", devices=[mx.cpu(d) for d in range(D)])
+    kv.init(keys, [mx.nd.zeros(s, mx.cpu(0)) for s in shapes])
     grads = [[mx.nd.ones(s, mx.cpu(d)) for d in range(D)] for s in shapes]
     outs = [[mx.nd.zeros(s, mx.cpu(d)) for d in range(D)] for s in shapes]
 
@@ -210,9 +261,9 @@ def jaxkv_imperative(shapes, steps, counter_box) -> float:
 
 def jaxkv_functional(shapes, steps, counter_box) -> float:
     keys = list(range(len(shapes)))
-    devs = jax.devices()
-    state = jaxkv.init(jaxkv.empty(), keys, [jnp.zeros(s) for s in shapes])
-    grads = [[jax.device_put(jnp.ones(s), d) for d in devs] for s in shapes]
+    devs = cpu_devices()
+    state = jaxkv.init(jaxkv.empty(devs), keys, [jnp.zeros(s, device=devs[0]) for s in shapes])
+    grads = [[jnp.ones(s, device=d) for d in devs] for s in shapes]
     box = [state]
 
     def step():
@@ -230,7 +281,7 @@ def no_fast_paths(steps, rounds: int = 2) -> dict[str, float]:
     """The resnet50 imperative and functional ms/step with every private JAX name off
     (``JAXKV_NO_FAST_PATHS=1``, read when jaxkv is imported: so in processes of their own),
     the best of ``rounds``."""
-    env = dict(os.environ, JAXKV_NO_FAST_PATHS="1")
+    env = dict(os.environ, JAXKV_NO_FAST_PATHS="1", JAX_PLATFORMS="cpu")
     best: dict[str, float] = {}
     for _ in range(rounds):
         out = subprocess.run(
@@ -254,7 +305,7 @@ def in_jit(steps) -> dict[str, dict]:
     import injit
 
     lines = {}
-    with tempfile.TemporaryDirectory(prefix="jaxkv-bench-cache-") as cache:
+    with tempfile.TemporaryDirectory(prefix="jaxkv-bench-cache-") as cache, cpu_children():
         for label, hugetlb in (("default malloc", False), ("hugetlb malloc", True)):
             log(f"[in-jit] {label}: ResNet-50 adam step, 4 rows, {injit.ROUNDS} rounds ...")
             lines[label] = injit.run_subprocess(steps, injit.ROUNDS, hugetlb, cache, log=log)
@@ -286,15 +337,13 @@ def main() -> None:
     args = parser.parse_args()
     steps = max(args.steps, 7)
 
-    log(
-        f"jaxkv benchmark on {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, {D} simulated CPU devices, JAX {jax.__version__}"
-    )
+    log(f"jaxkv benchmark: {where()}")
     if args.only == "in-jit":
         log("\n".join(in_jit_lines(in_jit(steps))))
         return
     if args.only == "dist":
-        rows = dist.run(steps, log=log) + dist.run(steps, log=log, compression="2bit")
+        with cpu_children():
+            rows = dist.run(steps, log=log) + dist.run(steps, log=log, compression="2bit")
         log("\n".join(dist.lines(rows)))
         return
     if args.only == "no-fast-paths":  # run by no_fast_paths(), in a process of its own
@@ -353,7 +402,8 @@ def main() -> None:
     slow = no_fast_paths(steps)
     log(f"  {slow}")
     jit_rows = in_jit(steps)
-    dist_rows = dist.run(steps, log=log) + dist.run(steps, log=log, compression="2bit")
+    with cpu_children():
+        dist_rows = dist.run(steps, log=log) + dist.run(steps, log=log, compression="2bit")
     log("[memory] peak RSS of the imperative resnet50 loop ...")
     mem = memory()
     log(f"  {mem}")
@@ -369,14 +419,12 @@ def _ratio(a, b):
 
 
 def write_report(rows, jit_rows, bw, mem, slow, dist_rows) -> None:
-    machine = (
-        f"{platform.machine()}, {os.cpu_count()} cores, {D} simulated CPU devices, "
-        f"JAX {jax.__version__}, copy bandwidth {bw:.1f} GB/s"
-    )
     lines = [
         "# jaxkv benchmark results",
         "",
-        f"Machine: {machine}. Push from {D} devices then pull to {D}. Each time is the median "
+        f"Where: {where()}. Host copy bandwidth {bw:.1f} GB/s.",
+        "",
+        f"Push from {D} CPU devices then pull to {D}. Each time is the median "
         f"of at least 7 steps after warm-up, the best of {ROUNDS} rounds that each timed both "
         "jaxkv paths, MXNet and the copy bandwidth back to back (every round is listed below).",
         "",
