@@ -28,6 +28,7 @@ __all__ = [
     "CAN_MARK_VARYING",
     "ENABLED",
     "ArrayImpl",
+    "all_eager",
     "all_gather_invariant",
     "assemble",
     "distributed_state",
@@ -48,6 +49,14 @@ if ENABLED:
         from jax._src.core import ShapedArray
     except ImportError:  # another JAX: the public routes below still work
         ArrayImpl = ShapedArray = None
+
+
+def all_eager(xs: Any) -> bool:
+    """Whether every item of the sequence ``xs`` is an eager ``jax.Array`` (no tracer, no other
+    type): one C-level pass over the types where this JAX names its concrete array class."""
+    if ArrayImpl is not None:
+        return set(map(type, xs)) <= {ArrayImpl}
+    return all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in xs)
 
 
 def single_device(x: jax.Array) -> jax.Device | None:

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import optax
 
-from . import _args, _arrays, _checkpoint, _compression, _dist, _fast, _ops
+from . import _args, _arrays, _checkpoint, _compression, _dispatch, _dist, _fast, _ops
 from ._errors import KVStoreError, ShapeError
 from ._nd import NDArray, _unwrap
 from ._state import BIGARRAY_BOUND, Key, KVState, empty
@@ -214,6 +214,9 @@ class KVStore:
         with self._lock:
             if out is None:
                 return self._values(key)
+            fill = _dispatch.prepare_fill(self._state, key, out, NDArray)
+            if fill is not None and fill(self._state):
+                return None
             pairs = _args.pairs(key, out, "outs")
             self._check_outs(pairs)
             self._fill(pairs)
@@ -224,11 +227,18 @@ class KVStore:
     ) -> jax.Array | list[jax.Array] | None:
         """Push ``value`` then pull into ``out`` (or into ``value`` itself when ``out=None``)."""
         with self._lock:
-            pairs = None
+            pairs = fill = None
             if out is not None or _holds_ndarrays(value):
-                pairs = _args.pairs(key, out if out is not None else value, "outs")
-                self._check_outs(pairs)  # before the push: a refused call changes nothing
+                targets = out if out is not None else value
+                fill = _dispatch.prepare_fill(self._state, key, targets, NDArray)
+                if fill is None:  # checked before the push: a refused call changes nothing
+                    pairs = _args.pairs(key, targets, "outs")
+                    self._check_outs(pairs)
             self._update(key, _unwrap_values(value))
+            if fill is not None:
+                if fill(self._state):
+                    return None
+                pairs = _args.pairs(key, out if out is not None else value, "outs")
             if pairs is None:
                 return self._values(key)
             self._fill(pairs)

@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from . import _dist
+from . import _dispatch, _dist
 from ._args import MISSING, as_array, devices_of, group, is_traced, pairs
 from ._arrays import copies, replicate
 from ._compression import residual_zeros
@@ -142,6 +142,10 @@ def push(
       >>> jaxkv.pull(s, "w").tolist()
       [2.0, 2.0]
     """
+    if axis_name is None and values is not MISSING:
+        fast = _dispatch.push(state, keys, values, updater, donate)
+        if fast is not None:
+            return fast
     grouped = group(state, keys, values)
     index = [state.index(k) for k in grouped]
     stored = [state._values[i] for i in index]
@@ -194,6 +198,10 @@ def pull(
       >>> jaxkv.pull(s, 1, devices=jax.devices()[0]).tolist()
       [0.0, 1.0, 2.0]
     """
+    if axis_name is None:
+        fast = _dispatch.pull(state, keys, devices)
+        if fast is not _dispatch.NO_PLAN:
+            return fast
     single = not isinstance(keys, list | tuple)
     keys = [keys] if single else list(keys)
     values = [state[k] for k in keys]

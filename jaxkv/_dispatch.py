@@ -1,0 +1,432 @@
+"""The eager fast path: a push's or pull's pairing, checks and layout worked out once per call
+signature and reused, so that a repeated call is one dispatch with no per-key host work beyond
+reading each value's type, shape, dtype and device.
+
+A *plan* is made by the first call of a signature, after the general path's own checks
+(``_args.group``) have passed, and only for calls it can replay exactly: one process, no
+gradient compression, distinct keys, every value a single-device ``jax.Array`` of the stored
+shape, one value per key or one per store device in mesh order. Every later call with the same
+signature is compared with the plan, value by value, in C-level passes (types, shapes, dtypes,
+devices); anything that differs goes the general way, which decides, refuses or recompiles as
+it always does. So the fast path never gives another result than the general one: it only
+skips the work whose outcome it already knows.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import jax
+import optax
+
+from ._args import devices_of, group
+from ._arrays import copies, stacked_sharding
+from ._errors import KVStoreError
+from ._fast import all_eager, assemble, per_device, single_device
+from ._push import _PUSH_CACHE, Kind, optimizer_group
+from ._state import KVState, normalize_key
+
+__all__ = ["NO_PLAN", "prepare_fill", "pull", "push"]
+
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_KEY_TYPES = {int, str}
+NO_PLAN = _NO_PLAN = object()  # a signature the fast path cannot replay: the general path
+# This call's values cannot be replayed (their devices, say), but another call of the same
+# signature may be: nothing is cached.
+_NOT_NOW = object()
+
+
+class _Plans:
+    """Plans per signature, least recently used dropped first."""
+
+    def __init__(self, size: int = 256):
+        self._size = size
+        self._plans: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, sig: tuple) -> Any:
+        plan = self._plans.get(sig)
+        if plan is not None:
+            self._plans.move_to_end(sig)
+        return plan
+
+    def put(self, sig: tuple, plan: Any) -> None:
+        self._plans[sig] = plan
+        if len(self._plans) > self._size:
+            self._plans.popitem(last=False)
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+
+_PUSHES = _Plans()
+_PULLS = _Plans()
+
+
+def _anchored(plan: Any, state: KVState) -> bool:
+    """Whether ``plan`` was made for ``state``'s key set, shapes and optimizer groups (the
+    very objects: a plan keeps them alive, so their ids in the signature cannot be reused)."""
+    return (
+        plan.keys is state._keys
+        and plan.shapes_of is state._shapes
+        and plan.groups is state._groups
+    )
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _PushPlan:
+    keys: tuple  # the state's key set, shapes and groups this plan was made for
+    shapes_of: tuple
+    groups: tuple
+    updater: Any
+    index: list[int]  # each pushed key's position in the state, in sorted key order
+    whole: bool  # the push updates every key of the state
+    perm: list[int] | None  # each sorted key's position in the call (None: the call's order)
+    per: int  # values per key
+    shapes: tuple  # each value's expected shape, dtype and device, in call order
+    dtypes: tuple
+    devices: tuple
+    puts: list[tuple[int, Any]]  # (sorted position, where the value must be put first)
+    stacks: list[tuple[int, tuple, Any]]  # (sorted position, global shape, sharding)
+    group: int | None  # the optimizer group's position in the state's groups
+    residuals: list[None]
+    fn: Callable
+
+
+def push(state: KVState, keys: Any, values: Any, updater: Any, donate: bool) -> KVState | None:
+    """``jaxkv.push`` of eager values by a plan, or ``None`` where the general path must run
+    (see the module doc)."""
+    if state._compression is not None or jax.process_count() > 1:
+        return None
+    if isinstance(keys, list | tuple):
+        if not isinstance(values, list | tuple) or len(values) != len(keys) or not keys:
+            return None
+        ckeys = tuple(keys)
+    else:
+        ckeys, values = (keys,), (values,)
+    if not set(map(type, ckeys)) <= _KEY_TYPES:
+        return None
+    kinds = set(map(type, values))
+    if len(kinds) != 1:
+        return None
+    if kinds <= {list, tuple}:
+        lengths = set(map(len, values))
+        if len(lengths) != 1:
+            return None
+        (per,) = lengths
+        flat: Sequence[Any] = list(itertools.chain.from_iterable(values))
+    else:
+        per, flat = 1, values
+    if not flat or not all_eager(flat):
+        return None
+    sig = (
+        id(state._keys),
+        id(state._shapes),
+        id(state._groups),
+        state._devices,
+        state._bound,
+        ckeys,
+        per,
+        id(updater),
+        donate,
+    )
+    plan = _PUSHES.get(sig)
+    if plan is None or (
+        plan is not _NO_PLAN and not (_anchored(plan, state) and plan.updater is updater)
+    ):
+        plan = _push_plan(state, ckeys, values, per, flat, updater, donate)
+        if plan is _NOT_NOW:
+            return None
+        _PUSHES.put(sig, plan)
+    if plan is _NO_PLAN:
+        return None
+    if (
+        tuple(map(_SHAPE, flat)) != plan.shapes
+        or tuple(map(_DTYPE, flat)) != plan.dtypes
+        or tuple(map(single_device, flat)) != plan.devices
+    ):
+        return None
+    return _run_push(plan, state, flat)
+
+
+def _push_plan(
+    state: KVState,
+    ckeys: tuple,
+    values: Sequence[Any],
+    per: int,
+    flat: Sequence[jax.Array],
+    updater: Any,
+    donate: bool,
+) -> Any:
+    """The plan for a push like this one, ``_NO_PLAN`` (never for this signature), or
+    ``_NOT_NOW`` (not for these values); raises what the general path would raise for this
+    call (its own checks run first)."""
+    grouped = group(state, list(ckeys), list(values))
+    order = tuple(grouped)
+    if len(order) != len(ckeys):  # a key repeats: the general path sums its values
+        return _NO_PLAN
+    devices = tuple(map(single_device, flat))
+    n_devices = len(state._devices)
+    if per > 1 and (per != n_devices or n_devices == 1):
+        return _NO_PLAN
+    if None in devices:
+        return _NOT_NOW
+    call = [normalize_key(k) for k in ckeys]
+    where = {k: i for i, k in enumerate(call)}
+    perm = [where[k] for k in order]
+    index = [state.index(k) for k in order]
+    shapes = []
+    for k in call:
+        shapes += [state._shapes[state.index(k)]] * per
+    if tuple(map(_SHAPE, flat)) != tuple(shapes):  # a block's shape, accepted in shard_map
+        return _NOT_NOW
+    kinds: list[Kind] = []
+    puts: list[tuple[int, Any]] = []  # (sorted position, where the value must be put)
+    stacks: list[tuple[int, tuple, Any]] = []  # (sorted position, global shape, sharding)
+    for p, i in enumerate(index):
+        mine = flat[perm[p] * per : (perm[p] + 1) * per]
+        if len({x.dtype for x in mine}) != 1:
+            return _NOT_NOW
+        shape = state._shapes[i]
+        if per == 1:
+            kinds.append("one")
+            if not (n_devices == 1 and devices[perm[p]] == state._devices[0]):
+                puts.append((p, state.sharding_for(shape)))
+            continue
+        if devices[perm[p] * per : (perm[p] + 1) * per] != state._devices:
+            return _NOT_NOW
+        if not shape:  # scalars travel as shape (1,): the general path reshapes them
+            return _NO_PLAN
+        kinds.append("stacked")
+        block = shape
+        stacks.append((p, (block[0] * n_devices, *block[1:]), stacked_sharding(state._devices)))
+    group_at = None
+    if isinstance(updater, optax.GradientTransformation):
+        group_keys, opt_state = optimizer_group(state, order)
+        if opt_state is None:  # made by the general path's first push; then a new signature
+            return _NO_PLAN
+        group_at = state._groups.index(group_keys)
+    return _PushPlan(
+        keys=state._keys,
+        shapes_of=state._shapes,
+        groups=state._groups,
+        updater=updater,
+        index=index,
+        whole=index == list(range(len(state._keys))),
+        perm=None if perm == list(range(len(perm))) else perm,
+        per=per,
+        shapes=tuple(shapes),
+        dtypes=tuple(map(_DTYPE, flat)),
+        devices=devices,
+        puts=puts,
+        stacks=stacks,
+        group=group_at,
+        residuals=[None] * len(order),
+        fn=_PUSH_CACHE.get(state, order, tuple(kinds), updater, donate),
+    )
+
+
+def _run_push(plan: _PushPlan, state: KVState, flat: Sequence[jax.Array]) -> KVState:
+    per = plan.per
+    pushed: list[Any]
+    if per == 1:
+        pushed = list(flat) if plan.perm is None else [flat[j] for j in plan.perm]
+    else:
+        pushed = [None] * len(plan.index)
+        blocks = cast(list, flat)  # a list: made by push() from the per-device lists
+        perm = plan.perm
+        for p, shape, sharding in plan.stacks:
+            j = p if perm is None else perm[p]
+            pushed[p] = assemble(shape, sharding, blocks[j * per : (j + 1) * per])
+    if plan.puts:
+        moved = jax.device_put([pushed[p] for p, _ in plan.puts], [s for _, s in plan.puts])
+        for (p, _), x in zip(plan.puts, moved):
+            pushed[p] = x
+    held = state._values
+    stored = list(held) if plan.whole else [held[i] for i in plan.index]
+    opts = state._opt_states
+    opt_state = None if plan.group is None else opts[plan.group]
+    new, new_opt, _ = plan.fn(stored, opt_state, plan.residuals, pushed)
+    if plan.whole:
+        values = new
+    else:
+        values = list(held)
+        for i, v in zip(plan.index, new):
+            values[i] = v
+    if plan.group is not None:
+        opts = (*opts[: plan.group], new_opt, *opts[plan.group + 1 :])
+    return KVState(
+        state._keys,
+        state._devices,
+        values,
+        opts,
+        state._bound,
+        state._residuals,
+        state._compression,
+        state._shapes,
+        state._groups,
+    )
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _PullPlan:
+    keys: tuple
+    shapes_of: tuple
+    groups: tuple
+    index: list[int]
+
+
+def pull(state: KVState, keys: Any, devices: Any) -> Any:
+    """``jaxkv.pull`` of eager values that stay where the store keeps them (``devices`` is
+    ``None`` or the store's own devices, and no pulled value is sharded), by a plan; or
+    ``_NO_PLAN`` where the general path must run."""
+    single = not isinstance(keys, list | tuple)
+    ckeys = (keys,) if single else tuple(keys)
+    if not ckeys or not set(map(type, ckeys)) <= _KEY_TYPES:
+        return _NO_PLAN
+    if devices is None:
+        where = None
+    elif isinstance(devices, list | tuple):
+        where = tuple(devices)
+    else:
+        where = (devices,)
+    sig = (id(state._keys), id(state._shapes), state._devices, state._bound, ckeys, where)
+    plan = _PULLS.get(sig)
+    if plan is None or (plan is not _NO_PLAN and not _anchored(plan, state)):
+        plan = _pull_plan(state, ckeys, devices)
+        _PULLS.put(sig, plan)
+    if plan is _NO_PLAN:
+        return _NO_PLAN
+    held = state._values
+    values = [held[i] for i in plan.index]
+    if not all_eager(values):
+        return _NO_PLAN
+    return values[0] if single else values
+
+
+def _pull_plan(state: KVState, ckeys: tuple, devices: Any) -> Any:
+    index = [state.index(k) for k in ckeys]  # refuses what the general path refuses
+    if devices is not None:
+        if devices_of(devices) != state._devices:
+            return _NO_PLAN
+        if any(state.is_sharded(state._shapes[i]) for i in index):
+            return _NO_PLAN
+    return _PullPlan(state._keys, state._shapes, state._groups, index)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _FillPlan:
+    keys: tuple
+    shapes_of: tuple
+    groups: tuple
+    unique: list[int]  # the distinct keys' positions in the state, whose values are copied
+    of: list[int]  # each out's value among those copies
+    shapes: tuple  # each out's expected shape and dtype
+    dtypes: tuple
+    at: dict[tuple, list[int]]  # the outs' devices -> their positions in the store's devices
+
+
+_DATA = operator.attrgetter("_data")
+
+
+def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable | None:
+    """``KVStore.pull(keys, out=outs)`` by a plan, checked now and done by the function
+    returned: called with a state of the same key set and shapes (this one, or the one a push
+    made from it), it gives each ``handle`` (``NDArray``) of ``outs`` a fresh copy of its key's
+    value on its own device, the copies made in one computation, and returns ``True``; it
+    returns ``False``, having done nothing, for a state of other keys or shapes.
+
+    ``None`` where the general path must run: another process, a sharded value, an out of
+    another type, shape or dtype than the stored value, or on a device outside the store."""
+    if isinstance(keys, list | tuple):
+        if not isinstance(outs, list | tuple) or len(outs) != len(keys) or not keys:
+            return None
+        ckeys = tuple(keys)
+    else:
+        ckeys, outs = (keys,), (outs,)
+    if not set(map(type, ckeys)) <= _KEY_TYPES:
+        return None
+    kinds = set(map(type, outs))
+    if kinds <= {list, tuple}:
+        lengths = set(map(len, outs))
+        if len(lengths) != 1:
+            return None
+        (per,) = lengths
+        flat: Sequence[Any] = list(itertools.chain.from_iterable(outs))
+    elif kinds == {handle}:
+        per, flat = 1, outs
+    else:
+        return None
+    if not flat or set(map(type, flat)) != {handle}:
+        return None
+    sig = (id(state._keys), id(state._shapes), state._devices, state._bound, ckeys, per)
+    plan = _FILLS.get(sig)
+    if plan is None or (plan is not _NO_PLAN and not _anchored(plan, state)):
+        plan = _fill_plan(state, ckeys, per)
+        _FILLS.put(sig, plan)
+    if plan is _NO_PLAN:
+        return None
+    data = list(map(_DATA, flat))
+    if tuple(map(_SHAPE, data)) != plan.shapes or tuple(map(_DTYPE, data)) != plan.dtypes:
+        return None
+    devices = tuple(map(handle._device, flat))  # type: ignore[attr-defined]
+    at = plan.at.get(devices)
+    if at is None:
+        positions = state.positions
+        if not all(d in positions for d in devices):
+            return None
+        at = plan.at[devices] = [positions[d] for d in devices]
+
+    def go(now: KVState) -> bool:
+        if not (now._keys is plan.keys and now._shapes is plan.shapes_of):
+            return False
+        held = now._values
+        fresh = copies([held[i] for i in plan.unique])
+        if len(now._devices) == 1:
+            for o, j, d in zip(flat, plan.of, devices):
+                o._set(fresh[j], d)
+        else:
+            arrays = list(map(per_device, fresh))
+            for o, j, p, d in zip(flat, plan.of, at, devices):
+                o._set(arrays[j][p], d)
+        return True
+
+    return go
+
+
+def _fill_plan(state: KVState, ckeys: tuple, per: int) -> Any:
+    if jax.process_count() > 1:
+        return _NO_PLAN
+    try:
+        index = [state.index(k) for k in ckeys]
+    except KVStoreError:  # the general path refuses it
+        return _NO_PLAN
+    if any(state.is_sharded(state._shapes[i]) for i in index):
+        return _NO_PLAN
+    held = state._values
+    if not all_eager([held[i] for i in index]):
+        return _NO_PLAN
+    if len(state._devices) > 1:  # the copies' shards must come in the store's device order
+        first = per_device(held[index[0]])
+        if tuple(map(single_device, first)) != state._devices:
+            return _NO_PLAN
+    unique = sorted(set(index))
+    slot = {i: j for j, i in enumerate(unique)}
+    return _FillPlan(
+        keys=state._keys,
+        shapes_of=state._shapes,
+        groups=state._groups,
+        unique=unique,
+        of=[slot[i] for i in index for _ in range(per)],
+        shapes=tuple(state._shapes[i] for i in index for _ in range(per)),
+        dtypes=tuple(held[i].dtype for i in index for _ in range(per)),
+        at={},
+    )
+
+
+_FILLS = _Plans()
