@@ -28,7 +28,19 @@ only. Writes benchmarks/results.md and benchmarks/results.png.
 The resnet50 rows are also timed with JAXKV_NO_FAST_PATHS=1 (no private JAX names), in
 processes of their own.
 
-Usage: python benchmarks/bench.py [--steps 7] [--quick] [--only in-jit|dist]
+One device, SGD push + pull, beside a hand-written jitted update (benchmarks/eager.py):
+  proxy     CPU device 0, always run: ResNet-50's 193 keys and 1000 keys with every dimension
+            cut to at most 2, so the host's and the per-buffer cost alone are timed; hand-written
+            JAX, jaxkv functional and imperative, with their goals (<= 1.2x and <= 1.5x)
+  gpu       the accelerator's first device, the full key sets; the rows above, PyTorch's foreach
+            ops and the copy floor; skipped where JAX's default backend is cpu, unless
+            JAXKV_BENCH_GPU_ON_CPU=1 runs it on CPU device 0 (to test it; 10 steps a round)
+  Both check each row's values after a few steps against the hand-written row's.
+
+Usage: python benchmarks/bench.py [--steps 7] [--quick] [--only in-jit|dist|proxy|gpu]
+         [--eager-steps 200]
+--only proxy / --only gpu exit 1 where a hand-written or jaxkv row fails or its values differ
+(a missed goal is reported, not an error); the full run does so after writing its report.
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import dist  # noqa: E402  (benchmarks/dist.py)
+import eager  # noqa: E402  (benchmarks/eager.py)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -331,13 +344,23 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip the slow baselines")
     parser.add_argument(
         "--only",
-        choices=["in-jit", "dist", "no-fast-paths"],
+        choices=["in-jit", "dist", "no-fast-paths", "proxy", "gpu"],
         help="run only this section; print it, write no report",
+    )
+    parser.add_argument(
+        "--eager-steps",
+        type=int,
+        help=f"timed steps per round of the proxy and gpu sections (default {eager.STEPS}, "
+        f"{eager.FORCED_STEPS} for the gpu section forced onto CPU)",
     )
     args = parser.parse_args()
     steps = max(args.steps, 7)
 
     log(f"jaxkv benchmark: {where()}")
+    if args.only in ("proxy", "gpu"):
+        res = eager.run(args.only, CompileCounter, args.eager_steps, log=log)
+        log("\n".join(eager.lines(res)))
+        return 1 if eager.failed(res) else 0
     if args.only == "in-jit":
         log("\n".join(in_jit_lines(in_jit(steps))))
         return
@@ -398,6 +421,10 @@ def main() -> None:
     bw = max(bws)
     for row in rows:
         row["floor"] = (2 * D + 1) * row["MB"] * 1e6 / (bw * 1e9) * 1e3
+    eager_res = [
+        eager.run(section, CompileCounter, args.eager_steps, log=log)
+        for section in ("proxy", "gpu")
+    ]
     log("[resnet50] jaxkv with JAXKV_NO_FAST_PATHS=1 (no private JAX names), best of 2 ...")
     slow = no_fast_paths(steps)
     log(f"  {slow}")
@@ -407,7 +434,8 @@ def main() -> None:
     log("[memory] peak RSS of the imperative resnet50 loop ...")
     mem = memory()
     log(f"  {mem}")
-    write_report(rows, jit_rows, bw, mem, slow, dist_rows)
+    write_report(rows, jit_rows, bw, mem, slow, dist_rows, eager_res)
+    return 1 if any(eager.failed(r) for r in eager_res) else 0
 
 
 def _fmt(x, unit=""):
@@ -418,7 +446,7 @@ def _ratio(a, b):
     return "—" if a is None or b is None else f"{a / b:.2f}x"
 
 
-def write_report(rows, jit_rows, bw, mem, slow, dist_rows) -> None:
+def write_report(rows, jit_rows, bw, mem, slow, dist_rows, eager_res) -> None:
     lines = [
         "# jaxkv benchmark results",
         "",
@@ -463,6 +491,8 @@ def write_report(rows, jit_rows, bw, mem, slow, dist_rows) -> None:
         )
     lines += ["", *dist_report(dist_rows)]
     lines += ["", *in_jit_report(jit_rows)]
+    for res in eager_res:
+        lines += ["", *eager.report(res)]
     lines += [
         "",
         "| workload | path | " + " | ".join(f"round {i + 1} ms" for i in range(ROUNDS)) + " |",
