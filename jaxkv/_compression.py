@@ -152,16 +152,43 @@ def layout_compressed(
     state: KVState, key: Key, stored: jax.Array, xs: list[jax.Array]
 ) -> tuple[tuple[str, tuple[bool, ...]], jax.Array]:
     """Like :func:`_layout` for a compressed store: always one block per device (devices that
-    pushed nothing get zeros), plus the static mask of devices that pushed."""
+    pushed nothing get zeros), plus the static mask of devices that pushed.
+
+    Each value is compressed as the contribution of one store device, with that device's
+    error-feedback residual. A value on one of the store's devices is that device's. A value
+    on a device the store does not hold (a CPU array pushed into a store on a GPU, MXNet's
+    ``device`` store fed from CPU-side data; or another CPU device) is copied to the store
+    device at its position in ``xs``: the i-th value to the (i mod D)-th of this process's
+    D store devices, in mesh order. This is MXNet's rule, whose residuals are indexed by
+    position in the pushed list: values from off the store, at most D of them, each get a
+    residual of their own, kept from push to push by position. Several values that land on
+    one device (pushed from it, or copied to it) are each cast to the stored dtype and summed
+    there in call order, as an uncompressed push does, and the sum is compressed once.
+
+    Raises:
+      KVStoreError: a value spans several devices (it has no one residual).
+    """
     positions = state.local_positions
-    by_device: dict[jax.Device, list[jax.Array]] = {}
+    home = list(positions)
+    devices = []
     for x in xs:
         device = single_device(x)
-        if device not in positions:
+        if device is None:
             raise KVStoreError(
-                f"key {key!r}: a compressed push expects each value on one of the store's "
-                f"devices {list(state.devices)}, given one on {sorted(x.devices(), key=str)}"
+                f"key {key!r}: a compressed push expects each value on one device (whose "
+                f"error-feedback residual it uses), given one on several devices "
+                f"{sorted(x.devices(), key=str)}; push one array per device"
             )
+        devices.append(device)
+    away = [i for i, d in enumerate(devices) if d not in positions]
+    if away:  # copied in one call, each to the store device at its position
+        targets = [home[i % len(home)] for i in away]
+        moved = jax.device_put([xs[i] for i in away], targets)
+        xs = list(xs)
+        for i, device, x in zip(away, targets, moved):
+            xs[i], devices[i] = x, device
+    by_device: dict[jax.Device, list[jax.Array]] = {}
+    for device, x in zip(devices, xs):
         by_device.setdefault(device, []).append(x)
     blocks = {}
     for device, parts in by_device.items():

@@ -4,6 +4,10 @@ The expected pulls were recorded from Apache MXNet 1.9.1 by conformance/record_c
 (a `device` store over D cpu contexts, device d pushing g * (d + 1) for each g in G). MXNet
 refuses thresholds -0.5 and 0 ("threshold must be greater than 0"), unknown types, and
 compression on a `local` store; so does jaxkv.
+
+MXNet's device store sums where the pushed values are; here stores are over the 8 CPU devices
+that stand in for its GPUs (``jax.devices("cpu")``, whatever JAX's default backend), or over
+some of them fed from the others (MXNet's device store fed from CPU-side data).
 """
 
 import jax
@@ -31,10 +35,20 @@ def add2(key, inp, stored):
     stored += inp * 2
 
 
+def device_store(name="device", devices=None):
+    """MXNet's ``mx.kv.create(name)``, over the 8 CPU devices unless ``devices`` are named."""
+    return mx.kv.KVStore(name, devices=jax.devices("cpu") if devices is None else devices)
+
+
+@pytest.mark.parametrize("where", ["pushing devices", "other devices"])
 @pytest.mark.parametrize("case", sorted(RECORDED))
-def test_two_bit_matches_mxnet(case):
+def test_two_bit_matches_mxnet(case, where):
+    """Over the pushing devices, each device's value is compressed with its residual; over
+    other devices (fed from off the store), the d-th value with store device d's: both are
+    MXNet's numbers, whose residuals go by position in the pushed list."""
     devices, threshold, updater = case
-    kv = mx.kv.create("device")
+    others = [mx.cpu(8 - devices + d) for d in range(devices)]
+    kv = device_store(devices=None if where == "pushing devices" else others)
     kv.set_gradient_compression({"type": "2bit", "threshold": threshold})
     kv.init(3, mx.nd.zeros((2, 3)))
     if updater == "add2":
@@ -83,7 +97,7 @@ def test_random_pushes_follow_the_numpy_model(devices):
     rng = np.random.default_rng(0)
     t = 0.3
     shapes = {"a": (2, 3), "big": (16, 4), "s": ()}  # bound 16: "big" is stored sharded
-    state = jaxkv.empty(bigarray_bound=16, compression={"type": "2bit", "threshold": t})
+    state = jaxkv.empty(devices, bigarray_bound=16, compression={"type": "2bit", "threshold": t})
     state = jaxkv.init(state, {k: jnp.zeros(s) for k, s in shapes.items()})
     residuals = {k: {d: np.zeros(s, np.float32) for d in range(8)} for k, s in shapes.items()}
     stored = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
@@ -109,7 +123,7 @@ def test_random_pushes_follow_the_numpy_model(devices):
 
 
 def test_fp16_rounds_each_device_value_before_the_sum(devices):
-    state = jaxkv.init(jaxkv.empty(compression={"type": "fp16"}), {"w": jnp.zeros(3)})
+    state = jaxkv.init(jaxkv.empty(devices, compression={"type": "fp16"}), {"w": jnp.zeros(3)})
     third = np.float32(1 / 3)
     state = jaxkv.push(state, "w", [jax.device_put(jnp.full(3, third), d) for d in devices[:2]])
     expected = 2 * np.float32(np.float16(third))
@@ -119,7 +133,7 @@ def test_fp16_rounds_each_device_value_before_the_sum(devices):
 
 def test_compressed_state_is_pure_and_refused_inside_jit(devices):
     state = jaxkv.init(
-        jaxkv.empty(compression={"type": "2bit", "threshold": 1.0}), {"w": jnp.zeros(2)}
+        jaxkv.empty(devices, compression={"type": "2bit", "threshold": 1.0}), {"w": jnp.zeros(2)}
     )
     new = jaxkv.push(state, "w", [jax.device_put(jnp.full(2, 0.6), d) for d in devices[:2]])
     np.testing.assert_array_equal(np.asarray(state.residuals["w"]), np.zeros(16))
@@ -129,12 +143,12 @@ def test_compressed_state_is_pure_and_refused_inside_jit(devices):
 
 
 def test_save_and_load_keep_residuals_and_compression(tmp_path):
-    kv = mx.kv.create("device")
+    kv = device_store()
     kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
     kv.init(3, mx.nd.zeros((2, 3)))
     kv.push(3, [mx.nd.ones((2, 3), mx.cpu(d)) * 0.3 * (d + 1) for d in range(2)])
     kv.save(tmp_path / "store.npz")
-    fresh = mx.kv.create("device")
+    fresh = device_store()
     fresh.load(tmp_path / "store.npz")
     assert fresh.state.compression == ("2bit", 0.5)
     for store in (kv, fresh):  # the second push of the MXNet sequence: 1.0 if residuals kept
@@ -151,7 +165,7 @@ def test_the_nightly_compression_cases():
     key, as asserted here."""
     t, rate, workers = 0.5, 2, 4
     shapes = {3: (4, 4), 5: (100, 100), 7: (1200, 1200)}
-    kv = mx.kv.create("local_allreduce_device")
+    kv = device_store("local_allreduce_device")
     kv.set_gradient_compression({"type": "2bit", "threshold": t})
     kv._set_updater(lambda key, inp, stored: stored.__iadd__(inp * rate))
     for k, s in shapes.items():
@@ -195,19 +209,21 @@ def test_integer_values_are_refused_as_mxnet_does(kind):
     fp16 would change them. MXNet refuses compression of non-float values, and so does jaxkv,
     whichever comes first: the compression or the key."""
     params = {"type": kind, "threshold": 0.5} if kind == "2bit" else {"type": kind}
-    kv = mx.kv.create("device")
+    kv = device_store()
     kv.set_gradient_compression(params)
     kv.init(3, mx.nd.zeros(4))  # float32: fine
     with pytest.raises(jaxkv.KVStoreError, match=f"key 5: gradient compression '{kind}'.*int32"):
         kv.init([4, 5], [mx.nd.zeros(4), mx.nd.zeros(4, dtype="int32")])
     assert kv.keys() == [3]
-    plain = mx.kv.create("device")
+    plain = device_store()
     plain.init([3, 5], [mx.nd.zeros(4), mx.nd.zeros(4, dtype="int32")])
     with pytest.raises(jaxkv.KVStoreError, match=f"key 5: gradient compression '{kind}'.*int32"):
         plain.set_gradient_compression(params)
     assert plain.state.compression is None
     with pytest.raises(jaxkv.KVStoreError, match="key 'i'.*int32"):
-        jaxkv.init(jaxkv.empty(compression=params), {"i": jnp.zeros(2, jnp.int32)})
+        jaxkv.init(
+            jaxkv.empty(jax.devices("cpu"), compression=params), {"i": jnp.zeros(2, jnp.int32)}
+        )
     # Integer values pushed to a float key are cast first, and compress as floats.
     kv.push(3, [mx.nd.array([3, 0, 0, -3], dtype="int32", ctx=mx.cpu(d)) for d in range(2)])
     expected = [1.0, 0.0, 0.0, -1.0] if kind == "2bit" else [6.0, 0.0, 0.0, -6.0]
@@ -219,7 +235,7 @@ def test_values_from_one_device_are_cast_before_they_are_summed(devices):
     values are summed, then compressed. (Summed in float32 first, cpu(0)'s share would round to
     1 + 2**-10 in float16 and leave a residual of 0.5 + 2**-10.)"""
     state = jaxkv.init(
-        jaxkv.empty(compression={"type": "2bit", "threshold": 0.5}),
+        jaxkv.empty(devices, compression={"type": "2bit", "threshold": 0.5}),
         {"h": jnp.zeros(1, jnp.float16), "f": jnp.zeros(1)},
     )
     a, b = np.float32(1 + 2**-11), np.float32(2**-11)
@@ -238,5 +254,5 @@ def test_a_store_on_one_process_compresses_per_device_in_a_job_of_several(monkey
     several devices in one: tests/test_dist_compression.py); one on this process's devices
     keeps the per-device semantics of MXNet's device store."""
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    state = jaxkv.empty(jax.devices()[:2], compression={"type": "2bit", "threshold": 0.5})
+    state = jaxkv.empty(jax.devices("cpu")[:2], compression={"type": "2bit", "threshold": 0.5})
     assert state.compression == ("2bit", 0.5)

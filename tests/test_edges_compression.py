@@ -1,11 +1,14 @@
 """Gradient compression at its edges: which parameters are accepted, 2-bit quantization exactly at
-the threshold, residuals of devices that push nothing, several values on one device, and the
-difference between fp16 and bf16 rounding."""
+the threshold, residuals of devices that push nothing, several values on one device, values from
+devices the store does not hold, and the difference between fp16 and bf16 rounding.
+
+Stores are over the 8 CPU devices (``jax.devices("cpu")``) unless a test names others."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jaxkv
 
@@ -17,6 +20,7 @@ def on(device, value, dtype=jnp.float32):
 
 
 def two_bit(threshold=T, devices=None, **values):
+    devices = jax.devices("cpu") if devices is None else devices
     state = jaxkv.empty(devices, compression={"type": "2bit", "threshold": threshold})
     return jaxkv.init(state, {k: jnp.zeros(np.shape(v)) for k, v in values.items()})
 
@@ -110,10 +114,72 @@ def test_compressed_values_of_other_dtypes_are_cast_first(devices):
     np.testing.assert_array_equal(np.asarray(new["w"]), [2 * T, -T])
 
 
-def test_compressed_pushes_need_values_on_the_store_devices(devices):
+def test_a_value_from_off_the_store_is_the_store_device_at_its_position(devices):
+    """MXNet's device store fed from CPU-side data: a value on a device the store does not hold
+    is copied to the store device at its position in the key's values (the i-th to the
+    (i mod D)-th), and compressed there with that device's residual, as if pushed from it."""
+    store, away = devices[:4], devices[4:]
+    a, b = [0.3, 0.6], [0.6, -0.3]
+    state = two_bit(devices=store, w=np.zeros(2))
+    new = jaxkv.push(state, "w", [on(away[2], a), on(away[0], b)])
+    # Position 0 on store device 0, position 1 on store device 1: each has its own residual.
+    np.testing.assert_array_equal(np.asarray(new["w"]), [T, T])
+    residual = np.asarray(new.residuals["w"]).reshape(4, 2)
+    np.testing.assert_allclose(residual, [[0.3, 0.1], [0.1, -0.3], [0, 0], [0, 0]], atol=1e-7)
+    assert {s.device for s in new["w"].addressable_shards} == set(store)
+    same = jaxkv.push(state, "w", [on(store[0], a), on(store[1], b)])
+    np.testing.assert_array_equal(np.asarray(new["w"]), np.asarray(same["w"]))
+    np.testing.assert_array_equal(np.asarray(new.residuals["w"]), np.asarray(same.residuals["w"]))
+    # The residuals carry from push to push by position: 0.3 + 0.3 crosses t on device 0.
+    again = jaxkv.push(new, "w", [on(away[1], [0.3, 0.0]), on(away[3], [0.0, 0.0])])
+    np.testing.assert_array_equal(np.asarray(again["w"]), [T, 0.0])
+
+
+def test_values_from_off_the_store_wrap_around_and_join_a_device_values(devices):
+    """With more values than store devices, the (D+1)-th joins the first device's: values that
+    land on one device are added (in call order) before they are compressed, as several values
+    pushed from one device are. A value pushed from a store device keeps that device."""
+    store = devices[:2]
+    state = two_bit(devices=store, w=np.zeros(1))
+    values = [on(devices[5], [0.3]), on(devices[6], [0.1]), on(devices[7], [0.3])]
+    new = jaxkv.push(state, "w", values)
+    # Device 0: 0.3 + 0.3 = 0.6 crosses t (MXNet, compressing each alone, would send 0).
+    np.testing.assert_array_equal(np.asarray(new["w"]), [T])
+    np.testing.assert_allclose(np.asarray(new.residuals["w"]), [0.1, 0.1], atol=1e-7)
+    # Position 1 off the store lands on device 1, beside store device 0's own value.
+    mixed = jaxkv.push(state, "w", [on(store[0], [0.3]), on(devices[4], [0.4])])
+    np.testing.assert_array_equal(np.asarray(mixed["w"]), [0.0])
+    np.testing.assert_allclose(np.asarray(mixed.residuals["w"]), [0.3, 0.4], atol=1e-7)
+    # Position 0 off the store lands on device 0, which also pushes its own value.
+    joined = jaxkv.push(state, "w", [on(devices[4], [0.3]), on(store[0], [0.3])])
+    np.testing.assert_array_equal(np.asarray(joined["w"]), [T])
+    np.testing.assert_allclose(np.asarray(joined.residuals["w"]), [0.1, 0.0], atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_rounded_values_from_off_the_store_are_rounded_per_store_device(devices, kind):
+    """1 + 2**-9 is a float16 but not a bfloat16: each of two values from off the store is
+    rounded on its own store device; three on two devices round the first device's sum."""
+    x = np.float32(1 + 2**-9)
+    state = jaxkv.init(
+        jaxkv.empty(devices[:2], compression={"type": kind}), {"w": jnp.zeros(1, jnp.float32)}
+    )
+    new = jaxkv.push(state, "w", [on(d, [x]) for d in devices[5:7]])
+    np.testing.assert_array_equal(np.asarray(new["w"]), [2 * x if kind == "fp16" else 2.0])
+    three = jaxkv.push(state, "w", [on(d, [x]) for d in devices[5:8]])
+    # Device 0 rounds 2x = 2 + 2**-8 (a float16, not a bfloat16), device 1 rounds x.
+    np.testing.assert_array_equal(np.asarray(three["w"]), [3 * x if kind == "fp16" else 3.0])
+    assert new.residuals["w"] is None
+
+
+def test_a_compressed_push_refuses_a_value_on_several_devices(devices):
+    """A value that spans devices has no one residual: refused, and nothing changes."""
     state = two_bit(devices=devices[:4], w=np.zeros(2))
-    with pytest.raises(jaxkv.KVStoreError, match="a compressed push expects each value on one of"):
-        jaxkv.push(state, "w", [on(devices[0], [1.0, 1.0]), on(devices[6], [1.0, 1.0])])
+    spread = jax.device_put(
+        jnp.ones(2), jax.sharding.NamedSharding(jax.sharding.Mesh(devices[:2], ("d",)), P())
+    )
+    with pytest.raises(jaxkv.KVStoreError, match="expects each value on one device"):
+        jaxkv.push(state, "w", [on(devices[0], [1.0, 1.0]), spread])
     new = jaxkv.push(state, "w", [on(devices[3], [1.0, 1.0])])
     np.testing.assert_array_equal(np.asarray(new["w"]), [T, T])
     assert np.asarray(new.residuals["w"]).shape == (8,)  # one block of 2 per store device
