@@ -1,4 +1,10 @@
-"""Launching the multi-process jobs of tests/dist/ as a user would: ``python -m jaxkv.launch``."""
+"""Launching the multi-process jobs of tests/dist/ as a user would: ``python -m jaxkv.launch``.
+
+Every process a test starts that may use JAX runs on CPU devices (``cpu_env``): the jobs'
+collectives are gloo's between CPU processes, and where an accelerator is JAX's default
+backend here (``JAX_PLATFORMS=cuda,cpu`` on a GPU machine) each launched process would
+otherwise take that one accelerator.
+"""
 
 import os
 import subprocess
@@ -7,9 +13,15 @@ import sys
 DIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist")
 
 
+def cpu_env(env=None, **extra):
+    """``env`` (default: this process's environment) and ``extra``, with ``JAX_PLATFORMS=cpu``:
+    the environment of a process that must run on CPU devices whatever this machine has."""
+    return {**(os.environ if env is None else env), **extra, "JAX_PLATFORMS": "cpu"}
+
+
 def launch(n, script, *args, per_process=2, timeout=240):
-    """``python -m jaxkv.launch -n N --devices-per-process K tests/dist/SCRIPT ARGS...``, its
-    output captured as text."""
+    """``python -m jaxkv.launch -n N --devices-per-process K tests/dist/SCRIPT ARGS...``, on CPU
+    devices, its output captured as text."""
     return subprocess.run(
         [
             sys.executable,
@@ -22,6 +34,7 @@ def launch(n, script, *args, per_process=2, timeout=240):
             os.path.join(DIST, script),
             *map(str, args),
         ],
+        env=cpu_env(),
         capture_output=True,
         text=True,
         timeout=timeout,

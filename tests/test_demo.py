@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from _jobs import cpu_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -16,9 +17,12 @@ def _filled(value) -> str:
 
 
 def test_demo_runs_and_shows_each_step():
+    # The demo is a tour of 8 simulated CPU devices (jax.devices()): on CPU whatever this
+    # machine's default backend is.
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "demo.py")],
         cwd=ROOT,
+        env=cpu_env(),
         capture_output=True,
         text=True,
         timeout=300,

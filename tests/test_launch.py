@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from _jobs import cpu_env
 
 from jaxkv import _dist
 from jaxkv.launch import Launcher, main
@@ -63,6 +64,7 @@ def test_a_stop_signal_ends_every_process(tmp_path, sig):
     neither jax nor jaxkv, so this runs fast)."""
     proc = subprocess.Popen(
         [*LAUNCH, "-n", "2", job("sleeper_job.py"), str(tmp_path)],
+        env=cpu_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -80,6 +82,7 @@ def test_the_processes_die_with_a_killed_launcher(tmp_path):
     (PR_SET_PDEATHSIG); what they started is reparented, not killed."""
     proc = subprocess.Popen(
         [*LAUNCH, "-n", "2", job("sleeper_job.py"), str(tmp_path)],
+        env=cpu_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -102,6 +105,7 @@ def test_timeout_ends_a_joined_job(tmp_path):
     proc = subprocess.Popen(
         ["timeout", "-s", "TERM", "600", *LAUNCH, "-n", "2", "--devices-per-process", "1"]
         + [job("sleeper_job.py"), str(tmp_path), "jax"],
+        env=cpu_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -122,7 +126,7 @@ def restart_job_run(tmp_path, max_restarts, args, env):
     run = subprocess.run(
         [*LAUNCH, "-n", "2", "--devices-per-process", "1", "--max-restarts", str(max_restarts)]
         + [job("restart_job.py"), str(tmp_path), *args],
-        env={**os.environ, **env},
+        env=cpu_env(**env),
         capture_output=True,
         text=True,
         timeout=240,
@@ -185,6 +189,7 @@ def test_a_rank_that_exits_non_zero_ends_the_job_at_once():
     start = time.monotonic()
     run = subprocess.run(
         [*LAUNCH, "-n", "2", "--devices-per-process", "1", job("exit_job.py"), "sys.exit"],
+        env=cpu_env(),
         capture_output=True,
         text=True,
         timeout=240,
@@ -333,16 +338,18 @@ def test_a_slurm_step_joins_through_jax_detection():
         port = s.getsockname()[1]
     procs = []
     for rank in range(2):
-        env = {
-            **base,
-            "SLURM_JOB_ID": "4242",
-            "SLURM_STEP_NODELIST": "localhost",
-            "SLURM_STEP_NUM_NODES": "1",
-            "SLURM_NTASKS": "2",
-            "SLURM_PROCID": str(rank),
-            "SLURM_LOCALID": str(rank),
-            "JAX_COORDINATOR_PORT": str(port),  # JAX's own override of the job-id port
-        }
+        env = cpu_env(
+            {
+                **base,
+                "SLURM_JOB_ID": "4242",
+                "SLURM_STEP_NODELIST": "localhost",
+                "SLURM_STEP_NUM_NODES": "1",
+                "SLURM_NTASKS": "2",
+                "SLURM_PROCID": str(rank),
+                "SLURM_LOCALID": str(rank),
+                "JAX_COORDINATOR_PORT": str(port),  # JAX's own override of the job-id port
+            }
+        )
         procs.append(
             subprocess.Popen(
                 [sys.executable, job("slurm_job.py"), "2"],

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from _jobs import cpu_env
 
 from jaxkv.launch import _order_failures
 
@@ -29,7 +30,11 @@ def test_a_process_that_ends_after_the_peer_it_failed_is_named(tmp_path):
     rank 1 and names it, with its status, and rank 0 after it."""
     start = time.monotonic()
     run = subprocess.run(
-        [*LAUNCH, job("ending_job.py"), str(tmp_path)], capture_output=True, text=True, timeout=60
+        [*LAUNCH, job("ending_job.py"), str(tmp_path)],
+        env=cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     elapsed = time.monotonic() - start
     assert run.returncode == 3, run.stderr
@@ -59,6 +64,7 @@ def test_the_failed_process_is_named_not_its_peer(how):
     for _ in range(2):
         run = subprocess.run(
             [*LAUNCH, "--devices-per-process", "1", job("cause_job.py"), how],
+            env=cpu_env(),
             capture_output=True,
             text=True,
             timeout=120,

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from _jobs import cpu_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The launched script, for the values of an uninterrupted run (its main() runs only when launched).
@@ -76,7 +77,7 @@ def run_on_hosts(hosts, launcher_args, script, env=None):
         procs.append(
             subprocess.Popen(
                 command,
-                env={**os.environ, **(env(host) if env else {})},
+                env=cpu_env(**(env(host) if env else {})),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,

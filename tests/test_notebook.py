@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _jobs import cpu_env
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -55,7 +56,10 @@ def executed(tmp_path_factory):
     client = nbclient.NotebookClient(
         nb, km=km, timeout=300, resources={"metadata": {"path": str(ROOT)}}
     )
-    client.execute(cleanup_kc=True)  # shut the kernel down and close its sockets afterwards
+    # The tutorial is a tour of 8 simulated CPU devices (jax.devices()): its kernel runs on CPU
+    # whatever this machine's default backend is. cleanup_kc: shut the kernel down and close
+    # its sockets afterwards.
+    client.execute(cleanup_kc=True, env=cpu_env())
     return nb
 
 
