@@ -25,10 +25,10 @@ import jax
 import optax
 
 from ._args import devices_of, group
-from ._arrays import copies, stacked_sharding
+from ._arrays import stacked_sharding
 from ._errors import KVStoreError
 from ._fast import all_eager, assemble, per_device, single_device
-from ._push import _PUSH_CACHE, Kind, optimizer_group
+from ._push import _PUSH_CACHE, Donate, Kind, optimizer_group
 from ._state import KVState, normalize_key
 
 __all__ = ["NO_PLAN", "prepare_fill", "pull", "push"]
@@ -98,7 +98,7 @@ class _PushPlan:
     fn: Callable
 
 
-def push(state: KVState, keys: Any, values: Any, updater: Any, donate: bool) -> KVState | None:
+def push(state: KVState, keys: Any, values: Any, updater: Any, donate: Donate) -> KVState | None:
     """``jaxkv.push`` of eager values by a plan, or ``None`` where the general path must run
     (see the module doc)."""
     if state._compression is not None or jax.process_count() > 1:
@@ -161,7 +161,7 @@ def _push_plan(
     per: int,
     flat: Sequence[jax.Array],
     updater: Any,
-    donate: bool,
+    donate: Donate,
 ) -> Any:
     """The plan for a push like this one, ``_NO_PLAN`` (never for this signature), or
     ``_NOT_NOW`` (not for these values); raises what the general path would raise for this
@@ -337,9 +337,10 @@ _DATA = operator.attrgetter("_data")
 def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable | None:
     """``KVStore.pull(keys, out=outs)`` by a plan, checked now and done by the function
     returned: called with a state of the same key set and shapes (this one, or the one a push
-    made from it), it gives each ``handle`` (``NDArray``) of ``outs`` a fresh copy of its key's
-    value on its own device, the copies made in one computation, and returns ``True``; it
-    returns ``False``, having done nothing, for a state of other keys or shapes.
+    made from it), it gives each ``handle`` (``NDArray``) of ``outs`` its key's stored value
+    on the out's own device, with no copy (the stored array, or its buffer on that device),
+    and returns the stored values it lent: the store must not donate them to a later push.
+    It returns ``None``, having done nothing, for a state of other keys or shapes.
 
     ``None`` where the general path must run: another process, a sharded value, an out of
     another type, shape or dtype than the stored value, or on a device outside the store."""
@@ -382,11 +383,11 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
             return None
         at = plan.at[devices] = [positions[d] for d in devices]
 
-    def go(now: KVState) -> bool:
+    def go(now: KVState) -> list[jax.Array] | None:
         if not (now._keys is plan.keys and now._shapes is plan.shapes_of):
-            return False
+            return None
         held = now._values
-        fresh = copies([held[i] for i in plan.unique])
+        fresh = [held[i] for i in plan.unique]
         if len(now._devices) == 1:
             for o, j, d in zip(flat, plan.of, devices):
                 o._set(fresh[j], d)
@@ -394,7 +395,7 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
             arrays = list(map(per_device, fresh))
             for o, j, p, d in zip(flat, plan.of, at, devices):
                 o._set(arrays[j][p], d)
-        return True
+        return fresh
 
     return go
 

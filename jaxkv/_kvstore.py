@@ -22,6 +22,7 @@ import optax
 from . import _args, _arrays, _checkpoint, _compression, _dispatch, _dist, _fast, _ops
 from ._errors import KVStoreError, ShapeError
 from ._nd import NDArray, _unwrap
+from ._push import KEEP_VALUES
 from ._state import BIGARRAY_BOUND, Key, KVState, empty
 
 __all__ = ["KVStore", "create"]
@@ -145,6 +146,8 @@ class KVStore:
         self._wrappers: dict[int, tuple[Any, Any]] = {}  # id(updater) -> (updater, wrapper)
         # Arrays handed out through `state`: never donated while the store still holds them.
         self._shared: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        # ids of stored values that outs of a pull hold (no copy): not donated either.
+        self._lent: set[int] = set()
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -215,7 +218,7 @@ class KVStore:
             if out is None:
                 return self._values(key)
             fill = _dispatch.prepare_fill(self._state, key, out, NDArray)
-            if fill is not None and fill(self._state):
+            if fill is not None and self._lend(fill(self._state)):
                 return None
             pairs = _args.pairs(key, out, "outs")
             self._check_outs(pairs)
@@ -236,7 +239,7 @@ class KVStore:
                     self._check_outs(pairs)
             self._update(key, _unwrap_values(value))
             if fill is not None:
-                if fill(self._state):
+                if self._lend(fill(self._state)):
                     return None
                 pairs = _args.pairs(key, out if out is not None else value, "outs")
             if pairs is None:
@@ -414,21 +417,45 @@ class KVStore:
     _barrier = barrier
 
     # -- internals -------------------------------------------------------------------------
+    def _lend(self, lent: list[jax.Array] | None) -> bool:
+        """Record stored values that a pull gave to outs as they are (``None``: it did not)."""
+        if lent is None:
+            return False
+        self._lent.update(map(id, lent))
+        return True
+
     def _share(self, state: KVState) -> None:
         for leaf in jax.tree_util.tree_leaves(state):
             self._shared[id(leaf)] = leaf
 
     def _update(self, key: Any, values: Any) -> None:
         state = self._state
-        donate = True
-        if len(self._shared):  # something was handed out through `state`: keep it valid
+        donate: bool | str = True
+        if self._lent:  # stored values that outs hold are kept; the optimizer state is reused
+            self._lent &= set(map(id, state._values))
+            if self._lent:
+                donate = KEEP_VALUES
+        if len(self._shared):
+            # Forget what the store no longer holds: those arrays it can never donate.
+            held = {id(leaf) for leaf in jax.tree_util.tree_leaves(state)}
+            for gone in [i for i in list(self._shared.keys()) if i not in held]:
+                self._shared.pop(gone, None)
+        if len(self._shared):  # something handed out through `state` is held: keep it valid
             pushed = {k for k, _ in _args.pairs(key, values, "values") if k in state}
             groups = {g for k in pushed if (g := state.opt_group(k)) is not None}
             leaves = jax.tree_util.tree_leaves(
                 [[state[k] for k in pushed], [state.opt_states[g] for g in groups]]
             )
-            donate = not any(id(leaf) in self._shared for leaf in leaves)
-        self._state = _ops.push(state, key, values, updater=self._updater, donate=donate)
+            if any(id(leaf) in self._shared for leaf in leaves):
+                donate = False
+        # KEEP_VALUES is jaxkv's own third answer, beside the public True and False.
+        self._state = _ops.push(
+            state,
+            key,
+            values,
+            updater=self._updater,
+            donate=donate,  # type: ignore[arg-type]
+        )
 
     def _values(self, key: Any) -> jax.Array | list[jax.Array]:
         single = not isinstance(key, list | tuple)

@@ -26,7 +26,14 @@ from ._errors import KVStoreError, ShapeError
 from ._fast import single_device
 from ._state import AXIS, Key, KVState
 
-__all__ = ["Updater", "apply_updater", "init_opt_states", "optimizer_group", "push_eager"]
+__all__ = [
+    "KEEP_VALUES",
+    "Updater",
+    "apply_updater",
+    "init_opt_states",
+    "optimizer_group",
+    "push_eager",
+]
 
 logger = logging.getLogger("jaxkv")
 
@@ -36,6 +43,19 @@ logger = logging.getLogger("jaxkv")
 # ``'exchanged'`` (one block per process, its devices' sum, compressed and exchanged across
 # the processes: a compressed store with one device per process).
 Kind = str | tuple[str, tuple[bool, ...]]
+
+# What a push may reuse the buffers of: ``True`` (the stored values, optimizer state and
+# residuals), ``False`` (nothing), or ``KEEP_VALUES`` (all but the stored values: a ``KVStore``
+# whose values were lent to the outs of a pull).
+KEEP_VALUES = "all but the values"
+Donate = bool | str
+
+
+def _donated(donate: Donate) -> tuple[int, ...]:
+    """The push computation's ``donate_argnums`` (stored, optimizer state, residuals)."""
+    if donate == KEEP_VALUES:
+        return (1, 2)
+    return (0, 1, 2) if donate else ()
 
 
 class Updater(Protocol):
@@ -276,7 +296,7 @@ class _PushCache:
         keys: tuple[Key, ...],
         kinds: tuple[Kind, ...],
         updater: Any,
-        donate: bool,
+        donate: Donate,
     ) -> Callable:
         sig = (
             state.devices,
@@ -300,7 +320,7 @@ class _PushCache:
 
 
 def _build_push(
-    state: KVState, keys: tuple[Key, ...], kinds: tuple[Kind, ...], updater: Any, donate: bool
+    state: KVState, keys: tuple[Key, ...], kinds: tuple[Kind, ...], updater: Any, donate: Donate
 ) -> Callable:
     """The jitted push for one signature. ``state`` supplies only static facts (mesh, bound,
     compression); the cached computation keeps none of its arrays."""
@@ -366,7 +386,7 @@ def _build_push(
         values = [jnp.copy(v) if id(v) in inputs else v for v in values]
         return place(state, values), place(state, opt_state), residuals
 
-    return jax.jit(run, donate_argnums=(0, 1, 2) if donate else ())
+    return jax.jit(run, donate_argnums=_donated(donate))
 
 
 _PUSH_CACHE = _PushCache()
@@ -379,7 +399,7 @@ def push_eager(
     stored: list[jax.Array],
     opt_state: Any,
     updater: Any,
-    donate: bool,
+    donate: Donate,
 ) -> KVState:
     """``push`` of the validated eager contributions ``grouped`` (keys at ``index`` in
     ``state``, with their stored values and, for an optax updater, their group's optimizer

@@ -196,3 +196,22 @@ def test_an_out_of_another_dtype_or_shape_takes_the_general_way(cpus):
     assert half.dtype == np.float16 and half.asnumpy().tolist() == [1.0, 1.0, 1.0]
     with pytest.raises(jaxkv.ShapeError):
         kv.pull(0, out=mx.nd.zeros(4))
+
+
+def test_outs_hold_the_stored_values_and_the_optimizer_state_is_still_reused(cpus):
+    """A pull by plan lends the stored arrays to the outs (no copy); the next push keeps them
+    (the outs stay valid) and still reuses the optimizer state's buffers."""
+    kv = jaxkv.KVStore("device", devices=cpus[:1])
+    kv.init([0, 1], [mx.nd.ones(3), mx.nd.ones(2)])
+    kv.set_optimizer(optax.sgd(0.5, momentum=0.9))
+    outs = [mx.nd.zeros(3), mx.nd.zeros(2)]
+    for _ in range(2):
+        kv.push([0, 1], [mx.nd.ones(3), mx.nd.ones(2)])
+        kv.pull([0, 1], out=outs)
+    assert outs[0].asjax() is kv._state[0]  # lent, not copied
+    momentum = jax.tree_util.tree_leaves(kv._state.opt_states[(0, 1)])
+    kv.push([0, 1], [mx.nd.ones(3), mx.nd.ones(2)])
+    assert not outs[0].asjax().is_deleted()
+    assert all(m.is_deleted() for m in momentum)
+    # sgd with momentum 0.9 on a gradient of ones: 1 - 0.5 * (1 + 1.9)
+    np.testing.assert_allclose(outs[0].asnumpy(), np.full(3, 1 - 0.5 * 2.9, np.float32))
