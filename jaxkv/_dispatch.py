@@ -15,6 +15,7 @@ skips the work whose outcome it already knows.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import operator
@@ -52,13 +53,18 @@ class _Plans:
     def get(self, sig: tuple) -> Any:
         plan = self._plans.get(sig)
         if plan is not None:
-            self._plans.move_to_end(sig)
+            # Dropped by another thread meanwhile: still a valid plan.
+            with contextlib.suppress(KeyError):
+                self._plans.move_to_end(sig)
         return plan
 
     def put(self, sig: tuple, plan: Any) -> None:
         self._plans[sig] = plan
-        if len(self._plans) > self._size:
-            self._plans.popitem(last=False)
+        while len(self._plans) > self._size:
+            try:
+                self._plans.popitem(last=False)
+            except KeyError:  # emptied by another thread
+                break
 
     def clear(self) -> None:
         self._plans.clear()
