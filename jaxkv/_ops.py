@@ -6,6 +6,8 @@ assembled (without copying) into one array sharded over the store's mesh and sum
 ``psum``; then the updater runs once per distinct key. The compiled computation is cached per
 (devices, key set, contribution layout, updater, donation); JAX adds shapes and dtypes, so
 pushing the same structure again never recompiles (``_push.py``).
+A call of a signature already seen replays a plan of that work instead (``_dispatch.py``): no
+per-key pairing, lookups or ``device_put`` of values already in place, one dispatch per push.
 
 Inside a trace (the user's ``jit``, ``pmap`` or ``shard_map``) the same updater logic runs in
 the caller's trace, and ``axis_name`` sums each value over the mapped axis exactly once
