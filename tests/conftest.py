@@ -1,4 +1,9 @@
-"""Fixtures shared by the tests (the 8 simulated CPU devices are set in the root conftest.py)."""
+"""Fixtures shared by the tests (the 8 simulated CPU devices are set in the root conftest.py).
+
+The suite runs on any default backend: tests that need several devices take the 8 CPU devices
+by platform (the ``devices`` fixture, ``jax.devices("cpu")``); a test about the default device
+uses it, and holds on CPU and on an accelerator alike. Processes the tests start run on CPU
+(``_jobs.cpu_env``)."""
 
 import contextlib
 import logging
@@ -52,7 +57,10 @@ def _promotion(request):
 
 @pytest.fixture(scope="session")
 def devices():
-    devs = jax.devices()
+    """The 8 simulated CPU devices, asked for by platform: where an accelerator is JAX's default
+    backend (``JAX_PLATFORMS=cuda,cpu``), ``jax.devices()`` gives the accelerator, and tests
+    that need several devices name these, in the stores they make and the arrays they place."""
+    devs = jax.devices("cpu")
     assert len(devs) == 8, "tests expect 8 simulated CPU devices (see conftest.py)"
     return devs
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _devices import cpu_store
 
 import jaxkv
 from jaxkv import nd
@@ -23,7 +24,7 @@ ADAM = optax.adam(0.1)
 
 
 def store(optimizer=SGD, compression=None, name="device"):
-    kv = jaxkv.create(name)
+    kv = cpu_store(name)
     if compression is not None:
         kv.set_gradient_compression(compression)
     if optimizer is not None:
@@ -212,7 +213,7 @@ def test_optimizer_states_of_another_optimizer_are_refused(tmp_path):
 def test_optimizer_states_for_other_keys_are_refused(tmp_path):
     kv = store()
     kv.save_optimizer_states(str(tmp_path / "opt.npz"))
-    other = jaxkv.create("local")
+    other = cpu_store("local")
     other.set_optimizer(SGD)
     other.init([3, 4], [nd.ones(SHAPE), nd.ones(SHAPE)])
     with pytest.raises(jaxkv.KVStoreError, match=r"optimizer states for keys \[3, 4\]"):
@@ -223,18 +224,18 @@ def test_residuals_of_another_device_count_are_refused(tmp_path):
     two_bit = {"type": "2bit", "threshold": 0.5}
     kv = store(None, two_bit)
     kv.save(tmp_path / "s.npz")
-    fewer = jaxkv.KVStore("device", devices=jax.devices()[:4])
+    fewer = jaxkv.KVStore("device", devices=jax.devices("cpu")[:4])
     with pytest.raises(jaxkv.KVStoreError, match=r"key 3: residual expected shape \(8, 3\)"):
         fewer.load(tmp_path / "s.npz")
     assert fewer.keys() == []
 
 
 def test_compression_of_integer_values_in_a_file_is_refused(tmp_path):
-    kv = jaxkv.create("device")
+    kv = cpu_store("device")
     kv.init(3, jnp.arange(6, dtype=jnp.int32).reshape(SHAPE))
     kv.save(tmp_path / "s.npz")
     rewrite(tmp_path / "s.npz", lambda a, m: m.update(compression=["fp16"]))
-    fresh = jaxkv.create("device")
+    fresh = cpu_store("device")
     with pytest.raises(jaxkv.KVStoreError, match="key 3: gradient compression 'fp16'.*int32"):
         fresh.load(tmp_path / "s.npz")
     assert fresh.keys() == []
@@ -245,7 +246,7 @@ def test_round_trip_keeps_every_leaf_and_the_next_push_agrees(tmp_path):
     for optimizer, compression in [(ADAM, None), (None, {"type": "2bit", "threshold": 0.5})]:
         kv = store(optimizer, compression)
         kv.save(tmp_path / "s.npz")
-        fresh = jaxkv.create("device")
+        fresh = cpu_store("device")
         if optimizer is not None:
             fresh.set_optimizer(optimizer)
         fresh.load(tmp_path / "s.npz")

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _devices import cpu_store
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +35,7 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, data
 
 
 def saved_store():
-    kv = jaxkv.create("device")
+    kv = cpu_store("device")
     kv.set_optimizer(OPT)
     # Noise that zstd cannot shrink below orbax's inline limit (1 KiB): "w"'s values get a
     # data file of their own, as a real model's weights do, not a place in orbax's index.
@@ -101,7 +102,7 @@ def damage_file(path, how, where, byte):
 def load_fresh(path):
     """Load ``path`` into a fresh store with an optimizer and a key of its own: the refusal's
     message ('' where it loaded), the store then left exactly as it was; and its leaves."""
-    kv = jaxkv.create("device")
+    kv = cpu_store("device")
     kv.set_optimizer(OPT)
     kv.init("other", nd.ones(4))
     before = leaves(kv)
@@ -163,7 +164,7 @@ def test_an_empty_file_is_refused(saved, name, tmp_path):
     shutil.copytree(os.path.join(root, "dir"), copy / "dir")
     shutil.copyfile(os.path.join(root, "s.npz"), copy / "s.npz")
     open(copy / name, "wb").close()
-    kv = jaxkv.create("device")
+    kv = cpu_store("device")
     with pytest.raises(jaxkv.KVStoreError, match="cannot be read"):
         kv.load((copy / name).parent if name.endswith(".json") else copy / name)
 

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _devices import cpu_empty, cpu_store
+from _jobs import cpu_env
 
 import jaxkv
 from jaxkv import _checkpoint, _orbax, nd
@@ -38,7 +40,8 @@ def bump(kv, keys=("b", "w")):
 
 
 def store(keys=("b", "w"), compression=None, devices=None):
-    kv = jaxkv.KVStore("device", devices=devices)
+    """A store over ``devices`` (default: the 8 CPU devices), each device pushing once."""
+    kv = jaxkv.KVStore("device", devices=jax.devices("cpu") if devices is None else devices)
     if compression:
         kv.set_gradient_compression(compression)
     kv.set_optimizer(SGD)
@@ -112,7 +115,7 @@ def test_residuals_empty_values_and_optimizer_state_files(tmp_path, devices):
 
 
 def test_save_state_and_load_state(tmp_path, devices):
-    state = jaxkv.init_optimizer(jaxkv.init(jaxkv.empty(), {"w": jnp.ones((64, 512))}), ADAM)
+    state = jaxkv.init_optimizer(jaxkv.init(cpu_empty(), {"w": jnp.ones((64, 512))}), ADAM)
     save_state(tmp_path / "s.npz", state)  # one process: one file
     new_checkpoint(tmp_path / "c", state)
     for path in (tmp_path / "s.npz", tmp_path / "c"):
@@ -120,7 +123,7 @@ def test_save_state_and_load_state(tmp_path, devices):
         assert_same(loaded, state)
         assert loaded["w"].sharding.device_set == set(devices[:2])
     with pytest.raises(jaxkv.KVStoreError, match="expected a store with an optimizer"):
-        load_state(tmp_path / "c", jaxkv.empty())
+        load_state(tmp_path / "c", cpu_empty())
     with pytest.raises(jaxkv.KVStoreError, match="expected a jaxkv.KVState"):
         save_state(tmp_path / "x", {"w": 1})
 
@@ -171,8 +174,8 @@ KILLED = textwrap.dedent(
 
 def test_a_save_killed_part_way_leaves_the_previous_checkpoint(tmp_path, devices):
     path = tmp_path / "c"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", KILLED, str(path)], stdout=subprocess.PIPE, text=True
+    proc = subprocess.Popen(  # on 4 CPU devices, whatever this machine has
+        [sys.executable, "-c", KILLED, str(path)], env=cpu_env(), stdout=subprocess.PIPE, text=True
     )
     try:
         lines = [proc.stdout.readline() for _ in range(3)]
@@ -227,7 +230,7 @@ def test_a_bad_manifest_is_refused_and_changes_nothing(tmp_path, edit, rehash, p
     kv = store()
     new_checkpoint(tmp_path / "c", kv.state)
     edit_manifest(tmp_path / "c", edit, rehash=rehash)
-    fresh = jaxkv.create("device")
+    fresh = cpu_store("device")
     fresh.set_optimizer(SGD)
     fresh.init("x", nd.ones(2))
     with pytest.raises(jaxkv.KVStoreError, match=pattern):
@@ -240,14 +243,14 @@ def test_the_store_is_checked_before_any_data_is_read(tmp_path):
     new_checkpoint(tmp_path / "c", kv.state)
     (data,) = [n for n in os.listdir(tmp_path / "c") if n.startswith("data-")]
     os.rename(tmp_path / "c" / data, tmp_path / "gone")  # no data at all
-    adam = jaxkv.create("device")
+    adam = cpu_store("device")
     adam.set_optimizer(ADAM)
     with pytest.raises(jaxkv.KVStoreError, match="optimizer state expected"):
         adam.load(tmp_path / "c")
-    none = jaxkv.create("device")
+    none = cpu_store("device")
     with pytest.raises(jaxkv.KVStoreError, match="expected a store with an optimizer"):
         none.load(tmp_path / "c")
-    sgd = jaxkv.create("device")
+    sgd = cpu_store("device")
     sgd.set_optimizer(SGD)
     with pytest.raises(jaxkv.KVStoreError, match="missing"):
         sgd.load(tmp_path / "c")  # only a store that fits reads (and misses) the data
@@ -265,7 +268,7 @@ def test_the_store_is_checked_before_any_data_is_read(tmp_path):
 def test_a_kvstate_in_a_users_checkpoint_manager(tmp_path, devices):
     """docs/design.md, "Saving": a KVState is a pytree, saved next to the model."""
     opt = optax.sgd(0.1, momentum=0.9)
-    state = jaxkv.init(jaxkv.empty(), {"w": jnp.ones((64, 512)), "b": jnp.zeros(3)})
+    state = jaxkv.init(cpu_empty(), {"w": jnp.ones((64, 512)), "b": jnp.zeros(3)})
     state = jaxkv.init_optimizer(state, opt)
     params = {"dense": jnp.ones((2, 2))}
     options = ocp.CheckpointManagerOptions(max_to_keep=2)
@@ -298,11 +301,11 @@ def test_a_kvstate_in_a_users_checkpoint_manager(tmp_path, devices):
 def test_data_that_disagrees_with_a_consistent_manifest_is_refused(tmp_path):
     """A manifest rewritten with its checksum (a forgery, not damage) that gives an array
     another dtype: orbax would cast the data; its own metadata disagrees, so it is refused."""
-    state = jaxkv.init(jaxkv.empty(), {"w": jnp.arange(4.0)})
+    state = jaxkv.init(cpu_empty(), {"w": jnp.arange(4.0)})
     new_checkpoint(tmp_path / "c", state)
     edit_manifest(tmp_path / "c", lambda m: m["arrays"][0].update(dtype="bfloat16"))
     with pytest.raises(jaxkv.KVStoreError, match="the data holds shape"):
-        load_state(tmp_path / "c", jaxkv.empty())
+        load_state(tmp_path / "c", cpu_empty())
 
 
 @pytest.mark.parametrize(
@@ -319,7 +322,7 @@ def test_a_directory_without_a_readable_manifest_is_refused(tmp_path, content, p
     (tmp_path / "c").mkdir()
     if content is not None:
         (tmp_path / "c" / "manifest.json").write_bytes(content)
-    kv = jaxkv.create("device")
+    kv = cpu_store("device")
     kv.init("x", nd.ones(2))
     with pytest.raises(jaxkv.KVStoreError, match=pattern):
         kv.load(tmp_path / "c")

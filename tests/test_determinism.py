@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _devices import cpu_empty, cpu_store
 
 import jaxkv
 import jaxkv.mx as mx
@@ -43,7 +44,7 @@ def _per_device(rng, shape):
 def run_program(seed: int = 1234) -> dict:
     """A fixed random sequence of inits and pushes; returns each key's stored bytes."""
     rng = np.random.default_rng(seed)
-    kv = mx.kv.create("device")
+    kv = cpu_store("device")
     names = sorted(SHAPES)
     kv.init(names, [mx.nd.array(rng.standard_normal(SHAPES[k])) for k in names])
     kv._set_updater(_updater)
@@ -110,7 +111,7 @@ def test_multi_key_push_bits_do_not_depend_on_key_order():
 
     results = []
     for order in _permutations(len(names), 6, seed=3):
-        kv = mx.kv.create("device")
+        kv = cpu_store("device")
         kv.init(names, [mx.nd.array(initial[k]) for k in names])
         kv._set_updater(_updater)
         for values in pushes:
@@ -124,7 +125,7 @@ def test_multi_key_push_bits_do_not_depend_on_key_order():
 
 
 def _jax_per_device(rng, shape):
-    devices = jax.devices()[:NUM_DEVS]
+    devices = jax.devices("cpu")[:NUM_DEVS]
     return [jax.device_put(rng.standard_normal(shape).astype(np.float32), d) for d in devices]
 
 
@@ -133,7 +134,7 @@ def test_functional_push_bits_do_not_depend_on_key_order(updater):
     rng = np.random.default_rng(11)
     names = sorted(SHAPES)
     state = jaxkv.init(
-        jaxkv.empty(), {k: rng.standard_normal(SHAPES[k]).astype(np.float32) for k in names}
+        cpu_empty(), {k: rng.standard_normal(SHAPES[k]).astype(np.float32) for k in names}
     )
     values = {k: _jax_per_device(rng, SHAPES[k]) for k in names}
 

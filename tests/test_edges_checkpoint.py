@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _devices import cpu_empty, cpu_store
 
 import jaxkv
 from jaxkv import nd
@@ -39,13 +40,13 @@ def edit_manifest(path, edit):
 
 @pytest.mark.parametrize("keys", [["b", "a"], [7, 2]], ids=["str keys", "int keys"])
 def test_stores_of_either_key_kind_round_trip(tmp_path, keys):
-    kv = jaxkv.create("local")
+    kv = cpu_store("local")
     kv.set_optimizer(optax.sgd(0.5, momentum=0.5))
     kv.init(keys, [nd.ones((2, 2)), nd.array(np.arange(3.0))])
     kv.push(keys, [nd.ones((2, 2)), nd.ones(3)])
     kv.save(tmp_path / "s.npz")
     kv.save_optimizer_states(tmp_path / "o.npz")
-    fresh = jaxkv.create("local")
+    fresh = cpu_store("local")
     fresh.set_optimizer(optax.sgd(0.5, momentum=0.5))
     fresh.load(tmp_path / "s.npz")
     assert fresh.keys() == sorted(keys)
@@ -55,7 +56,7 @@ def test_stores_of_either_key_kind_round_trip(tmp_path, keys):
 
 
 def test_empty_scalar_and_sharded_values_round_trip(tmp_path):
-    kv = jaxkv.create("local")
+    kv = cpu_store("local")
     kv.init(
         ["empty", "scalar", "big", "half"],
         [
@@ -66,7 +67,7 @@ def test_empty_scalar_and_sharded_values_round_trip(tmp_path):
         ],
     )
     kv.save(tmp_path / "s.npz")
-    fresh = jaxkv.create("local")
+    fresh = cpu_store("local")
     fresh.load(tmp_path / "s.npz")
     assert_same_leaves(leaves(fresh), leaves(kv))
     assert fresh.pull("empty").shape == (0, 3)
@@ -74,8 +75,8 @@ def test_empty_scalar_and_sharded_values_round_trip(tmp_path):
 
 
 def test_an_empty_store_round_trips(tmp_path):
-    jaxkv.create("local").save(tmp_path / "s.npz")
-    fresh = jaxkv.create("local")
+    cpu_store("local").save(tmp_path / "s.npz")
+    fresh = cpu_store("local")
     fresh.init(1, nd.ones(2))
     fresh.load(tmp_path / "s.npz")
     assert fresh.keys() == []
@@ -86,15 +87,15 @@ def test_an_empty_store_round_trips(tmp_path):
     [None, {"type": "2bit", "threshold": 0.25}, {"type": "fp16"}, {"type": "bf16"}],
 )
 def test_the_compression_comes_back_with_the_store(tmp_path, compression, devices):
-    kv = jaxkv.create("device")
+    kv = cpu_store("device")
     if compression:
         kv.set_gradient_compression(compression)
     kv.init("w", nd.zeros(3))
     kv.push("w", [nd.ones(3, jaxkv.cpu(d)) * 0.2 for d in range(3)])
     kv.save(tmp_path / "s.npz")
-    fresh = jaxkv.create("device")
+    fresh = cpu_store("device")
     fresh.load(tmp_path / "s.npz")
-    expected = None if compression is None else jaxkv.empty(compression=compression).compression
+    expected = None if compression is None else cpu_empty(compression=compression).compression
     assert fresh.state.compression == expected
     assert_same_leaves(leaves(fresh), leaves(kv))
     for store in (kv, fresh):  # the next push agrees too (2-bit: the residuals carried over)
@@ -117,12 +118,12 @@ def test_the_compression_comes_back_with_the_store(tmp_path, compression, device
     ],
 )
 def test_malformed_manifests_are_refused_naming_the_field(tmp_path, edit, pattern):
-    kv = jaxkv.create("local")
+    kv = cpu_store("local")
     kv.init("w", nd.array(np.arange(4.0).reshape(2, 2)))
     path = tmp_path / "s.npz"
     kv.save(path)
     edit_manifest(path, edit)
-    fresh = jaxkv.create("local")
+    fresh = cpu_store("local")
     fresh.init("x", nd.ones(1))
     with pytest.raises(jaxkv.KVStoreError, match=pattern):
         fresh.load(path)
@@ -130,7 +131,7 @@ def test_malformed_manifests_are_refused_naming_the_field(tmp_path, edit, patter
 
 
 def test_a_failed_save_leaves_no_temporary_file_and_changes_nothing(tmp_path):
-    kv = jaxkv.create("local")
+    kv = cpu_store("local")
     kv.init("w", nd.ones(2))
     target = tmp_path / "taken"
     target.mkdir()  # the file cannot replace a directory
@@ -147,7 +148,7 @@ def test_a_residual_saved_for_another_store_shape_is_refused(tmp_path, devices):
     kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
     kv.init("w", nd.zeros(3))
     kv.save(tmp_path / "s.npz")
-    fresh = jaxkv.create("device")  # 8 devices: residuals of 8 blocks expected
+    fresh = cpu_store("device")  # 8 devices: residuals of 8 blocks expected
     with pytest.raises(jaxkv.KVStoreError, match=r"residual expected shape \(24,\)"):
         fresh.load(tmp_path / "s.npz")
     same = jaxkv.KVStore("device", devices=devices[4:6])  # 2 other devices: fine
@@ -172,7 +173,7 @@ def test_an_array_the_manifest_does_not_list_is_refused(tmp_path):
     import io
     import zipfile
 
-    kv = jaxkv.create("local")
+    kv = cpu_store("local")
     kv.init("w", nd.ones(3))
     path = tmp_path / "s.npz"
     kv.save(path)
@@ -180,7 +181,7 @@ def test_an_array_the_manifest_does_not_list_is_refused(tmp_path):
         stray = io.BytesIO()
         np.save(stray, np.zeros(2))
         z.writestr("a9.npy", stray.getvalue())
-    other = jaxkv.create("local")
+    other = cpu_store("local")
     other.init("v", nd.zeros(2))
     before = leaves(other)
     with pytest.raises(jaxkv.KVStoreError, match=r"no arrays but the manifest's, given \['a9'\]"):

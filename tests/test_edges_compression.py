@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _devices import cpu_empty, cpu_store
 from jax.sharding import PartitionSpec as P
 
 import jaxkv
@@ -38,7 +39,7 @@ def two_bit(threshold=T, devices=None, **values):
     ],
 )
 def test_accepted_compression_parameters(params, expected):
-    state = jaxkv.empty(compression=params)
+    state = cpu_empty(compression=params)
     assert state.compression == expected
     if expected is not None and expected[0] == "2bit":
         assert type(state.compression[1]) is float
@@ -63,7 +64,7 @@ def test_accepted_compression_parameters(params, expected):
 )
 def test_refused_compression_parameters(params, pattern):
     with pytest.raises(jaxkv.KVStoreError, match=pattern):
-        jaxkv.empty(compression=params)
+        cpu_empty(compression=params)
 
 
 def test_two_bit_sends_the_threshold_from_exactly_the_threshold_on(devices):
@@ -199,7 +200,7 @@ def test_residuals_have_one_block_per_device(devices):
 def test_fp16_and_bf16_round_differently(devices, kind):
     """1 + 2**-9 is a float16 (10 mantissa bits) but not a bfloat16 (7 bits)."""
     x = np.float32(1 + 2**-9)
-    state = jaxkv.init(jaxkv.empty(compression={"type": kind}), {"w": jnp.zeros(2)})
+    state = jaxkv.init(cpu_empty(compression={"type": kind}), {"w": jnp.zeros(2)})
     new = jaxkv.push(state, "w", [on(d, [x, 3.0]) for d in devices[:4]])
     expected = 4 * x if kind == "fp16" else 4.0
     np.testing.assert_array_equal(np.asarray(new["w"]), [expected, 12.0])
@@ -207,7 +208,7 @@ def test_fp16_and_bf16_round_differently(devices, kind):
 
 
 def test_compression_set_on_a_store_with_keys_starts_their_residuals_at_zero(devices):
-    kv = jaxkv.create("device")
+    kv = cpu_store("device")
     kv.init(["a", "b"], [jnp.ones((2, 2)), jnp.ones(3)])
     kv.set_gradient_compression({"type": "2bit", "threshold": 1.0})
     state = kv.state
@@ -224,14 +225,14 @@ def test_compression_set_on_a_store_with_keys_starts_their_residuals_at_zero(dev
 
 
 def test_an_uncompressed_store_keeps_no_residuals():
-    state = jaxkv.init(jaxkv.empty(), {"w": jnp.zeros(2)})
+    state = jaxkv.init(cpu_empty(), {"w": jnp.zeros(2)})
     assert dict(state.residuals) == {"w": None}
-    state = jaxkv.init(jaxkv.empty(compression={"type": "fp16"}), {"w": jnp.zeros(2)})
+    state = jaxkv.init(cpu_empty(compression={"type": "fp16"}), {"w": jnp.zeros(2)})
     assert dict(state.residuals) == {"w": None}
 
 
 def test_compression_is_refused_for_a_store_already_holding_integers():
-    kv = jaxkv.create("device")
+    kv = cpu_store("device")
     kv.init(["f", "i"], [jnp.ones(2), jnp.ones(2, jnp.int32)])
     with pytest.raises(jaxkv.KVStoreError, match="key 'i': gradient compression '2bit' expects"):
         kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})

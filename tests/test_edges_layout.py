@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _devices import cpu_empty
 
 import jaxkv
 
@@ -33,7 +34,7 @@ def pulled(state, key):
 @pytest.mark.parametrize("order", ["mesh", "reversed", "some", "one pair swapped"])
 @pytest.mark.parametrize("shape", [(), (3,), (2, 5)])
 def test_one_value_per_device_in_any_order_is_summed(devices, order, shape):
-    s = jaxkv.init(jaxkv.empty(), {"w": jnp.zeros(shape)})
+    s = jaxkv.init(cpu_empty(), {"w": jnp.zeros(shape)})
     values = per_device(devices, shape)
     if order == "reversed":
         values = values[::-1]
@@ -48,7 +49,7 @@ def test_one_value_per_device_in_any_order_is_summed(devices, order, shape):
 
 
 def test_values_of_mixed_dtypes_are_cast_to_the_stored_dtype_then_summed(devices):
-    s = jaxkv.init(jaxkv.empty(), {"w": jnp.zeros(4, jnp.float32)})
+    s = jaxkv.init(cpu_empty(), {"w": jnp.zeros(4, jnp.float32)})
     dtypes = [jnp.float32, jnp.float16, jnp.int32, jnp.bfloat16] * 2
     values = [
         jax.device_put(jnp.arange(4, dtype=dt) * (i + 1), d)
@@ -61,7 +62,7 @@ def test_values_of_mixed_dtypes_are_cast_to_the_stored_dtype_then_summed(devices
 
 def test_values_of_one_other_dtype_are_summed_in_the_stored_dtype(devices):
     """int8 values whose sum overflows int8 but not the stored float32."""
-    s = jaxkv.init(jaxkv.empty(), {"w": jnp.zeros(2, jnp.float32)})
+    s = jaxkv.init(cpu_empty(), {"w": jnp.zeros(2, jnp.float32)})
     values = [jax.device_put(jnp.full(2, 100, jnp.int8), d) for d in devices]
     new = jaxkv.push(s, "w", values)
     np.testing.assert_array_equal(pulled(new, "w"), [800.0, 800.0])
@@ -86,7 +87,7 @@ def test_one_value_is_stored_as_given_on_the_store_devices(devices):
 
 
 def test_duplicate_keys_in_one_push_are_summed_together(devices):
-    s = jaxkv.init(jaxkv.empty(), {0: jnp.zeros(2), 1: jnp.zeros(2)})
+    s = jaxkv.init(cpu_empty(), {0: jnp.zeros(2), 1: jnp.zeros(2)})
     a = per_device(devices, (2,))
     b = per_device(devices[:3], (2,), scale=100)
     new = jaxkv.push(s, [0, 1, 0], [a, jnp.ones(2), b])
@@ -118,7 +119,7 @@ SHAPES = {
 @pytest.mark.parametrize("bound", [None, 1 << 14], ids=["replicated", "sharded"])
 def test_many_keys_of_many_sizes_and_dtypes_sum_exactly_in_one_push(devices, bound):
     state = jaxkv.init(
-        jaxkv.empty(bigarray_bound=bound),
+        cpu_empty(bigarray_bound=bound),
         {k: jnp.zeros(shape, dtype) for k, (shape, dtype) in SHAPES.items()},
     )
     values, expected = {}, {}
@@ -139,7 +140,7 @@ def test_many_keys_of_many_sizes_and_dtypes_sum_exactly_in_one_push(devices, bou
 
 
 def test_a_per_device_push_to_a_sharded_value_keeps_it_sharded(devices):
-    s = jaxkv.init(jaxkv.empty(), {"e": jnp.zeros((64, 512))})
+    s = jaxkv.init(cpu_empty(), {"e": jnp.zeros((64, 512))})
     values = per_device(devices, (64, 512))
     new = jaxkv.push(s, "e", values)
     np.testing.assert_array_equal(pulled(new, "e"), host_sum(values))
@@ -167,9 +168,7 @@ def test_a_store_over_some_devices_sums_only_their_values(devices):
     ids=["two small", "two mid", "two of each"],
 )
 def test_exactly_two_keys_summed_together(devices, shapes):
-    state = jaxkv.init(
-        jaxkv.empty(bigarray_bound=None), {k: jnp.zeros(s) for k, s in shapes.items()}
-    )
+    state = jaxkv.init(cpu_empty(bigarray_bound=None), {k: jnp.zeros(s) for k, s in shapes.items()})
     values = {
         k: per_device(devices, s, scale=10 * n + 1) for n, (k, s) in enumerate(shapes.items())
     }

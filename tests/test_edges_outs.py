@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _devices import cpu_store
 
 import jaxkv
 from jaxkv import nd
@@ -15,7 +16,7 @@ BIG = (64, 512)  # 32K elements, rows divisible by 8: stored sharded
 
 @pytest.fixture
 def kv():
-    store = jaxkv.create("device")
+    store = cpu_store("device")
     store.init(
         ["a", "b", "c", "s"],
         [

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _devices import cpu_empty
 
 import jaxkv
 
@@ -32,7 +33,7 @@ def sharded(state, key):
     ],
 )
 def test_values_are_sharded_from_the_bound_on(devices, shape, bound, expected):
-    s = jaxkv.init(jaxkv.empty(bigarray_bound=bound), {"k": jnp.ones(shape)})
+    s = jaxkv.init(cpu_empty(bigarray_bound=bound), {"k": jnp.ones(shape)})
     assert sharded(s, "k") is expected
     assert s.is_sharded(shape) is expected
     assert s["k"].sharding.device_set == set(devices)
@@ -57,7 +58,7 @@ def test_the_rows_divide_by_the_store_devices_not_all_devices(devices):
 
 
 def test_optimizer_state_follows_its_value(devices):
-    s = jaxkv.init(jaxkv.empty(bigarray_bound=64), {"w": jnp.ones((16, 4)), "b": jnp.ones(4)})
+    s = jaxkv.init(cpu_empty(bigarray_bound=64), {"w": jnp.ones((16, 4)), "b": jnp.ones(4)})
     sgd = optax.sgd(0.5, momentum=0.5)
     s = jaxkv.push(s, ["w", "b"], [jnp.ones((16, 4)), jnp.ones(4)], updater=sgd)
     b_trace, w_trace = jax.tree_util.tree_leaves(s.opt_states[("b", "w")])
@@ -90,14 +91,14 @@ def test_stores_refuse_what_is_not_distinct_devices(devices, devs, pattern):
 @pytest.mark.parametrize("bound", [0, -5, 2.5, "16"])
 def test_the_bound_is_a_positive_int_or_none(bound):
     with pytest.raises(jaxkv.KVStoreError, match="bigarray_bound: expected a positive int or None"):
-        jaxkv.empty(bigarray_bound=bound)
-    assert jaxkv.empty(bigarray_bound=1).bigarray_bound == 1
-    assert jaxkv.empty(bigarray_bound=None).bigarray_bound is None
+        cpu_empty(bigarray_bound=bound)
+    assert cpu_empty(bigarray_bound=1).bigarray_bound == 1
+    assert cpu_empty(bigarray_bound=None).bigarray_bound is None
 
 
 def test_the_default_bound_is_16k_elements(devices):
     s = jaxkv.init(
-        jaxkv.empty(), {"at": jnp.zeros((8, 2048)), "below": jnp.zeros((8, 2047), jnp.int8)}
+        cpu_empty(), {"at": jnp.zeros((8, 2048)), "below": jnp.zeros((8, 2047), jnp.int8)}
     )
     assert s.bigarray_bound == 16384
     assert sharded(s, "at") and not sharded(s, "below")
@@ -106,7 +107,7 @@ def test_the_default_bound_is_16k_elements(devices):
 @pytest.mark.parametrize("kind", ["2bit", "fp16", "bf16"])
 def test_compressed_stores_hold_only_floating_point_values(kind):
     params = {"type": kind}
-    state = jaxkv.empty(compression=params)
+    state = cpu_empty(compression=params)
     with pytest.raises(jaxkv.KVStoreError, match="expects a floating-point value"):
         jaxkv.init(state, {"i": jnp.zeros(3, jnp.int32)})
     for dtype in (jnp.float32, jnp.float16, jnp.bfloat16):

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _devices import cpu_empty
 
 import jaxkv
 
@@ -13,7 +14,7 @@ import jaxkv
 def state():
     # "e" has 16K elements with rows divisible by 8: stored sharded, one eighth per device.
     return jaxkv.init(
-        jaxkv.empty(),
+        cpu_empty(),
         {
             "w": jnp.arange(6.0).reshape(2, 3),
             "e": jnp.arange(16384, dtype=jnp.float32).reshape(64, 256),
@@ -78,7 +79,7 @@ def test_pulled_copies_are_independent_of_the_store(state, devices):
 # -- row_sparse_pull --------------------------------------------------------------------------
 @pytest.fixture
 def table():
-    return jaxkv.init(jaxkv.empty(), {"e": jnp.arange(1.0, 13.0).reshape(4, 3)})
+    return jaxkv.init(cpu_empty(), {"e": jnp.arange(1.0, 13.0).reshape(4, 3)})
 
 
 def rows_of(values, keep, rows=4):
@@ -115,7 +116,7 @@ def test_row_ids_that_name_no_row_are_refused(table, ids):
 
 
 def test_row_sparse_pull_of_a_scalar_is_refused():
-    s = jaxkv.init(jaxkv.empty(), {"s": jnp.float32(1)})
+    s = jaxkv.init(cpu_empty(), {"s": jnp.float32(1)})
     with pytest.raises(jaxkv.ShapeError, match="expects a value with rows, given a scalar"):
         jaxkv.row_sparse_pull(s, "s", [0])
 
@@ -133,7 +134,7 @@ def test_row_sparse_pull_inside_jit_keeps_the_traced_rows(table):
 
 
 def test_row_sparse_pull_of_a_vector_keeps_its_elements():
-    s = jaxkv.init(jaxkv.empty(), {"v": jnp.arange(1.0, 6.0)})
+    s = jaxkv.init(cpu_empty(), {"v": jnp.arange(1.0, 6.0)})
     np.testing.assert_array_equal(jaxkv.row_sparse_pull(s, "v", [4, 1]), [0, 2, 0, 0, 5])
 
 

@@ -5,13 +5,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _devices import cpu_empty
 
 import jaxkv
 
 
 @pytest.fixture
 def state():
-    return jaxkv.init(jaxkv.empty(), {"w": jnp.zeros(2), "c": jnp.zeros(2, jnp.complex64)})
+    return jaxkv.init(cpu_empty(), {"w": jnp.zeros(2), "c": jnp.zeros(2, jnp.complex64)})
 
 
 def test_keys_without_values_must_be_a_mapping(state):
@@ -20,7 +21,7 @@ def test_keys_without_values_must_be_a_mapping(state):
     with pytest.raises(jaxkv.KVStoreError, match=r"given only list \['w'\]"):
         jaxkv.push(state, ["w"])
     with pytest.raises(jaxkv.KVStoreError, match=r"\{key: value\}"):
-        jaxkv.init(jaxkv.empty(), 3)
+        jaxkv.init(cpu_empty(), 3)
     new = jaxkv.push(state, {"w": jnp.ones(2)})  # a mapping alone is fine
     np.testing.assert_array_equal(jaxkv.pull(new, "w"), [1.0, 1.0])
 
@@ -74,17 +75,17 @@ def test_duplicate_inits_are_refused_with_a_hint_only_for_lists(state):
 
 def test_init_takes_exactly_one_value_per_key():
     with pytest.raises(jaxkv.ShapeError, match="init expects one value, given a list of 2"):
-        jaxkv.init(jaxkv.empty(), "w", [jnp.ones(2), jnp.ones(2)])
-    s = jaxkv.init(jaxkv.empty(), "w", [jnp.ones(2)])  # a list of one value is one value
+        jaxkv.init(cpu_empty(), "w", [jnp.ones(2), jnp.ones(2)])
+    s = jaxkv.init(cpu_empty(), "w", [jnp.ones(2)])  # a list of one value is one value
     np.testing.assert_array_equal(jaxkv.pull(s, "w"), [1.0, 1.0])
 
 
 def test_one_store_holds_one_kind_of_key():
     with pytest.raises(jaxkv.KeyTypeError, match="expected int keys, given a str key"):
-        jaxkv.init(jaxkv.empty(), [1, "a"], [jnp.ones(1), jnp.ones(1)])
+        jaxkv.init(cpu_empty(), [1, "a"], [jnp.ones(1), jnp.ones(1)])
     with pytest.raises(jaxkv.KeyTypeError, match="expected str keys, given a int key"):
-        jaxkv.init(jaxkv.empty(), ["a", 1], [jnp.ones(1), jnp.ones(1)])
-    s = jaxkv.init(jaxkv.empty(), [np.int64(2), 1], [jnp.ones(1), jnp.zeros(1)])
+        jaxkv.init(cpu_empty(), ["a", 1], [jnp.ones(1), jnp.ones(1)])
+    s = jaxkv.init(cpu_empty(), [np.int64(2), 1], [jnp.ones(1), jnp.zeros(1)])
     assert s.keys() == (1, 2)
 
 

@@ -6,13 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _devices import cpu_empty
 
 import jaxkv
 
 
 @pytest.fixture
 def state():
-    return jaxkv.init(jaxkv.empty(), {"w": jnp.arange(3.0), "b": jnp.zeros(())})
+    return jaxkv.init(cpu_empty(), {"w": jnp.arange(3.0), "b": jnp.zeros(())})
 
 
 def test_a_closed_over_state_takes_traced_values(state):
@@ -46,8 +47,8 @@ def test_push_takes_the_store_keys_and_values_by_name_and_the_rest_only_by_name(
     with pytest.raises(TypeError):
         jaxkv.push(state, "w", jnp.ones(3), None)  # updater is keyword-only
     with pytest.raises(TypeError):
-        jaxkv.pull(state, "w", jax.devices()[0])  # so are devices
+        jaxkv.pull(state, "w", jax.devices("cpu")[0])  # so are devices
     with pytest.raises(TypeError):
-        jaxkv.row_sparse_pull(state, "w", [0], jax.devices()[0])
+        jaxkv.row_sparse_pull(state, "w", [0], jax.devices("cpu")[0])
     pulled = jaxkv.pull(state=state, keys="w")
     np.testing.assert_array_equal(np.asarray(pulled), [0.0, 1.0, 2.0])

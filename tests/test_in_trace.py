@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _devices import cpu_empty, cpu_store
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -39,7 +40,7 @@ def test_clip_by_global_norm_takes_the_norm_over_every_pushed_key(call):
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
     params = {"a": jnp.ones(3), "b": 2 * jnp.ones(4)}
     grads = {"a": 3 * jnp.ones(3), "b": 4 * jnp.ones(4)}
-    s = jaxkv.init(jaxkv.empty(), params)
+    s = jaxkv.init(cpu_empty(), params)
     s = call(lambda s, g: jaxkv.push(s, g, updater=opt), s, grads)
     updates, _ = opt.update(grads, opt.init(params), params)
     expected = optax.apply_updates(params, updates)
@@ -56,7 +57,7 @@ def test_multi_transform_with_labels_from_the_tree_matches_optax(call):
         lambda tree: {k: "fast" if k.startswith("w") else "slow" for k in tree},
     )
     params = {"w1": jnp.arange(4.0), "w2": jnp.ones((2, 2)), "b": jnp.zeros(3)}
-    s = jaxkv.init_optimizer(jaxkv.init(jaxkv.empty(), params), opt)
+    s = jaxkv.init_optimizer(jaxkv.init(cpu_empty(), params), opt)
     opt_state = opt.init(params)
     for step in range(3):
         grads = {
@@ -81,7 +82,7 @@ def _refused(s, keys, match):
 
 @pytest.mark.standard_promotion  # Adam
 def test_a_push_must_be_exactly_one_optimizer_group():
-    s = jaxkv.init(jaxkv.empty(), {k: jnp.ones(3) for k in "abcd"})
+    s = jaxkv.init(cpu_empty(), {k: jnp.ones(3) for k in "abcd"})
     s = jaxkv.push(s, ["a", "b"], [jnp.ones(3)] * 2, updater=CLIP_ADAM)  # makes group (a, b)
     s = jaxkv.push(s, ["c"], [jnp.ones(3)], updater=CLIP_ADAM)  # and group (c,)
     assert list(s.opt_states) == [("a", "b"), ("c",)]
@@ -94,7 +95,7 @@ def test_a_push_must_be_exactly_one_optimizer_group():
 
 
 def test_init_optimizer_makes_one_group_and_refuses_to_split_one(call):
-    s = jaxkv.init(jaxkv.empty(), {k: jnp.ones(3) for k in "abc"})
+    s = jaxkv.init(cpu_empty(), {k: jnp.ones(3) for k in "abc"})
     s = call(lambda s: jaxkv.init_optimizer(s, CLIP_ADAM, keys=["a", "b"]), s)
     assert list(s.opt_states) == [("a", "b")]
     with pytest.raises(jaxkv.KVStoreError, match=r"group \['a', 'b'\].*without \['b'\]"):
@@ -103,7 +104,7 @@ def test_init_optimizer_makes_one_group_and_refuses_to_split_one(call):
     assert list(s.opt_states) == [("a", "b", "c")]
     with pytest.raises(jaxkv.KVStoreError, match="optax.GradientTransformation"):
         jaxkv.init_optimizer(s, lambda k, g, w: w)
-    fresh = jaxkv.init(jaxkv.empty(), {k: jnp.ones(3) for k in "ab"})
+    fresh = jaxkv.init(cpu_empty(), {k: jnp.ones(3) for k in "ab"})
     repeated = call(lambda s: jaxkv.init_optimizer(s, CLIP_ADAM, keys=["b", "b"]), fresh)
     assert list(repeated.opt_states) == [("b",)]
 
@@ -112,7 +113,7 @@ def test_kvstore_pushing_key_by_key_is_mxnet_and_a_list_is_optax_on_the_list():
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
     params = {0: jnp.ones(3), 1: 2 * jnp.ones(4)}
     grads = {0: 3 * jnp.ones(3), 1: 4 * jnp.ones(4)}
-    by_key, by_list = jaxkv.create("local"), jaxkv.create("local")
+    by_key, by_list = cpu_store("local"), cpu_store("local")
     for kv in (by_key, by_list):
         kv.init(list(params), list(params.values()))
         kv.set_optimizer(opt)
@@ -177,7 +178,7 @@ def train_step(opt, form):
 
 
 def sharded_run(opt, form, compiles):
-    state = jaxkv.init_optimizer(jaxkv.init(jaxkv.empty(), PARAMS), opt)
+    state = jaxkv.init_optimizer(jaxkv.init(cpu_empty(), PARAMS), opt)
     specs = jaxkv.specs(state, AXIS)
     step = jax.jit(
         jax.shard_map(
@@ -222,7 +223,7 @@ def test_data_parallel_training_with_a_sharded_store_matches_optax(name, form, c
 
 
 def test_specs_split_big_values_and_their_moments_and_replicate_the_rest():
-    state = jaxkv.init_optimizer(jaxkv.init(jaxkv.empty(), PARAMS), optax.adam(0.1))
+    state = jaxkv.init_optimizer(jaxkv.init(cpu_empty(), PARAMS), optax.adam(0.1))
     specs = jaxkv.specs(state, "d")
     assert specs.values == {"b1": P(), "b2": P(), "w1": P("d"), "w2": P("d")}
     ((adam, _),) = specs.opt_states.values()
@@ -243,7 +244,7 @@ def per_device_grads():
 def test_a_gradient_reduce_scattered_by_ad_is_not_summed_again():
     """The first bug of issue 9: grad through the all-gather of the pulled shard, pushed with
     axis_name, was summed a second time (off by up to 0.196, silently)."""
-    state = jaxkv.init(jaxkv.empty(), {"w": jnp.zeros((64, 512))})
+    state = jaxkv.init(cpu_empty(), {"w": jnp.zeros((64, 512))})
     specs = jaxkv.specs(state, AXIS)
     data, total = per_device_grads()
 
@@ -262,7 +263,7 @@ def test_a_gradient_reduce_scattered_by_ad_is_not_summed_again():
 
 @pytest.mark.parametrize("invariant", [False, True])
 def test_a_whole_shape_value_is_reduce_scattered_once(invariant):
-    state = jaxkv.init(jaxkv.empty(), {"w": jnp.zeros((64, 512))})
+    state = jaxkv.init(cpu_empty(), {"w": jnp.zeros((64, 512))})
     specs = jaxkv.specs(state, AXIS)
     data, total = per_device_grads()
     ones = jnp.ones((64, 512))
@@ -292,7 +293,7 @@ def _reverse(key, pushed, stored):
 def pushed_through(updater, start):
     """A step pushing each device's gradient data to a sharded key "w" holding ``start`` with
     ``updater``; returns the jitted step, the state, the data and what "w" must then hold."""
-    state = jaxkv.init(jaxkv.empty(), {"w": start})
+    state = jaxkv.init(cpu_empty(), {"w": start})
     specs = jaxkv.specs(state, AXIS)
     data, total = per_device_grads()
 
@@ -322,7 +323,7 @@ def test_an_updater_gives_on_blocks_what_it_gives_on_the_whole_value(updater, co
 
 def test_pull_inside_the_step_gathers_or_gives_the_block():
     value = jnp.arange(64 * 512, dtype=jnp.float32).reshape(64, 512)
-    state = jaxkv.init(jaxkv.empty(), {"w": value, "b": jnp.arange(3.0)})
+    state = jaxkv.init(cpu_empty(), {"w": value, "b": jnp.arange(3.0)})
     specs = jaxkv.specs(state, AXIS)
 
     def step(state):
@@ -351,7 +352,7 @@ def test_pull_inside_the_step_gathers_or_gives_the_block():
     ],
 )
 def test_blocks_without_what_they_need_are_refused(step, match):
-    state = jaxkv.init(jaxkv.empty(), {"w": jnp.zeros((64, 512))})
+    state = jaxkv.init(cpu_empty(), {"w": jnp.zeros((64, 512))})
     specs = jaxkv.specs(state, AXIS)
     with pytest.raises(jaxkv.KVStoreError, match=match):
         in_store_mesh(state, lambda s: jax.tree_util.tree_leaves(step(s))[0].sum(), (specs,), P())(
@@ -361,7 +362,7 @@ def test_blocks_without_what_they_need_are_refused(step, match):
 
 def test_an_optimizer_state_made_for_another_optimizer_is_refused_in_the_step():
     state = jaxkv.init_optimizer(
-        jaxkv.init(jaxkv.empty(), {"w": jnp.zeros((64, 512))}), optax.sgd(0.1, momentum=0.9)
+        jaxkv.init(cpu_empty(), {"w": jnp.zeros((64, 512))}), optax.sgd(0.1, momentum=0.9)
     )
     specs = jaxkv.specs(state, AXIS)
     step = functools.partial(jaxkv.push, keys="w", updater=optax.adam(0.1), axis_name=AXIS)
@@ -370,7 +371,7 @@ def test_an_optimizer_state_made_for_another_optimizer_is_refused_in_the_step():
 
 
 def test_pushpull_in_the_step_reduce_scatters_then_gathers():
-    state = jaxkv.init(jaxkv.empty(), {"w": jnp.zeros((64, 512))})
+    state = jaxkv.init(cpu_empty(), {"w": jnp.zeros((64, 512))})
     specs = jaxkv.specs(state, AXIS)
     data, total = per_device_grads()
 

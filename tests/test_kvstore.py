@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _devices import cpu_store
 
 import jaxkv
 from jaxkv import nd
@@ -18,7 +19,7 @@ SHAPE = (2, 3)
 
 @pytest.fixture
 def kv():
-    store = jaxkv.create("local")
+    store = cpu_store("local")
     store.init([3, 5], [nd.ones(SHAPE) * 2, nd.zeros(SHAPE)])
     return store
 
@@ -75,7 +76,7 @@ def test_outs_are_filled_on_their_own_devices(kv):
 
 def test_a_store_over_contexts_sums_over_those_devices_only():
     store = jaxkv.KVStore("local", devices=[jaxkv.cpu(1), jaxkv.cpu(2)])
-    assert store.state.devices == (jax.devices()[1], jax.devices()[2])
+    assert store.state.devices == (jax.devices("cpu")[1], jax.devices("cpu")[2])
     store.init(3, nd.zeros(SHAPE))
     store.push(3, [nd.ones(SHAPE, jaxkv.cpu(i)) for i in (1, 2)])
     np.testing.assert_array_equal(store.pull(3), np.full(SHAPE, 2.0))
@@ -123,7 +124,7 @@ def test_updaters_in_both_styles(kv, style):
 
 
 def test_str_keys_reach_the_updater_as_str():
-    kv = jaxkv.create("device")
+    kv = cpu_store("device")
     seen = []
     kv.init(["a", "b"], [nd.zeros(SHAPE), nd.zeros(SHAPE)])
     kv._set_updater(lambda key, inp, stored: seen.append(key) or stored + inp)
@@ -291,7 +292,7 @@ def test_save_and_load_round_trip(kv, tmp_path):
     expected_opt = jax.tree_util.tree_leaves(kv.state.opt_states[(3, 5)])
     kv.push([3, 5], [jnp.ones(SHAPE), jnp.ones(SHAPE)])
 
-    fresh = jaxkv.create("local")
+    fresh = cpu_store("local")
     fresh.set_optimizer(optax.adam(0.1))
     fresh.load(tmp_path / "store.npz")
     for k, v in values(fresh).items():

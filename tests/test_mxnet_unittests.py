@@ -4,7 +4,9 @@ Modelled on apache/mxnet v1.9.x ``tests/python/unittest/test_kvstore.py`` (and, 
 ``broadcast`` / ``pushpull``, the same release's ``test_kvstore_custom.py``). The checks are
 MXNet's: the same constants (shape (4, 4), int keys [5, 7, 11], str keys ['b', 'c', 'd']), the
 same values and the same exact-equality assertion (``check_diff_to_scalar``); the code is our
-own. Each test keeps the name of the MXNet test it ports.
+own. Each test keeps the name of the MXNet test it ports. Stores are ``mx.kv.create``'s over the
+8 simulated CPU devices that stand in for MXNet's devices (``cpu_store``), whatever JAX's
+default backend.
 
 Left out: every sparse storage case (``stype='row_sparse'`` / ``'csr'`` values and outs,
 ``test_sparse_aggregator``, the ignored-pull-into-row_sparse checks of ``test_invalid_pull``),
@@ -15,6 +17,7 @@ plug-in (``test_custom_store``, ``test_get_type_device``, ``test_set_optimizer``
 
 import numpy as np
 import pytest
+from _devices import cpu_store
 
 import jaxkv
 import jaxkv.mx as mx
@@ -27,7 +30,7 @@ NUM_DEVS = 4
 
 def _int_store(kind: str = "local"):
     """A store holding zeros under the single key 3 and under each of KEYS."""
-    kv = mx.kv.create(kind)
+    kv = cpu_store(kind)
     kv.init(3, mx.nd.zeros(SHAPE))
     kv.init(KEYS, [mx.nd.zeros(SHAPE) for _ in KEYS])
     return kv
@@ -35,7 +38,7 @@ def _int_store(kind: str = "local"):
 
 def _str_store(kind: str = "local"):
     """The same with str keys: 'a', then each of STR_KEYS."""
-    kv = mx.kv.create(kind)
+    kv = cpu_store(kind)
     kv.init("a", mx.nd.zeros(SHAPE))
     kv.init(STR_KEYS, [mx.nd.zeros(SHAPE) for _ in STR_KEYS])
     return kv
@@ -102,7 +105,7 @@ def test_row_sparse_pull(ids_dtype):
 
 @pytest.mark.parametrize("key", [3, "a"])
 def test_init(key):
-    kv = mx.kv.create()
+    kv = cpu_store()
     kv.init(key, mx.nd.ones(SHAPE) * 4)
     got = mx.nd.zeros(SHAPE)
     kv.pull(key, out=got)
@@ -112,7 +115,7 @@ def test_init(key):
 @pytest.mark.parametrize("kind", ["device", "local"])
 @pytest.mark.parametrize("first, second", [("1", "2"), (1, 2)])
 def test_pull(kind, first, second):
-    kv = mx.kv.create(kind)
+    kv = cpu_store(kind)
     ones = mx.nd.ones(SHAPE)
     got = mx.nd.zeros(SHAPE)
     kv.init(first, mx.nd.zeros(SHAPE))
@@ -274,7 +277,7 @@ def test_invalid_pull(make, other_key, other_list):
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("key", [3, "a"])
 def test_broadcast_single_kv_pair(key):
-    kv = mx.kv.create("device")
+    kv = cpu_store("device")
     ones = mx.nd.ones(SHAPE)
     out = mx.nd.empty(SHAPE)
     kv.broadcast(key, ones, out)
@@ -289,7 +292,7 @@ def test_broadcast_single_kv_pair(key):
 
 @pytest.mark.parametrize("key_list", [KEYS, STR_KEYS], ids=["int-keys", "str-keys"])
 def test_broadcast_list_kv_pair(key_list):
-    kv = mx.kv.create("device")
+    kv = cpu_store("device")
     ones = [mx.nd.ones(SHAPE)] * len(key_list)
     outs = [mx.nd.empty(SHAPE)] * len(key_list)
     kv.broadcast(key_list, ones, outs)
@@ -336,9 +339,9 @@ def _check_pushpull(kv, key, key_list, in_place: bool) -> None:
 
 @pytest.mark.parametrize("key, key_list", [(3, KEYS), ("a", STR_KEYS)], ids=["int", "str"])
 def test_pushpull_single_kv_pair(key, key_list):
-    _check_pushpull(mx.kv.create("device"), key, key_list, in_place=True)
+    _check_pushpull(cpu_store("device"), key, key_list, in_place=True)
 
 
 @pytest.mark.parametrize("key, key_list", [(3, KEYS), ("a", STR_KEYS)], ids=["int", "str"])
 def test_pushpull_list_kv_pair(key, key_list):
-    _check_pushpull(mx.kv.create("device"), key, key_list, in_place=False)
+    _check_pushpull(cpu_store("device"), key, key_list, in_place=False)

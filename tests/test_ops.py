@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _devices import cpu_empty
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -22,7 +23,7 @@ def on(device, value):
 @pytest.fixture
 def state():
     return jaxkv.init(
-        jaxkv.empty(), {"w": jnp.zeros((2, 3)), "b": jnp.zeros(()), "v": jnp.arange(4.0)}
+        cpu_empty(), {"w": jnp.zeros((2, 3)), "b": jnp.zeros(()), "v": jnp.arange(4.0)}
     )
 
 
@@ -43,7 +44,7 @@ def assert_same(state, snap):
 # -- eager ----------------------------------------------------------------------------------
 def test_init_copies_values_onto_the_store_devices(devices):
     src = on(devices[0], [1.0, 2.0])
-    s = jaxkv.init(jaxkv.empty(), 7, src)
+    s = jaxkv.init(cpu_empty(), 7, src)
     stored = s[7]
     assert stored.sharding.device_set == set(devices)
     assert stored.sharding.is_fully_replicated
@@ -56,9 +57,9 @@ def test_keys_are_sorted_and_one_kind(state):
     with pytest.raises(jaxkv.KeyTypeError, match="str keys"):
         jaxkv.init(state, 3, jnp.zeros(1))
     with pytest.raises(jaxkv.KeyTypeError, match="int or a str"):
-        jaxkv.init(jaxkv.empty(), 1.5, jnp.zeros(1))
+        jaxkv.init(cpu_empty(), 1.5, jnp.zeros(1))
     with pytest.raises(jaxkv.KeyTypeError, match="one kind"):
-        jaxkv.init(jaxkv.empty(), [1, "a"], [jnp.zeros(1), jnp.zeros(1)])
+        jaxkv.init(cpu_empty(), [1, "a"], [jnp.zeros(1), jnp.zeros(1)])
 
 
 def test_push_is_pure_unless_donated(state):
@@ -143,7 +144,7 @@ def test_push_casts_to_the_stored_dtype(state, call):
     new = call(lambda s, x: jaxkv.push(s, {"v": x}), state, jnp.arange(4, dtype=jnp.int32) - 2)
     assert new["v"].dtype == jnp.float32
     np.testing.assert_array_equal(new["v"], np.arange(4.0) - 2)
-    ints = jaxkv.init(jaxkv.empty(), {"i": jnp.zeros(3, jnp.int32)})
+    ints = jaxkv.init(cpu_empty(), {"i": jnp.zeros(3, jnp.int32)})
     new = call(lambda s, x: jaxkv.push(s, "i", x), ints, jnp.array([1.0, -2.0, 3.0]))
     assert new["i"].dtype == jnp.int32
     np.testing.assert_array_equal(new["i"], [1, -2, 3])
@@ -169,7 +170,7 @@ def test_pushpull_returns_the_new_state_and_value(state, call):
 
 
 def test_row_sparse_pull_keeps_the_requested_rows(call):
-    s = jaxkv.init(jaxkv.empty(), "e", jnp.arange(12.0).reshape(4, 3))
+    s = jaxkv.init(cpu_empty(), "e", jnp.arange(12.0).reshape(4, 3))
     rows = call(lambda s, ids: jaxkv.row_sparse_pull(s, "e", ids), s, jnp.array([3, 1, 1]))
     expected = np.arange(12.0).reshape(4, 3)
     expected[[0, 2]] = 0
@@ -177,7 +178,7 @@ def test_row_sparse_pull_keeps_the_requested_rows(call):
 
 
 def test_traced_row_ids_outside_the_value_select_no_row():
-    s = jaxkv.init(jaxkv.empty(), "e", jnp.arange(12.0).reshape(4, 3))
+    s = jaxkv.init(cpu_empty(), "e", jnp.arange(12.0).reshape(4, 3))
     rows = jax.jit(lambda s, ids: jaxkv.row_sparse_pull(s, "e", ids))(s, jnp.array([-1, 4, 1]))
     expected = np.zeros((4, 3))
     expected[1] = [3.0, 4.0, 5.0]  # not the last row for -1, nothing for 4
@@ -186,7 +187,7 @@ def test_traced_row_ids_outside_the_value_select_no_row():
 
 @pytest.mark.parametrize("ids", [[-1], [0, -4], [4], [1.5], ["a"]])
 def test_row_ids_that_are_not_rows_are_refused(ids):
-    s = jaxkv.init(jaxkv.empty(), "e", jnp.arange(12.0).reshape(4, 3))
+    s = jaxkv.init(cpu_empty(), "e", jnp.arange(12.0).reshape(4, 3))
     with pytest.raises(jaxkv.KVStoreError, match=r"key 'e': row_ids expected integers in \[0, 4\)"):
         jaxkv.row_sparse_pull(s, "e", ids)
 
@@ -295,7 +296,7 @@ def test_no_recompiles_after_warm_up(state, devices, compiles):
 def test_cached_push_computations_keep_no_arrays_alive(devices):
     """A push computation is cached per signature; it must not keep the state it was first
     built from (or that state's arrays) alive."""
-    old = jaxkv.init(jaxkv.empty(), {"w": jnp.arange(7.0), "big": jnp.zeros((64, 512))})
+    old = jaxkv.init(cpu_empty(), {"w": jnp.arange(7.0), "big": jnp.zeros((64, 512))})
     stored = [weakref.ref(old["w"]), weakref.ref(old["big"])]
     grads = [jax.device_put(jnp.ones((64, 512)), d) for d in devices]
     new = jaxkv.push(old, {"w": jnp.ones(7), "big": grads})
@@ -339,12 +340,13 @@ def test_inside_jit(state, compiles):
     np.testing.assert_array_equal(v, np.arange(4.0) + 2)
 
 
-def test_inside_pmap_values_are_summed_once(state):
+def test_inside_pmap_values_are_summed_once(state, devices):
     step = jax.pmap(
         lambda s, g: jaxkv.push(s, {"v": g}, updater=add, axis_name="i"),
         axis_name="i",
         in_axes=(None, 0),
         out_axes=None,
+        devices=devices,
     )
     new = step(state, jnp.ones((8, 4)))
     np.testing.assert_array_equal(new["v"], np.arange(4.0) + 8)

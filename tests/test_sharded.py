@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _devices import cpu_empty, cpu_store
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -26,7 +27,7 @@ def device_bytes(x):
 @pytest.fixture
 def state():
     return jaxkv.init(
-        jaxkv.empty(bigarray_bound=16),
+        cpu_empty(bigarray_bound=16),
         {"big": jnp.arange(64.0).reshape(BIG), "small": jnp.zeros(SMALL), "odd": jnp.zeros(ODD)},
     )
 
@@ -115,7 +116,7 @@ def test_sharded_state_inside_shard_map(state, devices):
 
 def test_the_imperative_store_honours_mxnets_bound(monkeypatch):
     monkeypatch.setenv("MXNET_KVSTORE_BIGARRAY_BOUND", "16")
-    kv = jaxkv.create("device")
+    kv = cpu_store("device")
     kv.init(0, nd.ones(BIG))
     kv.set_optimizer(optax.sgd(1.0, momentum=0.5))
     kv.push(0, [nd.ones(BIG, jaxkv.cpu(i)) for i in range(8)])

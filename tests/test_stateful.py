@@ -49,6 +49,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _devices import cpu_store
 from _model import (
     BF16,
     F16,
@@ -91,7 +92,7 @@ STORES = [("local", None), ("local", None), ("device", None), ("device", 0.5), (
 # The dtypes a run's keys use (optimizer runs: float32 only), each in three pools of eight.
 DTYPE_POOLS = [[F32], [F16], [BF16], [I32], [F32, F16], [BF16, I32], [F16, BF16], [I32, F32]]
 WATCH = 10  # how many handed-over arrays stay watched
-MESH = jax.sharding.Mesh(jax.devices()[:2], ("d",))  # for values that span two devices
+MESH = jax.sharding.Mesh(jax.devices("cpu")[:2], ("d",))  # for values that span two devices
 
 
 def add_updater(key, pushed, stored):
@@ -212,14 +213,15 @@ class KVStoreMachine(RuleBasedStateMachine):
 
     # -- configuration -----------------------------------------------------------------------
     def new_store(self) -> jaxkv.KVStore:
-        """A store of this run's type, made with this run's big-array bound."""
+        """A store of this run's type over the 8 CPU devices, made with this run's big-array
+        bound."""
         old = os.environ.get(BOUND_ENV)
         try:
             if self.bound is None:
                 os.environ.pop(BOUND_ENV, None)
             else:
                 os.environ[BOUND_ENV] = str(self.bound)
-            kv = jaxkv.create(self.store_type)
+            kv = cpu_store(self.store_type)
         finally:
             if old is None:
                 os.environ.pop(BOUND_ENV, None)

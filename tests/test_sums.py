@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _devices import cpu_empty, cpu_store
 
 import jaxkv
 import jaxkv._kvstore
@@ -43,9 +44,9 @@ def stores():
     """Stores over 8 devices with the default bound (big values sharded), with everything
     replicated, and with a bound of 16 (even tiny values sharded)."""
     out = {}
-    bounds = {"default": jaxkv.empty().bigarray_bound, "replicated": None, "16": 16}
+    bounds = {"default": cpu_empty().bigarray_bound, "replicated": None, "16": 16}
     for name, bound in bounds.items():
-        state = jaxkv.empty(bigarray_bound=bound)
+        state = cpu_empty(bigarray_bound=bound)
         init = {k: jnp.ones(s, jnp.float32) for k, s in SHAPES.items()}
         init.update({k: jnp.ones(s, jnp.bfloat16) for k, s in HALF.items()})
         out[name] = jaxkv.init(state, init)
@@ -99,7 +100,7 @@ def test_sharded_and_replicated_layouts_are_as_documented(stores):
 
 def test_mixed_dtypes_from_different_devices_are_cast_before_the_sum(devices):
     state = jaxkv.init(
-        jaxkv.empty(bigarray_bound=16),
+        cpu_empty(bigarray_bound=16),
         {"f": jnp.zeros((8, 4)), "i": jnp.zeros(3, jnp.int32), "h": jnp.zeros(2, jnp.float16)},
     )
     f = [  # the first value's dtype is not the stored one
@@ -126,7 +127,7 @@ def test_mixed_dtypes_from_different_devices_are_cast_before_the_sum(devices):
 def test_a_pull_of_many_sharded_keys_fills_every_out(monkeypatch, chunk_bytes):
     monkeypatch.setenv("MXNET_KVSTORE_BIGARRAY_BOUND", "16")
     monkeypatch.setattr(jaxkv._kvstore, "_GATHER_CHUNK_BYTES", chunk_bytes)
-    kv = jaxkv.create("device")
+    kv = cpu_store("device")
     shapes = {3: (16, 4), 4: (8, 8), 5: (3,), 6: (32, 2), 7: (24,)}
     rng = np.random.default_rng(1)
     data = {k: rng.integers(-9, 10, s).astype(np.float32) for k, s in shapes.items()}

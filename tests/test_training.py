@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _devices import cpu_empty, cpu_store
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -68,7 +69,7 @@ def assert_matches(state, reference):
 
 def test_shard_map_loop_matches_single_device(reference, devices, compiles):
     mesh = Mesh(np.array(devices), ("d",))
-    state = jaxkv.init(jaxkv.empty(), init_params())
+    state = jaxkv.init(cpu_empty(), init_params())
 
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=P())
@@ -90,9 +91,11 @@ def test_shard_map_loop_matches_single_device(reference, devices, compiles):
 
 
 def test_pmap_loop_matches_single_device(reference, compiles):
-    state = jaxkv.init(jaxkv.empty(), init_params())
+    state = jaxkv.init(cpu_empty(), init_params())
 
-    @functools.partial(jax.pmap, axis_name="i", in_axes=(None, 0, 0), out_axes=None)
+    @functools.partial(
+        jax.pmap, axis_name="i", in_axes=(None, 0, 0), out_axes=None, devices=jax.devices("cpu")
+    )
     def step(state, x, y):
         params = {k: jaxkv.pull(state, k) for k in state.keys()}
         grads = jax.grad(loss_sum)(params, x, y)  # per-device: jaxkv sums them once
@@ -109,7 +112,7 @@ def test_pmap_loop_matches_single_device(reference, compiles):
 
 
 def test_imperative_loop_matches_single_device(reference, devices, compiles):
-    kv = jaxkv.create("device")
+    kv = cpu_store("device")
     params = init_params()
     keys = sorted(params)
     kv.init(keys, [params[k] for k in keys])
