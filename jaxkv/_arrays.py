@@ -11,13 +11,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from . import _dist
 from ._args import is_traced
 from ._errors import KVStoreError
 from ._fast import assemble, per_device, single_device
-from ._state import AXIS, Key, KVState, _mesh
+from ._state import Key, KVState, _mesh
 
 __all__ = [
     "copies",
@@ -93,8 +93,9 @@ def _zeros(shape: tuple[int, ...], dtype: Any, device: jax.Device) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=64)
-def stacked_sharding(devices: tuple[jax.Device, ...]) -> NamedSharding:
-    return NamedSharding(_mesh(devices), PartitionSpec(AXIS))
+def stacked_sharding(mesh: Mesh) -> NamedSharding:
+    """Blocks laid side by side along axis 0, one per device of the store's ``mesh``."""
+    return NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
 
 
 def stacked(state: KVState, stored: jax.Array, blocks: dict | list, dtype: Any) -> jax.Array:
@@ -111,7 +112,7 @@ def stacked(state: KVState, stored: jax.Array, blocks: dict | list, dtype: Any) 
         ]
     shards = [x if x.shape == shard_shape else x.reshape(shard_shape) for x in blocks]
     global_shape = (shard_shape[0] * len(state.devices), *shard_shape[1:])
-    return assemble(global_shape, stacked_sharding(state.devices), shards)
+    return assemble(global_shape, stacked_sharding(state.mesh), shards)
 
 
 def replicate(values: Sequence[jax.Array], devices: tuple[jax.Device, ...]) -> list[jax.Array]:

@@ -342,7 +342,16 @@ def _assemble(
     if values:
         compression = manifest.get("compression")
         base = KVState(
-            (), state.devices, (), (), state.bigarray_bound, (), tuple(compression or ()) or None
+            (),
+            state.devices,
+            (),
+            (),
+            state.bigarray_bound,
+            (),
+            tuple(compression or ()) or None,
+            (),
+            (),
+            state._user_mesh,
         )
         like = {
             e["key"]: jax.ShapeDtypeStruct(tuple(e["shape"]), jnp.dtype(e["dtype"]))

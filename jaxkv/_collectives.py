@@ -121,7 +121,9 @@ def fused_psum_scatter(blocks: list[jax.Array], n: int, axis: Any = AXIS) -> lis
     ]
 
 
-def sum_over_devices(blocks: list[jax.Array], scatter: list[bool]) -> list[jax.Array]:
+def sum_over_devices(
+    blocks: list[jax.Array], scatter: list[bool], axis: str = AXIS
+) -> list[jax.Array]:
     """Inside ``shard_map``: sum each key's per-device block over the mesh axis.
 
     Where ``scatter`` says so the sum is reduce-scattered (each device keeps its 1/D of it;
@@ -129,19 +131,19 @@ def sum_over_devices(blocks: list[jax.Array], scatter: list[bool]) -> list[jax.A
     together. The others are summed with one ``psum`` per dtype over their concatenation.
     Tensor fusion matters: one collective per small array would cost far more than the data.
     """
-    n = jax.lax.axis_size(AXIS)
+    n = jax.lax.axis_size(axis)
     out: list[Any] = [None] * len(blocks)
     groups: dict[tuple, list[int]] = {}
     for i, (b, s) in enumerate(zip(blocks, scatter)):
         if s and b.size >= _SCATTER_FUSE_LIMIT:
-            out[i] = jax.lax.psum_scatter(b, AXIS, scatter_dimension=0, tiled=True)
+            out[i] = jax.lax.psum_scatter(b, axis, scatter_dimension=0, tiled=True)
         elif b.size >= _SCATTER_FUSE_LIMIT and jax.process_count() > 1:
-            out[i] = jax.lax.psum(b, AXIS)  # across processes: no copy into a fused buffer
+            out[i] = jax.lax.psum(b, axis)  # across processes: no copy into a fused buffer
         else:
             groups.setdefault((s, b.dtype), []).append(i)
     for (s, _), idx in groups.items():
         parts = [blocks[i] for i in idx]
-        summed = fused_psum_scatter(parts, n) if s else fused_psum(parts)
+        summed = fused_psum_scatter(parts, n, axis) if s else fused_psum(parts, axis)
         for i, x in zip(idx, summed):
             out[i] = x
     return out

@@ -55,6 +55,7 @@ def compress(
     masks: list[tuple[bool, ...]],
     blocks: list[jax.Array],
     residuals: list[jax.Array],
+    axis: str = AXIS,
 ) -> tuple[list[jax.Array], list[jax.Array]]:
     """Inside ``shard_map``: each device compresses its own block before the sum, as MXNet does.
 
@@ -63,7 +64,7 @@ def compress(
     new residual. ``('fp16',)`` / ``('bf16',)``: the block is rounded to that type. ``masks``
     say which devices pushed a value for the key; the others send 0 and keep their residual.
     """
-    me = jax.lax.axis_index(AXIS)
+    me = jax.lax.axis_index(axis)
     quantized, kept = [], []
     for block, residual, mask in zip(blocks, residuals, masks):
         present = jnp.asarray(mask)[me]
@@ -82,7 +83,11 @@ def compress(
 
 
 def exchange(
-    config: tuple, split: list[bool], blocks: list[jax.Array], residuals: list[Any]
+    config: tuple,
+    split: list[bool],
+    blocks: list[jax.Array],
+    residuals: list[Any],
+    axis: str = AXIS,
 ) -> tuple[list[jax.Array], list[Any]]:
     """Inside ``shard_map`` over one device per process: each process compresses its own sum
     (its devices' values, added at full precision), the processes exchange the compressed
@@ -95,8 +100,8 @@ def exchange(
     added in the stored dtype. Where ``split`` says so, a process keeps only its rows of the
     sum (the value is split across the processes). Returns the sums and the new residuals.
     """
-    processes = jax.lax.axis_size(AXIS)
-    me = jax.lax.axis_index(AXIS)
+    processes = jax.lax.axis_size(axis)
+    me = jax.lax.axis_index(axis)
     if config[0] == "2bit":
         t = config[1]
         payload, kept = [], []
@@ -111,7 +116,7 @@ def exchange(
         payload = [jax.lax.bitcast_convert_type(b.astype(low), jnp.uint16).ravel() for b in blocks]
         kept = list(residuals)
     sizes = [p.size for p in payload]
-    every = jax.lax.all_gather(jnp.concatenate(payload), AXIS)  # (processes, words)
+    every = jax.lax.all_gather(jnp.concatenate(payload), axis)  # (processes, words)
     out, start = [], 0
     for block, size, s in zip(blocks, sizes, split):
         part = every[:, start : start + size]
@@ -202,7 +207,7 @@ def layout_compressed(
 def residual_layout(state: KVState, shape: tuple[int, ...]) -> tuple[tuple, NamedSharding]:
     """Shape and sharding of the residual of a value of ``shape``: one block per device."""
     block = tuple(shape) or (1,)
-    return (block[0] * len(state.devices), *block[1:]), stacked_sharding(state.devices)
+    return (block[0] * len(state.devices), *block[1:]), stacked_sharding(state.mesh)
 
 
 def residual_zeros(state: KVState, stored: jax.Array) -> jax.Array:

@@ -135,6 +135,7 @@ def push(state: KVState, keys: Any, values: Any, updater: Any, donate: Donate) -
         id(state._shapes),
         id(state._groups),
         state._devices,
+        state._user_mesh,
         state._bound,
         ckeys,
         per,
@@ -210,7 +211,7 @@ def _push_plan(
             return _NO_PLAN
         kinds.append("stacked")
         block = shape
-        stacks.append((p, (block[0] * n_devices, *block[1:]), stacked_sharding(state._devices)))
+        stacks.append((p, (block[0] * n_devices, *block[1:]), stacked_sharding(state.mesh)))
     group_at = None
     if isinstance(updater, optax.GradientTransformation):
         group_keys, opt_state = optimizer_group(state, order)
@@ -276,6 +277,7 @@ def _run_push(plan: _PushPlan, state: KVState, flat: Sequence[jax.Array]) -> KVS
         state._compression,
         state._shapes,
         state._groups,
+        state._user_mesh,
     )
 
 
@@ -301,7 +303,15 @@ def pull(state: KVState, keys: Any, devices: Any) -> Any:
         where = tuple(devices)
     else:
         where = (devices,)
-    sig = (id(state._keys), id(state._shapes), state._devices, state._bound, ckeys, where)
+    sig = (
+        id(state._keys),
+        id(state._shapes),
+        state._devices,
+        state._user_mesh,
+        state._bound,
+        ckeys,
+        where,
+    )
     plan = _PULLS.get(sig)
     if plan is None or (plan is not _NO_PLAN and not _anchored(plan, state)):
         plan = _pull_plan(state, ckeys, devices)
@@ -371,7 +381,15 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
         return None
     if not flat or set(map(type, flat)) != {handle}:
         return None
-    sig = (id(state._keys), id(state._shapes), state._devices, state._bound, ckeys, per)
+    sig = (
+        id(state._keys),
+        id(state._shapes),
+        state._devices,
+        state._user_mesh,
+        state._bound,
+        ckeys,
+        per,
+    )
     plan = _FILLS.get(sig)
     if plan is None or (plan is not _NO_PLAN and not _anchored(plan, state)):
         plan = _fill_plan(state, ckeys, per)

@@ -251,6 +251,7 @@ def specs(state: KVState, axis_name: Any) -> KVState:
         state.compression,
         tuple(state.shapes.values()),
         tuple(state.opt_states),
+        state._user_mesh,
     )
 
 

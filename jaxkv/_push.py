@@ -24,7 +24,7 @@ from ._collectives import scatters, sum_over_devices
 from ._compression import compress, exchange, layout_compressed
 from ._errors import KVStoreError, ShapeError
 from ._fast import single_device
-from ._state import AXIS, Key, KVState
+from ._state import Key, KVState
 
 __all__ = [
     "KEEP_VALUES",
@@ -81,14 +81,14 @@ def init_opt_states(state: KVState, optimizer: Any, keys: Sequence[Key]) -> KVSt
     if not keys:
         return state
     group = tuple(sorted(set(keys)))
-    init = _opt_initialiser(optimizer, state.devices, state.bigarray_bound)
+    init = _opt_initialiser(optimizer, state.devices, state.bigarray_bound, state._user_mesh)
     opt_state = _dist.ordered("optimizer init", init, {k: state[k] for k in group})
     return state.replace(opt_states={group: opt_state})
 
 
 @functools.lru_cache(maxsize=64)
-def _opt_initialiser(optimizer: Any, devices: tuple, bound: int | None) -> Callable:
-    layout = KVState((), devices, (), (), bound, (), None, ())  # only its placement rules
+def _opt_initialiser(optimizer: Any, devices: tuple, bound: int | None, mesh: Any) -> Callable:
+    layout = KVState((), devices, (), (), bound, (), None, (), (), mesh)  # its placement rules
     return jax.jit(lambda tree: place(layout, optimizer.init(tree)))
 
 
@@ -300,6 +300,7 @@ class _PushCache:
     ) -> Callable:
         sig = (
             state.devices,
+            state._user_mesh,
             state.bigarray_bound,
             state.compression,
             keys,
@@ -325,6 +326,7 @@ def _build_push(
     """The jitted push for one signature. ``state`` supplies only static facts (mesh, bound,
     compression); the cached computation keeps none of its arrays."""
     state = state._placement()
+    axis = state.axis
     masks = {
         i: kind[1]
         for i, kind in enumerate(kinds)
@@ -345,10 +347,10 @@ def _build_push(
             config = state.compression
             assert config is not None, "compressed layouts come only from a compressed store"
             quantized, kept = jax.shard_map(
-                functools.partial(compress, config, list(masks.values())),
+                functools.partial(compress, config, list(masks.values()), axis=axis),
                 mesh=state.mesh,
-                in_specs=PartitionSpec(AXIS),
-                out_specs=PartitionSpec(AXIS),
+                in_specs=PartitionSpec(axis),
+                out_specs=PartitionSpec(axis),
             )([pushed[i] for i in compressed], [residuals[i] for i in compressed])
             for i, q, r in zip(compressed, quantized, kept):
                 pushed[i], residuals[i] = q, r
@@ -357,12 +359,12 @@ def _build_push(
             assert config is not None, "exchanged layouts come only from a compressed store"
             split = [state.is_sharded(stored[i].shape) for i in exchanged]
             summed, kept = jax.shard_map(
-                functools.partial(exchange, config, split),
+                functools.partial(exchange, config, split, axis=axis),
                 mesh=state.mesh,
-                in_specs=PartitionSpec(AXIS),
+                in_specs=PartitionSpec(axis),
                 out_specs=(
-                    [PartitionSpec(AXIS) if s else PartitionSpec() for s in split],
-                    PartitionSpec(AXIS),
+                    [PartitionSpec(axis) if s else PartitionSpec() for s in split],
+                    PartitionSpec(axis),
                 ),
                 # Every process decodes the same all-gathered words, so the sums agree; JAX
                 # types an all-gather's result as varying and cannot see that.
@@ -373,10 +375,10 @@ def _build_push(
         if stacked:
             scatter = [scatters(state, stored[i].shape) for i in stacked]
             summed = jax.shard_map(
-                functools.partial(sum_over_devices, scatter=scatter),
+                functools.partial(sum_over_devices, scatter=scatter, axis=axis),
                 mesh=state.mesh,
-                in_specs=PartitionSpec(AXIS),
-                out_specs=[PartitionSpec(AXIS) if s else PartitionSpec() for s in scatter],
+                in_specs=PartitionSpec(axis),
+                out_specs=[PartitionSpec(axis) if s else PartitionSpec() for s in scatter],
             )([pushed[i] for i in stacked])
             for i, x in zip(stacked, summed):
                 pushed[i] = x.reshape(stored[i].shape)

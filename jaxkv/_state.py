@@ -29,7 +29,8 @@ AXIS = "kv"  # The name of the store's one mesh axis.
 # sharding from 16K elements up made push + pull of ResNet-50's parameters fastest.
 BIGARRAY_BOUND = 1 << 14
 _KEEP = object()
-# A state's aux data: keys, devices, big-array bound, compression, shapes, optimizer groups.
+# A state's aux data: keys, devices, big-array bound, compression, shapes, optimizer groups,
+# and the user's mesh (None: the store's own).
 _Aux = tuple[
     tuple[Key, ...],
     tuple[jax.Device, ...],
@@ -37,6 +38,7 @@ _Aux = tuple[
     tuple | None,
     tuple[tuple[int, ...], ...],
     tuple[tuple[Key, ...], ...],
+    Mesh | None,
 ]
 
 
@@ -58,8 +60,8 @@ def _mesh(devices: tuple[jax.Device, ...]) -> Mesh:
 
 
 @functools.lru_cache(maxsize=128)
-def _sharding(devices: tuple[jax.Device, ...], sharded: bool) -> NamedSharding:
-    return NamedSharding(_mesh(devices), PartitionSpec(AXIS) if sharded else PartitionSpec())
+def _sharding(mesh: Mesh, sharded: bool) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]) if sharded else PartitionSpec())
 
 
 @functools.lru_cache(maxsize=64)
@@ -127,6 +129,7 @@ class KVState:
         "_lookup",
         "_shapes",
         "_groups",
+        "_user_mesh",
     )
     # The slots' types (annotations only: a class-level value would clash with the slot).
     _keys: tuple[Key, ...]
@@ -139,6 +142,7 @@ class KVState:
     _lookup: dict[Key, int] | None
     _shapes: tuple[tuple[int, ...], ...]
     _groups: tuple[tuple[Key, ...], ...]
+    _user_mesh: Mesh | None
 
     def __init__(
         self,
@@ -151,6 +155,7 @@ class KVState:
         compression: tuple | None = None,
         shapes: Sequence[tuple[int, ...]] | None = None,
         groups: Sequence[tuple[Key, ...]] = (),
+        mesh: Mesh | None = None,
     ):
         # No validation here: pytree transformations rebuild states with arbitrary leaves.
         object.__setattr__(self, "_keys", keys)  # sorted, all int or all str
@@ -166,6 +171,7 @@ class KVState:
         object.__setattr__(self, "_residuals", residuals)
         object.__setattr__(self, "_compression", compression)  # e.g. ("2bit", 0.5), or None
         object.__setattr__(self, "_lookup", None)  # key -> position, built on first use
+        object.__setattr__(self, "_user_mesh", mesh)  # the user's one-axis mesh, or None
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("KVState is immutable: operations return a new state")
@@ -173,7 +179,9 @@ class KVState:
     def _placement(self) -> KVState:
         """A state with no keys and this one's devices, big-array bound and compression: the
         static facts a cached computation may keep without keeping any of the arrays alive."""
-        return KVState((), self._devices, (), (), self._bound, (), self._compression, ())
+        return KVState(
+            (), self._devices, (), (), self._bound, (), self._compression, (), (), self._user_mesh
+        )
 
     # -- pytree protocol -------------------------------------------------------------------
     def tree_flatten_with_keys(
@@ -197,13 +205,16 @@ class KVState:
             self._compression,
             self._shapes,
             self._groups,
+            self._user_mesh,
         )
 
     @classmethod
     def tree_unflatten(cls, aux: _Aux, children: Sequence[Sequence[Any]]) -> KVState:
-        keys, devices, bound, compression, shapes, groups = aux
+        keys, devices, bound, compression, shapes, groups, mesh = aux
         values, opt_states, residuals = children
-        return cls(keys, devices, values, opt_states, bound, residuals, compression, shapes, groups)
+        return cls(
+            keys, devices, values, opt_states, bound, residuals, compression, shapes, groups, mesh
+        )
 
     # -- read-only views -------------------------------------------------------------------
     def keys(self) -> tuple[Key, ...]:
@@ -217,8 +228,16 @@ class KVState:
 
     @property
     def mesh(self) -> Mesh:
-        """A one-axis mesh (axis name ``'kv'``) over :attr:`devices`."""
-        return _mesh(self._devices)
+        """The store's one-axis mesh over :attr:`devices`: the mesh given to :func:`empty`, or
+        one of its own (axis name ``'kv'``, or the ``axis_name`` given to :func:`empty`)."""
+        mesh = self._user_mesh
+        return _mesh(self._devices) if mesh is None else mesh
+
+    @property
+    def axis(self) -> str:
+        """The name of the mesh axis that sharded values are split along."""
+        mesh = self._user_mesh
+        return AXIS if mesh is None else mesh.axis_names[0]
 
     @property
     def positions(self) -> dict[jax.Device, int]:
@@ -233,7 +252,7 @@ class KVState:
     @property
     def sharding(self) -> NamedSharding:
         """The replicated sharding over :attr:`devices`, where small values live."""
-        return NamedSharding(self.mesh, PartitionSpec())
+        return _sharding(self.mesh, False)
 
     @property
     def compression(self) -> tuple | None:
@@ -256,7 +275,7 @@ class KVState:
 
     def sharding_for(self, shape: tuple[int, ...]) -> NamedSharding:
         """Where a stored array of ``shape`` lives: sharded along axis 0, or replicated."""
-        return _sharding(self._devices, self.is_sharded(tuple(shape)))
+        return _sharding(self.mesh, self.is_sharded(tuple(shape)))
 
     @property
     def values(self) -> Mapping[Key, Any]:
@@ -370,6 +389,7 @@ class KVState:
             self._compression if compression is _KEEP else compression,
             [shapes[k] for k in keys],
             order,
+            self._user_mesh,
         )
 
 
@@ -378,6 +398,8 @@ def empty(
     *,
     bigarray_bound: int | None = BIGARRAY_BOUND,
     compression: Mapping[str, Any] | None = None,
+    mesh: Mesh | None = None,
+    axis_name: str | None = None,
 ) -> KVState:
     """An empty store over ``devices`` (JAX devices or contexts; default: all local devices).
 
@@ -390,6 +412,12 @@ def empty(
     'threshold': t}`` (t > 0; error feedback per device, as MXNet), or ``{'type': 'fp16'}`` /
     ``{'type': 'bf16'}`` (each device's value rounded to that type before the sum).
 
+    ``mesh`` adopts the user's one-axis ``jax.sharding.Mesh``: the store lives on its devices,
+    in its order, and its arrays carry shardings over that very mesh, so a ``shard_map`` step
+    over it (``in_specs=jaxkv.specs(state, axis)``) takes the state in and out unchanged and
+    compiles once. ``axis_name`` alone names the axis of the store's own mesh (default
+    ``'kv'``); with ``mesh`` it must be that mesh's axis.
+
     Examples:
       >>> import jaxkv
       >>> len(jaxkv.empty().devices) >= 1
@@ -397,10 +425,28 @@ def empty(
     """
     from ._context import Context
 
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise KVStoreError(f"mesh: expected a jax.sharding.Mesh, given {type(mesh).__name__}")
+    if mesh is not None and len(mesh.axis_names) != 1:
+        raise KVStoreError(
+            f"mesh: expected a mesh with one axis, given axes {tuple(mesh.axis_names)}; a store "
+            "lives on a one-axis mesh (make one over the same devices for the store)"
+        )
+    if axis_name is not None and not isinstance(axis_name, str):
+        raise KVStoreError(f"axis_name: expected a str, given {axis_name!r}")
+    if mesh is not None and axis_name is not None and axis_name != mesh.axis_names[0]:
+        raise KVStoreError(
+            f"axis_name: expected the mesh's axis {mesh.axis_names[0]!r}, given {axis_name!r}"
+        )
     if devices is None:
-        devs = tuple(jax.local_devices())
+        devs = tuple(jax.local_devices()) if mesh is None else tuple(mesh.devices.flat)
     else:
         devs = tuple(d.device if isinstance(d, Context) else d for d in devices)
+        if mesh is not None and devs != tuple(mesh.devices.flat):
+            raise KVStoreError(
+                f"devices: expected the mesh's devices in its order {list(mesh.devices.flat)}, "
+                f"given {list(devs)}; pass the mesh alone"
+            )
     if not devs or not all(isinstance(d, jax.Device) for d in devs):
         raise KVStoreError(f"devices: expected a non-empty list of JAX devices, given {devices!r}")
     if len(set(devs)) != len(devs):
@@ -411,7 +457,9 @@ def empty(
         )
     config = compression_config(compression)
     check_compression_devices(config, devs)
-    return KVState((), devs, (), (), bigarray_bound, (), config, ())
+    if mesh is None and axis_name is not None and axis_name != AXIS:
+        mesh = Mesh(np.array(devs, dtype=object), (axis_name,))
+    return KVState((), devs, (), (), bigarray_bound, (), config, (), (), mesh)
 
 
 _COMPRESSION_TYPES = ("2bit", "fp16", "bf16", "none")
