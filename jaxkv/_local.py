@@ -8,7 +8,8 @@ each such reduction completed across devices (``psum`` / ``pmax`` / ``pmin`` of 
 results): its jaxpr is evaluated equation by equation. Anything else is run on the gathered
 whole values, each device keeping its block of the result. Which case applies is read from the
 updater's jaxpr, once per trace, and nothing that depends on a block's number of rows (``x /
-x.size``) runs on blocks.
+x.size``) runs on blocks; nor does an updater that cannot be traced on a block (it writes the
+whole value's shape into itself, as ``jnp.arange(64)[:, None] < 32`` does).
 """
 
 from __future__ import annotations
@@ -149,12 +150,31 @@ def _more_rows(x: Any) -> Any:
     return jax.ShapeDtypeStruct((2 * x.shape[0], *x.shape[1:]), x.dtype)
 
 
+def _trace(fn: Callable, args: Any) -> tuple[Any, Any] | None:
+    """``fn``'s closed jaxpr and output shapes on arguments of the shapes of ``args``, or
+    ``None`` if tracing it there raises."""
+    try:
+        return jax.make_jaxpr(fn, return_shape=True)(*args)
+    except Exception:
+        # An updater that fixes the whole value's shape (``jnp.arange(64)[:, None] < 32``, 64
+        # rows sliced out of the value) raises on a block: a shape error from jnp or lax, an
+        # IndexError, an assertion, jaxkv's ShapeError on its result. It then runs on the
+        # gathered whole value, where an error that is not about the block's shape is raised
+        # again.
+        return None
+
+
 def _on_blocks(fn: Callable, args: Any, blocks: Any, out_blocks: Any, reduce: bool) -> Any:
     """``fn``'s closed jaxpr and output tree if it may run on blocks (see the module doc):
-    every output ``out_blocks`` marks is a block, every other output a whole value, and
-    ``fn`` traced with twice the rows has the same primitives and constants; else ``None``."""
+    ``fn`` traces on the blocks, every output ``out_blocks`` marks is a block, every other
+    output a whole value, and ``fn`` traced with twice the rows has the same primitives and
+    constants, and outputs whose rows doubled exactly where ``out_blocks`` marks; else
+    ``None``."""
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*shapes)
+    traced = _trace(fn, shapes)
+    if traced is None:
+        return None
+    closed, out_shape = traced
     flags = jax.tree_util.tree_leaves(blocks)
     kinds = _kinds(closed.jaxpr, [_BLOCK if b else _WHOLE for b in flags], reduce)
     out_tree = jax.tree_util.tree_structure(out_shape)
@@ -168,9 +188,18 @@ def _on_blocks(fn: Callable, args: Any, blocks: Any, out_blocks: Any, reduce: bo
         return None
     leaves, treedef = jax.tree_util.tree_flatten(shapes)
     bigger = [_more_rows(x) if b else x for x, b in zip(leaves, flags)]
-    twice = jax.make_jaxpr(fn)(*jax.tree_util.tree_unflatten(treedef, bigger))
+    traced = _trace(fn, jax.tree_util.tree_unflatten(treedef, bigger))
+    if traced is None:
+        return None
+    twice, twice_shape = traced
     if _constants(closed.jaxpr, closed.consts) != _constants(twice.jaxpr, twice.consts):
         return None
+    for x, y, b in zip(
+        jax.tree_util.tree_leaves(out_shape), jax.tree_util.tree_leaves(twice_shape), want
+    ):
+        grown = (2 * x.shape[0], *x.shape[1:]) if b and x.shape else None
+        if tuple(y.shape) != (grown if b else tuple(x.shape)):
+            return None  # a result of a shape the updater fixes, not the block's
     return closed, out_tree
 
 

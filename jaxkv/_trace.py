@@ -14,9 +14,10 @@ block shape                            taken as this device's rows of the sum (w
                                        gives through :func:`gather`'s all-gather)
 =====================================  ==================================================
 
-then the updater updates the block: as it is when elementwise along the rows, else on the
-gathered whole value, keeping this device's rows (``_local.py``). The state leaves the step in
-the layout it came in.
+then the updater updates the block: as it is when elementwise along the rows, on the block
+with each reduction over the rows completed across devices when those are its only cross-row
+steps, else on the gathered whole value, keeping this device's rows (``_local.py``). The state
+leaves the step in the layout it came in.
 """
 
 from __future__ import annotations

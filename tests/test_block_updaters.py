@@ -176,6 +176,38 @@ def test_optax_with_a_maximum_or_minimum_over_the_value_matches_one_device(name)
     assert "stablehlo.all_gather" not in text
 
 
+def keep_max_at_fixed_shape():
+    """A transformation whose state is written at the value's shape, spelled out: on a block
+    it is a whole value, not the block's rows (run on a block, the state left the step with D
+    times the rows)."""
+
+    def update(updates, state, params=None):
+        new = jax.tree_util.tree_map(lambda g: jnp.broadcast_to(jnp.max(g), SHAPE), updates)
+        return jax.tree_util.tree_map(lambda g: -0.1 * g, updates), new
+
+    return optax.GradientTransformation(
+        lambda params: jax.tree_util.tree_map(jnp.zeros_like, params), update
+    )
+
+
+def test_an_optimizer_state_written_at_the_values_fixed_shape_keeps_that_shape():
+    opt = keep_max_at_fixed_shape()
+    params = {"w": jnp.asarray(START)}
+    state = jaxkv.init_optimizer(sharded(params), opt)
+    specs = jaxkv.specs(state, AXIS)
+
+    def step(state, g):
+        return jaxkv.push(state, "w", g, updater=opt, axis_name=AXIS)
+
+    state = in_store_mesh(state, step, (specs, P(AXIS)), specs)(state, on_axis(state, DATA))
+    grads = {"w": jnp.asarray(TOTAL)}
+    updates, opt_state = opt.update(grads, opt.init(params), params)
+    assert_close(state["w"], optax.apply_updates(params, updates)["w"])
+    (kept,) = state.opt_states.values()
+    assert kept["w"].shape == SHAPE
+    assert_close(kept["w"], opt_state["w"])
+
+
 # -- a whole-shape value already summed, pushed to a sharded key --------------------------------
 
 
@@ -212,3 +244,46 @@ def test_an_already_summed_whole_value_leaves_each_device_its_own_rows(made, exp
     want = expected if updater is None else updater("w", jnp.asarray(expected), jnp.asarray(START))
     assert_close(new["w"], want)
     assert_close(pulled, np.broadcast_to(want, (D, *SHAPE)))  # every device, the whole value
+
+
+# -- updaters that move, order, index or condition on rows: one-device numbers -----------------
+
+ADVERSARIAL = {
+    "cumsum": lambda k, p, s: s - jnp.cumsum(p, axis=0) * 0.01,
+    "sort": lambda k, p, s: s - jnp.sort(p, axis=0),
+    "roll": lambda k, p, s: s - jnp.roll(p, 3, axis=0),
+    "reverse": lambda k, p, s: s - p[::-1],
+    "diff": lambda k, p, s: s - jnp.diff(p, axis=0, prepend=0.0),
+    "cummax": lambda k, p, s: s - lax.cummax(p, axis=0),
+    "gram-rows": lambda k, p, s: s - (p @ p.T) @ s * 1e-3,
+    "gram-columns": lambda k, p, s: s - s @ (p.T @ p) * 1e-3,
+    "vdot": lambda k, p, s: s - jnp.vdot(p, s) * p * 1e-4,
+    "argmax": lambda k, p, s: s - jnp.argmax(p, axis=0).astype(s.dtype) * 0.01,
+    "row-index": lambda k, p, s: s - p * jnp.arange(p.shape[0], dtype=s.dtype)[:, None],
+    "scatter-add": lambda k, p, s: s.at[0].add(p.sum(0)),
+    "scatter-at-argmax": lambda k, p, s: s.at[jnp.argmax(p[:, 0])].set(0.0) - p,
+    "first-row": lambda k, p, s: s - p[0],
+    "median": lambda k, p, s: s - jnp.median(p, axis=0),
+    "where-on-sum": lambda k, p, s: jnp.where(p.sum() > 0, s - p, s + p),
+    "cond-on-sum": lambda k, p, s: lax.cond(p.sum() > 0, lambda: s - p, lambda: s + 2 * p),
+    "mean": lambda k, p, s: s - p / jnp.mean(jnp.abs(p)),
+    "size": lambda k, p, s: s - p / p.size,
+    "column-norm": lambda k, p, s: s - p / jnp.linalg.norm(p, axis=0, keepdims=True),
+    "row-norm": lambda k, p, s: s - p / jnp.linalg.norm(p, axis=1, keepdims=True),
+    "softmax-over-rows": lambda k, p, s: s - jax.nn.softmax(p, axis=0),
+    "reshape-across-rows": lambda k, p, s: s - p.reshape(-1, 64).reshape(p.shape),
+    "random": lambda k, p, s: s - p * jax.random.uniform(jax.random.key(0), p.shape),
+    # The value's shape written into the updater: it cannot be traced on a block.
+    "where-on-fixed-rows": lambda k, p, s: s - jnp.where(jnp.arange(64)[:, None] < 32, p, 0.0),
+    "slice-of-fixed-rows": lambda k, p, s: (
+        s - lax.dynamic_slice_in_dim(jnp.concatenate([p, p]), 3, 64, 0)
+    ),
+    "fixed-shape-result": lambda k, p, s: jnp.zeros(SHAPE, s.dtype) + (s - p)[:, :1],
+}
+
+
+@pytest.mark.parametrize("name", list(ADVERSARIAL))
+def test_an_updater_across_rows_gives_on_blocks_what_it_gives_on_one_device(name):
+    updater = ADVERSARIAL[name]
+    fn, state, data = push_each_device(updater)
+    assert_close(fn(state, data)["w"], updater("w", jnp.asarray(TOTAL), jnp.asarray(START)))
