@@ -191,22 +191,34 @@ def push_in_trace(
     if any(blocks):
         n = _block_size(state, {k: s for k, s, b in zip(keys, stored, blocks) if b}, names)
 
-    # Sum each key's contributions on this device, then over the axes.
-    whole, to_scatter, local = [], [], {}
+    # Sum each key's contributions on this device, then over the axes: those still to be
+    # summed over the same axes together, so that a value already summed (invariant) is not
+    # added into one that is not and then summed a second time.
+    whole: list[tuple[int, Any]] = []
+    to_scatter: list[tuple[int, Any]] = []
+    local: dict[int, list[Any]] = {}
+    owner: list[int] = []  # each sum's key position
     for i, (key, xs, s, b) in enumerate(zip(keys, grouped.values(), stored, blocks)):
         xs = [x.astype(s.dtype) for x in xs]
         full = [x for x in xs if tuple(x.shape) == state.shapes[key]]
         parts = [x for x in xs if tuple(x.shape) != state.shapes[key]]  # blocks: summed
+        by_axes: dict[tuple, list[Any]] = {}
+        for x in full:
+            by_axes.setdefault(unsummed_axes(x, names) if names else (), []).append(x)
+        for same in by_axes.values():
+            owner.append(i)
+            entry = (len(owner) - 1, functools.reduce(operator.add, same))
+            (to_scatter if b else whole).append(entry)
         if b:
-            if full:
-                to_scatter.append((i, functools.reduce(operator.add, full)))
             local[i] = parts
-        else:
-            whole.append((i, functools.reduce(operator.add, full)))
-    totals = _sum_whole(whole, names)
+    sums = _sum_whole(whole, names)
     if to_scatter:
         assert n is not None  # set above: to_scatter holds only keys whose values are blocks
-        totals.update(_sum_blocks(to_scatter, names, n))
+        sums.update(_sum_blocks(to_scatter, names, n))
+    totals: dict[int, Any] = {}
+    for j in sorted(sums):
+        i = owner[j]
+        totals[i] = sums[j] if i not in totals else totals[i] + sums[j]
     for i, parts in local.items():
         if i in totals:
             parts = [totals[i], *parts]
