@@ -37,10 +37,19 @@ One device, SGD push + pull, beside a hand-written jitted update (benchmarks/eag
             JAXKV_BENCH_GPU_ON_CPU=1 runs it on CPU device 0 (to test it; 10 steps a round)
   Both check each row's values after a few steps against the hand-written row's.
 
-Usage: python benchmarks/bench.py [--steps 7] [--quick] [--only in-jit|dist|proxy|gpu]
-         [--eager-steps 200]
---only proxy / --only gpu exit 1 where a hand-written or jaxkv row fails or its values differ
-(a missed goal is reported, not an error); the full run does so after writing its report.
+One device, one in-jit training step (benchmarks/step.py): jax.grad of a loss that reads every
+parameter, then optax.adam or optax.sgd, in one jax.jit with the state donated; hand-written
+optax over the 193 tensors, optax.flatten, a flat buffer read through per-tensor views, jaxkv
+per key and with the flat layout, PyTorch's Adam (fused, foreach) and SGD (foreach) step alone:
+  step      ResNet-50's tensors cut to at most 2 per dimension and full size on CPU device 0,
+            then full size on the accelerator's first device (skipped where JAX's default
+            backend is cpu, unless JAXKV_BENCH_GPU_ON_CPU=1); each row's values checked
+
+Usage: python benchmarks/bench.py [--steps 7] [--quick] [--only in-jit|dist|proxy|gpu|step]
+         [--eager-steps 200] [--step-steps 200]
+--only proxy / --only gpu / --only step exit 1 where a hand-written or jaxkv row fails or its
+values differ (a missed goal is reported, not an error); the full run does so after writing its
+report.
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ import dist  # noqa: E402  (benchmarks/dist.py)
 import eager  # noqa: E402  (benchmarks/eager.py)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import step  # noqa: E402  (benchmarks/step.py)
 
 import jaxkv  # noqa: E402
 import jaxkv.mx as mx  # noqa: E402
@@ -344,7 +354,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip the slow baselines")
     parser.add_argument(
         "--only",
-        choices=["in-jit", "dist", "no-fast-paths", "proxy", "gpu"],
+        choices=["in-jit", "dist", "no-fast-paths", "proxy", "gpu", "step"],
         help="run only this section; print it, write no report",
     )
     parser.add_argument(
@@ -352,6 +362,12 @@ def main() -> None:
         type=int,
         help=f"timed steps per round of the proxy and gpu sections (default {eager.STEPS}, "
         f"{eager.FORCED_STEPS} for the gpu section forced onto CPU)",
+    )
+    parser.add_argument(
+        "--step-steps",
+        type=int,
+        help=f"timed steps per round of the step section's proxy and accelerator sets (default "
+        f"{step.STEPS[step.PROXY]}; the full-size CPU set times {step.STEPS[step.FULL]})",
     )
     args = parser.parse_args()
     steps = max(args.steps, 7)
@@ -361,6 +377,10 @@ def main() -> None:
         res = eager.run(args.only, CompileCounter, args.eager_steps, log=log)
         log("\n".join(eager.lines(res)))
         return 1 if eager.failed(res) else 0
+    if args.only == "step":
+        res = step.run(CompileCounter, args.step_steps, log=log)
+        log("\n".join(step.lines(res)))
+        return 1 if step.failed(res) else 0
     if args.only == "in-jit":
         log("\n".join(in_jit_lines(in_jit(steps))))
         return
@@ -425,6 +445,7 @@ def main() -> None:
         eager.run(section, CompileCounter, args.eager_steps, log=log)
         for section in ("proxy", "gpu")
     ]
+    step_res = step.run(CompileCounter, args.step_steps, log=log)
     log("[resnet50] jaxkv with JAXKV_NO_FAST_PATHS=1 (no private JAX names), best of 2 ...")
     slow = no_fast_paths(steps)
     log(f"  {slow}")
@@ -434,8 +455,8 @@ def main() -> None:
     log("[memory] peak RSS of the imperative resnet50 loop ...")
     mem = memory()
     log(f"  {mem}")
-    write_report(rows, jit_rows, bw, mem, slow, dist_rows, eager_res)
-    return 1 if any(eager.failed(r) for r in eager_res) else 0
+    write_report(rows, jit_rows, bw, mem, slow, dist_rows, eager_res, step_res)
+    return 1 if any(eager.failed(r) for r in eager_res) or step.failed(step_res) else 0
 
 
 def _fmt(x, unit=""):
@@ -446,7 +467,7 @@ def _ratio(a, b):
     return "—" if a is None or b is None else f"{a / b:.2f}x"
 
 
-def write_report(rows, jit_rows, bw, mem, slow, dist_rows, eager_res) -> None:
+def write_report(rows, jit_rows, bw, mem, slow, dist_rows, eager_res, step_res) -> None:
     lines = [
         "# jaxkv benchmark results",
         "",
@@ -516,6 +537,7 @@ def write_report(rows, jit_rows, bw, mem, slow, dist_rows, eager_res) -> None:
     ]
     for res in eager_res:  # one device: the CPU proxy, then the GPU section
         lines += ["", *eager.report(res)]
+    lines += ["", *step.report(step_res)]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(HERE, "results.md"), "w") as f:
         f.write(text)
