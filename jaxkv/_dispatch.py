@@ -29,8 +29,9 @@ from ._args import devices_of, group
 from ._arrays import stacked_sharding
 from ._errors import KVStoreError
 from ._fast import all_eager, assemble, per_device, single_device
-from ._push import _PUSH_CACHE, Donate, Kind, optimizer_group
+from ._push import _PUSH_CACHE, Donate, Kind
 from ._state import KVState, normalize_key
+from ._update import optimizer_group
 
 __all__ = ["NO_PLAN", "prepare_fill", "pull", "push"]
 

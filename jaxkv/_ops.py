@@ -30,9 +30,10 @@ from ._args import MISSING, as_array, devices_of, group, is_traced, pairs
 from ._arrays import copies, replicate
 from ._compression import residual_zeros
 from ._errors import DuplicateKeyError, KeyTypeError, KVStoreError, ShapeError
-from ._push import Updater, init_opt_states, optimizer_group, push_eager
+from ._push import init_opt_states, push_eager
 from ._state import Key, KVState, check_compressible, key_kind
 from ._trace import gather, is_block, push_in_trace
+from ._update import Updater, optimizer_group
 
 __all__ = [
     "Updater",

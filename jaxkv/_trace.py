@@ -41,8 +41,8 @@ from ._collectives import (
 )
 from ._errors import KVStoreError
 from ._local import run_on_blocks
-from ._push import apply_updater
 from ._state import Key, KVState
+from ._update import apply_updater
 
 __all__ = ["gather", "is_block", "push_in_trace"]
 

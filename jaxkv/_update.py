@@ -1,0 +1,112 @@
+"""Running an updater: an optax transformation over one optimizer group as one tree, or an
+MXNet-style ``updater(key, pushed, stored)`` key by key; the one piece of code the eager push
+(``_push.py``) and the push inside the user's trace (``_trace.py``) share."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import jax
+import optax
+
+from ._args import as_array
+from ._errors import KVStoreError, ShapeError
+from ._state import Key, KVState
+
+__all__ = ["Updater", "apply_updater", "optimizer_group"]
+
+
+class Updater(Protocol):
+    """How a pushed value is merged into the stored one.
+
+    Called once per distinct key of a push, inside ``jit``, with the key (a Python ``int`` or
+    ``str``), the pushed value summed over devices (already cast to the stored dtype) and the
+    stored value; returns the new stored value, of the stored shape. The default is assign.
+    An ``optax.GradientTransformation`` may be given instead: the pushed value is then the
+    gradient, and the optimizer state is kept in the ``KVState``.
+    """
+
+    def __call__(self, key: Key, pushed: jax.Array, stored: jax.Array) -> jax.Array: ...
+
+
+def _group_names(keys: Sequence[Key]) -> str:
+    return "[" + ", ".join(map(repr, keys)) + "]"
+
+
+def optimizer_group(state: KVState, keys: Sequence[Key]) -> tuple[tuple[Key, ...], Any]:
+    """The optimizer group an optax push of ``keys`` updates, and its state (``None`` if the
+    keys have none yet: they become a new group).
+
+    An optax push updates the pushed keys as one tree, as ``optax.update`` would. So the
+    pushed keys must be exactly one group, or all be without optimizer state; anything else
+    is refused, since part of a group's state (a shared step count, a global norm) would
+    otherwise be updated for keys that were not pushed.
+    """
+    keys = tuple(sorted(keys))
+    groups = {k: state.opt_group(k) for k in keys}
+    if all(g is None for g in groups.values()):
+        return keys, None
+    group = next(g for g in groups.values() if g is not None)
+    if group == keys:
+        return group, state.opt_states[group]
+    fresh = [k for k, g in groups.items() if g is None]
+    others = sorted({g for g in groups.values() if g is not None and g != group})
+    given = f"keys {_group_names(keys)}"
+    if fresh:
+        why = f"keys {_group_names(fresh)} have no optimizer state yet"
+    elif others:
+        why = f"they span the groups {', '.join(_group_names(g) for g in [group, *others])}"
+    else:
+        why = f"the group also holds {_group_names([k for k in group if k not in keys])}"
+    raise KVStoreError(
+        f"{given}: an optax push updates one optimizer group as one tree, expected exactly the "
+        f"keys of group {_group_names(group)}, given {_group_names(keys)} ({why}). A group is "
+        "the key set of the first optax push of its keys, or of jaxkv.init_optimizer. Push "
+        "the same keys together every time (zeros for keys without a gradient), or make the "
+        "groups you need with jaxkv.init_optimizer(state, optimizer, keys=...)"
+    )
+
+
+def apply_updater(
+    updater: Any,
+    keys: Sequence[Key],
+    pushed: Sequence[jax.Array],
+    stored: Sequence[jax.Array],
+    opt_state: Any,
+) -> tuple[list[jax.Array], Any]:
+    """Run ``updater`` for ``keys``; returns ``(new_values, new_opt_state)``.
+
+    An optax transformation updates the keys as one tree ``{key: value}`` (their group), as
+    ``optax.update`` + ``optax.apply_updates`` would; any other updater runs key by key.
+    """
+    if updater is None:
+        new = list(pushed)
+    elif isinstance(updater, optax.GradientTransformation):
+        params = dict(zip(keys, stored))
+        if opt_state is None:
+            opt_state = updater.init(params)
+        updates, opt_state = updater.update(dict(zip(keys, pushed)), opt_state, params)
+        result = optax.apply_updates(params, updates)
+        new = [result[k] for k in keys]
+    else:
+        new = []
+        for key, p, s in zip(keys, pushed, stored):
+            value = updater(key, p, s)
+            if value is None:
+                raise KVStoreError(
+                    f"key {key!r}: the updater returned None, expected the new stored value. "
+                    "MXNet-style in-place updaters (stored += ...) work through jaxkv.KVStore; "
+                    "a functional updater must return the new value"
+                )
+            new.append(value)
+    out = []
+    for key, value, s in zip(keys, new, stored):
+        value = as_array(value)
+        if tuple(value.shape) != tuple(s.shape):
+            raise ShapeError(
+                f"key {key!r}: the updater returned shape {tuple(value.shape)}, expected the "
+                f"stored shape {tuple(s.shape)}"
+            )
+        out.append(value.astype(s.dtype))
+    return out, opt_state
