@@ -1,0 +1,212 @@
+"""The flat layout's bookkeeping: which keys share a bucket (one contiguous 1-D buffer), where
+each key lives in it, each key's value as a view of its bucket, and an optimizer state's
+per-key leaves packed into buckets the same way.
+
+Keys share a bucket when they have one dtype and one optimizer group (or none). A key's view is
+a slice and a reshape of its bucket, which XLA fuses into its readers; a write puts the new
+value in place with ``dynamic_update_slice`` into the old bucket, which XLA does in place when
+the bucket is donated (a concatenation would copy every bucket once more). The math stays per
+key: an updater sees the same per-key values as in the per-key layout and gives the same
+numbers; what the layout saves is the buffers that cross a computation's boundary (3 for
+ResNet-50's 193 tensors with Adam, instead of 580).
+
+Measured on one CPU device (in-jit Adam step with gradients by AD, ResNet-50's structure with
+each tensor cut to at most 16 elements): per-key layout 0.70 ms, flat storage with per-key math
+and in-place writes 0.058 ms; with concatenations instead of in-place writes 0.13 ms. On the
+full-size tensors XLA:CPU's slices and writes cost more than they save (54 ms per key, 201 ms
+flat): which layout to use is a choice, not a rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._state import Key
+
+__all__ = [
+    "FlatLayout",
+    "Packing",
+    "pack",
+    "pack_opt",
+    "plan",
+    "unpack_opt",
+    "views",
+    "write",
+    "write_opt",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatLayout:
+    """Where each key lives: ``buckets[b]`` is ``(dtype name, size)``; ``where[i]`` is
+    ``(bucket, offset, size)`` of the i-th key (in the store's key order), ``shapes[i]`` its
+    shape. Static and hashable: it is part of a state's aux data."""
+
+    buckets: tuple[tuple[str, int], ...]
+    where: tuple[tuple[int, int, int], ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+
+def plan(
+    keys: Sequence[Key],
+    shapes: Sequence[tuple[int, ...]],
+    dtypes: Sequence[Any],
+    groups: Sequence[Sequence[Key]] = (),
+) -> FlatLayout:
+    """The layout of ``keys`` (sorted, with their shapes and dtypes): one bucket per (optimizer
+    group or none, dtype), buckets in the order of their first key, keys in key order inside."""
+    group_of = {k: g for g in map(tuple, groups) for k in g}
+    bucket_of: dict[tuple, int] = {}
+    sizes: list[int] = []
+    names: list[str] = []
+    where = []
+    for key, shape, dtype in zip(keys, shapes, dtypes):
+        name = np.dtype(dtype).name
+        tag = (group_of.get(key), name)
+        if tag not in bucket_of:
+            bucket_of[tag] = len(sizes)
+            sizes.append(0)
+            names.append(name)
+        b = bucket_of[tag]
+        size = math.prod(shape)
+        where.append((b, sizes[b], size))
+        sizes[b] += size
+    return FlatLayout(tuple(zip(names, sizes)), tuple(where), tuple(map(tuple, shapes)))
+
+
+def views(layout: FlatLayout, buckets: Sequence[Any]) -> list[Any]:
+    """Each key's value, a view (slice and reshape) of its bucket."""
+    return [
+        jax.lax.slice_in_dim(buckets[b], start, start + size).reshape(shape)
+        for (b, start, size), shape in zip(layout.where, layout.shapes)
+    ]
+
+
+def pack(layout: FlatLayout, values: Sequence[Any]) -> list[Any]:
+    """Fresh buckets holding ``values`` (one per key, in key order): a concatenation each."""
+    parts: list[list[Any]] = [[] for _ in layout.buckets]
+    for (b, _, _), value in zip(layout.where, values):
+        parts[b].append(jnp.ravel(value))
+    out = []
+    for (name, size), ps in zip(layout.buckets, parts):
+        out.append(jnp.concatenate(ps) if ps else jnp.zeros((size,), name))
+    return out
+
+
+def write(layout: FlatLayout, buckets: Sequence[Any], values: Mapping[int, Any]) -> list[Any]:
+    """``buckets`` with the keys at the positions in ``values`` (key position -> new value)
+    written in place (``dynamic_update_slice``), each cast to its bucket's dtype."""
+    out = list(buckets)
+    for i, value in sorted(values.items()):
+        b, start, _ = layout.where[i]
+        flat = jnp.ravel(value).astype(out[b].dtype)
+        out[b] = jax.lax.dynamic_update_slice_in_dim(out[b], flat, start, axis=0)
+    return out
+
+
+# -- optimizer states ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """How one optimizer group's optax state is kept: its tree structure (``treedef``, over the
+    leaves in ``jax.tree_util`` order), and which runs of leaves are *families* (one leaf per key
+    of the group, in the group's key order, each of its key's shape and of one dtype: Adam's
+    ``mu`` and ``nu``), packed into one bucket each; every other leaf (a step count) is kept as
+    it is. ``families[f]`` is ``(first leaf index, dtype name)``."""
+
+    treedef: Any
+    keys: tuple[Key, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    families: tuple[tuple[int, str], ...]
+    leaves: int
+
+
+def pack_opt(keys: Sequence[Key], shapes: Sequence[tuple[int, ...]], opt_state: Any) -> tuple:
+    """``(packing, leaves)``: the optax state of the group ``keys`` (sorted, with their shapes)
+    with each family of per-key leaves packed into one bucket."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
+    n = len(keys)
+    families = []
+    out: list[Any] = []
+    i = 0
+    while i < len(flat):
+        run = flat[i : i + n]
+        if n and len(run) == n and _is_family(run, keys, shapes):
+            dtype = run[0][1].dtype
+            families.append((i, np.dtype(dtype).name))
+            out.append(jnp.concatenate([jnp.ravel(x) for _, x in run]))
+            i += n
+        else:
+            out.append(flat[i][1])
+            i += 1
+    packing = Packing(treedef, tuple(keys), tuple(map(tuple, shapes)), tuple(families), len(flat))
+    return packing, out
+
+
+def _is_family(run: list, keys: Sequence[Key], shapes: Sequence[tuple[int, ...]]) -> bool:
+    """Whether ``run`` (path, leaf pairs) is one leaf per key, in key order, at the same place
+    of the tree but for the key, each of its key's shape, all of one dtype."""
+    prefix = run[0][0][:-1]
+    dtype = getattr(run[0][1], "dtype", None)
+    for (path, leaf), key, shape in zip(run, keys, shapes):
+        last = path[-1] if path else None
+        if (
+            path[:-1] != prefix
+            or not isinstance(last, jax.tree_util.DictKey)
+            or last.key != key
+            or getattr(leaf, "shape", None) != tuple(shape)
+            or getattr(leaf, "dtype", None) != dtype
+        ):
+            return False
+    return True
+
+
+def unpack_opt(packing: Packing, leaves: Sequence[Any]) -> Any:
+    """The optax state packed by :func:`pack_opt`, each family's leaves views of its bucket."""
+    starts = dict(packing.families)
+    out: list[Any] = []
+    it = iter(leaves)
+    i = 0
+    while i < packing.leaves:
+        leaf = next(it)
+        if i in starts:
+            offset = 0
+            for shape in packing.shapes:
+                size = math.prod(shape)
+                out.append(jax.lax.slice_in_dim(leaf, offset, offset + size).reshape(shape))
+                offset += size
+            i += len(packing.keys)
+        else:
+            out.append(leaf)
+            i += 1
+    return jax.tree_util.tree_unflatten(packing.treedef, out)
+
+
+def write_opt(packing: Packing, old: Sequence[Any], opt_state: Any) -> list[Any]:
+    """The leaves of ``opt_state`` (of ``packing``'s structure) packed as :func:`pack_opt`
+    packs them, each family written in place into its old bucket in ``old``."""
+    flat = jax.tree_util.tree_leaves(opt_state)
+    starts = dict(packing.families)
+    out: list[Any] = []
+    i = 0
+    for previous in old:
+        if i in starts:
+            bucket = previous
+            offset = 0
+            for leaf, shape in zip(flat[i : i + len(packing.keys)], packing.shapes):
+                size = math.prod(shape)
+                flat_leaf = jnp.ravel(leaf).astype(bucket.dtype)
+                bucket = jax.lax.dynamic_update_slice_in_dim(bucket, flat_leaf, offset, axis=0)
+                offset += size
+            out.append(bucket)
+            i += len(packing.keys)
+        else:
+            out.append(flat[i])
+            i += 1
+    return out
