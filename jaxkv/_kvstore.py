@@ -146,8 +146,10 @@ class KVStore:
         self._wrappers: dict[int, tuple[Any, Any]] = {}  # id(updater) -> (updater, wrapper)
         # Arrays handed out through `state`: never donated while the store still holds them.
         self._shared: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-        # ids of stored values that outs of a pull hold (no copy): not donated either.
-        self._lent: set[int] = set()
+        # Whether a pull has lent stored values to outs (no copy): from then on the store keeps
+        # its values at each push (donating only the optimizer state and residuals), so every
+        # push has one donation mode and one compiled computation.
+        self._lends = False
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -337,7 +339,10 @@ class KVStore:
         """Compress each device's pushed values before they are summed, as MXNet does.
 
         ``{'type': '2bit', 'threshold': t}`` (t > 0, default 0.5): each device keeps an
-        error-feedback residual per key and sends only ``+t``, ``-t`` or 0 per element.
+        error-feedback residual per key and sends only ``+t``, ``-t`` or 0 per element. A value
+        from a device outside the store (CPU data pushed into a store on a GPU) is compressed
+        on the store device at its position in the pushed list (the i-th on the (i mod D)-th),
+        with that device's residual, as MXNet indexes residuals by position.
         ``{'type': 'fp16'}`` / ``{'type': 'bf16'}`` (beyond MXNet): values are rounded to that
         type. As in MXNet, only ``device`` and ``dist`` store types compress.
         """
@@ -418,10 +423,10 @@ class KVStore:
 
     # -- internals -------------------------------------------------------------------------
     def _lend(self, lent: list[jax.Array] | None) -> bool:
-        """Record stored values that a pull gave to outs as they are (``None``: it did not)."""
+        """Record that a pull gave stored values to outs as they are (``None``: it did not)."""
         if lent is None:
             return False
-        self._lent.update(map(id, lent))
+        self._lends = True
         return True
 
     def _share(self, state: KVState) -> None:
@@ -430,11 +435,7 @@ class KVStore:
 
     def _update(self, key: Any, values: Any) -> None:
         state = self._state
-        donate: bool | str = True
-        if self._lent:  # stored values that outs hold are kept; the optimizer state is reused
-            self._lent &= set(map(id, state._values))
-            if self._lent:
-                donate = KEEP_VALUES
+        donate: bool | str = KEEP_VALUES if self._lends else True
         if len(self._shared):
             # Forget what the store no longer holds: those arrays it can never donate.
             held = {id(leaf) for leaf in jax.tree_util.tree_leaves(state)}

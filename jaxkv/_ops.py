@@ -228,8 +228,9 @@ def specs(state: KVState, axis_name: Any) -> KVState:
     the store's devices in the same order for the mesh (``state.mesh`` is one).
 
     Examples:
-      >>> import jax.numpy as jnp, jaxkv
-      >>> s = jaxkv.init(jaxkv.empty(), {"w": jnp.zeros((8, 4096)), "b": jnp.zeros(3)})
+      >>> import jax, jax.numpy as jnp, jaxkv
+      >>> devices = jax.devices("cpu")  # 8 simulated CPU devices in the tests
+      >>> s = jaxkv.init(jaxkv.empty(devices), {"w": jnp.zeros((8, 4096)), "b": jnp.zeros(3)})
       >>> sp = jaxkv.specs(s, "d")
       >>> tuple(sp.values["b"]), tuple(sp.values["w"])
       ((), ('d',))

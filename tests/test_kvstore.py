@@ -236,9 +236,22 @@ def test_the_store_donates_but_never_invalidates_what_it_handed_out(kv):
     np.testing.assert_array_equal(held, np.full(SHAPE, 2.0))
     np.testing.assert_array_equal(out.asnumpy(), np.full(SHAPE, 2.0))
     np.testing.assert_array_equal(kv.pull(3), np.full(SHAPE, 4.0))
-    inner = kv._state[3]  # the store's own buffer is donated by the next update
+    # This store lent its values to outs: it keeps them at every push from then on.
+    inner = kv._state[3]
+    kv.push(3, nd.ones(SHAPE))
+    assert not inner.is_deleted()
+
+
+def test_a_store_that_never_lent_its_values_donates_them(kv):
+    kv.set_updater(lambda k, i, s: s + i)
+    pulled = kv.pull(3)  # a copy: nothing lent
+    snapshot = kv.state
+    kv.push(3, nd.ones(SHAPE))  # keeps what `state` handed out
+    assert not snapshot[3].is_deleted() and not pulled.is_deleted()
+    inner = kv._state[3]  # the store's own buffer, held by nothing else: donated
     kv.push(3, nd.ones(SHAPE))
     assert inner.is_deleted()
+    np.testing.assert_array_equal(kv.pull(3), np.full(SHAPE, 2.0 + 2.0))
 
 
 def test_state_moves_between_imperative_and_functional(kv):
