@@ -26,7 +26,7 @@ import jax
 import optax
 
 from ._args import devices_of, group
-from ._arrays import stacked_sharding
+from ._arrays import copies, stacked_sharding
 from ._errors import KVStoreError
 from ._fast import all_eager, assemble, per_device, single_device
 from ._push import _PUSH_CACHE, Donate, Kind
@@ -354,10 +354,11 @@ _DATA = operator.attrgetter("_data")
 def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable | None:
     """``KVStore.pull(keys, out=outs)`` by a plan, checked now and done by the function
     returned: called with a state of the same key set and shapes (this one, or the one a push
-    made from it), it gives each ``handle`` (``NDArray``) of ``outs`` its key's stored value
-    on the out's own device, with no copy (the stored array, or its buffer on that device),
-    and returns the stored values it lent: the store must not donate them to a later push.
-    It returns ``None``, having done nothing, for a state of other keys or shapes.
+    made from it) and ``lend``, it gives each ``handle`` (``NDArray``) of ``outs`` its key's
+    value on the out's own device, and returns ``True``. With ``lend`` the value is the stored
+    array itself (or its buffer on that device), with no copy: the store must then never
+    donate its values to a push; without, a fresh copy (one computation for all). It returns
+    ``False``, having done nothing, for a state of other keys or shapes.
 
     ``None`` where the general path must run: another process, a sharded value, an out of
     another type, shape or dtype than the stored value, or on a device outside the store."""
@@ -408,11 +409,13 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
             return None
         at = plan.at[devices] = [positions[d] for d in devices]
 
-    def go(now: KVState) -> list[jax.Array] | None:
+    def go(now: KVState, lend: bool) -> bool:
         if not (now._keys is plan.keys and now._shapes is plan.shapes_of):
-            return None
+            return False
         held = now._values
         fresh = [held[i] for i in plan.unique]
+        if not lend:
+            fresh = copies(fresh)
         if len(now._devices) == 1:
             for o, j, d in zip(flat, plan.of, devices):
                 o._set(fresh[j], d)
@@ -420,7 +423,7 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
             arrays = list(map(per_device, fresh))
             for o, j, p, d in zip(flat, plan.of, at, devices):
                 o._set(arrays[j][p], d)
-        return fresh
+        return True
 
     return go
 

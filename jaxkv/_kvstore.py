@@ -2,8 +2,10 @@
 
 The store holds one :class:`KVState` and rebinds it on every call; all logic lives in the pure
 operations. Calls are serialised by a lock, so pushes from many threads lose nothing. The store
-owns its buffers and donates them to each update, so it never holds two copies of itself;
-anything it hands out (pulled values, ``state``) is never invalidated by a later update.
+owns its buffers: a store with values split across devices donates them to each update; one
+without lends them to the outs of a pull instead of copying them (and keeps them at each
+update). Anything it hands out (pulled values, outs, ``state``) is never invalidated by a later
+update.
 """
 
 from __future__ import annotations
@@ -146,10 +148,10 @@ class KVStore:
         self._wrappers: dict[int, tuple[Any, Any]] = {}  # id(updater) -> (updater, wrapper)
         # Arrays handed out through `state`: never donated while the store still holds them.
         self._shared: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-        # Whether a pull has lent stored values to outs (no copy): from then on the store keeps
-        # its values at each push (donating only the optimizer state and residuals), so every
-        # push has one donation mode and one compiled computation.
-        self._lends = False
+        # Whether the store keeps its values at each push (donating only the optimizer state
+        # and residuals) and lends them to the outs of a pull, with no copy; decided once, at
+        # the first push or pull (see _keeps_values), so every push has one donation mode.
+        self._keep_values: bool | None = None
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -220,7 +222,7 @@ class KVStore:
             if out is None:
                 return self._values(key)
             fill = _dispatch.prepare_fill(self._state, key, out, NDArray)
-            if fill is not None and self._lend(fill(self._state)):
+            if fill is not None and fill(self._state, self._keeps_values()):
                 return None
             pairs = _args.pairs(key, out, "outs")
             self._check_outs(pairs)
@@ -241,7 +243,7 @@ class KVStore:
                     self._check_outs(pairs)
             self._update(key, _unwrap_values(value))
             if fill is not None:
-                if self._lend(fill(self._state)):
+                if fill(self._state, self._keeps_values()):
                     return None
                 pairs = _args.pairs(key, out if out is not None else value, "outs")
             if pairs is None:
@@ -422,12 +424,19 @@ class KVStore:
     _barrier = barrier
 
     # -- internals -------------------------------------------------------------------------
-    def _lend(self, lent: list[jax.Array] | None) -> bool:
-        """Record that a pull gave stored values to outs as they are (``None``: it did not)."""
-        if lent is None:
-            return False
-        self._lends = True
-        return True
+    def _keeps_values(self) -> bool:
+        """Whether this store keeps its values at each push and lends them to outs, decided at
+        its first push or pull: yes where no value is split across devices (a pull into outs
+        can then hand out the stored arrays as they are, MXNet's usual push-then-pull loop
+        copies nothing, and a push holds the old and new values as a donating push followed by
+        a copying pull would); no otherwise (split values are gathered into fresh copies at
+        each pull anyway, and donating them saves their memory)."""
+        if self._keep_values is None:
+            state = self._state
+            self._keep_values = jax.process_count() == 1 and not any(
+                state.is_sharded(shape) for shape in state._shapes
+            )
+        return self._keep_values
 
     def _share(self, state: KVState) -> None:
         for leaf in jax.tree_util.tree_leaves(state):
@@ -435,7 +444,7 @@ class KVStore:
 
     def _update(self, key: Any, values: Any) -> None:
         state = self._state
-        donate: bool | str = KEEP_VALUES if self._lends else True
+        donate: bool | str = KEEP_VALUES if self._keeps_values() else True
         if len(self._shared):
             # Forget what the store no longer holds: those arrays it can never donate.
             held = {id(leaf) for leaf in jax.tree_util.tree_leaves(state)}

@@ -236,22 +236,28 @@ def test_the_store_donates_but_never_invalidates_what_it_handed_out(kv):
     np.testing.assert_array_equal(held, np.full(SHAPE, 2.0))
     np.testing.assert_array_equal(out.asnumpy(), np.full(SHAPE, 2.0))
     np.testing.assert_array_equal(kv.pull(3), np.full(SHAPE, 4.0))
-    # This store lent its values to outs: it keeps them at every push from then on.
+    # No value of this store is split across devices: it keeps its values at every push and
+    # lends them to the outs of a pull, with no copy.
     inner = kv._state[3]
     kv.push(3, nd.ones(SHAPE))
     assert not inner.is_deleted()
 
 
-def test_a_store_that_never_lent_its_values_donates_them(kv):
+def test_a_store_with_split_values_donates_them_and_copies_into_outs():
+    big = (64, 512)  # above the big-array bound: split across the 8 devices
+    kv = cpu_store("local")
+    kv.init([3, 5], [nd.ones(big), nd.zeros(SHAPE)])
     kv.set_updater(lambda k, i, s: s + i)
-    pulled = kv.pull(3)  # a copy: nothing lent
+    out = nd.zeros(SHAPE, jaxkv.cpu(1))
+    kv.pull(5, out=out)  # a copy: this store donates its values
     snapshot = kv.state
-    kv.push(3, nd.ones(SHAPE))  # keeps what `state` handed out
-    assert not snapshot[3].is_deleted() and not pulled.is_deleted()
-    inner = kv._state[3]  # the store's own buffer, held by nothing else: donated
-    kv.push(3, nd.ones(SHAPE))
-    assert inner.is_deleted()
-    np.testing.assert_array_equal(kv.pull(3), np.full(SHAPE, 2.0 + 2.0))
+    kv.push([3, 5], [nd.ones(big), nd.ones(SHAPE)])  # keeps what `state` handed out
+    assert not snapshot[3].is_deleted() and not out.asjax().is_deleted()
+    inner = [kv._state[3], kv._state[5]]  # the store's own buffers, held by nothing else
+    kv.push([3, 5], [nd.ones(big), nd.ones(SHAPE)])
+    assert all(x.is_deleted() for x in inner)
+    np.testing.assert_array_equal(kv.pull(3), np.full(big, 3.0))
+    np.testing.assert_array_equal(out.asnumpy(), np.zeros(SHAPE))
 
 
 def test_state_moves_between_imperative_and_functional(kv):
