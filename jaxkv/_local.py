@@ -14,6 +14,7 @@ whole value's shape into itself, as ``jnp.arange(64)[:, None] < 32`` does).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +26,8 @@ from ._collectives import axis_arg, axis_size
 from ._fast import CAN_MARK_VARYING, all_gather_invariant, to_varying, varying_axes
 
 __all__ = ["run_on_blocks"]
+
+logger = logging.getLogger("jaxkv")
 
 # Primitives whose output element i depends only on the input elements i (scalars broadcast).
 _ELEMENTWISE = frozenset(
@@ -155,12 +158,15 @@ def _trace(fn: Callable, args: Any) -> tuple[Any, Any] | None:
     ``None`` if tracing it there raises."""
     try:
         return jax.make_jaxpr(fn, return_shape=True)(*args)
-    except Exception:
+    except Exception as e:
         # An updater that fixes the whole value's shape (``jnp.arange(64)[:, None] < 32``, 64
         # rows sliced out of the value) raises on a block: a shape error from jnp or lax, an
         # IndexError, an assertion, jaxkv's ShapeError on its result. It then runs on the
         # gathered whole value, where an error that is not about the block's shape is raised
         # again.
+        logger.debug(
+            "jaxkv: the updater cannot run on blocks (%s: %s); gathering", type(e).__name__, e
+        )
         return None
 
 
