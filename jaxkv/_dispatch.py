@@ -105,11 +105,11 @@ class _PushPlan:
     fn: Callable
 
 
-def push(state: KVState, keys: Any, values: Any, updater: Any, donate: Donate) -> KVState | None:
-    """``jaxkv.push`` of eager values by a plan, or ``None`` where the general path must run
-    (see the module doc)."""
-    if state._compression is not None or jax.process_count() > 1:
-        return None
+def _call(keys: Any, values: Any) -> tuple[tuple, Sequence[Any], int, Sequence[Any]] | None:
+    """A call's keys and values (or outs) in MXNet's forms a plan can replay: ``(call keys,
+    values per key, values per key count, every value in call order)``, for a key or a list of
+    plain ``int``/``str`` keys, each with one item or each with a list of as many items; else
+    ``None``."""
     if isinstance(keys, list | tuple):
         if not isinstance(values, list | tuple) or len(values) != len(keys) or not keys:
             return None
@@ -129,7 +129,21 @@ def push(state: KVState, keys: Any, values: Any, updater: Any, donate: Donate) -
         flat: Sequence[Any] = list(itertools.chain.from_iterable(values))
     else:
         per, flat = 1, values
-    if not flat or not all_eager(flat):
+    if not flat:
+        return None
+    return ckeys, values, per, flat
+
+
+def push(state: KVState, keys: Any, values: Any, updater: Any, donate: Donate) -> KVState | None:
+    """``jaxkv.push`` of eager values by a plan, or ``None`` where the general path must run
+    (see the module doc)."""
+    if state._compression is not None or jax.process_count() > 1:
+        return None
+    call = _call(keys, values)
+    if call is None:
+        return None
+    ckeys, values, per, flat = call
+    if not all_eager(flat):
         return None
     sig = (
         id(state._keys),
@@ -362,26 +376,11 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
 
     ``None`` where the general path must run: another process, a sharded value, an out of
     another type, shape or dtype than the stored value, or on a device outside the store."""
-    if isinstance(keys, list | tuple):
-        if not isinstance(outs, list | tuple) or len(outs) != len(keys) or not keys:
-            return None
-        ckeys = tuple(keys)
-    else:
-        ckeys, outs = (keys,), (outs,)
-    if not set(map(type, ckeys)) <= _KEY_TYPES:
+    call = _call(keys, outs)
+    if call is None:
         return None
-    kinds = set(map(type, outs))
-    if kinds <= {list, tuple}:
-        lengths = set(map(len, outs))
-        if len(lengths) != 1:
-            return None
-        (per,) = lengths
-        flat: Sequence[Any] = list(itertools.chain.from_iterable(outs))
-    elif kinds == {handle}:
-        per, flat = 1, outs
-    else:
-        return None
-    if not flat or set(map(type, flat)) != {handle}:
+    ckeys, _, per, flat = call
+    if set(map(type, flat)) != {handle}:
         return None
     sig = (
         id(state._keys),
