@@ -184,19 +184,20 @@ def copy_bandwidth(dev: jax.Device, reps: int = 10) -> float:
 
 
 # -- timing -------------------------------------------------------------------------------------
-def _reason(e: BaseException) -> str:
+def reason(e: BaseException) -> str:
+    """Why a row failed, in one line."""
     return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
-def time_rows(rows: dict[str, Step], counter, section: str, steps: int, log) -> dict:
+def time_rows(rows: dict[str, Step], counter, steps: int, least: int, budget: float, log) -> dict:
     """Times ``rows``: ``ROUNDS`` rounds of ``steps`` steps each, the rows interleaved step by
     step (the order alternating), so a shared machine's drifting load falls on every row alike.
 
     Each row first takes ``WARMUP`` untimed steps; where their last steps say the rounds would
-    take over ``BUDGET_S[section]`` seconds, fewer steps are timed (at least ``MIN_STEPS``).
-    Returns {"rows": {name: {"ms", "rounds", "compiles"}}, "skipped": {name: reason},
-    "steps"}: "ms" is the best round's median ms/step; "compiles" counts the timed steps' XLA
-    compilations (``counter``: bench.CompileCounter)."""
+    take over ``budget`` seconds, fewer steps are timed (at least ``least``). Returns
+    {"rows": {name: {"ms", "rounds", "compiles"}}, "skipped": {name: reason}, "steps"}: "ms" is
+    the best round's median ms/step; "compiles" counts the timed steps' XLA compilations
+    (``counter``: bench.CompileCounter)."""
     skipped: dict[str, str] = {}
     live: dict[str, Step] = {}
     per_step = 0.0  # seconds of one step of every row, from the last warm-up steps
@@ -210,10 +211,10 @@ def time_rows(rows: dict[str, Step], counter, section: str, steps: int, log) -> 
             live[name] = step
             log(f"    {name}: warm-up ({WARMUP} steps, compiles) {time.perf_counter() - t0:.2f} s")
         except Exception as e:  # a failing row is a finding: reported, never timed
-            skipped[name] = _reason(e)
+            skipped[name] = reason(e)
             log(f"    {name}: FAILED {skipped[name]}")
-    fit = int(BUDGET_S[section] / max(per_step * ROUNDS, 1e-9))
-    steps = max(min(steps, fit), min(steps, MIN_STEPS))
+    fit = int(budget / max(per_step * ROUNDS, 1e-9))
+    steps = max(min(steps, fit), min(steps, least))
     times: dict[str, list[float]] = {n: [] for n in live}
     compiles = dict.fromkeys(live, 0)
     with counter() as c:
@@ -228,9 +229,9 @@ def time_rows(rows: dict[str, Step], counter, section: str, steps: int, log) -> 
                         live[name]()
                         samples[name].append(time.perf_counter() - t)
                     except Exception as e:
-                        skipped[name] = _reason(e)
+                        skipped[name] = reason(e)
                         log(f"    {name}: FAILED {skipped[name]}")
-                        del live[name]
+                        del live[name], times[name]
                         continue
                     compiles[name] += c.count - before
             for name in live:
@@ -261,11 +262,18 @@ def check_values(builders: dict[str, Callable], shapes: list, log) -> dict[str, 
                 step()
             got[name] = [np.asarray(v) for v in values()]
         except Exception as e:
-            got[name] = f"failed: {_reason(e)}"
-    ref = got.get(HAND)
+            got[name] = f"failed: {reason(e)}"
+    return compare(got, HAND, log)
+
+
+def compare(got: dict[str, Any], hand: str, log) -> dict[str, Any]:
+    """Each row's values in ``got`` (a list of arrays, or why there are none) against row
+    ``hand``'s: {name: {"max_diff": the largest |difference|, "ok": within TOLERANCE of the
+    largest |value|}, or why it could not be compared}; logged."""
+    ref = got.get(hand)
     out: dict[str, Any] = {}
     for name, vals in got.items():
-        if name == HAND:
+        if name == hand:
             continue
         if isinstance(vals, str) or not isinstance(ref, list):
             out[name] = vals if isinstance(vals, str) else f"no hand-written values ({ref})"
@@ -274,13 +282,13 @@ def check_values(builders: dict[str, Callable], shapes: list, log) -> dict[str, 
             scale = max([1.0] + [float(np.max(np.abs(b), initial=0.0)) for b in ref])
             out[name] = {"max_diff": diff, "ok": diff <= TOLERANCE * scale}
     log(
-        f"    values after {CHECK_STEPS} steps vs {HAND}: "
-        + ", ".join(f"{n} {_values(v)}" for n, v in out.items())
+        f"    values after {CHECK_STEPS} steps vs {hand}: "
+        + ", ".join(f"{n} {values_text(v)}" for n, v in out.items())
     )
     return out
 
 
-def _values(check: Any) -> str:
+def values_text(check: Any) -> str:
     """A row's value check as printed: "values ok" or the largest difference."""
     if check is None:
         return ""
@@ -355,9 +363,9 @@ def run(section: str, counter, steps: int | None = None, log=print) -> dict:
             try:
                 rows[row] = build(init, grads)[0]
             except Exception as e:
-                broken[row] = _reason(e)
+                broken[row] = reason(e)
                 log(f"    {row}: FAILED {broken[row]}")
-        timed = time_rows(rows, counter, section, steps, log)
+        timed = time_rows(rows, counter, steps, MIN_STEPS, BUDGET_S[section], log)
         del rows
         checked = {n: b for n, b in builders.items() if n in timed["rows"]}
         kset = {
@@ -416,7 +424,7 @@ def _table(s: dict) -> list[dict]:
                 "hand": _ratio(r["ms"], hand),
                 "torch": _ratio(r["ms"], torch) if jk else "",
                 "floor": _ratio(r["ms"], s.get("floor")) if jk else "",
-                "values": _values(s["values"].get(name)) if name != HAND else "reference",
+                "values": values_text(s["values"].get(name)) if name != HAND else "reference",
             }
         )
     if "floor" in s:

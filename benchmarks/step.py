@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,13 +16,14 @@ import optax
 
 import jaxkv
 
-ROUNDS = 3
-WARMUP = 3  # untimed steps per row first: the first compiles
-CHECK_STEPS = 5  # steps of the value check, from the same random values
-# The largest |difference| from the hand-written row's parameters that is "ok", relative to the
-# largest |value| (at least 1): a few float32 roundings per step, for steps that fuse or order
-# the optimizer's arithmetic differently (torch's Adam divides by the bias corrections apart).
-TOLERANCE = 1e-5
+# Timed and checked as the eager sections are (benchmarks/eager.py: time_rows, compare), with
+# their rounds, warm-up, value-check steps and tolerance.
+ROUNDS, WARMUP, CHECK_STEPS, TOLERANCE = (
+    eager.ROUNDS,
+    eager.WARMUP,
+    eager.CHECK_STEPS,
+    eager.TOLERANCE,
+)
 LR = {"adam": 1e-3, "sgd": 1e-2}
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "adam": lambda: optax.adam(LR["adam"]),
@@ -66,10 +66,6 @@ Values = Callable[[], list]
 # A row's builder: (initial values by key, check) -> (step, values). With check, a torch row's
 # step computes its gradients by autograd first (timed, it steps with gradients already set).
 Build = Callable[[dict, bool], tuple[Step, Values]]
-
-
-def _reason(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
 def _loss(params, x):
@@ -226,64 +222,6 @@ def torch_step(torch: Any, tdev: Any, row: str, lr: float) -> Build:
 
 
 # -- timing -------------------------------------------------------------------------------------
-def time_rows(rows: dict[str, Step], counter, steps: int, least: int, budget: float, log) -> dict:
-    """Times ``rows``: ``ROUNDS`` rounds of ``steps`` steps each, the rows interleaved step by
-    step (the order alternating), so a shared machine's drifting load falls on every row alike.
-
-    Each row first takes ``WARMUP`` untimed steps; where their last steps say the rounds would
-    take over ``budget`` seconds, fewer steps are timed (at least ``least``). Returns
-    {"rows": {name: {"ms", "rounds", "compiles"}}, "skipped": {name: reason}, "steps"}: "ms" is
-    the best round's median ms/step; "compiles" counts the timed steps' XLA compilations
-    (``counter``: bench.CompileCounter)."""
-    skipped: dict[str, str] = {}
-    live: dict[str, Step] = {}
-    per_step = 0.0  # seconds of one step of every row, from the last warm-up steps
-    for name, step in rows.items():
-        try:
-            t0 = time.perf_counter()
-            for _ in range(WARMUP):
-                t = time.perf_counter()
-                step()
-            per_step += time.perf_counter() - t
-            live[name] = step
-            log(f"    {name}: warm-up ({WARMUP} steps, compiles) {time.perf_counter() - t0:.2f} s")
-        except Exception as e:  # a failing row is a finding: reported, never timed
-            skipped[name] = _reason(e)
-            log(f"    {name}: FAILED {skipped[name]}")
-    fit = int(budget / max(per_step * ROUNDS, 1e-9))
-    steps = max(min(steps, fit), min(steps, least))
-    times: dict[str, list[float]] = {n: [] for n in live}
-    compiles = dict.fromkeys(live, 0)
-    with counter() as c:
-        for r in range(ROUNDS):
-            samples: dict[str, list[float]] = {n: [] for n in live}
-            for i in range(steps):
-                order = list(live)
-                for name in order if i % 2 == 0 else order[::-1]:
-                    before = c.count
-                    try:
-                        t = time.perf_counter()
-                        live[name]()
-                        samples[name].append(time.perf_counter() - t)
-                    except Exception as e:
-                        skipped[name] = _reason(e)
-                        log(f"    {name}: FAILED {skipped[name]}")
-                        del live[name], times[name]
-                        continue
-                    compiles[name] += c.count - before
-            for name in live:
-                times[name].append(float(np.median(samples[name]) * 1e3))
-            log(
-                f"    round {r + 1}/{ROUNDS}, {steps} steps each: "
-                + ", ".join(f"{n} {times[n][-1]:.3f} ms" for n in live)
-            )
-    timed = {
-        name: {"ms": min(times[name]), "rounds": times[name], "compiles": compiles[name]}
-        for name in live
-    }
-    return {"rows": timed, "skipped": skipped, "steps": steps}
-
-
 def check_values(builders: dict[str, Build], init: dict, log) -> dict[str, Any]:
     """Every row's parameters after ``CHECK_STEPS`` steps from ``init``, each row built afresh:
     {name: {"max_diff": the largest |difference| from the hand-written row's, "ok": within
@@ -296,35 +234,8 @@ def check_values(builders: dict[str, Build], init: dict, log) -> dict[str, Any]:
                 step()
             got[name] = [np.asarray(v) for v in values()]
         except Exception as e:
-            got[name] = f"failed: {_reason(e)}"
-    ref = got.get(HAND)
-    out: dict[str, Any] = {}
-    for name, vals in got.items():
-        if name == HAND:
-            continue
-        if isinstance(vals, str) or not isinstance(ref, list):
-            out[name] = vals if isinstance(vals, str) else f"no hand-written values ({ref})"
-        else:
-            diff = max(float(np.max(np.abs(a - b), initial=0.0)) for a, b in zip(vals, ref))
-            scale = max([1.0] + [float(np.max(np.abs(b), initial=0.0)) for b in ref])
-            out[name] = {"max_diff": diff, "ok": diff <= TOLERANCE * scale}
-    log(
-        f"    values after {CHECK_STEPS} steps vs {HAND}: "
-        + ", ".join(f"{n} {_values(v)}" for n, v in out.items())
-    )
-    return out
-
-
-def _values(check: Any) -> str:
-    """A row's value check as printed: "values ok" or the largest difference."""
-    if check is None:
-        return ""
-    if isinstance(check, str):
-        return f"values not checked: {check}"
-    diff = check["max_diff"]
-    if check["ok"]:
-        return "values ok" + (f" (max |diff| {diff:.1e})" if diff else "")
-    return f"VALUES DIFFER: max |diff| {diff:.3g}"
+            got[name] = f"failed: {eager.reason(e)}"
+    return eager.compare(got, HAND, log)
 
 
 # -- the section -------------------------------------------------------------------------------
@@ -409,9 +320,9 @@ def run(counter, steps: int | None = None, log=print) -> dict:
                 try:
                     rows[row] = build(init, False)[0]
                 except Exception as e:  # e.g. torch's fused Adam where this torch has none
-                    broken[row] = _reason(e)
+                    broken[row] = eager.reason(e)
                     log(f"    {row}: not run: {broken[row]}")
-            timed = time_rows(rows, counter, n, MIN_STEPS[kind], BUDGET_S[kind], log)
+            timed = eager.time_rows(rows, counter, n, MIN_STEPS[kind], BUDGET_S[kind], log)
             del rows
             checked = {r: b for r, b in builders.items() if r in timed["rows"]}
             s["opts"][oname] = {
@@ -516,7 +427,7 @@ def _table(s: dict, oname: str) -> list[dict]:
                 "rounds": r["rounds"],
                 "compiles": r["compiles"],
                 "hand": "1.00x" if name == HAND else _ratio(hand, r["ms"]),
-                "values": "reference" if name == HAND else _values(o["values"].get(name)),
+                "values": "reference" if name == HAND else eager.values_text(o["values"].get(name)),
             }
         )
     return out
