@@ -39,7 +39,7 @@ Kind = str | tuple[str, tuple[bool, ...]]
 
 # What a push may reuse the buffers of: ``True`` (the stored values, optimizer state and
 # residuals), ``False`` (nothing), or ``KEEP_VALUES`` (all but the stored values: a ``KVStore``
-# whose values were lent to the outs of a pull).
+# that keeps its values to lend them to the outs of its pulls).
 KEEP_VALUES = "all but the values"
 Donate = bool | str
 
