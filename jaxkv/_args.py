@@ -82,9 +82,10 @@ def check_value(key: Key, x: jax.Array, stored: Any, what: str, whole: Any = Non
 def group(state: KVState, keys: Any, values: Any) -> dict[Key, list[jax.Array]]:
     """Validated contributions per distinct key, in a canonical (sorted) key order."""
     grouped: dict[Key, list[jax.Array]] = {}
+    types = state._stored_types()
     for key, vs in pairs(keys, values, "values"):
         i = state.index(key)
-        stored = state._values[i]
+        stored = types[i]
         arrays = []
         for n, v in enumerate(vs):
             x = as_array(v)

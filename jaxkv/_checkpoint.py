@@ -352,6 +352,7 @@ def _assemble(
             (),
             (),
             state._user_mesh,
+            state._policy,
         )
         like = {
             e["key"]: jax.ShapeDtypeStruct(tuple(e["shape"]), jnp.dtype(e["dtype"]))

@@ -29,7 +29,7 @@ from ._args import devices_of, group
 from ._arrays import copies, stacked_sharding
 from ._errors import KVStoreError
 from ._fast import all_eager, assemble, per_device, single_device
-from ._push import _PUSH_CACHE, Donate, Kind
+from ._push import _PUSH_CACHE, Donate, Kind, flat_push_fn
 from ._state import KVState, normalize_key
 from ._update import optimizer_group
 
@@ -103,6 +103,7 @@ class _PushPlan:
     group: int | None  # the optimizer group's position in the state's groups
     residuals: list[None]
     fn: Callable
+    flat: bool  # fn is a flat push: fn(state, pushed) -> new state
 
 
 def _call(keys: Any, values: Any) -> tuple[tuple, Sequence[Any], int, Sequence[Any]] | None:
@@ -229,10 +230,14 @@ def _push_plan(
         stacks.append((p, (block[0] * n_devices, *block[1:]), stacked_sharding(state.mesh)))
     group_at = None
     if isinstance(updater, optax.GradientTransformation):
-        group_keys, opt_state = optimizer_group(state, order)
+        group_keys, opt_state = optimizer_group(state, order, unpack=state._flat is None)
         if opt_state is None:  # made by the general path's first push; then a new signature
             return _NO_PLAN
         group_at = state._groups.index(group_keys)
+    if state._flat is None:
+        fn = _PUSH_CACHE.get(state, order, tuple(kinds), updater, donate)
+    else:
+        fn = flat_push_fn(state, order, tuple(kinds), updater, donate)
     return _PushPlan(
         keys=state._keys,
         shapes_of=state._shapes,
@@ -249,7 +254,8 @@ def _push_plan(
         stacks=stacks,
         group=group_at,
         residuals=[None] * len(order),
-        fn=_PUSH_CACHE.get(state, order, tuple(kinds), updater, donate),
+        fn=fn,
+        flat=state._flat is not None,
     )
 
 
@@ -269,6 +275,8 @@ def _run_push(plan: _PushPlan, state: KVState, flat: Sequence[jax.Array]) -> KVS
         moved = jax.device_put([pushed[p] for p, _ in plan.puts], [s for _, s in plan.puts])
         for (p, _), x in zip(plan.puts, moved):
             pushed[p] = x
+    if plan.flat:
+        return cast(KVState, plan.fn(state, pushed))
     held = state._values
     stored = list(held) if plan.whole else [held[i] for i in plan.index]
     opts = state._opt_states
@@ -308,6 +316,8 @@ def pull(state: KVState, keys: Any, devices: Any) -> Any:
     """``jaxkv.pull`` of eager values that stay where the store keeps them (``devices`` is
     ``None`` or the store's own devices, and no pulled value is sharded), by a plan; or
     ``_NO_PLAN`` where the general path must run."""
+    if state._flat is not None:
+        return _NO_PLAN
     single = not isinstance(keys, list | tuple)
     ckeys = (keys,) if single else tuple(keys)
     if not ckeys or not set(map(type, ckeys)) <= _KEY_TYPES:
@@ -376,6 +386,8 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
 
     ``None`` where the general path must run: another process, a sharded value, an out of
     another type, shape or dtype than the stored value, or on a device outside the store."""
+    if state._flat is not None:
+        return None
     call = _call(keys, outs)
     if call is None:
         return None

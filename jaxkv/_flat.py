@@ -20,15 +20,16 @@ flat): which layout to use is a choice, not a rule.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._state import Key
+Key = Hashable  # an int or a str (``_state.Key``; this module sits below ``_state.py``)
 
 __all__ = [
     "FlatLayout",
@@ -46,12 +47,25 @@ __all__ = [
 @dataclasses.dataclass(frozen=True)
 class FlatLayout:
     """Where each key lives: ``buckets[b]`` is ``(dtype name, size)``; ``where[i]`` is
-    ``(bucket, offset, size)`` of the i-th key (in the store's key order), ``shapes[i]`` its
-    shape. Static and hashable: it is part of a state's aux data."""
+    ``(bucket, offset, size)`` of the i-th key (in the store's key order), or ``(-1, j, size)``
+    for a key kept as an array of its own (the j-th such key); ``shapes[i]`` and ``dtypes[i]``
+    are its shape and dtype name. The leaves are the buckets, then the keys kept on their own.
+    Static and hashable: it is part of a state's aux data."""
 
     buckets: tuple[tuple[str, int], ...]
     where: tuple[tuple[int, int, int], ...]
     shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+
+    @property
+    def leaves(self) -> int:
+        """How many arrays hold the values: the buckets and the keys kept on their own."""
+        return len(self.buckets) + sum(1 for b, _, _ in self.where if b < 0)
+
+    def leaf(self, i: int) -> int:
+        """The index among the leaves of the array that holds key position ``i``."""
+        b, j, _ = self.where[i]
+        return b if b >= 0 else len(self.buckets) + j
 
 
 def plan(
@@ -59,15 +73,23 @@ def plan(
     shapes: Sequence[tuple[int, ...]],
     dtypes: Sequence[Any],
     groups: Sequence[Sequence[Key]] = (),
+    bucketed: Sequence[bool] | None = None,
 ) -> FlatLayout:
     """The layout of ``keys`` (sorted, with their shapes and dtypes): one bucket per (optimizer
-    group or none, dtype), buckets in the order of their first key, keys in key order inside."""
+    group or none, dtype), buckets in the order of their first key, keys in key order inside.
+    Keys whose ``bucketed`` is false are kept as arrays of their own."""
     group_of = {k: g for g in map(tuple, groups) for k in g}
     bucket_of: dict[tuple, int] = {}
     sizes: list[int] = []
     names: list[str] = []
     where = []
-    for key, shape, dtype in zip(keys, shapes, dtypes):
+    alone = 0
+    for n, (key, shape, dtype) in enumerate(zip(keys, shapes, dtypes)):
+        size = math.prod(shape)
+        if bucketed is not None and not bucketed[n]:
+            where.append((-1, alone, size))
+            alone += 1
+            continue
         name = np.dtype(dtype).name
         tag = (group_of.get(key), name)
         if tag not in bucket_of:
@@ -75,37 +97,78 @@ def plan(
             sizes.append(0)
             names.append(name)
         b = bucket_of[tag]
-        size = math.prod(shape)
         where.append((b, sizes[b], size))
         sizes[b] += size
-    return FlatLayout(tuple(zip(names, sizes)), tuple(where), tuple(map(tuple, shapes)))
+    return FlatLayout(
+        tuple(zip(names, sizes)),
+        tuple(where),
+        tuple(map(tuple, shapes)),
+        tuple(np.dtype(t).name for t in dtypes),
+    )
 
 
-def views(layout: FlatLayout, buckets: Sequence[Any]) -> list[Any]:
-    """Each key's value, a view (slice and reshape) of its bucket."""
-    return [
-        jax.lax.slice_in_dim(buckets[b], start, start + size).reshape(shape)
-        for (b, start, size), shape in zip(layout.where, layout.shapes)
-    ]
-
-
-def pack(layout: FlatLayout, values: Sequence[Any]) -> list[Any]:
-    """Fresh buckets holding ``values`` (one per key, in key order): a concatenation each."""
-    parts: list[list[Any]] = [[] for _ in layout.buckets]
-    for (b, _, _), value in zip(layout.where, values):
-        parts[b].append(jnp.ravel(value))
+def views(
+    layout: FlatLayout, leaves: Sequence[Any], positions: Sequence[int] | None = None
+) -> list[Any]:
+    """Each key's value (or those at ``positions``): a view (slice and reshape) of its bucket,
+    or its own array."""
+    nb = len(layout.buckets)
     out = []
-    for (name, size), ps in zip(layout.buckets, parts):
-        out.append(jnp.concatenate(ps) if ps else jnp.zeros((size,), name))
+    for i in range(len(layout.where)) if positions is None else positions:
+        b, start, size = layout.where[i]
+        if b < 0:
+            out.append(leaves[nb + start])
+        else:
+            view = jax.lax.slice_in_dim(leaves[b], start, start + size)
+            out.append(view.reshape(layout.shapes[i]))
     return out
 
 
-def write(layout: FlatLayout, buckets: Sequence[Any], values: Mapping[int, Any]) -> list[Any]:
-    """``buckets`` with the keys at the positions in ``values`` (key position -> new value)
-    written in place (``dynamic_update_slice``), each cast to its bucket's dtype."""
-    out = list(buckets)
+@functools.lru_cache(maxsize=256)
+def eager_views(layout: FlatLayout, positions: tuple[int, ...] | None = None) -> Any:
+    """:func:`views` as one jitted computation (eagerly, each view is a fresh array)."""
+    return jax.jit(lambda leaves: views(layout, leaves, positions))
+
+
+def pack(layout: FlatLayout, values: Sequence[Any]) -> list[Any]:
+    """Fresh leaves holding ``values`` (one per key, in key order): a concatenation per
+    bucket, then the keys kept on their own."""
+    parts: list[list[Any]] = [[] for _ in layout.buckets]
+    alone = []
+    for (b, _, _), value, name in zip(layout.where, values, layout.dtypes):
+        if b < 0:
+            alone.append(value)
+        else:
+            parts[b].append(jnp.ravel(value).astype(name))
+    out = []
+    for (name, size), ps in zip(layout.buckets, parts):
+        out.append(jnp.concatenate(ps) if ps else jnp.zeros((size,), name))
+    return out + alone
+
+
+@functools.lru_cache(maxsize=256)
+def eager_pack(layout: FlatLayout) -> Any:
+    """:func:`pack` as one jitted computation."""
+    return jax.jit(lambda values: pack(layout, values))
+
+
+@functools.lru_cache(maxsize=256)
+def eager_write(layout: FlatLayout, positions: tuple[int, ...]) -> Any:
+    """:func:`write` of the keys at ``positions`` as one jitted computation."""
+    return jax.jit(lambda leaves, values: write(layout, leaves, dict(zip(positions, values))))
+
+
+def write(layout: FlatLayout, leaves: Sequence[Any], values: Mapping[int, Any]) -> list[Any]:
+    """``leaves`` with the keys at the positions in ``values`` (key position -> new value)
+    written in place (``dynamic_update_slice``), each cast to its bucket's dtype; a key kept
+    on its own is replaced."""
+    out = list(leaves)
+    nb = len(layout.buckets)
     for i, value in sorted(values.items()):
         b, start, _ = layout.where[i]
+        if b < 0:
+            out[nb + start] = value
+            continue
         flat = jnp.ravel(value).astype(out[b].dtype)
         out[b] = jax.lax.dynamic_update_slice_in_dim(out[b], flat, start, axis=0)
     return out
@@ -125,6 +188,19 @@ class Packing:
     shapes: tuple[tuple[int, ...], ...]
     families: tuple[tuple[int, str], ...]
     leaves: int
+
+    def packed_positions(self) -> list[int]:
+        """The positions of the family buckets among the packed leaves."""
+        starts = {i for i, _ in self.families}
+        out, i, j = [], 0, 0
+        while i < self.leaves:
+            if i in starts:
+                out.append(j)
+                i += len(self.keys)
+            else:
+                i += 1
+            j += 1
+        return out
 
 
 def pack_opt(keys: Sequence[Key], shapes: Sequence[tuple[int, ...]], opt_state: Any) -> tuple:
@@ -186,6 +262,18 @@ def unpack_opt(packing: Packing, leaves: Sequence[Any]) -> Any:
             out.append(leaf)
             i += 1
     return jax.tree_util.tree_unflatten(packing.treedef, out)
+
+
+@functools.lru_cache(maxsize=256)
+def eager_unpack_opt(packing: Packing) -> Any:
+    """:func:`unpack_opt` as one jitted computation."""
+    return jax.jit(lambda leaves: unpack_opt(packing, leaves))
+
+
+@functools.lru_cache(maxsize=256)
+def eager_write_opt(packing: Packing) -> Any:
+    """:func:`write_opt` as one jitted computation."""
+    return jax.jit(lambda old, opt_state: write_opt(packing, old, opt_state))
 
 
 def write_opt(packing: Packing, old: Sequence[Any], opt_state: Any) -> list[Any]:

@@ -121,7 +121,9 @@ class KVStore:
       [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]
     """
 
-    def __init__(self, name: str = "local", devices: Any = None) -> None:
+    def __init__(
+        self, name: str = "local", devices: Any = None, *, layout: str | None = None
+    ) -> None:
         if devices is None and name in _DIST_TYPES:
             try:  # under SLURM or Open MPI with no launcher: JAX's own cluster detection
                 _dist.join_cluster()
@@ -143,7 +145,7 @@ class KVStore:
             bound = int(os.environ["MXNET_KVSTORE_BIGARRAY_BOUND"])
         elif name in _DIST_TYPES and jax.process_count() > 1:
             bound = None
-        self._state: KVState = empty(devices, bigarray_bound=bound)
+        self._state: KVState = empty(devices, bigarray_bound=bound, layout=layout)
         self._updater: Any = None
         self._wrappers: dict[int, tuple[Any, Any]] = {}  # id(updater) -> (updater, wrapper)
         # Arrays handed out through `state`: never donated while the store still holds them.
@@ -433,8 +435,10 @@ class KVStore:
         each pull anyway, and donating them saves their memory)."""
         if self._keep_values is None:
             state = self._state
-            self._keep_values = jax.process_count() == 1 and not any(
-                state.is_sharded(shape) for shape in state._shapes
+            self._keep_values = (
+                jax.process_count() == 1
+                and state._policy[1] is None  # a flat store's pulls copy out of its buckets
+                and not any(state.is_sharded(shape) for shape in state._shapes)
             )
         return self._keep_values
 
@@ -453,9 +457,12 @@ class KVStore:
         if len(self._shared):  # something handed out through `state` is held: keep it valid
             pushed = {k for k, _ in _args.pairs(key, values, "values") if k in state}
             groups = {g for k in pushed if (g := state.opt_group(k)) is not None}
-            leaves = jax.tree_util.tree_leaves(
-                [[state[k] for k in pushed], [state.opt_states[g] for g in groups]]
-            )
+            if state._flat is not None:  # a push writes into buckets other keys share
+                leaves = jax.tree_util.tree_leaves(state)
+            else:
+                leaves = jax.tree_util.tree_leaves(
+                    [[state[k] for k in pushed], [state.opt_states[g] for g in groups]]
+                )
             if any(id(leaf) in self._shared for leaf in leaves):
                 donate = False
         # KEEP_VALUES is jaxkv's own third answer, beside the public True and False.

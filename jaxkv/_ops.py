@@ -23,14 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec
 
 from . import _dispatch, _dist
 from ._args import MISSING, as_array, devices_of, group, is_traced, pairs
 from ._arrays import copies, replicate
 from ._compression import residual_zeros
 from ._errors import DuplicateKeyError, KeyTypeError, KVStoreError, ShapeError
-from ._push import init_opt_states, push_eager
+from ._push import init_opt_states, push_eager, push_eager_flat
 from ._state import Key, KVState, check_compressible, key_kind
 from ._trace import gather, is_block, push_in_trace
 from ._update import Updater, optimizer_group
@@ -151,24 +150,32 @@ def push(
             return fast
     grouped = group(state, keys, values)
     index = [state.index(k) for k in grouped]
-    stored = [state._values[i] for i in index]
-    traced = any(is_traced(x) for xs in grouped.values() for x in xs) or any(
-        is_traced(x) for x in stored
-    )
+    flat = state._flat is not None
+    if flat:  # its views are slices of the buckets: made inside the push's computation
+        stored = [state._stored_types()[i] for i in index]
+        traced = any(is_traced(x) for x in jax.tree_util.tree_leaves(state))
+    else:
+        stored = [state._values[i] for i in index]
+        traced = any(is_traced(x) for x in stored)
+    traced = traced or any(is_traced(x) for xs in grouped.values() for x in xs)
     opt_state = None
     if isinstance(updater, optax.GradientTransformation):
-        group_keys, opt_state = optimizer_group(state, tuple(grouped))
+        group_keys, opt_state = optimizer_group(state, tuple(grouped), unpack=traced or not flat)
         traced = traced or any(is_traced(x) for x in jax.tree_util.tree_leaves(opt_state))
         if opt_state is None and not traced:
             state = init_opt_states(state, updater, group_keys)
-            opt_state = state.opt_states[group_keys]
+            opt_state = True if flat else state.opt_states[group_keys]
     if traced:
+        if flat:
+            stored = [state._values[i] for i in index]
         return push_in_trace(state, grouped, stored, opt_state, updater, axis_name)
     if axis_name is not None:
         raise KVStoreError(
             f"axis_name={axis_name!r}: expected to be called inside pmap or shard_map, given an "
             "eager call (eagerly, a list of per-device values is already summed over devices)"
         )
+    if flat:
+        return push_eager_flat(state, grouped, stored, updater, donate)
     return push_eager(state, grouped, index, stored, opt_state, updater, donate)
 
 
@@ -235,26 +242,7 @@ def specs(state: KVState, axis_name: Any) -> KVState:
       >>> tuple(sp.values["b"]), tuple(sp.values["w"])
       ((), ('d',))
     """
-    split = PartitionSpec(axis_name)
-
-    def spec(shape: tuple[int, ...]) -> PartitionSpec:
-        return split if state.is_sharded(shape) else PartitionSpec()
-
-    leaves = [spec(state.shapes[k]) for k in state.keys()]
-    opts = jax.tree_util.tree_map(lambda x: spec(tuple(x.shape)), list(state.opt_states.values()))
-    residuals = [None if r is None else split for r in state.residuals.values()]
-    return KVState(
-        state.keys(),
-        state.devices,
-        leaves,
-        opts,
-        state.bigarray_bound,
-        residuals,
-        state.compression,
-        tuple(state.shapes.values()),
-        tuple(state.opt_states),
-        state._user_mesh,
-    )
+    return state._leaf_specs(axis_name)
 
 
 def init_optimizer(state: KVState, optimizer: Any, keys: Any = None) -> KVState:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _dist
 from ._arrays import host_empty, place, stacked
@@ -26,7 +26,7 @@ from ._fast import single_device
 from ._state import Key, KVState
 from ._update import apply_updater
 
-__all__ = ["KEEP_VALUES", "init_opt_states", "push_eager"]
+__all__ = ["KEEP_VALUES", "init_opt_states", "push_eager", "push_eager_flat"]
 
 logger = logging.getLogger("jaxkv")
 
@@ -330,3 +330,101 @@ def push_eager(
         {tuple(grouped): new_opt} if optax_push else None,
         dict(zip(grouped, new_residuals)),
     )
+
+
+# -- a flat store -------------------------------------------------------------------------------
+def push_eager_flat(
+    state: KVState,
+    grouped: dict[Key, list[jax.Array]],
+    stored: list[Any],
+    updater: Any,
+    donate: Donate,
+) -> KVState:
+    """``push`` of the validated eager contributions ``grouped`` to a state with a flat layout
+    (``stored``: the pushed keys' shapes and dtypes): one cached computation that takes the
+    whole state and gives the new one, each key's value a view of its bucket inside it and its
+    new value written in place (the state's buffers reused where ``donate``)."""
+    layouts = [_layout(state, s, xs) for s, xs in zip(stored, grouped.values())]
+    kinds, pushed = zip(*layouts)
+    fn = flat_push_fn(state, tuple(grouped), kinds, updater, donate)
+    return _dist.ordered("push", fn, state, list(pushed))
+
+
+def flat_push_fn(
+    state: KVState, keys: tuple[Key, ...], kinds: tuple[Kind, ...], updater: Any, donate: Donate
+) -> Callable:
+    """The cached flat push computation ``fn(state, pushed) -> new state`` of this signature."""
+    key = (state.devices, state._user_mesh, state.bigarray_bound, keys, kinds)
+    fn = _FLAT_PUSHES.get(key, updater, donate)
+    if fn is None:
+        fn = _build_push_flat(state, keys, kinds, updater, donate)
+        logger.debug("jaxkv: new flat push signature (%d keys, donate=%s)", len(keys), donate)
+        _FLAT_PUSHES.put(key, updater, donate, fn)
+    return fn
+
+
+class _FlatCache:
+    """Jitted flat pushes, one per signature (the state's layout is part of the computation's
+    own cache key: its tree structure), least recently used dropped first."""
+
+    def __init__(self, size: int = 256):
+        self._size = size
+        self._fns: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key: tuple, updater: Any, donate: Donate) -> Callable | None:
+        sig = (key, id(updater), donate)
+        entry = self._fns.get(sig)
+        if entry is not None and entry[0] is updater:
+            self._fns.move_to_end(sig)
+            return entry[1]
+        return None
+
+    def put(self, key: tuple, updater: Any, donate: Donate, fn: Callable) -> None:
+        self._fns[(key, id(updater), donate)] = (updater, fn)  # holding updater keeps its id
+        if len(self._fns) > self._size:
+            self._fns.popitem(last=False)
+
+
+_FLAT_PUSHES = _FlatCache()
+
+
+def _build_push_flat(
+    state: KVState, keys: tuple[Key, ...], kinds: tuple[Kind, ...], updater: Any, donate: Donate
+) -> Callable:
+    """The jitted push of ``keys`` into a flat state: sums as :func:`_build_push`'s, the
+    updater on each key's view (the same numbers as one array per key), the new values
+    written into the buckets, every leaf placed where the store keeps it."""
+    placement = state._placement()
+    axis = placement.axis
+    stacked = [i for i, kind in enumerate(kinds) if kind != "one"]
+    optax_push = isinstance(updater, optax.GradientTransformation)
+
+    def run(state: KVState, pushed: list[jax.Array]) -> KVState:
+        inputs = {id(x) for x in pushed}
+        index = [state.index(k) for k in keys]
+        held = state._values
+        stored = [held[i] for i in index]
+        pushed = [x.astype(s.dtype) for x, s in zip(pushed, stored)]
+        inputs.update(id(x) for x in pushed)
+        if stacked:
+            scatter = [scatters(placement, stored[i].shape) for i in stacked]
+            summed = jax.shard_map(
+                functools.partial(sum_over_devices, scatter=scatter, axis=axis),
+                mesh=placement.mesh,
+                in_specs=PartitionSpec(axis),
+                out_specs=[PartitionSpec(axis) if s else PartitionSpec() for s in scatter],
+            )([pushed[i] for i in stacked])
+            for i, x in zip(stacked, summed):
+                pushed[i] = x.reshape(stored[i].shape)
+        opt_state = state.opt_states[keys] if optax_push else None
+        values, opt_state = apply_updater(updater, keys, pushed, stored, opt_state)
+        values = [jnp.copy(v) if id(v) in inputs else v for v in values]
+        new = state.replace(dict(zip(keys, values)), {keys: opt_state} if optax_push else None)
+        mesh = placement.mesh
+        return jax.tree_util.tree_map(
+            lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),
+            new._leaf_specs(axis),
+            new,
+        )
+
+    return jax.jit(run, donate_argnums=(0,) if donate is True else ())

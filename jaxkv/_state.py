@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import os
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -18,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from . import _flat as _fl
 from ._errors import KeyTypeError, KVStoreError, unknown_key
 
-__all__ = ["AXIS", "KVState", "empty"]
+__all__ = ["AXIS", "LAYOUTS", "LAYOUT_ENV", "KVState", "empty"]
 
 Key = int | str
 AXIS = "kv"  # The name of the store's one mesh axis.
@@ -29,8 +31,19 @@ AXIS = "kv"  # The name of the store's one mesh axis.
 # sharding from 16K elements up made push + pull of ResNet-50's parameters fastest.
 BIGARRAY_BOUND = 1 << 14
 _KEEP = object()
+# The layouts a store can be asked for, and the environment variable that sets the default.
+LAYOUTS = ("auto", "flat", "keys")
+LAYOUT_ENV = "JAXKV_LAYOUT"
+# A store's layout policy: (the layout asked for, bucket the values with fewer elements than
+# this, or None: one array per key). "flat" buckets every value the store does not shard;
+# "auto" does on accelerators, and on CPU below AUTO_CPU_BELOW elements (docs/design.md).
+Policy = tuple[str, int | None]
+KEYS_POLICY: Policy = ("keys", None)
+ALL = 1 << 62
+AUTO_CPU_BELOW = 1 << 12
 # A state's aux data: keys, devices, big-array bound, compression, shapes, optimizer groups,
-# and the user's mesh (None: the store's own).
+# the user's mesh (None: the store's own), the layout policy, the flat layout (None: one array
+# per key) and each optimizer group's packing (None: its optax state kept as it is).
 _Aux = tuple[
     tuple[Key, ...],
     tuple[jax.Device, ...],
@@ -39,6 +52,9 @@ _Aux = tuple[
     tuple[tuple[int, ...], ...],
     tuple[tuple[Key, ...], ...],
     Mesh | None,
+    Policy,
+    "_fl.FlatLayout | None",
+    tuple["_fl.Packing | None", ...],
 ]
 
 
@@ -121,7 +137,7 @@ class KVState:
     __slots__ = (
         "_keys",
         "_devices",
-        "_values",
+        "_leaves",
         "_opt_states",
         "_bound",
         "_residuals",
@@ -130,11 +146,15 @@ class KVState:
         "_shapes",
         "_groups",
         "_user_mesh",
+        "_policy",
+        "_flat",
+        "_packings",
+        "_views",
     )
     # The slots' types (annotations only: a class-level value would clash with the slot).
     _keys: tuple[Key, ...]
     _devices: tuple[jax.Device, ...]
-    _values: tuple[Any, ...]
+    _leaves: tuple[Any, ...]
     _opt_states: tuple[Any, ...]
     _bound: int | None
     _residuals: tuple[Any, ...]
@@ -143,6 +163,10 @@ class KVState:
     _shapes: tuple[tuple[int, ...], ...]
     _groups: tuple[tuple[Key, ...], ...]
     _user_mesh: Mesh | None
+    _policy: Policy
+    _flat: _fl.FlatLayout | None
+    _packings: tuple[_fl.Packing | None, ...]
+    _views: tuple[Any, ...] | None
 
     def __init__(
         self,
@@ -156,13 +180,18 @@ class KVState:
         shapes: Sequence[tuple[int, ...]] | None = None,
         groups: Sequence[tuple[Key, ...]] = (),
         mesh: Mesh | None = None,
+        policy: Policy = KEYS_POLICY,
+        flat: _fl.FlatLayout | None = None,
+        packings: Sequence[_fl.Packing | None] = (),
     ):
         # No validation here: pytree transformations rebuild states with arbitrary leaves.
         object.__setattr__(self, "_keys", keys)  # sorted, all int or all str
         object.__setattr__(self, "_devices", devices)
-        object.__setattr__(self, "_values", tuple(values))  # aligned with _keys
+        # Aligned with _keys; under a flat layout, its leaves: the buckets, then the keys kept
+        # as arrays of their own (see _fl.FlatLayout).
+        object.__setattr__(self, "_leaves", tuple(values))
         if shapes is None:  # a fresh state: its values are whole
-            shapes = tuple(tuple(v.shape) for v in self._values)
+            shapes = tuple(tuple(v.shape) for v in self._leaves)
         object.__setattr__(self, "_shapes", tuple(shapes))  # whole values' shapes, as _keys
         object.__setattr__(self, "_groups", tuple(groups))  # sorted tuples of keys, disjoint
         object.__setattr__(self, "_opt_states", tuple(opt_states))  # aligned with _groups
@@ -172,6 +201,12 @@ class KVState:
         object.__setattr__(self, "_compression", compression)  # e.g. ("2bit", 0.5), or None
         object.__setattr__(self, "_lookup", None)  # key -> position, built on first use
         object.__setattr__(self, "_user_mesh", mesh)  # the user's one-axis mesh, or None
+        object.__setattr__(self, "_policy", policy)
+        object.__setattr__(self, "_flat", flat)
+        # Aligned with _groups: a group's packing, whose _opt_states entry is then the tuple of
+        # its packed leaves (_fl.pack_opt); None where its optax state is kept as it is.
+        object.__setattr__(self, "_packings", tuple(packings) or (None,) * len(self._groups))
+        object.__setattr__(self, "_views", None)  # each key's value under a flat layout, cached
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("KVState is immutable: operations return a new state")
@@ -180,7 +215,17 @@ class KVState:
         """A state with no keys and this one's devices, big-array bound and compression: the
         static facts a cached computation may keep without keeping any of the arrays alive."""
         return KVState(
-            (), self._devices, (), (), self._bound, (), self._compression, (), (), self._user_mesh
+            (),
+            self._devices,
+            (),
+            (),
+            self._bound,
+            (),
+            self._compression,
+            (),
+            (),
+            self._user_mesh,
+            self._policy,
         )
 
     # -- pytree protocol -------------------------------------------------------------------
@@ -188,14 +233,14 @@ class KVState:
         self,
     ) -> tuple[tuple[tuple[jax.tree_util.GetAttrKey, tuple[Any, ...]], ...], _Aux]:
         children = (
-            (jax.tree_util.GetAttrKey("values"), self._values),
+            (jax.tree_util.GetAttrKey("values"), self._leaves),
             (jax.tree_util.GetAttrKey("opt_states"), self._opt_states),
             (jax.tree_util.GetAttrKey("residuals"), self._residuals),
         )
         return children, self._aux()
 
     def tree_flatten(self) -> tuple[tuple[tuple[Any, ...], ...], _Aux]:
-        return (self._values, self._opt_states, self._residuals), self._aux()
+        return (self._leaves, self._opt_states, self._residuals), self._aux()
 
     def _aux(self) -> _Aux:
         return (
@@ -206,15 +251,133 @@ class KVState:
             self._shapes,
             self._groups,
             self._user_mesh,
+            self._policy,
+            self._flat,
+            self._packings,
         )
 
     @classmethod
     def tree_unflatten(cls, aux: _Aux, children: Sequence[Sequence[Any]]) -> KVState:
-        keys, devices, bound, compression, shapes, groups, mesh = aux
+        keys, devices, bound, compression, shapes, groups, mesh, policy, flat, packings = aux
         values, opt_states, residuals = children
         return cls(
-            keys, devices, values, opt_states, bound, residuals, compression, shapes, groups, mesh
+            keys,
+            devices,
+            values,
+            opt_states,
+            bound,
+            residuals,
+            compression,
+            shapes,
+            groups,
+            mesh,
+            policy,
+            flat,
+            packings,
         )
+
+    # -- the flat layout -------------------------------------------------------------------
+    @property
+    def layout(self) -> str:
+        """The layout asked for at :func:`empty`: ``'auto'``, ``'flat'`` or ``'keys'``."""
+        return self._policy[0]
+
+    @property
+    def buckets(self) -> int:
+        """How many flat buckets hold values (0: one array per key)."""
+        return 0 if self._flat is None else len(self._flat.buckets)
+
+    @property
+    def _values(self) -> tuple[Any, ...]:
+        """Each key's stored value, in key order: the leaves themselves, or under a flat layout
+        each key's view of its bucket (traced: slices XLA fuses into their readers; eager: one
+        computation makes them all, kept with this state)."""
+        flat = self._flat
+        if flat is None:
+            return self._leaves
+        views = self._views
+        if views is not None:
+            return views
+        leaves = self._leaves
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            views = tuple(_fl.views(flat, leaves))
+        elif all(isinstance(x, jax.Array) for x in leaves):
+            views = tuple(_fl.eager_views(flat)(leaves))
+            if any(isinstance(x, jax.core.Tracer) for x in views):
+                return views  # a state closed over by a trace: its views belong to the trace
+        elif all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):  # jax.eval_shape's
+            views = self._stored_types()
+        else:  # other leaves (specs' PartitionSpecs): each key's is its bucket's
+            views = tuple(leaves[flat.leaf(i)] for i in range(len(flat.where)))
+        object.__setattr__(self, "_views", views)
+        return views
+
+    def _stored_types(self) -> tuple[Any, ...]:
+        """Each key's stored value, or under a flat layout, for a key in a bucket, a
+        ``jax.ShapeDtypeStruct`` of it: what a check of shapes and dtypes needs, with no
+        computation."""
+        flat = self._flat
+        if flat is None:
+            return self._leaves
+        nb = len(flat.buckets)
+        return tuple(
+            self._leaves[nb + j] if b < 0 else jax.ShapeDtypeStruct(shape, np.dtype(name))
+            for (b, j, _), shape, name in zip(flat.where, flat.shapes, flat.dtypes)
+        )
+
+    def _leaf_specs(self, axis_name: Any) -> KVState:
+        """This state with each leaf's ``PartitionSpec`` in its place (see ``jaxkv.specs``):
+        sharded values and their optimizer-state leaves split along ``axis_name``; buckets,
+        packed optimizer state and everything else replicated."""
+        split = PartitionSpec(axis_name)
+
+        def spec(x: Any) -> PartitionSpec:
+            return split if self.is_sharded(tuple(x.shape)) else PartitionSpec()
+
+        flat = self._flat
+        if flat is None:
+            leaves = [
+                split if self.is_sharded(shape) else PartitionSpec() for shape in self._shapes
+            ]
+        else:
+            leaves = [PartitionSpec()] * len(flat.buckets) + [
+                spec(x) for x in self._leaves[len(flat.buckets) :]
+            ]
+        opts: list[Any] = []
+        for opt, packing in zip(self._opt_states, self._packings):
+            if packing is None:
+                opts.append(jax.tree_util.tree_map(spec, opt))
+            else:
+                bucket = set(packing.packed_positions())
+                opts.append(
+                    tuple(PartitionSpec() if j in bucket else spec(x) for j, x in enumerate(opt))
+                )
+        residuals = [None if r is None else split for r in self._residuals]
+        return KVState(
+            self._keys,
+            self._devices,
+            leaves,
+            opts,
+            self._bound,
+            residuals,
+            self._compression,
+            self._shapes,
+            self._groups,
+            self._user_mesh,
+            self._policy,
+            flat,
+            self._packings,
+        )
+
+    def _opt_state(self, n: int) -> Any:
+        """The optax state of the ``n``-th optimizer group (unpacked: views of its buckets)."""
+        packing = self._packings[n]
+        opt = self._opt_states[n]
+        if packing is None:
+            return opt
+        if any(isinstance(x, jax.core.Tracer) for x in opt):
+            return _fl.unpack_opt(packing, opt)
+        return _fl.eager_unpack_opt(packing)(list(opt))
 
     # -- read-only views -------------------------------------------------------------------
     def keys(self) -> tuple[Key, ...]:
@@ -292,7 +455,7 @@ class KVState:
     def opt_states(self) -> Mapping[tuple[Key, ...], Any]:
         """A read-only mapping from each optimizer group (a sorted tuple of keys) to its optax
         state, the state of ``optimizer.init({key: value for key in group})``."""
-        return MappingProxyType(dict(zip(self._groups, self._opt_states)))
+        return MappingProxyType({g: self._opt_state(n) for n, g in enumerate(self._groups)})
 
     def opt_group(self, key: Any) -> tuple[Key, ...] | None:
         """The optimizer group ``key`` belongs to, or ``None`` if it has no optimizer state."""
@@ -361,16 +524,22 @@ class KVState:
 
         ``opt_states`` maps optimizer groups (tuples of keys) to their state; a group replaces
         every group that shares a key with it, and a state of ``None`` removes the group.
-        Keys keep their recorded shapes; new keys take their value's shape.
+        Keys keep their recorded shapes; new keys take their value's shape. Under a flat
+        layout the new values are written into their buckets (in place, where the key set and
+        groups stay), or the buckets are made anew.
         """
-        old_v, old_r = dict(zip(self._keys, self._values)), dict(zip(self._keys, self._residuals))
+        values = dict(values or {})
+        compression = self._compression if compression is _KEEP else compression
         shapes = dict(zip(self._keys, self._shapes))
-        for k, v in (values or {}).items():
+        types = dict(zip(self._keys, self._stored_types()))
+        for k, v in values.items():
             shapes.setdefault(k, tuple(v.shape))
-        old_v.update(values or {})
+            types[k] = v
+        old_r = dict(zip(self._keys, self._residuals))
         old_r.update(residuals or {})
-        keys = tuple(sorted(old_v))
-        groups = dict(zip(self._groups, self._opt_states))
+        keys = tuple(sorted(types))
+        # Optimizer groups: (state, or None: kept as it is) by group.
+        groups: dict[tuple[Key, ...], Any] = {g: _KEEP for g in self._groups}
         for group, opt in (opt_states or {}).items():
             group = tuple(sorted(group))
             for other in [g for g in groups if set(g) & set(group)]:
@@ -379,18 +548,113 @@ class KVState:
                 groups[group] = opt
         position = {k: i for i, k in enumerate(keys)}
         order = sorted(groups, key=lambda g: position[g[0]])
+        flat = self._plan(
+            keys, [shapes[k] for k in keys], [types[k] for k in keys], order, compression
+        )
+        leaves = self._new_leaves(keys, values, flat)
+        old_n = {g: n for n, g in enumerate(self._groups)}
+        opts, packings = [], []
+        for g in order:
+            opt = groups[g]
+            packable = flat is not None and all(flat.where[position[k]][0] >= 0 for k in g)
+            if opt is _KEEP:
+                n = old_n[g]
+                if (self._packings[n] is not None) == packable:
+                    opts.append(self._opt_states[n])
+                    packings.append(self._packings[n])
+                    continue
+                opt = self._opt_state(n)
+            if packable:
+                packing, packed = _pack_opt(g, [shapes[k] for k in g], opt, self, old_n.get(g))
+                opts.append(tuple(packed))
+                packings.append(packing)
+            else:
+                opts.append(opt)
+                packings.append(None)
         return KVState(
             keys,
             self._devices,
-            [old_v[k] for k in keys],
-            [groups[g] for g in order],
+            leaves,
+            opts,
             self._bound,
             [old_r.get(k) for k in keys],
-            self._compression if compression is _KEEP else compression,
+            compression,
             [shapes[k] for k in keys],
             order,
             self._user_mesh,
+            self._policy,
+            flat,
+            packings,
         )
+
+    def _plan(
+        self,
+        keys: tuple[Key, ...],
+        shapes: list[tuple[int, ...]],
+        types: list[Any],
+        groups: list[tuple[Key, ...]],
+        compression: tuple | None,
+    ) -> _fl.FlatLayout | None:
+        """The flat layout of a state of ``keys`` under this state's policy, or ``None`` (one
+        array per key): no value is bucketed in a compressed store (each key keeps its own
+        error-feedback residuals), in a store across processes, or where the store shards it."""
+        below = self._policy[1]
+        if below is None or compression is not None or not keys or _spans_processes(self._devices):
+            return None
+        bucketed = [math.prod(shape) < below and not self.is_sharded(shape) for shape in shapes]
+        if not any(bucketed):
+            return None
+        flat = _fl.plan(keys, shapes, [t.dtype for t in types], groups, bucketed)
+        if self._flat is not None and flat == self._flat:
+            return self._flat  # the same object: cached computations key on it
+        return flat
+
+    def _new_leaves(
+        self, keys: tuple[Key, ...], values: dict[Key, Any], flat: _fl.FlatLayout | None
+    ) -> list[Any]:
+        """The leaves of a state of ``keys`` in layout ``flat``, holding ``values`` (by key)
+        and this state's values for the others."""
+        if flat is None and self._flat is None:
+            old = dict(zip(self._keys, self._leaves))
+            return [values[k] if k in values else old[k] for k in keys]
+        traced = any(isinstance(x, jax.core.Tracer) for x in [*self._leaves, *values.values()])
+        if flat is not None and flat is self._flat:  # the same keys: write in place
+            index = self._index
+            new = {index[k]: v for k, v in values.items()}
+            if traced or not new:
+                return _fl.write(flat, self._leaves, new)
+            positions = tuple(sorted(new))
+            return list(_fl.eager_write(flat, positions)(self._leaves, [new[i] for i in positions]))
+        old = dict(zip(self._keys, self._values)) if any(k not in values for k in keys) else {}
+        whole = [values[k] if k in values else old[k] for k in keys]
+        if flat is None:
+            return whole
+        if traced:
+            return _fl.pack(flat, whole)
+        return list(_fl.eager_pack(flat)(whole))
+
+
+def _pack_opt(
+    group: tuple[Key, ...],
+    shapes: list[tuple[int, ...]],
+    opt: Any,
+    old: KVState,
+    n: int | None,
+) -> tuple[_fl.Packing, list[Any]]:
+    """The optax state ``opt`` of ``group`` packed by family: written in place into the
+    group's old buckets where it had them, with the same packing."""
+    packing = None if n is None else old._packings[n]
+    if packing is not None and packing.treedef == jax.tree_util.tree_structure(opt):
+        leaves = old._opt_states[n]  # type: ignore[index]
+        if any(isinstance(x, jax.core.Tracer) for x in [*leaves, *jax.tree_util.tree_leaves(opt)]):
+            return packing, _fl.write_opt(packing, leaves, opt)
+        return packing, list(_fl.eager_write_opt(packing)(list(leaves), opt))
+    return _fl.pack_opt(group, shapes, opt)
+
+
+def _spans_processes(devices: tuple[jax.Device, ...]) -> bool:
+    me = jax.process_index()
+    return any(d.process_index != me for d in devices)
 
 
 def empty(
@@ -400,6 +664,7 @@ def empty(
     compression: Mapping[str, Any] | None = None,
     mesh: Mesh | None = None,
     axis_name: str | None = None,
+    layout: str | None = None,
 ) -> KVState:
     """An empty store over ``devices`` (JAX devices or contexts; default: all local devices).
 
@@ -417,6 +682,14 @@ def empty(
     over it (``in_specs=jaxkv.specs(state, axis)``) takes the state in and out unchanged and
     compiles once. ``axis_name`` alone names the axis of the store's own mesh (default
     ``'kv'``); with ``mesh`` it must be that mesh's axis.
+
+    ``layout`` says how values are kept: ``'keys'``, one array per key; ``'flat'``, the values
+    of one dtype and optimizer group in one contiguous buffer (a *bucket*), each key a view of
+    it, and their optimizer state likewise, so a jitted step moves a few buffers instead of
+    one per key; ``'auto'`` (the default, or the environment variable ``JAXKV_LAYOUT``),
+    flat on accelerators and, on CPU, flat for values below 4096 elements. Values the store
+    shards, stores with gradient compression and stores across processes keep one array per
+    key in every layout. Every operation gives the same results in every layout.
 
     Examples:
       >>> import jaxkv
@@ -459,7 +732,23 @@ def empty(
     check_compression_devices(config, devs)
     if mesh is None and axis_name is not None and axis_name != AXIS:
         mesh = Mesh(np.array(devs, dtype=object), (axis_name,))
-    return KVState((), devs, (), (), bigarray_bound, (), config, (), (), mesh)
+    policy = layout_policy(layout, devs)
+    return KVState((), devs, (), (), bigarray_bound, (), config, (), (), mesh, policy)
+
+
+def layout_policy(layout: str | None, devices: tuple[jax.Device, ...]) -> Policy:
+    """The policy for ``layout`` (default: ``JAXKV_LAYOUT``, else ``'auto'``) on ``devices``."""
+    given = layout
+    if layout is None:
+        layout = os.environ.get(LAYOUT_ENV) or "auto"
+    if layout not in LAYOUTS:
+        where = "layout" if given is not None else LAYOUT_ENV
+        raise KVStoreError(f"{where}: expected one of {list(LAYOUTS)}, given {layout!r}")
+    if layout == "keys":
+        return KEYS_POLICY
+    if layout == "flat":
+        return ("flat", ALL)
+    return ("auto", AUTO_CPU_BELOW if devices[0].platform == "cpu" else ALL)
 
 
 _COMPRESSION_TYPES = ("2bit", "fp16", "bf16", "none")

@@ -34,9 +34,12 @@ def _group_names(keys: Sequence[Key]) -> str:
     return "[" + ", ".join(map(repr, keys)) + "]"
 
 
-def optimizer_group(state: KVState, keys: Sequence[Key]) -> tuple[tuple[Key, ...], Any]:
+def optimizer_group(
+    state: KVState, keys: Sequence[Key], unpack: bool = True
+) -> tuple[tuple[Key, ...], Any]:
     """The optimizer group an optax push of ``keys`` updates, and its state (``None`` if the
-    keys have none yet: they become a new group).
+    keys have none yet: they become a new group; with ``unpack=False``, ``True`` in place of
+    a state that exists, which under a flat layout would take a computation to unpack).
 
     An optax push updates the pushed keys as one tree, as ``optax.update`` would. So the
     pushed keys must be exactly one group, or all be without optimizer state; anything else
@@ -49,7 +52,7 @@ def optimizer_group(state: KVState, keys: Sequence[Key]) -> tuple[tuple[Key, ...
         return keys, None
     group = next(g for g in groups.values() if g is not None)
     if group == keys:
-        return group, state.opt_states[group]
+        return group, state.opt_states[group] if unpack else True
     fresh = [k for k, g in groups.items() if g is None]
     others = sorted({g for g in groups.values() if g is not None and g != group})
     given = f"keys {_group_names(keys)}"

@@ -47,7 +47,7 @@ def expect(stdout, n, checks):
 def assert_leaves(got, path):
     with np.load(path, allow_pickle=False) as z:
         want = [z[f"a{i}"] for i in range(len(z.files))]
-    got = [np.asarray(x) for x in jax.tree_util.tree_leaves(got)]
+    got = [np.asarray(x) for x in job.leaves(got)]
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert (g.dtype, g.shape) == (w.dtype, w.shape)

@@ -59,7 +59,15 @@ def whole(state):
 
 
 def leaves(state):
-    return jax.tree_util.tree_leaves(state)
+    """The state's arrays in a form every layout shares: each key's value, then each optimizer
+    group's optax state, then the residuals (a flat store's buckets seen through its views)."""
+    return jax.tree_util.tree_leaves(
+        [
+            list(state.values.values()),
+            list(state.opt_states.values()),
+            list(state.residuals.values()),
+        ]
+    )
 
 
 def check(name, got, want):
