@@ -11,9 +11,10 @@ import jax
 import jaxkv
 
 
-def cpu_store(name="local"):
-    """``jaxkv.create(name)``, over the 8 CPU devices."""
-    return jaxkv.KVStore(name, devices=jax.devices("cpu"))
+def cpu_store(name="local", layout=None):
+    """``jaxkv.create(name)``, over the 8 CPU devices (in ``layout``: default ``JAXKV_LAYOUT``,
+    else ``'auto'``)."""
+    return jaxkv.KVStore(name, devices=jax.devices("cpu"), layout=layout)
 
 
 def cpu_empty(**options):

@@ -31,6 +31,9 @@ given exactly as before. Arrays handed to or received from the store (init and p
 pulled arrays, outs, handed-out ``KVState``s) are watched for a while afterwards: a later update
 must never change or invalidate them.
 
+Each run draws the store's layout too (``auto``, ``flat`` or ``keys``; ``JAXKV_LAYOUT``, where
+set, fixes it): every layout must give the same numbers.
+
 Profiles (see the end of this file): the default one is derandomized (the same runs every
 time, about a minute); ``HYPOTHESIS_PROFILE=deep`` (``make test-deep``) runs 2000 random runs
 of up to 50 steps. ``HYPOTHESIS_MAX_EXAMPLES=n`` overrides either profile's number of runs.
@@ -221,7 +224,7 @@ class KVStoreMachine(RuleBasedStateMachine):
                 os.environ.pop(BOUND_ENV, None)
             else:
                 os.environ[BOUND_ENV] = str(self.bound)
-            kv = cpu_store(self.store_type)
+            kv = cpu_store(self.store_type, layout=self.layout)
         finally:
             if old is None:
                 os.environ.pop(BOUND_ENV, None)
@@ -550,6 +553,9 @@ class KVStoreMachine(RuleBasedStateMachine):
         """One configuration per run (see the module doc), then a first init."""
         self.store_type, self.threshold = data.draw(st.sampled_from(STORES), label="store")
         self.bound = data.draw(st.sampled_from(BOUNDS), label="bound")
+        self.layout = os.environ.get("JAXKV_LAYOUT") or data.draw(
+            st.sampled_from(["auto", "flat", "keys"]), label="layout"
+        )
         self.family = data.draw(st.sampled_from(["plain", "plain", "sgd", "adam"]), label="opt")
         if self.family == "plain":
             self.dtypes = data.draw(st.sampled_from(DTYPE_POOLS), label="dtypes")
