@@ -19,13 +19,23 @@ test: $(STAMP)
 	$(BIN)/coverage run -m pytest -q
 	$(BIN)/coverage combine -q
 	$(BIN)/coverage report
-	@echo "== the suite again with every private JAX name off (JAXKV_NO_FAST_PATHS=1)"
-	@echo "   (not the launcher's own tests: the two-host ones need the private hook that binds"
-	@echo "   gloo toward the coordinator, and the others run no store code of their own)"
-	JAXKV_NO_FAST_PATHS=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
+	@echo "== the suite again with every private JAX name off (JAXKV_NO_FAST_PATHS=1), and every"
+	@echo "   store in the per-key layout (JAXKV_LAYOUT=keys; the default, auto, makes the tests'"
+	@echo "   small values flat on CPU). Not the launcher's own tests: the two-host ones need the"
+	@echo "   private hook that binds gloo toward the coordinator, and the others run no store code"
+	JAXKV_NO_FAST_PATHS=1 JAXKV_LAYOUT=keys $(BIN)/python -m pytest -q -p no:cacheprovider \
 	  --deselect tests/test_fast.py::test_the_public_fallbacks_give_the_same_results \
 	  --ignore tests/test_launch_hosts.py --ignore tests/test_launch.py \
 	  --ignore tests/test_launch_env.py
+	@echo "== the property model, the in-trace and training tests, the checkpoints and MXNet's"
+	@echo "   own tests and tutorials with every store flat (JAXKV_LAYOUT=flat), big values too"
+	JAXKV_LAYOUT=flat $(BIN)/python -m pytest -q -p no:cacheprovider $(FLAT_TESTS)
+
+# What make test runs again with JAXKV_LAYOUT=flat.
+FLAT_TESTS := tests/test_stateful.py tests/test_in_trace.py tests/test_in_trace_mixed.py \
+	tests/test_training.py tests/test_block_updaters.py tests/test_checkpoint.py \
+	tests/test_checkpoint_dist.py tests/test_mxnet_unittests.py tests/test_seeds.py \
+	tests/test_sharded.py
 
 # The suite with the oldest JAX pyproject.toml claims: its "jax>=X.Y[.Z]" floor, pinned as
 # jax==X.Y[.Z].* (and jaxlib; "0.8.1" pins jax==0.8.1.*), in a venv of its own.
@@ -82,6 +92,7 @@ wheel-check: $(STAMP)
 
 # The property tests with thousands of examples, and the multi-process stress test with many
 # long sequences of calls: run before a change to the arithmetic or to collectives lands.
+# Each stateful run draws its store's layout (auto, flat or keys), so both layouts are covered.
 test-deep: $(STAMP)
 	HYPOTHESIS_PROFILE=deep JAXKV_STRESS=deep $(BIN)/python -m pytest -q -p no:cacheprovider \
 	  tests/test_stateful.py tests/test_dist_stress.py

@@ -301,6 +301,7 @@ def _run_push(plan: _PushPlan, state: KVState, flat: Sequence[jax.Array]) -> KVS
         state._shapes,
         state._groups,
         state._user_mesh,
+        state._policy,  # a per-key state (no flat layout, no packings) under its policy
     )
 
 

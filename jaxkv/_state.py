@@ -615,8 +615,8 @@ class KVState:
         """The leaves of a state of ``keys`` in layout ``flat``, holding ``values`` (by key)
         and this state's values for the others."""
         if flat is None and self._flat is None:
-            old = dict(zip(self._keys, self._leaves))
-            return [values[k] if k in values else old[k] for k in keys]
+            held = dict(zip(self._keys, self._leaves))
+            return [values[k] if k in values else held[k] for k in keys]
         traced = any(isinstance(x, jax.core.Tracer) for x in [*self._leaves, *values.values()])
         if flat is not None and flat is self._flat:  # the same keys: write in place
             index = self._index
@@ -625,7 +625,14 @@ class KVState:
                 return _fl.write(flat, self._leaves, new)
             positions = tuple(sorted(new))
             return list(_fl.eager_write(flat, positions)(self._leaves, [new[i] for i in positions]))
-        old = dict(zip(self._keys, self._values)) if any(k not in values for k in keys) else {}
+        old: dict[Key, Any] = {}
+        if any(k not in values for k in keys):
+            views = self._values
+            if flat is None and self._flat is not None and not traced:
+                # Fresh views: those cached with this state may be read from it later, and the
+                # new state's pushes may donate its own leaves.
+                views = _fl.eager_views(self._flat)(self._leaves)
+            old = dict(zip(self._keys, views))
         whole = [values[k] if k in values else old[k] for k in keys]
         if flat is None:
             return whole
