@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _dist
 from ._arrays import host_empty, place, stacked
+from ._bucket import update_bucket
 from ._collectives import scatters, sum_over_devices
 from ._compression import compress, exchange, layout_compressed
 from ._errors import KVStoreError
@@ -416,10 +417,12 @@ def _build_push_flat(
             )([pushed[i] for i in stacked])
             for i, x in zip(stacked, summed):
                 pushed[i] = x.reshape(stored[i].shape)
-        opt_state = state.opt_states[keys] if optax_push else None
-        values, opt_state = apply_updater(updater, keys, pushed, stored, opt_state)
-        values = [jnp.copy(v) if id(v) in inputs else v for v in values]
-        new = state.replace(dict(zip(keys, values)), {keys: opt_state} if optax_push else None)
+        new = update_bucket(state, keys, pushed, updater) if optax_push else None
+        if new is None:  # per key, on the views
+            opt_state = state.opt_states[keys] if optax_push else None
+            values, opt_state = apply_updater(updater, keys, pushed, stored, opt_state)
+            values = [jnp.copy(v) if id(v) in inputs else v for v in values]
+            new = state.replace(dict(zip(keys, values)), {keys: opt_state} if optax_push else None)
         mesh = placement.mesh
         return jax.tree_util.tree_map(
             lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),

@@ -369,6 +369,32 @@ class KVState:
             self._packings,
         )
 
+    def _replace_leaves(self, leaves: dict[int, Any], opts: dict[int, Any]) -> KVState:
+        """This state with some of its value leaves (by position) and optimizer-state entries
+        (by group position; a packed group's entry is its tuple of packed leaves) replaced:
+        the same key set, layout and packings."""
+        new_leaves = list(self._leaves)
+        for i, x in leaves.items():
+            new_leaves[i] = x
+        new_opts = list(self._opt_states)
+        for n, x in opts.items():
+            new_opts[n] = x
+        return KVState(
+            self._keys,
+            self._devices,
+            new_leaves,
+            new_opts,
+            self._bound,
+            self._residuals,
+            self._compression,
+            self._shapes,
+            self._groups,
+            self._user_mesh,
+            self._policy,
+            self._flat,
+            self._packings,
+        )
+
     def _opt_state(self, n: int) -> Any:
         """The optax state of the ``n``-th optimizer group (unpacked: views of its buckets)."""
         packing = self._packings[n]

@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import optax
 
+from ._bucket import update_bucket
 from ._collectives import (
     _SCATTER_FUSE_LIMIT,
     axis_arg,
@@ -225,7 +226,13 @@ def push_in_trace(
         totals[i] = functools.reduce(operator.add, parts)
     pushed = [totals[i] for i in range(len(keys))]
 
-    # Update: each block as the updater would update the whole value.
+    # Update: once over the group's bucket where the updater is elementwise (flat layout),
+    # else each block as the updater would update the whole value.
+    optax_push = isinstance(updater, optax.GradientTransformation)
+    if optax_push and opt_state is not None and not any(blocks):
+        new_state = update_bucket(state, keys, pushed, updater)
+        if new_state is not None:
+            return new_state
     if isinstance(updater, optax.GradientTransformation):
         if opt_state is None and any(blocks):
             raise KVStoreError(
