@@ -386,9 +386,10 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
     ``False``, having done nothing, for a state of other keys or shapes.
 
     ``None`` where the general path must run: another process, a sharded value, an out of
-    another type, shape or dtype than the stored value, or on a device outside the store."""
-    if state._flat is not None:
-        return None
+    another type, shape or dtype than the stored value, or on a device outside the store.
+
+    Under a flat layout a key in a bucket is read through its view, a fresh array that no push
+    ever donates: it is handed out as it is, with or without ``lend``."""
     call = _call(keys, outs)
     if call is None:
         return None
@@ -427,7 +428,15 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
         held = now._values
         fresh = [held[i] for i in plan.unique]
         if not lend:
-            fresh = copies(fresh)
+            layout = now._flat  # keys in buckets are read through fresh views: no copy
+            todo = [
+                j for j, i in enumerate(plan.unique) if layout is None or layout.where[i][0] < 0
+            ]
+            if len(todo) == len(fresh):
+                fresh = copies(fresh)
+            elif todo:
+                for j, x in zip(todo, copies([fresh[j] for j in todo])):
+                    fresh[j] = x
         if len(now._devices) == 1:
             for o, j, d in zip(flat, plan.of, devices):
                 o._set(fresh[j], d)
