@@ -269,3 +269,79 @@ def test_refusals_leave_a_flat_store_as_it_was():
     after = [np.asarray(x) for x in jax.tree_util.tree_leaves(flat)]
     for x, y in zip(before, after):
         np.testing.assert_array_equal(x, y)
+
+
+# -- which optax updaters run once over a bucket (jaxkv/_bucket.py) ----------------------------
+def _sign_sgd(lr):
+    """An elementwise custom transformation: sign of the gradient, then scaled."""
+
+    def update(updates, state, params=None):
+        return jax.tree_util.tree_map(lambda g: -lr * jnp.sign(g), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def _mix_keys():
+    """Not elementwise: each key's update is the mean of every key's gradient sum."""
+
+    def update(updates, state, params=None):
+        total = sum(jnp.sum(g) for g in jax.tree_util.tree_leaves(updates))
+        return jax.tree_util.tree_map(lambda g: -0.1 * total * jnp.ones_like(g), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def _reversed_rows():
+    """Not elementwise: each key's gradient reversed along its first axis, with momentum."""
+    inner = optax.trace(0.5)
+
+    def update(updates, state, params=None):
+        flipped = jax.tree_util.tree_map(lambda g: -0.1 * jnp.flip(g, 0) if g.ndim else g, updates)
+        return inner.update(flipped, state, params)
+
+    return optax.GradientTransformation(inner.init, update)
+
+
+BUCKETED = {
+    "adam": (OPTIMIZERS["adam"], True),
+    "adamw": (optax.adamw(0.05, weight_decay=0.1), True),
+    "sgd-momentum": (OPTIMIZERS["sgd-momentum"], True),
+    "rmsprop": (optax.rmsprop(0.05), True),
+    "clip-adam": (OPTIMIZERS["clip-adam"], False),
+    "lamb": (OPTIMIZERS["lamb"], False),
+    "sign-sgd+trace": (optax.chain(_sign_sgd(0.1), optax.trace(0.9)), True),
+    "mix-keys+trace": (optax.chain(_mix_keys(), optax.trace(0.9)), False),
+    "reversed-rows": (_reversed_rows(), False),
+}
+
+
+@pytest.mark.standard_promotion
+@pytest.mark.parametrize("name", list(BUCKETED))
+def test_elementwise_updaters_run_once_over_the_bucket_with_the_per_key_numbers(name, monkeypatch):
+    from jaxkv import _bucket
+
+    opt, expected = BUCKETED[name]
+    ran = []
+    real = _bucket.update_bucket
+
+    def spy(state, *args):
+        out = real(state, *args)
+        if state.buckets:
+            ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_bucket, "update_bucket", spy)
+    monkeypatch.setattr(jaxkv._trace, "update_bucket", spy)
+    keys, flat = _stores()
+    keys, flat = (jaxkv.init_optimizer(s, opt, FLOAT) for s in (keys, flat))
+
+    @jax.jit
+    def step(state, x):
+        params = {k: jaxkv.pull(state, k) for k in FLOAT}
+        loss = lambda p: sum(jnp.sum(jnp.sin(v) * x) for v in p.values())
+        return jaxkv.push(state, jax.grad(loss)(params), updater=opt)
+
+    for i in range(3):
+        keys, flat = step(keys, 1.0 + i), step(flat, 1.0 + i)
+    assert ran and set(ran) == {expected}
+    _same(keys, flat, exact=False)
