@@ -109,7 +109,9 @@ class KVStore:
 
     Make one with :func:`jaxkv.create`. Values are :class:`jaxkv.nd.NDArray` handles or
     ``jax.Array`` objects; ``pull(key)`` returns ``jax.Array`` objects, and
-    ``pull(key, out=...)`` fills ``NDArray`` handles.
+    ``pull(key, out=...)`` fills ``NDArray`` handles. ``KVStore(name, devices, layout=...)``
+    makes one over given devices and in a given layout (see :func:`jaxkv.empty`; default: the
+    environment variable ``JAXKV_LAYOUT``, else ``'auto'``).
 
     Examples:
       >>> import jaxkv, jaxkv.nd as nd
