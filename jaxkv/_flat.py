@@ -125,6 +125,25 @@ def views(
 
 
 @functools.lru_cache(maxsize=256)
+def in_buckets(layout: FlatLayout) -> tuple[int, ...]:
+    """The positions of the keys that live in buckets (not as arrays of their own)."""
+    return tuple(i for i, (b, _, _) in enumerate(layout.where) if b >= 0)
+
+
+def eager_values(layout: FlatLayout, leaves: Sequence[Any]) -> list[Any]:
+    """Each key's value, eagerly: the keys in buckets sliced out by one jitted computation
+    (fresh arrays), the keys kept on their own as the arrays they are (a jitted computation
+    would copy them)."""
+    nb = len(layout.buckets)
+    out = [leaves[nb + j] if b < 0 else None for b, j, _ in layout.where]
+    positions = in_buckets(layout)
+    if positions:
+        for i, x in zip(positions, eager_views(layout, positions)(list(leaves[:nb]))):
+            out[i] = x
+    return out
+
+
+@functools.lru_cache(maxsize=256)
 def eager_views(layout: FlatLayout, positions: tuple[int, ...] | None = None) -> Any:
     """:func:`views` as one jitted computation (eagerly, each view is a fresh array)."""
     return jax.jit(lambda leaves: views(layout, leaves, positions))

@@ -437,10 +437,8 @@ class KVStore:
         each pull anyway, and donating them saves their memory)."""
         if self._keep_values is None:
             state = self._state
-            self._keep_values = (
-                jax.process_count() == 1
-                and state._policy[1] is None  # a flat store's pulls copy out of its buckets
-                and not any(state.is_sharded(shape) for shape in state._shapes)
+            self._keep_values = jax.process_count() == 1 and not any(
+                state.is_sharded(shape) for shape in state._shapes
             )
         return self._keep_values
 

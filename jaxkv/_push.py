@@ -430,4 +430,20 @@ def _build_push_flat(
             new,
         )
 
-    return jax.jit(run, donate_argnums=(0,) if donate is True else ())
+    if donate != KEEP_VALUES:
+        return jax.jit(run, donate_argnums=(0,) if donate else ())
+
+    # KEEP_VALUES: the keys kept as arrays of their own are lent to outs, so only the buckets,
+    # the optimizer state and the residuals are donated: the leaves split in two arguments.
+    def split(treedef: Any, rest: list, alone: list, pushed: list, nb: int) -> KVState:
+        return run(jax.tree_util.tree_unflatten(treedef, rest[:nb] + alone + rest[nb:]), pushed)
+
+    jitted = jax.jit(split, static_argnums=(0, 4), donate_argnums=1)
+
+    def call(state: KVState, pushed: list[jax.Array]) -> KVState:
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        nb = 0 if state._flat is None else len(state._flat.buckets)
+        nv = len(state._leaves)
+        return jitted(treedef, leaves[:nb] + leaves[nv:], leaves[nb:nv], pushed, nb)
+
+    return call

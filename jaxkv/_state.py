@@ -302,7 +302,7 @@ class KVState:
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             views = tuple(_fl.views(flat, leaves))
         elif all(isinstance(x, jax.Array) for x in leaves):
-            views = tuple(_fl.eager_views(flat)(leaves))
+            views = tuple(_fl.eager_values(flat, leaves))
             if any(isinstance(x, jax.core.Tracer) for x in views):
                 return views  # a state closed over by a trace: its views belong to the trace
         elif all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):  # jax.eval_shape's
@@ -657,7 +657,7 @@ class KVState:
             if flat is None and self._flat is not None and not traced:
                 # Fresh views: those cached with this state may be read from it later, and the
                 # new state's pushes may donate its own leaves.
-                views = _fl.eager_views(self._flat)(self._leaves)
+                views = tuple(_fl.eager_values(self._flat, self._leaves))
             old = dict(zip(self._keys, views))
         whole = [values[k] if k in values else old[k] for k in keys]
         if flat is None:
