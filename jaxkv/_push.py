@@ -219,6 +219,22 @@ class _PushCache:
         return fn
 
 
+def _sum_stacked(state: KVState, stacked: list[int], pushed: list[Any], stored: list[Any]) -> None:
+    """Inside the push computation: the contributions at ``stacked`` (one block per device laid
+    side by side, see ``_layout``) summed over the store's mesh in place in ``pushed``, each of
+    its key's shape (``stored``), reduce-scattered where the store keeps it sharded."""
+    axis = state.axis
+    scatter = [scatters(state, stored[i].shape) for i in stacked]
+    summed = jax.shard_map(
+        functools.partial(sum_over_devices, scatter=scatter, axis=axis),
+        mesh=state.mesh,
+        in_specs=PartitionSpec(axis),
+        out_specs=[PartitionSpec(axis) if s else PartitionSpec() for s in scatter],
+    )([pushed[i] for i in stacked])
+    for i, x in zip(stacked, summed):
+        pushed[i] = x.reshape(stored[i].shape)
+
+
 def _build_push(
     state: KVState, keys: tuple[Key, ...], kinds: tuple[Kind, ...], updater: Any, donate: Donate
 ) -> Callable:
@@ -272,15 +288,7 @@ def _build_push(
             for i, x, r in zip(exchanged, summed, kept):
                 pushed[i], residuals[i] = x.reshape(stored[i].shape), r
         if stacked:
-            scatter = [scatters(state, stored[i].shape) for i in stacked]
-            summed = jax.shard_map(
-                functools.partial(sum_over_devices, scatter=scatter, axis=axis),
-                mesh=state.mesh,
-                in_specs=PartitionSpec(axis),
-                out_specs=[PartitionSpec(axis) if s else PartitionSpec() for s in scatter],
-            )([pushed[i] for i in stacked])
-            for i, x in zip(stacked, summed):
-                pushed[i] = x.reshape(stored[i].shape)
+            _sum_stacked(state, stacked, pushed, stored)
         values, opt_state = apply_updater(updater, keys, pushed, stored, opt_state)
         # A pushed array returned as is (assign) would be forwarded by jit, and the store would
         # share the caller's buffer; a later donating push would then delete the caller's array.
@@ -408,15 +416,7 @@ def _build_push_flat(
         pushed = [x.astype(s.dtype) for x, s in zip(pushed, stored)]
         inputs.update(id(x) for x in pushed)
         if stacked:
-            scatter = [scatters(placement, stored[i].shape) for i in stacked]
-            summed = jax.shard_map(
-                functools.partial(sum_over_devices, scatter=scatter, axis=axis),
-                mesh=placement.mesh,
-                in_specs=PartitionSpec(axis),
-                out_specs=[PartitionSpec(axis) if s else PartitionSpec() for s in scatter],
-            )([pushed[i] for i in stacked])
-            for i, x in zip(stacked, summed):
-                pushed[i] = x.reshape(stored[i].shape)
+            _sum_stacked(placement, stacked, pushed, stored)
         new = update_bucket(state, keys, pushed, updater) if optax_push else None
         if new is None:  # per key, on the views
             opt_state = state.opt_states[keys] if optax_push else None

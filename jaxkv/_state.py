@@ -353,21 +353,7 @@ class KVState:
                     tuple(PartitionSpec() if j in bucket else spec(x) for j, x in enumerate(opt))
                 )
         residuals = [None if r is None else split for r in self._residuals]
-        return KVState(
-            self._keys,
-            self._devices,
-            leaves,
-            opts,
-            self._bound,
-            residuals,
-            self._compression,
-            self._shapes,
-            self._groups,
-            self._user_mesh,
-            self._policy,
-            flat,
-            self._packings,
-        )
+        return KVState.tree_unflatten(self._aux(), (leaves, opts, residuals))
 
     def _replace_leaves(self, leaves: dict[int, Any], opts: dict[int, Any]) -> KVState:
         """This state with some of its value leaves (by position) and optimizer-state entries
@@ -379,21 +365,7 @@ class KVState:
         new_opts = list(self._opt_states)
         for n, x in opts.items():
             new_opts[n] = x
-        return KVState(
-            self._keys,
-            self._devices,
-            new_leaves,
-            new_opts,
-            self._bound,
-            self._residuals,
-            self._compression,
-            self._shapes,
-            self._groups,
-            self._user_mesh,
-            self._policy,
-            self._flat,
-            self._packings,
-        )
+        return KVState.tree_unflatten(self._aux(), (new_leaves, new_opts, self._residuals))
 
     def _opt_state(self, n: int) -> Any:
         """The optax state of the ``n``-th optimizer group (unpacked: views of its buckets)."""

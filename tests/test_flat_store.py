@@ -146,18 +146,24 @@ def test_eager_assign_sums_and_mxnet_updaters_give_the_per_key_numbers(devices):
     assert jaxkv.pull(flat, ["d", "a"], devices=devices[5])[0].devices() == {devices[5]}
 
 
-@pytest.mark.standard_promotion
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_a_jitted_step_gives_the_per_key_numbers_and_compiles_once(name, compiles):
-    opt = OPTIMIZERS[name]
-    keys, flat = _stores()
-    keys, flat = (jaxkv.init_optimizer(s, opt, FLOAT) for s in (keys, flat))
+def _sin_step(opt):
+    """A jitted step: every float key pulled, AD's gradients of ``sum sin(v) * x`` pushed."""
 
     @jax.jit
     def step(state, x):
         params = {k: jaxkv.pull(state, k) for k in FLOAT}
         loss = lambda p: sum(jnp.sum(jnp.sin(v) * x) for v in p.values())
         return jaxkv.push(state, jax.grad(loss)(params), updater=opt)
+
+    return step
+
+
+@pytest.mark.standard_promotion
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_jitted_step_gives_the_per_key_numbers_and_compiles_once(name, compiles):
+    opt = OPTIMIZERS[name]
+    keys, flat = (jaxkv.init_optimizer(s, opt, FLOAT) for s in _stores())
+    step = _sin_step(opt)
 
     keys, flat = step(keys, 1.0), step(flat, 1.0)
     with compiles() as c:
@@ -332,14 +338,8 @@ def test_elementwise_updaters_run_once_over_the_bucket_with_the_per_key_numbers(
 
     monkeypatch.setattr(_bucket, "update_bucket", spy)
     monkeypatch.setattr(jaxkv._trace, "update_bucket", spy)
-    keys, flat = _stores()
-    keys, flat = (jaxkv.init_optimizer(s, opt, FLOAT) for s in (keys, flat))
-
-    @jax.jit
-    def step(state, x):
-        params = {k: jaxkv.pull(state, k) for k in FLOAT}
-        loss = lambda p: sum(jnp.sum(jnp.sin(v) * x) for v in p.values())
-        return jaxkv.push(state, jax.grad(loss)(params), updater=opt)
+    keys, flat = (jaxkv.init_optimizer(s, opt, FLOAT) for s in _stores())
+    step = _sin_step(opt)
 
     for i in range(3):
         keys, flat = step(keys, 1.0 + i), step(flat, 1.0 + i)
