@@ -279,12 +279,12 @@ class KVState:
     # -- the flat layout -------------------------------------------------------------------
     @property
     def layout(self) -> str:
-        """The layout asked for at :func:`empty`: ``'auto'``, ``'flat'`` or ``'keys'``."""
+        """The layout asked for at :func:`empty`, one of ``'auto'``, ``'flat'`` and ``'keys'``."""
         return self._policy[0]
 
     @property
     def buckets(self) -> int:
-        """How many flat buckets hold values (0: one array per key)."""
+        """How many flat buckets hold values, 0 where every key has an array of its own."""
         return 0 if self._flat is None else len(self._flat.buckets)
 
     @property
