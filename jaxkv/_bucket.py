@@ -142,6 +142,22 @@ def _elementwise(updater: Any, keys: tuple, shapes: tuple, name: str, opt_state:
 _UNIFORM, _OTHER = "uniform", "other"
 
 
+# Primitives that call a jaxpr once on their own inputs (not a loop: scan's body sees rows).
+_CALLS = frozenset(
+    [
+        "pjit",
+        "jit",
+        "closed_call",
+        "core_call",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "remat",
+        "checkpoint",
+    ]
+)
+
+
 def _shared(v: Any) -> str:
     return _UNIFORM if tuple(getattr(v.aval, "shape", ())) == () else _OTHER
 
@@ -168,6 +184,13 @@ def _owners(jaxpr: Any, owners: Sequence[Any]) -> list[Any] | None:
                 kind = None
             env.update((v, kind or _shared(v)) for v in eqn.outvars)
             continue
+        sub = _sub_jaxpr(eqn) if name in _CALLS else None
+        if sub is not None:  # a jitted or custom-derivative function: what it does inside
+            out = _owners(sub[0], ins)
+            if out is None:
+                return None
+            env.update(zip(eqn.outvars, out))
+            continue
         if len(keyed) > 1:
             return None  # mixes two keys' arrays
         if name in _ELEMENTWISE:
@@ -176,11 +199,5 @@ def _owners(jaxpr: Any, owners: Sequence[Any]) -> list[Any] | None:
             (owner,) = keyed
             env.update((v, owner) for v in eqn.outvars)
             continue
-        sub = _sub_jaxpr(eqn)
-        if sub is None:
-            return None
-        out = _owners(sub[0], ins)
-        if out is None:
-            return None
-        env.update(zip(eqn.outvars, out))
+        return None
     return [read(v) for v in jaxpr.outvars]

@@ -308,6 +308,21 @@ def _reversed_rows():
     return optax.GradientTransformation(inner.init, update)
 
 
+def _scanned():
+    """Not elementwise: a running sum over each key's elements, by ``lax.scan``."""
+
+    def update(updates, state, params=None):
+        def run(g):
+            total = lambda c, x: (c + x, c + x)
+            return -0.1 * jax.lax.scan(total, jnp.zeros((), g.dtype), g.ravel())[1].reshape(g.shape)
+
+        return jax.tree_util.tree_map(run, updates), state
+
+    return optax.chain(
+        optax.GradientTransformation(lambda p: optax.EmptyState(), update), optax.trace(0.5)
+    )
+
+
 BUCKETED = {
     "adam": (OPTIMIZERS["adam"], True),
     "adamw": (optax.adamw(0.05, weight_decay=0.1), True),
@@ -318,6 +333,7 @@ BUCKETED = {
     "sign-sgd+trace": (optax.chain(_sign_sgd(0.1), optax.trace(0.9)), True),
     "mix-keys+trace": (optax.chain(_mix_keys(), optax.trace(0.9)), False),
     "reversed-rows": (_reversed_rows(), False),
+    "scanned": (_scanned(), False),
 }
 
 
