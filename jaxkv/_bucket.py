@@ -28,6 +28,7 @@ import numpy as np
 import optax
 from jax.extend import core as jex
 
+from ._flat import as_blocks
 from ._local import _ELEMENTWISE, _sub_jaxpr
 from ._state import Key, KVState
 
@@ -37,13 +38,20 @@ _BUCKET = "bucket"  # the one key of the tree an optimizer sees over a bucket
 
 
 def update_bucket(
-    state: KVState, keys: Sequence[Key], pushed: Sequence[Any], updater: Any
+    state: KVState,
+    keys: Sequence[Key],
+    pushed: Sequence[Any] | None,
+    updater: Any,
+    grads: Any = None,
 ) -> KVState | None:
     """``state`` with the optax ``updater`` applied once over the bucket of the group ``keys``
-    (their summed gradients ``pushed``, in key order), or ``None`` where it cannot be: the state
-    is not flat, the group does not fill one bucket by itself, its optax state is not packed
-    leaf for leaf as ``updater.init`` of one flat array would make it, or the updater is not
-    elementwise (see the module doc)."""
+    (their summed gradients ``pushed``, in key order, or ``grads``: already laid out as the
+    bucket), or ``None`` where it cannot be: the state is not flat, the group does not fill
+    one bucket by itself, its optax state is not packed leaf for leaf as ``updater.init`` of
+    one flat array would make it, or the updater is not elementwise (see the module doc).
+
+    A split bucket is updated where it lies: whole (inside ``jit``, sharded over the mesh) or,
+    inside ``shard_map``, this device's chunk, from the keys' blocks of the sum."""
     flat = state._flat
     keys = tuple(keys)
     if flat is None or not isinstance(updater, optax.GradientTransformation):
@@ -57,18 +65,20 @@ def update_bucket(
     buckets = {flat.where[i][0] for i in positions}
     if packing is None or len(buckets) != 1:
         return None
-    if not packing.families and state._devices[0].platform == "cpu":
+    (b,) = buckets
+    chunked = state._chunked(positions[0])
+    if not packing.families and state._devices[0].platform == "cpu" and flat.parts_of(b) == 1:
         # No per-key state (sgd): on CPU, writing each key's new value into the bucket in
         # place measured faster than gathering the gradients into one buffer first (ResNet-50's
         # 193 tensors cut small, in-jit step: 0.09 against 0.19 ms); with per-key state (adam:
         # three writes per key) the bucket wins (0.25 against 0.27 ms). docs/design.md.
         return None
-    (b,) = buckets
-    name, size = flat.buckets[b]
-    if sum(flat.where[i][2] for i in positions) != size or min(buckets) < 0:
+    name, _ = flat.buckets[b]
+    if b < 0 or sum(1 for w in flat.where if w[0] == b) != len(keys):
         return None  # the bucket holds other keys too (it cannot: one per group and dtype)
+    leaf = state._leaves[b]
     packed = state._opt_states[n]
-    template = _template(updater, size, name)
+    template = _template(updater, int(np.shape(leaf)[0]), name)
     if template is None or len(template[1]) != len(packed):
         return None
     treedef, leaves = template
@@ -78,11 +88,25 @@ def update_bucket(
     ):
         return None
     shapes = tuple(flat.shapes[i] for i in positions)
-    if not _elementwise(updater, keys, shapes, name, state._opt_state(n)):
+    if chunked:  # its leaves are blocks: the check reads the updater on the whole values
+        whole = {k: jax.ShapeDtypeStruct(s, name) for k, s in zip(keys, shapes)}
+        opt_state = jax.eval_shape(updater.init, whole)
+    else:
+        opt_state = state._opt_state(n)
+    if not _elementwise(updater, keys, shapes, name, opt_state):
         return None
     dtype = np.dtype(name)
-    grads = jnp.concatenate([jnp.ravel(g).astype(dtype) for g in pushed])
-    params = {_BUCKET: state._leaves[b]}
+    parts = flat.parts_of(b)
+    if grads is not None:
+        pass
+    elif parts > 1 and not chunked:  # whole values into their blocks
+        assert pushed is not None
+        grid = [as_blocks(jnp.asarray(g).astype(dtype), parts) for g in pushed]
+        grads = jnp.concatenate(grid, axis=1).reshape(-1)
+    else:  # one after the other (in a chunk: each key's block of the sum)
+        assert pushed is not None
+        grads = jnp.concatenate([jnp.ravel(g).astype(dtype) for g in pushed])
+    params = {_BUCKET: leaf}
     opt_state = jax.tree_util.tree_unflatten(treedef, list(packed))
     updates, opt_state = updater.update({_BUCKET: grads}, opt_state, params)
     new = optax.apply_updates(params, updates)[_BUCKET].astype(dtype)

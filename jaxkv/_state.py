@@ -35,10 +35,12 @@ _KEEP = object()
 LAYOUTS = ("auto", "flat", "keys")
 LAYOUT_ENV = "JAXKV_LAYOUT"
 # A store's layout policy: (the layout asked for, bucket the values with fewer elements than
-# this, or None: one array per key). "flat" buckets every value the store does not shard;
-# "auto" does on accelerators, and on CPU below AUTO_CPU_BELOW elements (docs/design.md).
-Policy = tuple[str, int | None]
-KEYS_POLICY: Policy = ("keys", None)
+# this, or None: one array per key, split buckets). "flat" buckets every value, and splits a
+# bucket of at least the big-array bound over the devices (_flat.py); "auto" does the same on
+# accelerators, and on CPU buckets the values below AUTO_CPU_BELOW elements that it does not
+# shard, splitting no bucket (docs/design.md).
+Policy = tuple[str, int | None, bool]
+KEYS_POLICY: Policy = ("keys", None, False)
 ALL = 1 << 62
 AUTO_CPU_BELOW = 1 << 12
 # A state's aux data: keys, devices, big-array bound, compression, shapes, optimizer groups,
@@ -302,7 +304,7 @@ class KVState:
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             views = tuple(_fl.views(flat, leaves))
         elif all(isinstance(x, jax.Array) for x in leaves):
-            views = tuple(_fl.eager_values(flat, leaves))
+            views = tuple(_fl.eager_values(flat, leaves, self._view_sharding))
             if any(isinstance(x, jax.core.Tracer) for x in views):
                 return views  # a state closed over by a trace: its views belong to the trace
         elif all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):  # jax.eval_shape's
@@ -312,6 +314,34 @@ class KVState:
         object.__setattr__(self, "_views", views)
         return views
 
+    @property
+    def _view_sharding(self) -> NamedSharding | None:
+        """Where eager views are placed: replicated where a bucket is split (a key's value is
+        gathered whole, as a pull gives it), else where XLA puts them (with their bucket)."""
+        flat = self._flat
+        return self.sharding if flat is not None and flat.split else None
+
+    def _chunked(self, i: int) -> bool:
+        """Whether key position ``i`` lives in a split bucket whose leaf here is only this
+        device's chunk (inside ``shard_map`` with ``jaxkv.specs``): its value is then its
+        block."""
+        flat = self._flat
+        if flat is None:
+            return False
+        b = flat.where[i][0]
+        return (
+            b >= 0
+            and flat.parts_of(b) > 1
+            and tuple(np.shape(self._leaves[b])) != (flat.buckets[b][1],)
+        )
+
+    def _split_parts(self, i: int) -> int:
+        """How many devices key position ``i``'s bucket is split over (1: not split)."""
+        flat = self._flat
+        if flat is None or flat.where[i][0] < 0:
+            return 1
+        return flat.parts_of(flat.where[i][0])
+
     def _stored_types(self) -> tuple[Any, ...]:
         """Each key's stored value, or under a flat layout, for a key in a bucket, a
         ``jax.ShapeDtypeStruct`` of it: what a check of shapes and dtypes needs, with no
@@ -320,10 +350,16 @@ class KVState:
         if flat is None:
             return self._leaves
         nb = len(flat.buckets)
-        return tuple(
-            self._leaves[nb + j] if b < 0 else jax.ShapeDtypeStruct(shape, np.dtype(name))
-            for (b, j, _), shape, name in zip(flat.where, flat.shapes, flat.dtypes)
-        )
+        out = []
+        for i, ((b, j, size), shape, name) in enumerate(zip(flat.where, flat.shapes, flat.dtypes)):
+            if b < 0:
+                out.append(self._leaves[nb + j])
+            elif self._chunked(i):  # inside shard_map: its block of the split bucket
+                block = _fl.block(size, flat.parts_of(b))
+                out.append(jax.ShapeDtypeStruct((block,), np.dtype(name)))
+            else:
+                out.append(jax.ShapeDtypeStruct(shape, np.dtype(name)))
+        return tuple(out)
 
     def _leaf_specs(self, axis_name: Any) -> KVState:
         """This state with each leaf's ``PartitionSpec`` in its place (see ``jaxkv.specs``):
@@ -340,18 +376,17 @@ class KVState:
                 split if self.is_sharded(shape) else PartitionSpec() for shape in self._shapes
             ]
         else:
-            leaves = [PartitionSpec()] * len(flat.buckets) + [
-                spec(x) for x in self._leaves[len(flat.buckets) :]
-            ]
+            leaves = [
+                split if flat.parts_of(b) > 1 else PartitionSpec() for b in range(len(flat.buckets))
+            ] + [spec(x) for x in self._leaves[len(flat.buckets) :]]
         opts: list[Any] = []
         for opt, packing in zip(self._opt_states, self._packings):
             if packing is None:
                 opts.append(jax.tree_util.tree_map(spec, opt))
             else:
                 bucket = set(packing.packed_positions())
-                opts.append(
-                    tuple(PartitionSpec() if j in bucket else spec(x) for j, x in enumerate(opt))
-                )
+                family = split if packing.parts > 1 else PartitionSpec()
+                opts.append(tuple(family if j in bucket else spec(x) for j, x in enumerate(opt)))
         residuals = [None if r is None else split for r in self._residuals]
         return KVState.tree_unflatten(self._aux(), (leaves, opts, residuals))
 
@@ -563,13 +598,18 @@ class KVState:
                     continue
                 opt = self._opt_state(n)
             if packable:
-                packing, packed = _pack_opt(g, [shapes[k] for k in g], opt, self, old_n.get(g))
+                assert flat is not None  # packable says so
+                buckets = {flat.where[position[k]][0] for k in g}
+                parts = flat.parts_of(min(buckets)) if len(buckets) == 1 else 1
+                packing, packed = _pack_opt(
+                    g, [shapes[k] for k in g], opt, self, old_n.get(g), parts
+                )
                 opts.append(tuple(packed))
                 packings.append(packing)
             else:
                 opts.append(opt)
                 packings.append(None)
-        return KVState(
+        new = KVState(
             keys,
             self._devices,
             leaves,
@@ -584,6 +624,24 @@ class KVState:
             flat,
             packings,
         )
+        if flat is not None and flat.split:
+            new = new._placed()
+        return new
+
+    def _placed(self) -> KVState:
+        """This state with each eager leaf where the store keeps it (split buckets and their
+        optimizer state sharded over the mesh, the rest as :meth:`_leaf_specs` says), so that
+        a push sees the same placement from its first call on and never compiles again."""
+        leaves = jax.tree_util.tree_leaves(self)
+        if not leaves or not all(isinstance(x, jax.Array) for x in leaves):
+            return self  # traced, or abstract: a computation places its own results
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return self
+        mesh = self.mesh
+        shardings = jax.tree_util.tree_map(
+            lambda spec: NamedSharding(mesh, spec), self._leaf_specs(self.axis)
+        )
+        return jax.device_put(self, shardings)
 
     def _plan(
         self,
@@ -595,14 +653,26 @@ class KVState:
     ) -> _fl.FlatLayout | None:
         """The flat layout of a state of ``keys`` under this state's policy, or ``None`` (one
         array per key): no value is bucketed in a compressed store (each key keeps its own
-        error-feedback residuals), in a store across processes, or where the store shards it."""
-        below = self._policy[1]
+        error-feedback residuals) or in a store across processes. Where the policy splits
+        buckets, a bucket of at least the big-array bound is split over the devices; where it
+        does not, a value the store shards keeps an array of its own."""
+        _, below, split = self._policy
         if below is None or compression is not None or not keys or _spans_processes(self._devices):
             return None
-        bucketed = [math.prod(shape) < below and not self.is_sharded(shape) for shape in shapes]
+        bucketed = [
+            math.prod(shape) < below and (split or not self.is_sharded(shape)) for shape in shapes
+        ]
         if not any(bucketed):
             return None
-        flat = _fl.plan(keys, shapes, [t.dtype for t in types], groups, bucketed)
+        flat = _fl.plan(
+            keys,
+            shapes,
+            [t.dtype for t in types],
+            groups,
+            bucketed,
+            self._bound if split else None,
+            len(self._devices),
+        )
         if self._flat is not None and flat == self._flat:
             return self._flat  # the same object: cached computations key on it
         return flat
@@ -629,7 +699,7 @@ class KVState:
             if flat is None and self._flat is not None and not traced:
                 # Fresh views: those cached with this state may be read from it later, and the
                 # new state's pushes may donate its own leaves.
-                views = tuple(_fl.eager_values(self._flat, self._leaves))
+                views = tuple(_fl.eager_values(self._flat, self._leaves, self._view_sharding))
             old = dict(zip(self._keys, views))
         whole = [values[k] if k in values else old[k] for k in keys]
         if flat is None:
@@ -645,16 +715,21 @@ def _pack_opt(
     opt: Any,
     old: KVState,
     n: int | None,
+    parts: int,
 ) -> tuple[_fl.Packing, list[Any]]:
     """The optax state ``opt`` of ``group`` packed by family: written in place into the
     group's old buckets where it had them, with the same packing."""
     packing = None if n is None else old._packings[n]
-    if packing is not None and packing.treedef == jax.tree_util.tree_structure(opt):
+    if (
+        packing is not None
+        and packing.parts == parts
+        and packing.treedef == jax.tree_util.tree_structure(opt)
+    ):
         leaves = old._opt_states[n]  # type: ignore[index]
         if any(isinstance(x, jax.core.Tracer) for x in [*leaves, *jax.tree_util.tree_leaves(opt)]):
             return packing, _fl.write_opt(packing, leaves, opt)
         return packing, list(_fl.eager_write_opt(packing)(list(leaves), opt))
-    return _fl.pack_opt(group, shapes, opt)
+    return _fl.pack_opt(group, shapes, opt, parts)
 
 
 def _spans_processes(devices: tuple[jax.Device, ...]) -> bool:
@@ -752,8 +827,10 @@ def layout_policy(layout: str | None, devices: tuple[jax.Device, ...]) -> Policy
     if layout == "keys":
         return KEYS_POLICY
     if layout == "flat":
-        return ("flat", ALL)
-    return ("auto", AUTO_CPU_BELOW if devices[0].platform == "cpu" else ALL)
+        return ("flat", ALL, True)
+    if devices[0].platform == "cpu":
+        return ("auto", AUTO_CPU_BELOW, False)
+    return ("auto", ALL, True)
 
 
 _COMPRESSION_TYPES = ("2bit", "fp16", "bf16", "none")

@@ -23,6 +23,7 @@ leaves the step in the layout it came in.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -41,6 +42,8 @@ from ._collectives import (
     unsummed_axes,
 )
 from ._errors import KVStoreError
+from ._fast import all_gather_invariant
+from ._flat import as_blocks, block, from_blocks
 from ._local import run_on_blocks
 from ._state import Key, KVState
 from ._update import apply_updater
@@ -50,7 +53,22 @@ __all__ = ["gather", "is_block", "push_in_trace"]
 
 def is_block(state: KVState, key: Key, leaf: Any) -> bool:
     """Whether ``leaf`` (the stored value of ``key``) is only this device's block."""
+    i = state.index(key)
+    if state._split_parts(i) > 1:  # in a split bucket: a block where the bucket is a chunk
+        return state._chunked(i)
     return tuple(leaf.shape) != state.shapes[key]
+
+
+def _expected_block(state: KVState, key: Key, n: int) -> tuple[int, ...] | None:
+    """The shape of ``key``'s block over ``n`` devices, or ``None`` if it cannot have one: rows
+    along axis 0, or in a split bucket its flattened value's ``1/n`` (padded)."""
+    whole = state.shapes[key]
+    parts = state._split_parts(state.index(key))
+    if parts > 1:
+        return (block(math.prod(whole), parts),) if parts == n else None
+    if not whole or whole[0] % n:
+        return None
+    return (whole[0] // n, *whole[1:])
 
 
 def _block_size(state: KVState, leaves: Mapping[Key, Any], names: tuple) -> int:
@@ -64,7 +82,7 @@ def _block_size(state: KVState, leaves: Mapping[Key, Any], names: tuple) -> int:
     n = axis_size(names)
     for key, leaf in leaves.items():
         whole = state.shapes[key]
-        if whole[0] % n or tuple(leaf.shape) != (whole[0] // n, *whole[1:]):
+        if tuple(leaf.shape) != _expected_block(state, key, n):
             raise KVStoreError(
                 f"key {key!r}: its leaf has shape {tuple(leaf.shape)}, expected the whole "
                 f"shape {whole} or its block over axis {names} ({n} devices); enter "
@@ -86,20 +104,25 @@ def gather(state: KVState, values: Mapping[Key, Any], axis_name: Any) -> dict[Ke
     for key, value in zip(keys, values.values()):
         if key in blocked:
             value = jax.lax.all_gather(value, axis_arg(names), tiled=True)
+            if state._split_parts(state.index(key)) > 1:  # its padded, flattened blocks
+                value = from_blocks(value, math.prod(state.shapes[key]), state.shapes[key])
         out[key] = value
     return out
 
 
-def _sum_blocks(whole: list[tuple[int, jax.Array]], names: tuple, n: int) -> dict[int, Any]:
+def _sum_blocks(
+    whole: list[tuple[int, jax.Array]], names: tuple, n: int, fuse_all: bool = False
+) -> dict[int, Any]:
     """This device's rows of the sum of whole-shape values over ``names``: reduce-scattered
-    where still to be summed (small ones together), else just this device's rows."""
+    where still to be summed (small ones together; with ``fuse_all``, all of one dtype
+    together: the keys of a split bucket), else just this device's rows."""
     out: dict[int, Any] = {}
     small: dict[Any, list[int]] = {}
     values = dict(whole)
     for i, x in whole:
         todo = unsummed_axes(x, names)
         if set(todo) == set(names):
-            if x.size >= _SCATTER_FUSE_LIMIT:
+            if x.size >= _SCATTER_FUSE_LIMIT and not fuse_all:
                 out[i] = jax.lax.psum_scatter(x, axis_arg(names), tiled=True)
             else:
                 small.setdefault(x.dtype, []).append(i)
@@ -191,12 +214,15 @@ def push_in_trace(
     n = None
     if any(blocks):
         n = _block_size(state, {k: s for k, s, b in zip(keys, stored, blocks) if b}, names)
+    index = [state.index(k) for k in keys]
+    chunked = [state._chunked(i) for i in index]
 
     # Sum each key's contributions on this device, then over the axes: those still to be
     # summed over the same axes together, so that a value already summed (invariant) is not
     # added into one that is not and then summed a second time.
     whole: list[tuple[int, Any]] = []
     to_scatter: list[tuple[int, Any]] = []
+    in_chunks: list[tuple[int, Any]] = []  # whole values of keys of split buckets, as blocks
     local: dict[int, list[Any]] = {}
     owner: list[int] = []  # each sum's key position
     for i, (key, xs, s, b) in enumerate(zip(keys, grouped.values(), stored, blocks)):
@@ -208,14 +234,21 @@ def push_in_trace(
             by_axes.setdefault(unsummed_axes(x, names) if names else (), []).append(x)
         for same in by_axes.values():
             owner.append(i)
-            entry = (len(owner) - 1, functools.reduce(operator.add, same))
-            (to_scatter if b else whole).append(entry)
+            x = functools.reduce(operator.add, same)
+            if chunked[i]:  # its padded, flattened value: device d's block is row d
+                assert n is not None
+                in_chunks.append((len(owner) - 1, as_blocks(x, n).reshape(-1)))
+            else:
+                (to_scatter if b else whole).append((len(owner) - 1, x))
         if b:
             local[i] = parts
     sums = _sum_whole(whole, names)
     if to_scatter:
         assert n is not None  # set above: to_scatter holds only keys whose values are blocks
         sums.update(_sum_blocks(to_scatter, names, n))
+    if in_chunks:  # one reduce-scatter per dtype: every split bucket's keys side by side
+        assert n is not None
+        sums.update(_sum_blocks(in_chunks, names, n, fuse_all=True))
     totals: dict[int, Any] = {}
     for j in sorted(sums):
         i = owner[j]
@@ -229,10 +262,29 @@ def push_in_trace(
     # Update: once over the group's bucket where the updater is elementwise (flat layout),
     # else each block as the updater would update the whole value.
     optax_push = isinstance(updater, optax.GradientTransformation)
-    if optax_push and opt_state is not None and not any(blocks):
+    if optax_push and opt_state is not None and (not any(blocks) or all(chunked)):
         new_state = update_bucket(state, keys, pushed, updater)
         if new_state is not None:
             return new_state
+    if any(chunked):
+        assert n is not None
+        return _through_whole(state, keys, pushed, chunked, updater, names, n)
+    return _update(state, keys, pushed, stored, opt_state, updater, blocks, n, names)
+
+
+def _update(
+    state: KVState,
+    keys: list[Key],
+    pushed: list[Any],
+    stored: list[Any],
+    opt_state: Any,
+    updater: Any,
+    blocks: list[bool],
+    n: int | None,
+    names: tuple,
+) -> KVState:
+    """``state`` with the updater applied to the summed ``pushed`` values of ``keys``, each
+    block (``blocks``) as the updater would update the whole value."""
     if isinstance(updater, optax.GradientTransformation):
         if opt_state is None and any(blocks):
             raise KVStoreError(
@@ -263,3 +315,78 @@ def push_in_trace(
 
         new.append(run_on_blocks(one, (s, p), (b, b), b, names))
     return state.replace(dict(zip(keys, new)))
+
+
+def _through_whole(
+    state: KVState,
+    keys: list[Key],
+    pushed: list[Any],
+    chunked: list[bool],
+    updater: Any,
+    names: tuple,
+    n: int,
+) -> KVState:
+    """The update of a state whose split buckets are this device's chunks, by an updater that
+    cannot run on them (not elementwise, or not over one bucket): the chunks, and the blocks
+    of the sum, are all-gathered, the updater runs on the whole values, and each device keeps
+    its chunk of the new buckets and optimizer state."""
+    flat = state._flat
+    assert flat is not None  # chunks exist only in a flat state
+    if isinstance(updater, optax.GradientTransformation) and tuple(keys) not in state._groups:
+        raise KVStoreError(
+            f"keys {keys}: expected optimizer state for the keys (their values are blocks of "
+            "split buckets here), given none; call state = jaxkv.init_optimizer(state, "
+            "optimizer) before the step"
+        )
+    axes = axis_arg(names)
+    me = jax.lax.axis_index(axes)
+    split = [b for b in range(len(flat.buckets)) if flat.parts_of(b) > 1]
+
+    def gathered(x: Any, total: int) -> Any:
+        return x if x.shape[0] == total else all_gather_invariant(x, axes, tiled=True)
+
+    leaves = {b: gathered(state._leaves[b], flat.buckets[b][1]) for b in split}
+    opts: dict[int, Any] = {}
+    for g, packing in enumerate(state._packings):
+        if packing is not None and packing.parts > 1:
+            total = packing.offsets()[1]
+            at = set(packing.packed_positions())
+            opts[g] = tuple(
+                gathered(x, total) if j in at else x for j, x in enumerate(state._opt_states[g])
+            )
+    whole = state._replace_leaves(leaves, opts)
+    index = [whole.index(k) for k in keys]
+    values = [
+        from_blocks(
+            all_gather_invariant(p, axes, tiled=True), math.prod(state.shapes[k]), state.shapes[k]
+        )
+        if c
+        else p
+        for k, p, c in zip(keys, pushed, chunked)
+    ]
+    stored = [whole._values[i] for i in index]
+    blocks = [is_block(whole, k, s) for k, s in zip(keys, stored)]
+    opt_state = None
+    if isinstance(updater, optax.GradientTransformation) and tuple(keys) in whole._groups:
+        opt_state = whole.opt_states[tuple(keys)]
+    new = None
+    if opt_state is not None and not any(blocks):
+        new = update_bucket(whole, keys, values, updater)
+    if new is None:
+        new = _update(whole, keys, values, stored, opt_state, updater, blocks, n, names)
+
+    def chunk(x: Any, parts: int) -> Any:
+        size = x.shape[0] // parts
+        return jax.lax.dynamic_slice_in_dim(x, me * size, size, 0)
+
+    new_flat = new._flat
+    assert new_flat is not None and new_flat == flat  # the same keys: written in place
+    leaves = {b: chunk(new._leaves[b], flat.parts_of(b)) for b in split}
+    opts = {}
+    for g, packing in enumerate(new._packings):
+        if packing is not None and packing.parts > 1:
+            at = set(packing.packed_positions())
+            opts[g] = tuple(
+                chunk(x, packing.parts) if j in at else x for j, x in enumerate(new._opt_states[g])
+            )
+    return new._replace_leaves(leaves, opts)
