@@ -52,8 +52,9 @@ def replicated_copies(state: KVState, keys: Sequence[Key]) -> list[jax.Array]:
     CPU devices); replicated ones are copied, so nothing handed out aliases the store.
     """
     values = [state[k] for k in keys]
-    sharded = [i for i, v in enumerate(values) if state.is_sharded(v.shape)]
-    replicated = [i for i, v in enumerate(values) if not state.is_sharded(v.shape)]
+    split = [state._is_split(state.index(k)) for k in keys]
+    sharded = [i for i, s in enumerate(split) if s]
+    replicated = [i for i, s in enumerate(split) if not s]
     out: list[Any] = [None] * len(values)
     if sharded:
         parts = [values[i] for i in sharded]

@@ -356,7 +356,7 @@ def _pull_plan(state: KVState, ckeys: tuple, devices: Any) -> Any:
     if devices is not None:
         if devices_of(devices) != state._devices:
             return _NO_PLAN
-        if any(state.is_sharded(state._shapes[i]) for i in index):
+        if any(state._is_split(i) for i in index):
             return _NO_PLAN
     return _PullPlan(state._keys, state._shapes, state._groups, index)
 
@@ -456,7 +456,7 @@ def _fill_plan(state: KVState, ckeys: tuple, per: int) -> Any:
         index = [state.index(k) for k in ckeys]
     except KVStoreError:  # the general path refuses it
         return _NO_PLAN
-    if any(state.is_sharded(state._shapes[i]) for i in index):
+    if any(state._is_split(i) for i in index):
         return _NO_PLAN
     held = state._values
     if not all_eager([held[i] for i in index]):

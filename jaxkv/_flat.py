@@ -149,15 +149,24 @@ def block(size: int, parts: int) -> int:
     return -(-size // parts)
 
 
+def block_shape(shape: tuple[int, ...], parts: int) -> tuple[int, ...]:
+    """The shape of a key's block over ``parts`` devices in a split bucket: its rows (axis 0)
+    where they divide by ``parts``, as a value the store shards has (the flattened value's
+    ``1/parts`` is then exactly those rows); else ``(block(size, parts),)``."""
+    if shape and shape[0] % parts == 0:
+        return (shape[0] // parts, *shape[1:])
+    return (block(math.prod(shape), parts),)
+
+
 def split_view(
     leaf: Any, offset: int, size: int, shape: tuple[int, ...], parts: int, total: int
 ) -> Any:
     """A key's value in a bucket of ``total`` elements split over ``parts`` devices: from the
     whole bucket, its blocks gathered into its shape; from one device's chunk (inside
-    ``shard_map``), its block there."""
+    ``shard_map``), its block there (:func:`block_shape`)."""
     n = block(size, parts)
     if leaf.shape[0] != total:  # this device's chunk
-        return jax.lax.slice_in_dim(leaf, offset, offset + n)
+        return jax.lax.slice_in_dim(leaf, offset, offset + n).reshape(block_shape(shape, parts))
     blocks = leaf.reshape(parts, -1)[:, offset : offset + n]
     return from_blocks(blocks, size, shape)
 
@@ -216,31 +225,23 @@ def in_buckets(layout: FlatLayout) -> tuple[int, ...]:
     return tuple(i for i, (b, _, _) in enumerate(layout.where) if b >= 0)
 
 
-def eager_values(layout: FlatLayout, leaves: Sequence[Any], sharding: Any = None) -> list[Any]:
+def eager_values(layout: FlatLayout, leaves: Sequence[Any]) -> list[Any]:
     """Each key's value, eagerly: the keys in buckets sliced out by one jitted computation
-    (fresh arrays, placed by ``sharding`` where given: a key of a split bucket is gathered
-    whole), the keys kept on their own as the arrays they are (a jitted computation would copy
-    them)."""
+    (fresh arrays; a key of a split bucket placed as XLA places it, sharded or gathered), the
+    keys kept on their own as the arrays they are (a jitted computation would copy them)."""
     nb = len(layout.buckets)
     out = [leaves[nb + j] if b < 0 else None for b, j, _ in layout.where]
     positions = in_buckets(layout)
     if positions:
-        for i, x in zip(positions, eager_views(layout, positions, sharding)(list(leaves[:nb]))):
+        for i, x in zip(positions, eager_views(layout, positions)(list(leaves[:nb]))):
             out[i] = x
     return out
 
 
 @functools.lru_cache(maxsize=256)
-def eager_views(
-    layout: FlatLayout, positions: tuple[int, ...] | None = None, sharding: Any = None
-) -> Any:
-    """:func:`views` as one jitted computation (eagerly, each view is a fresh array), its
-    results placed by ``sharding`` where given."""
-    fn = functools.partial(views, layout, positions=positions)
-    if sharding is None:
-        return jax.jit(fn)
-    count = len(layout.where) if positions is None else len(positions)
-    return jax.jit(fn, out_shardings=[sharding] * count)
+def eager_views(layout: FlatLayout, positions: tuple[int, ...] | None = None) -> Any:
+    """:func:`views` as one jitted computation (eagerly, each view is a fresh array)."""
+    return jax.jit(lambda leaves: views(layout, leaves, positions))
 
 
 def pack(layout: FlatLayout, values: Sequence[Any]) -> list[Any]:
@@ -406,6 +407,27 @@ def unpack_opt(packing: Packing, leaves: Sequence[Any]) -> Any:
                     out.append(split_view(leaf, offset, size, shape, parts, total))
                 else:
                     out.append(jax.lax.slice_in_dim(leaf, offset, offset + size).reshape(shape))
+            i += len(packing.keys)
+        else:
+            out.append(leaf)
+            i += 1
+    return jax.tree_util.tree_unflatten(packing.treedef, out)
+
+
+def unpack_opt_like(packing: Packing, leaves: Sequence[Any]) -> Any:
+    """The optax state's tree over leaves that are not arrays (``jaxkv.specs``'
+    ``PartitionSpec``, ``jax.eval_shape``'s ``ShapeDtypeStruct``): each key of a family gets its
+    bucket's (a ``ShapeDtypeStruct`` of the key's shape)."""
+    starts = dict(packing.families)
+    out: list[Any] = []
+    it = iter(leaves)
+    i = 0
+    while i < packing.leaves:
+        leaf = next(it)
+        if i in starts:
+            for shape in packing.shapes:
+                is_type = isinstance(leaf, jax.ShapeDtypeStruct)
+                out.append(jax.ShapeDtypeStruct(shape, leaf.dtype) if is_type else leaf)
             i += len(packing.keys)
         else:
             out.append(leaf)

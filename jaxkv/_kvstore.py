@@ -438,7 +438,7 @@ class KVStore:
         if self._keep_values is None:
             state = self._state
             self._keep_values = jax.process_count() == 1 and not any(
-                state.is_sharded(shape) for shape in state._shapes
+                state._is_split(i) for i in range(len(state._shapes))
             )
         return self._keep_values
 
@@ -508,8 +508,8 @@ class KVStore:
         outs_of: dict[Any, list[NDArray]] = {}
         for k, outs in pairs:
             outs_of.setdefault(k, []).extend(outs)
-        small = [k for k in outs_of if not state.is_sharded(state[k].shape)]
-        big = [k for k in outs_of if state.is_sharded(state[k].shape)]
+        small = [k for k in outs_of if not state._is_split(state.index(k))]
+        big = [k for k in outs_of if state._is_split(state.index(k))]
         position: dict[Any, int] = {}
 
         def hand_out(keys: list[Key], values: list[jax.Array]) -> None:

@@ -221,7 +221,7 @@ def pull(
         values = [whole[state.keys()[state.index(k)]] for k in keys]
     if devices is not None:
         target = devices_of(devices)
-        if target != state.devices or any(state.is_sharded(v.shape) for v in values):
+        if target != state.devices or any(state._is_split(state.index(k)) for k in keys):
             values = replicate(values, target)
     return values[0] if single else values
 

@@ -304,7 +304,7 @@ class KVState:
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             views = tuple(_fl.views(flat, leaves))
         elif all(isinstance(x, jax.Array) for x in leaves):
-            views = tuple(_fl.eager_values(flat, leaves, self._view_sharding))
+            views = tuple(_fl.eager_values(flat, leaves))
             if any(isinstance(x, jax.core.Tracer) for x in views):
                 return views  # a state closed over by a trace: its views belong to the trace
         elif all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):  # jax.eval_shape's
@@ -313,13 +313,6 @@ class KVState:
             views = tuple(leaves[flat.leaf(i)] for i in range(len(flat.where)))
         object.__setattr__(self, "_views", views)
         return views
-
-    @property
-    def _view_sharding(self) -> NamedSharding | None:
-        """Where eager views are placed: replicated where a bucket is split (a key's value is
-        gathered whole, as a pull gives it), else where XLA puts them (with their bucket)."""
-        flat = self._flat
-        return self.sharding if flat is not None and flat.split else None
 
     def _chunked(self, i: int) -> bool:
         """Whether key position ``i`` lives in a split bucket whose leaf here is only this
@@ -334,6 +327,14 @@ class KVState:
             and flat.parts_of(b) > 1
             and tuple(np.shape(self._leaves[b])) != (flat.buckets[b][1],)
         )
+
+    def _is_split(self, i: int) -> bool:
+        """Whether the value of key position ``i`` is split across the devices rather than
+        whole on each: a value the store shards, or a key of a split bucket (whose eager
+        view XLA may place either way; a pull gathers it)."""
+        if self._split_parts(i) > 1:
+            return True
+        return self.is_sharded(self._shapes[i])
 
     def _split_parts(self, i: int) -> int:
         """How many devices key position ``i``'s bucket is split over (1: not split)."""
@@ -351,12 +352,12 @@ class KVState:
             return self._leaves
         nb = len(flat.buckets)
         out = []
-        for i, ((b, j, size), shape, name) in enumerate(zip(flat.where, flat.shapes, flat.dtypes)):
+        for i, ((b, j, _), shape, name) in enumerate(zip(flat.where, flat.shapes, flat.dtypes)):
             if b < 0:
                 out.append(self._leaves[nb + j])
             elif self._chunked(i):  # inside shard_map: its block of the split bucket
-                block = _fl.block(size, flat.parts_of(b))
-                out.append(jax.ShapeDtypeStruct((block,), np.dtype(name)))
+                block = _fl.block_shape(shape, flat.parts_of(b))
+                out.append(jax.ShapeDtypeStruct(block, np.dtype(name)))
             else:
                 out.append(jax.ShapeDtypeStruct(shape, np.dtype(name)))
         return tuple(out)
@@ -410,6 +411,8 @@ class KVState:
             return opt
         if any(isinstance(x, jax.core.Tracer) for x in opt):
             return _fl.unpack_opt(packing, opt)
+        if not all(isinstance(x, jax.Array) for x in opt):  # specs, or jax.eval_shape's
+            return _fl.unpack_opt_like(packing, opt)
         return _fl.eager_unpack_opt(packing)(list(opt))
 
     # -- read-only views -------------------------------------------------------------------
@@ -699,7 +702,7 @@ class KVState:
             if flat is None and self._flat is not None and not traced:
                 # Fresh views: those cached with this state may be read from it later, and the
                 # new state's pushes may donate its own leaves.
-                views = tuple(_fl.eager_values(self._flat, self._leaves, self._view_sharding))
+                views = tuple(_fl.eager_values(self._flat, self._leaves))
             old = dict(zip(self._keys, views))
         whole = [values[k] if k in values else old[k] for k in keys]
         if flat is None:

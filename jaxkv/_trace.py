@@ -43,7 +43,7 @@ from ._collectives import (
 )
 from ._errors import KVStoreError
 from ._fast import all_gather_invariant
-from ._flat import as_blocks, block, from_blocks
+from ._flat import as_blocks, block_shape, from_blocks
 from ._local import run_on_blocks
 from ._state import Key, KVState
 from ._update import apply_updater
@@ -65,7 +65,7 @@ def _expected_block(state: KVState, key: Key, n: int) -> tuple[int, ...] | None:
     whole = state.shapes[key]
     parts = state._split_parts(state.index(key))
     if parts > 1:
-        return (block(math.prod(whole), parts),) if parts == n else None
+        return block_shape(whole, parts) if parts == n else None
     if not whole or whole[0] % n:
         return None
     return (whole[0] // n, *whole[1:])
@@ -248,7 +248,8 @@ def push_in_trace(
         sums.update(_sum_blocks(to_scatter, names, n))
     if in_chunks:  # one reduce-scatter per dtype: every split bucket's keys side by side
         assert n is not None
-        sums.update(_sum_blocks(in_chunks, names, n, fuse_all=True))
+        for j, x in _sum_blocks(in_chunks, names, n, fuse_all=True).items():
+            sums[j] = x.reshape(block_shape(state.shapes[keys[owner[j]]], n))
     totals: dict[int, Any] = {}
     for j in sorted(sums):
         i = owner[j]
@@ -268,11 +269,14 @@ def push_in_trace(
             return new_state
     if any(chunked):
         assert n is not None
-        return _through_whole(state, keys, pushed, chunked, updater, names, n)
-    return _update(state, keys, pushed, stored, opt_state, updater, blocks, n, names)
+        return _on_chunks(state, keys, pushed, stored, opt_state, updater, names, n)
+    new, opt_state = _updated(state, keys, pushed, stored, opt_state, updater, blocks, n, names)
+    return state.replace(
+        dict(zip(keys, new)), None if opt_state is None else {tuple(keys): opt_state}
+    )
 
 
-def _update(
+def _updated(
     state: KVState,
     keys: list[Key],
     pushed: list[Any],
@@ -282,9 +286,10 @@ def _update(
     blocks: list[bool],
     n: int | None,
     names: tuple,
-) -> KVState:
-    """``state`` with the updater applied to the summed ``pushed`` values of ``keys``, each
-    block (``blocks``) as the updater would update the whole value."""
+) -> tuple[list[Any], Any]:
+    """The new values of ``keys`` (and for an optax updater their group's new optimizer state,
+    else ``None``): the updater applied to the summed ``pushed`` values, each block
+    (``blocks``) as the updater would update the whole value."""
     if isinstance(updater, optax.GradientTransformation):
         if opt_state is None and any(blocks):
             raise KVStoreError(
@@ -299,14 +304,13 @@ def _update(
         def step(stored: list[Any], opt_state: Any, pushed: list[Any]) -> tuple[list[Any], Any]:
             return apply_updater(updater, keys, pushed, stored, opt_state)
 
-        new, opt_state = run_on_blocks(
+        return run_on_blocks(
             step,
             (stored, opt_state, pushed),
             (blocks, opt_blocks, blocks),
             (blocks, opt_blocks),
             names,
         )
-        return state.replace(dict(zip(keys, new)), {tuple(keys): opt_state})
     new = []
     for key, s, p, b in zip(keys, stored, pushed, blocks):
 
@@ -314,25 +318,27 @@ def _update(
             return apply_updater(updater, [key], [p], [s], None)[0][0]
 
         new.append(run_on_blocks(one, (s, p), (b, b), b, names))
-    return state.replace(dict(zip(keys, new)))
+    return new, None
 
 
-def _through_whole(
+def _on_chunks(
     state: KVState,
     keys: list[Key],
     pushed: list[Any],
-    chunked: list[bool],
+    stored: list[Any],
+    opt_state: Any,
     updater: Any,
     names: tuple,
     n: int,
 ) -> KVState:
-    """The update of a state whose split buckets are this device's chunks, by an updater that
-    cannot run on them (not elementwise, or not over one bucket): the chunks, and the blocks
-    of the sum, are all-gathered, the updater runs on the whole values, and each device keeps
-    its chunk of the new buckets and optimizer state."""
-    flat = state._flat
-    assert flat is not None  # chunks exist only in a flat state
-    if isinstance(updater, optax.GradientTransformation) and tuple(keys) not in state._groups:
+    """The update of keys of split buckets held here as this device's chunks, by an updater
+    that does not run over the bucket (not elementwise, or not optax over one bucket), as the
+    per-key layout runs it: a key whose block is its rows updates its block (``_local.py``:
+    as it is, with reductions over the rows completed across devices, or gathered); a key
+    whose block is a padded piece of its flattened value (its rows do not divide by the
+    devices) is all-gathered whole, updated, and each device keeps its block."""
+    optax_push = isinstance(updater, optax.GradientTransformation)
+    if optax_push and tuple(keys) not in state._groups:
         raise KVStoreError(
             f"keys {keys}: expected optimizer state for the keys (their values are blocks of "
             "split buckets here), given none; call state = jaxkv.init_optimizer(state, "
@@ -340,53 +346,45 @@ def _through_whole(
         )
     axes = axis_arg(names)
     me = jax.lax.axis_index(axes)
-    split = [b for b in range(len(flat.buckets)) if flat.parts_of(b) > 1]
+    shapes = {k: state.shapes[k] for k in keys}
+    gathered = {
+        k
+        for k in keys
+        if state._chunked(state.index(k)) and block_shape(shapes[k], n) != _rows(shapes[k], n)
+    }
 
-    def gathered(x: Any, total: int) -> Any:
-        return x if x.shape[0] == total else all_gather_invariant(x, axes, tiled=True)
-
-    leaves = {b: gathered(state._leaves[b], flat.buckets[b][1]) for b in split}
-    opts: dict[int, Any] = {}
-    for g, packing in enumerate(state._packings):
-        if packing is not None and packing.parts > 1:
-            total = packing.offsets()[1]
-            at = set(packing.packed_positions())
-            opts[g] = tuple(
-                gathered(x, total) if j in at else x for j, x in enumerate(state._opt_states[g])
-            )
-    whole = state._replace_leaves(leaves, opts)
-    index = [whole.index(k) for k in keys]
-    values = [
-        from_blocks(
-            all_gather_invariant(p, axes, tiled=True), math.prod(state.shapes[k]), state.shapes[k]
+    def whole(k: Key, x: Any) -> Any:
+        return from_blocks(
+            all_gather_invariant(x, axes, tiled=True), math.prod(shapes[k]), shapes[k]
         )
-        if c
-        else p
-        for k, p, c in zip(keys, pushed, chunked)
-    ]
-    stored = [whole._values[i] for i in index]
-    blocks = [is_block(whole, k, s) for k, s in zip(keys, stored)]
-    opt_state = None
-    if isinstance(updater, optax.GradientTransformation) and tuple(keys) in whole._groups:
-        opt_state = whole.opt_states[tuple(keys)]
-    new = None
-    if opt_state is not None and not any(blocks):
-        new = update_bucket(whole, keys, values, updater)
-    if new is None:
-        new = _update(whole, keys, values, stored, opt_state, updater, blocks, n, names)
 
-    def chunk(x: Any, parts: int) -> Any:
-        size = x.shape[0] // parts
-        return jax.lax.dynamic_slice_in_dim(x, me * size, size, 0)
+    def mine(k: Key, x: Any) -> Any:
+        return jax.lax.dynamic_index_in_dim(as_blocks(x, n), me, keepdims=False)
 
-    new_flat = new._flat
-    assert new_flat is not None and new_flat == flat  # the same keys: written in place
-    leaves = {b: chunk(new._leaves[b], flat.parts_of(b)) for b in split}
-    opts = {}
-    for g, packing in enumerate(new._packings):
+    stored = [whole(k, s) if k in gathered else s for k, s in zip(keys, stored)]
+    pushed = [whole(k, p) if k in gathered else p for k, p in zip(keys, pushed)]
+    blocks = [k not in gathered and is_block(state, k, s) for k, s in zip(keys, stored)]
+    family: dict[int, Key] = {}  # optimizer-state leaf index -> its key, where a block
+    if optax_push:
+        packing = state._packings[state._groups.index(tuple(keys))]
         if packing is not None and packing.parts > 1:
-            at = set(packing.packed_positions())
-            opts[g] = tuple(
-                chunk(x, packing.parts) if j in at else x for j, x in enumerate(new._opt_states[g])
-            )
-    return new._replace_leaves(leaves, opts)
+            for first, _ in packing.families:
+                family.update((first + j, k) for j, k in enumerate(packing.keys))
+        leaves, treedef = jax.tree_util.tree_flatten(opt_state)
+        leaves = [
+            whole(family[j], x) if family.get(j) in gathered else x for j, x in enumerate(leaves)
+        ]
+        opt_state = jax.tree_util.tree_unflatten(treedef, leaves)
+    new, new_opt = _updated(state, keys, pushed, stored, opt_state, updater, blocks, n, names)
+    new = [mine(k, x) if k in gathered else x for k, x in zip(keys, new)]
+    if not optax_push:
+        return state.replace(dict(zip(keys, new)))
+    leaves, treedef = jax.tree_util.tree_flatten(new_opt)
+    leaves = [mine(family[j], x) if family.get(j) in gathered else x for j, x in enumerate(leaves)]
+    new_opt = jax.tree_util.tree_unflatten(treedef, leaves)
+    return state.replace(dict(zip(keys, new)), {tuple(keys): new_opt})
+
+
+def _rows(shape: tuple[int, ...], n: int) -> tuple[int, ...] | None:
+    """The shape of ``shape``'s block of rows over ``n`` devices, or ``None``."""
+    return (shape[0] // n, *shape[1:]) if shape and shape[0] % n == 0 else None

@@ -20,3 +20,27 @@ def cpu_store(name="local", layout=None):
 def cpu_empty(**options):
     """``jaxkv.empty(**options)``, over the 8 CPU devices."""
     return jaxkv.empty(jax.devices("cpu"), **options)
+
+
+def held_per_device(state, key):
+    """Bytes of ``key``'s stored value that each device holds: its own array's shards, or under
+    the flat layout its share of its bucket (all of it in a bucket kept whole on every device,
+    its block in a bucket split over the devices)."""
+    i = state.keys().index(key)
+    flat = state._flat
+    if flat is None or flat.where[i][0] < 0:
+        leaf = state[key]
+        per = {}
+        for s in leaf.addressable_shards:
+            per[s.device] = per.get(s.device, 0) + s.data.nbytes
+        return per
+    b, _, size = flat.where[i]
+    parts = flat.parts_of(b)
+    itemsize = state._leaves[b].dtype.itemsize
+    count = -(-size // parts) if parts > 1 else size
+    return {s.device: count * itemsize for s in state._leaves[b].addressable_shards}
+
+
+def split_buckets(state):
+    """Whether ``state`` keeps some of its values in buckets split over the devices."""
+    return state._flat is not None and state._flat.split

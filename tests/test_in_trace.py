@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _devices import cpu_empty, cpu_store
+from _devices import cpu_empty, cpu_store, held_per_device, split_buckets
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -212,11 +212,19 @@ def test_data_parallel_training_with_a_sharded_store_matches_optax(name, form, c
     params, opt_state = reference(opt)
     assert_trees_close(dict(state.values), params, tol=1e-5)
     assert_trees_close(list(state.opt_states.values())[0], opt_state, tol=1e-5)
-    # The layout it came in with: weights and their moments 1/D per device, biases whole.
-    for key in ("w1", "w2"):
-        assert device_bytes(state[key], devices[0]) == state[key].nbytes // D
-    for key in ("b1", "b2"):
-        assert device_bytes(state[key], devices[0]) == state[key].nbytes
+    # The layout it came in with: weights and their moments 1/D per device, biases whole;
+    # under the flat layout the group's bucket is split, and with it the biases and every
+    # moment (their buckets).
+    split = split_buckets(state)
+    for key in ("w1", "w2", "b1", "b2"):
+        whole = key in ("b1", "b2") and not split
+        per_device = state[key].nbytes if whole else state[key].nbytes // D
+        assert held_per_device(state, key)[devices[0]] == per_device
+    if split:
+        (packed,) = state._opt_states
+        moments = [x for x in jax.tree_util.tree_leaves(packed) if x.ndim == 1 and x.size > 1]
+        assert moments and all(device_bytes(x, devices[0]) == x.nbytes // D for x in moments)
+        return
     for leaf in jax.tree_util.tree_leaves(list(state.opt_states.values())):
         per_device = leaf.nbytes // D if leaf.shape in {(64, 512), (512, 64)} else leaf.nbytes
         assert device_bytes(leaf, devices[0]) == per_device
@@ -225,9 +233,10 @@ def test_data_parallel_training_with_a_sharded_store_matches_optax(name, form, c
 def test_specs_split_big_values_and_their_moments_and_replicate_the_rest():
     state = jaxkv.init_optimizer(jaxkv.init(cpu_empty(), PARAMS), optax.adam(0.1))
     specs = jaxkv.specs(state, "d")
-    assert specs.values == {"b1": P(), "b2": P(), "w1": P("d"), "w2": P("d")}
+    bias = P("d") if split_buckets(state) else P()  # flat: in the group's split bucket
+    assert specs.values == {"b1": bias, "b2": bias, "w1": P("d"), "w2": P("d")}
     ((adam, _),) = specs.opt_states.values()
-    assert adam.count == P() and adam.mu == {"b1": P(), "b2": P(), "w1": P("d"), "w2": P("d")}
+    assert adam.count == P() and adam.mu == {"b1": bias, "b2": bias, "w1": P("d"), "w2": P("d")}
     assert jax.tree_util.tree_structure(specs) == jax.tree_util.tree_structure(state)
 
 
@@ -325,11 +334,13 @@ def test_pull_inside_the_step_gathers_or_gives_the_block():
     value = jnp.arange(64 * 512, dtype=jnp.float32).reshape(64, 512)
     state = jaxkv.init(cpu_empty(), {"w": value, "b": jnp.arange(3.0)})
     specs = jaxkv.specs(state, AXIS)
+    # Under the flat layout "b" shares the split bucket: its leaf here is a block as well.
+    b_axis = AXIS if split_buckets(state) else None
 
     def step(state):
         whole = jaxkv.pull(state, "w", axis_name=AXIS)
         block = jaxkv.pull(state, "w", local=True)
-        b = jaxkv.pull(state, "b")
+        b = jaxkv.pull(state, "b", axis_name=b_axis)
         return whole.sum(axis=0, keepdims=True), block, b
 
     out = in_store_mesh(state, step, (specs,), (P(AXIS), P(AXIS), P()))(state)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _devices import cpu_empty, cpu_store
+from _devices import cpu_empty, cpu_store, held_per_device, split_buckets
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -34,10 +34,14 @@ def state():
 
 def test_big_values_are_stored_one_eighth_per_device(state, devices):
     big = state["big"]
-    assert set(device_bytes(big)) == set(devices)
-    assert all(b == big.nbytes // 8 for b in device_bytes(big).values())
-    for k in ("small", "odd"):  # below the bound, or not divisible by 8: replicated
-        assert all(b == state[k].nbytes for b in device_bytes(state[k]).values())
+    assert set(held_per_device(state, "big")) == set(devices)
+    assert all(b == big.nbytes // 8 for b in held_per_device(state, "big").values())
+    if split_buckets(state):  # flat: one bucket of 139 elements, split; any shape is split
+        assert all(b == state["odd"].nbytes // 8 for b in held_per_device(state, "odd").values())
+        assert all(b == 4 for b in held_per_device(state, "small").values())  # 1 of 3 + pad
+    else:
+        for k in ("small", "odd"):  # below the bound, or not divisible by 8: replicated
+            assert all(b == state[k].nbytes for b in held_per_device(state, k).values())
     np.testing.assert_array_equal(state["big"], np.arange(64.0).reshape(BIG))
 
 
@@ -51,7 +55,7 @@ def test_push_reduce_scatters_and_pull_all_gathers(state, devices):
         updater=lambda k, p, s: s + p,
     )
     expected = np.arange(64.0).reshape(BIG) + np.sum(grads, axis=0)
-    assert all(b == new["big"].nbytes // 8 for b in device_bytes(new["big"]).values())
+    assert all(b == new["big"].nbytes // 8 for b in held_per_device(new, "big").values())
     np.testing.assert_array_equal(new["big"], expected)
     pulled = jaxkv.pull(new, "big", devices=devices)
     assert all(b == pulled.nbytes for b in device_bytes(pulled).values())
@@ -92,10 +96,18 @@ def test_non_elementwise_updaters_see_the_whole_array(state, devices):
 def test_optimizer_state_is_sharded_too(state, devices):
     opt = optax.adam(0.1)
     new = jaxkv.push(state, ["big", "small"], [jnp.ones(BIG), jnp.ones(SMALL)], updater=opt)
-    mu = new.opt_states[("big", "small")][0].mu["big"]
-    assert all(b == mu.nbytes // 8 for b in device_bytes(mu).values())
-    small_mu = new.opt_states[("big", "small")][0].mu["small"]
-    assert all(b == small_mu.nbytes for b in device_bytes(small_mu).values())
+    if split_buckets(new):  # the group's bucket and its moments' buckets: split
+        (packed,) = [o for g, o in zip(new._groups, new._opt_states) if g == ("big", "small")]
+        mus = [x for x in packed if x.ndim == 1 and x.size > 1]
+        assert len(mus) == 2  # mu and nu, one bucket each
+        assert all(
+            b == x.nbytes // 8 for x in mus for b in device_bytes(x).values()
+        )
+    else:
+        mu = new.opt_states[("big", "small")][0].mu["big"]
+        assert all(b == mu.nbytes // 8 for b in device_bytes(mu).values())
+        small_mu = new.opt_states[("big", "small")][0].mu["small"]
+        assert all(b == small_mu.nbytes for b in device_bytes(small_mu).values())
     p = jnp.arange(64.0).reshape(BIG)
     upd, _ = opt.update(jnp.ones(BIG), opt.init(p), p)
     np.testing.assert_allclose(new["big"], optax.apply_updates(p, upd), rtol=1e-6)
@@ -111,7 +123,7 @@ def test_sharded_state_inside_shard_map(state, devices):
     new = step(state, jnp.ones((8, 2)))
     np.testing.assert_array_equal(new["big"], np.full(BIG, 16.0))
     again = jaxkv.push(new, "big", jnp.ones(BIG))  # back to eager: stored sharded again
-    assert all(b == again["big"].nbytes // 8 for b in device_bytes(again["big"]).values())
+    assert all(b == again["big"].nbytes // 8 for b in held_per_device(again, "big").values())
 
 
 def test_the_imperative_store_honours_mxnets_bound(monkeypatch):
@@ -121,7 +133,7 @@ def test_the_imperative_store_honours_mxnets_bound(monkeypatch):
     kv.set_optimizer(optax.sgd(1.0, momentum=0.5))
     kv.push(0, [nd.ones(BIG, jaxkv.cpu(i)) for i in range(8)])
     stored = kv._state[0]
-    assert all(b == stored.nbytes // 8 for b in device_bytes(stored).values())
+    assert all(b == stored.nbytes // 8 for b in held_per_device(kv._state, 0).values())
     outs = [nd.zeros(BIG, jaxkv.cpu(i)) for i in range(8)]
     kv.pull(0, out=outs)
     for i, o in enumerate(outs):
