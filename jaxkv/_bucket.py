@@ -42,13 +42,14 @@ def update_bucket(
     keys: Sequence[Key],
     pushed: Sequence[Any] | None,
     updater: Any,
-    grads: Any = None,
+    grads: dict[int, Any] | None = None,
 ) -> KVState | None:
     """``state`` with the optax ``updater`` applied once over the bucket of the group ``keys``
-    (their summed gradients ``pushed``, in key order, or ``grads``: already laid out as the
-    bucket), or ``None`` where it cannot be: the state is not flat, the group does not fill
-    one bucket by itself, its optax state is not packed leaf for leaf as ``updater.init`` of
-    one flat array would make it, or the updater is not elementwise (see the module doc).
+    (their summed gradients ``pushed``, in key order, or ``grads[bucket]`` where given: the sum
+    already laid out as the bucket), or ``None`` where it cannot be: the state is not flat, the
+    group does not fill one bucket by itself, its optax state is not packed leaf for leaf as
+    ``updater.init`` of one flat array would make it, or the updater is not elementwise (see
+    the module doc).
 
     A split bucket is updated where it lies: whole (inside ``jit``, sharded over the mesh) or,
     inside ``shard_map``, this device's chunk, from the keys' blocks of the sum."""
@@ -97,18 +98,17 @@ def update_bucket(
         return None
     dtype = np.dtype(name)
     parts = flat.parts_of(b)
-    if grads is not None:
-        pass
-    elif parts > 1 and not chunked:  # whole values into their blocks
+    summed = (grads or {}).get(b)
+    if summed is None and parts > 1 and not chunked:  # whole values into their blocks
         assert pushed is not None
         grid = [as_blocks(jnp.asarray(g).astype(dtype), parts) for g in pushed]
-        grads = jnp.concatenate(grid, axis=1).reshape(-1)
-    else:  # one after the other (in a chunk: each key's block of the sum)
+        summed = jnp.concatenate(grid, axis=1).reshape(-1)
+    elif summed is None:  # one after the other (in a chunk: each key's block of the sum)
         assert pushed is not None
-        grads = jnp.concatenate([jnp.ravel(g).astype(dtype) for g in pushed])
+        summed = jnp.concatenate([jnp.ravel(g).astype(dtype) for g in pushed])
     params = {_BUCKET: leaf}
     opt_state = jax.tree_util.tree_unflatten(treedef, list(packed))
-    updates, opt_state = updater.update({_BUCKET: grads}, opt_state, params)
+    updates, opt_state = updater.update({_BUCKET: summed}, opt_state, params)
     new = optax.apply_updates(params, updates)[_BUCKET].astype(dtype)
     return state._replace_leaves({b: new}, {n: tuple(jax.tree_util.tree_leaves(opt_state))})
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import math
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +25,7 @@ from ._collectives import scatters, sum_over_devices
 from ._compression import compress, exchange, layout_compressed
 from ._errors import KVStoreError
 from ._fast import single_device
+from ._flat import as_blocks, block, from_blocks
 from ._state import Key, KVState
 from ._update import apply_updater
 
@@ -235,6 +237,56 @@ def _sum_stacked(state: KVState, stacked: list[int], pushed: list[Any], stored: 
         pushed[i] = x.reshape(stored[i].shape)
 
 
+def _sum_split(
+    placement: KVState, state: KVState, keys: tuple[Key, ...], at: list[int], pushed: list[Any]
+) -> dict[int, Any]:
+    """Inside the push computation: the stacked contributions at ``at``, of keys in split
+    buckets, summed with one reduce-scatter per bucket (each key's ``(D, block)`` view side by
+    side, so each device gets its chunk of the sum); ``pushed`` gets each key's whole sum, and
+    the result maps each bucket whose every key was pushed to its summed gradient, laid out as
+    the bucket (``_bucket.update_bucket`` takes it as it is)."""
+    flat = state._flat
+    assert flat is not None  # split buckets exist only in a flat state
+    n = len(placement.devices)
+    axis = placement.axis
+    by_bucket: dict[int, list[int]] = {}
+    for i in at:
+        by_bucket.setdefault(flat.where[state.index(keys[i])][0], []).append(i)
+    buckets = list(by_bucket)
+
+    def body(blocks: list[Any]) -> list[Any]:
+        out, j = [], 0
+        for b in buckets:
+            count = len(by_bucket[b])
+            part = blocks[j : j + count]
+            j += count
+            shapes = [state.shapes[keys[i]] for i in by_bucket[b]]
+            grid = jnp.concatenate(
+                [as_blocks(x.reshape(s), n) for x, s in zip(part, shapes)], axis=1
+            )
+            out.append(jax.lax.psum_scatter(grid, axis, scatter_dimension=0, tiled=True))
+        return out
+
+    summed = jax.shard_map(
+        body,
+        mesh=placement.mesh,
+        in_specs=PartitionSpec(axis),
+        out_specs=PartitionSpec(axis),
+    )([pushed[i] for b in buckets for i in by_bucket[b]])
+    grids = {}
+    for b, grid in zip(buckets, summed):
+        offset = 0
+        for i in by_bucket[b]:
+            shape = state.shapes[keys[i]]
+            size = math.prod(shape)
+            width = block(size, n)
+            pushed[i] = from_blocks(grid[:, offset : offset + width], size, shape)
+            offset += width
+        if len(by_bucket[b]) == sum(1 for w in flat.where if w[0] == b):
+            grids[b] = grid.reshape(-1)
+    return grids
+
+
 def _build_push(
     state: KVState, keys: tuple[Key, ...], kinds: tuple[Kind, ...], updater: Any, donate: Donate
 ) -> Callable:
@@ -415,9 +467,12 @@ def _build_push_flat(
         stored = [held[i] for i in index]
         pushed = [x.astype(s.dtype) for x, s in zip(pushed, stored)]
         inputs.update(id(x) for x in pushed)
-        if stacked:
-            _sum_stacked(placement, stacked, pushed, stored)
-        new = update_bucket(state, keys, pushed, updater) if optax_push else None
+        split = [i for i in stacked if state._split_parts(index[i]) > 1]
+        grids = _sum_split(placement, state, keys, split, pushed) if split else {}
+        rest = [i for i in stacked if i not in split]
+        if rest:
+            _sum_stacked(placement, rest, pushed, stored)
+        new = update_bucket(state, keys, pushed, updater, grids) if optax_push else None
         if new is None:  # per key, on the views
             opt_state = state.opt_states[keys] if optax_push else None
             values, opt_state = apply_updater(updater, keys, pushed, stored, opt_state)

@@ -44,7 +44,7 @@ from ._collectives import (
 from ._errors import KVStoreError
 from ._fast import all_gather_invariant
 from ._flat import as_blocks, block_shape, from_blocks
-from ._local import run_on_blocks
+from ._local import is_blockwise, run_on_blocks
 from ._state import Key, KVState
 from ._update import apply_updater
 
@@ -156,16 +156,11 @@ def _sum_whole(whole: list[tuple[int, jax.Array]], names: tuple) -> dict[int, An
     return out
 
 
-def _opt_blocks(
-    state: KVState,
-    optimizer: Any,
-    keys: Sequence[Key],
-    stored: Sequence[Any],
-    opt_state: Any,
-    n: int | None,
+def _check_structure(
+    state: KVState, optimizer: Any, keys: Sequence[Key], stored: Sequence[Any], opt_state: Any
 ) -> Any:
-    """Which leaves of ``opt_state`` are this device's blocks: those whose shape differs from
-    what ``optimizer.init`` gives for the whole values."""
+    """``optimizer.init``'s state for the whole values (shapes only), having refused an
+    ``opt_state`` of another tree structure."""
     whole = jax.eval_shape(
         optimizer.init,
         {k: jax.ShapeDtypeStruct(state.shapes[k], s.dtype) for k, s in zip(keys, stored)},
@@ -177,6 +172,20 @@ def _opt_blocks(
             f"keys {list(keys)}: the optimizer state in the store does not have the structure "
             "this optimizer makes; pass the optimizer the state was made with"
         )
+    return whole
+
+
+def _opt_blocks(
+    state: KVState,
+    optimizer: Any,
+    keys: Sequence[Key],
+    stored: Sequence[Any],
+    opt_state: Any,
+    n: int | None,
+) -> Any:
+    """Which leaves of ``opt_state`` are this device's blocks: those whose shape differs from
+    what ``optimizer.init`` gives for the whole values."""
+    whole = _check_structure(state, optimizer, keys, stored, opt_state)
 
     def block(w: Any, x: Any) -> bool:
         if tuple(x.shape) == tuple(w.shape):
@@ -361,15 +370,38 @@ def _on_chunks(
     def mine(k: Key, x: Any) -> Any:
         return jax.lax.dynamic_index_in_dim(as_blocks(x, n), me, keepdims=False)
 
-    stored = [whole(k, s) if k in gathered else s for k, s in zip(keys, stored)]
-    pushed = [whole(k, p) if k in gathered else p for k, p in zip(keys, pushed)]
-    blocks = [k not in gathered and is_block(state, k, s) for k, s in zip(keys, stored)]
-    family: dict[int, Key] = {}  # optimizer-state leaf index -> its key, where a block
+    family: dict[int, Any] = {}  # optimizer-state leaf index -> its key, where a block
     if optax_push:
         packing = state._packings[state._groups.index(tuple(keys))]
         if packing is not None and packing.parts > 1:
             for first, _ in packing.families:
                 family.update((first + j, k) for j, k in enumerate(packing.keys))
+    if gathered:  # a padded piece is a block where the updater is elementwise, and only there
+        as_is = [state._chunked(state.index(k)) for k in keys]
+        if optax_push:
+            _check_structure(state, updater, keys, stored, opt_state)
+            leaves, treedef = jax.tree_util.tree_flatten(opt_state)
+            flags = jax.tree_util.tree_unflatten(treedef, [j in family for j in range(len(leaves))])
+
+            def step(stored: list[Any], opt_state: Any, pushed: list[Any]) -> tuple[list, Any]:
+                return apply_updater(updater, keys, pushed, stored, opt_state)
+
+            args = (stored, opt_state, pushed)
+            if is_blockwise(step, args, (as_is, flags, as_is), (as_is, flags)):
+                new, new_opt = step(*args)
+                return state.replace(dict(zip(keys, new)), {tuple(keys): new_opt})
+        else:
+            for k, s, p in zip(keys, stored, pushed):
+
+                def one(s: Any, p: Any, key: Key = k) -> Any:
+                    return apply_updater(updater, [key], [p], [s], None)[0][0]
+
+                if k in gathered and is_blockwise(one, (s, p), (True, True), True):
+                    gathered.discard(k)
+    stored = [whole(k, s) if k in gathered else s for k, s in zip(keys, stored)]
+    pushed = [whole(k, p) if k in gathered else p for k, p in zip(keys, pushed)]
+    blocks = [k not in gathered and is_block(state, k, s) for k, s in zip(keys, stored)]
+    if optax_push:
         leaves, treedef = jax.tree_util.tree_flatten(opt_state)
         leaves = [
             whole(family[j], x) if family.get(j) in gathered else x for j, x in enumerate(leaves)

@@ -341,13 +341,13 @@ def test_pull_inside_the_step_gathers_or_gives_the_block():
         whole = jaxkv.pull(state, "w", axis_name=AXIS)
         block = jaxkv.pull(state, "w", local=True)
         b = jaxkv.pull(state, "b", axis_name=b_axis)
-        return whole.sum(axis=0, keepdims=True), block, b
+        return whole.sum(axis=0, keepdims=True), block, b[None]  # b: each device's copy
 
-    out = in_store_mesh(state, step, (specs,), (P(AXIS), P(AXIS), P()))(state)
+    out = in_store_mesh(state, step, (specs,), (P(AXIS), P(AXIS), P(AXIS)))(state)
     whole, block, b = out
     np.testing.assert_array_equal(np.asarray(whole), np.tile(value.sum(0), (D, 1)))
     np.testing.assert_array_equal(np.asarray(block), value)
-    np.testing.assert_array_equal(np.asarray(b), np.arange(3.0))
+    np.testing.assert_array_equal(np.asarray(b), np.tile(np.arange(3.0), (D, 1)))
 
 
 @pytest.mark.parametrize(
