@@ -405,7 +405,11 @@ def push_eager_flat(
     (``stored``: the pushed keys' shapes and dtypes): one cached computation that takes the
     whole state and gives the new one, each key's value a view of its bucket inside it and its
     new value written in place (the state's buffers reused where ``donate``)."""
-    layouts = [_layout(state, s, xs) for s, xs in zip(stored, grouped.values())]
+    if one_device_per_process(state):  # each process's values summed in it first
+        sums = local_sums(state, list(grouped), stored, list(grouped.values()))
+        layouts = [("stacked", stacked(state, s, [x], x.dtype)) for s, x in zip(stored, sums)]
+    else:
+        layouts = [_layout(state, s, xs) for s, xs in zip(stored, grouped.values())]
     kinds, pushed = zip(*layouts)
     fn = flat_push_fn(state, tuple(grouped), kinds, updater, donate)
     return _dist.ordered("push", fn, state, list(pushed))

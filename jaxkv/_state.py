@@ -660,8 +660,11 @@ class KVState:
         buckets, a bucket of at least the big-array bound is split over the devices; where it
         does not, a value the store shards keeps an array of its own."""
         _, below, split = self._policy
-        if below is None or compression is not None or not keys or _spans_processes(self._devices):
+        if below is None or compression is not None or not keys:
             return None
+        # Across processes values stay whole in each (as per key: a split would cost an
+        # all-gather at each pull and save nothing in the push).
+        split = split and not _spans_processes(self._devices)
         bucketed = [
             math.prod(shape) < below and (split or not self.is_sharded(shape)) for shape in shapes
         ]

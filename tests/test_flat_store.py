@@ -103,17 +103,6 @@ def test_auto_on_cpu_buckets_small_values_and_keeps_big_ones_apart(devices):
     assert keys.buckets == 0
 
 
-def test_sharded_values_keep_their_own_array_under_the_flat_layout(devices):
-    s = jaxkv.init(
-        jaxkv.empty(devices, layout="flat"), {"w": jnp.ones((8, 4096)), "b": jnp.ones(3)}
-    )
-    assert s.buckets == 1
-    (big,) = [x for x in jax.tree_util.tree_leaves(s) if x.shape == (8, 4096)]
-    assert big.sharding.spec == P("kv")
-    sp = jaxkv.specs(s, "d")
-    assert (tuple(sp.values["b"]), tuple(sp.values["w"])) == ((), ("d",))
-
-
 @pytest.mark.standard_promotion
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_eager_optax_pushes_give_the_per_key_numbers(name, devices):
