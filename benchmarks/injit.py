@@ -16,6 +16,9 @@ Rows:
   jaxkv sharded       the default store (big tensors sharded 1/D per device) entering and leaving
                       shard_map with jaxkv.specs(state, 'd'); the forward all-gathers the params
                       with jaxkv.gather, so AD hands push shard-shaped, reduce-scattered grads
+  jaxkv flat sharded  the same step with jaxkv.empty(layout="flat"): the 193 tensors and each
+                      adam moment in one bucket split 1/D per device; the gather is one
+                      all-gather and its gradient one reduce-scatter, adam one loop per device
   jaxkv pmap          the replicated store unmapped (in_axes=None) under jax.pmap, per-device
                       grads pushed with axis_name
 
@@ -53,7 +56,13 @@ import jaxkv  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAPES = os.path.join(HERE, "data", "resnet50_shapes.json")
 ROUNDS = 3
-ROWS = ("hand-written psum", "jaxkv replicated", "jaxkv sharded", "jaxkv pmap")
+ROWS = (
+    "hand-written psum",
+    "jaxkv replicated",
+    "jaxkv sharded",
+    "jaxkv flat sharded",
+    "jaxkv pmap",
+)
 HUGETLB = "glibc.malloc.hugetlb=1"
 
 
@@ -190,25 +199,34 @@ def _rows(shapes, opt) -> tuple[dict, dict]:
     if missing:
         skipped["jaxkv sharded"] = f"jaxkv.{', jaxkv.'.join(missing)} not in this jaxkv"
         return rows, skipped
-    try:
-        state = jaxkv.init_optimizer(jaxkv.init(jaxkv.empty(), params), opt)
-        spec = jaxkv.specs(state, "d")
-    except Exception as e:
-        skipped["jaxkv sharded"] = _reason(e)
-        return rows, skipped
+    def sharded_step(spec):
+        @functools.partial(jax.jit, donate_argnums=0)
+        @functools.partial(
+            jax.shard_map, mesh=mesh, in_specs=(spec, P("d")), out_specs=(spec, P("d"))
+        )
+        def kv_sharded(state, g):
+            g_local = local(g)
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(spec, P("d")), out_specs=(spec, P("d")))
-    def kv_sharded(state, g):
-        g_local = local(g)
+            def sharded_loss(mine):
+                return loss(jaxkv.gather(state, mine, "d"), g_local)
 
-        def sharded_loss(mine):
-            return loss(jaxkv.gather(state, mine, "d"), g_local)
+            value, grad = jax.value_and_grad(sharded_loss)(dict(state.values))
+            return jaxkv.push(state, grad, updater=opt, axis_name="d"), value[None]
 
-        value, grad = jax.value_and_grad(sharded_loss)(dict(state.values))
-        return jaxkv.push(state, grad, updater=opt, axis_name="d"), value[None]
+        return kv_sharded
 
-    rows["jaxkv sharded"] = _Row(kv_sharded, state, grads)
+    # The default store (on CPU "auto": big tensors sharded one by one, small ones in a
+    # bucket) and, where this jaxkv has it, the flat layout: one bucket split 1/D per device.
+    for name, layout in (("jaxkv sharded", None), ("jaxkv flat sharded", "flat")):
+        try:
+            empty = jaxkv.empty() if layout is None else jaxkv.empty(layout=layout)
+            state = jaxkv.init_optimizer(jaxkv.init(empty, params), opt)
+            if layout == "flat" and not getattr(getattr(state, "_flat", None), "split", False):
+                skipped[name] = "this jaxkv splits no bucket"
+                continue
+            rows[name] = _Row(sharded_step(jaxkv.specs(state, "d")), state, grads)
+        except Exception as e:
+            skipped[name] = _reason(e)
     return rows, skipped
 
 

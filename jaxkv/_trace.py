@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from ._bucket import update_bucket
@@ -94,18 +95,37 @@ def _block_size(state: KVState, leaves: Mapping[Key, Any], names: tuple) -> int:
 def gather(state: KVState, values: Mapping[Key, Any], axis_name: Any) -> dict[Key, Any]:
     """The whole value of each key in ``values`` (leaves as in ``state.values``): blocks are
     all-gathered over ``axis_name``, whole values kept. ``jax.grad`` through it gives each
-    block's gradient already summed over the axis (AD's reduce-scatter)."""
+    block's gradient already summed over the axis (AD's reduce-scatter). The blocks of one
+    split bucket's keys are gathered together: one all-gather per bucket (and one
+    reduce-scatter per bucket for their gradients)."""
     keys = [state.keys()[state.index(k)] for k in values]
     blocked = [k for k, v in zip(keys, values.values()) if is_block(state, k, v)]
     names = axis_names(axis_name) if axis_name is not None else ()
     if blocked:
         _block_size(state, {k: v for k, v in zip(keys, values.values()) if k in blocked}, names)
+    given = dict(zip(keys, values.values()))
+    flat = state._flat
+    together: dict[int, list[Key]] = {}  # split bucket -> its blocked keys, in key order
+    for key in sorted(set(blocked), key=state.index):
+        if state._split_parts(state.index(key)) > 1:
+            assert flat is not None  # split buckets exist only in a flat state
+            together.setdefault(flat.where[state.index(key)][0], []).append(key)
+    whole: dict[Key, Any] = {}
+    for members in together.values():
+        cat = jnp.concatenate([jnp.ravel(given[k]) for k in members])
+        grid = jax.lax.all_gather(cat, axis_arg(names))  # (devices, blocks side by side)
+        offset = 0
+        for k in members:
+            width = math.prod(given[k].shape)
+            size, shape = math.prod(state.shapes[k]), state.shapes[k]
+            whole[k] = from_blocks(grid[:, offset : offset + width], size, shape)
+            offset += width
     out = {}
     for key, value in zip(keys, values.values()):
-        if key in blocked:
+        if key in whole:
+            value = whole[key]
+        elif key in blocked:
             value = jax.lax.all_gather(value, axis_arg(names), tiled=True)
-            if state._split_parts(state.index(key)) > 1:  # its padded, flattened blocks
-                value = from_blocks(value, math.prod(state.shapes[key]), state.shapes[key])
         out[key] = value
     return out
 

@@ -320,3 +320,35 @@ def test_the_imperative_store_with_split_buckets(devices, monkeypatch):
     for i, o in enumerate(outs):
         assert o.context == jaxkv.cpu(i)
         np.testing.assert_allclose(o.asnumpy(), START["odd"] - D, rtol=1e-6)
+
+
+def test_a_pull_inside_the_step_gathers_a_split_bucket_at_once(devices):
+    """The whole values of a bucket's keys come from one all-gather of the bucket's blocks,
+    and ``jax.grad`` through ``jaxkv.gather`` gives each block's gradient with one
+    reduce-scatter."""
+    s = _store(devices, "flat")
+    spec = jaxkv.specs(s, "kv")
+
+    def body(state):
+        whole = jaxkv.pull(state, list(SHAPES), axis_name="kv")
+        local = {k: jaxkv.pull(state, k, local=True) for k in SHAPES}
+        grads = jax.grad(
+            lambda v: sum(jnp.sum(x**2) for x in jaxkv.gather(state, v, "kv").values())
+        )(local)
+        return [w[None] for w in whole], grads
+
+    grad_spec = {k: P("kv") for k in SHAPES}
+    step = jax.jit(
+        jax.shard_map(
+            body, mesh=s.mesh, in_specs=(spec,), out_specs=([P("kv")] * len(SHAPES), grad_spec)
+        )
+    )
+    whole, grads = step(s)
+    for k, w in zip(SHAPES, whole):
+        np.testing.assert_array_equal(np.asarray(w)[0], START[k])
+    np.testing.assert_allclose(
+        np.asarray(grads["w"]).reshape(SHAPES["w"]), 2 * D * START["w"], rtol=1e-6
+    )
+    text = step.lower(s).as_text()
+    assert text.count("stablehlo.all_gather") == 2  # the pull's, and the gather's
+    assert text.count("stablehlo.reduce_scatter") == 1
