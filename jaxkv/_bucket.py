@@ -18,7 +18,9 @@ tree, once per trace of a push.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -94,10 +96,15 @@ def update_bucket(
         opt_state = jax.eval_shape(updater.init, whole)
     else:
         opt_state = state._opt_state(n)
-    if not _elementwise(updater, keys, shapes, name, opt_state):
+    # A sum, maximum or minimum over the group runs as one over the bucket where the bucket
+    # is the group's values and nothing else: not a chunk (a reduction there would need
+    # completing across devices), not padded (padding would enter a maximum or a minimum, and
+    # a sum over values that updates left in the padding).
+    parts = flat.parts_of(b)
+    padded = parts > 1 and any(math.prod(s) % parts for s in shapes)
+    if not _elementwise(updater, keys, shapes, name, opt_state, not (chunked or padded)):
         return None
     dtype = np.dtype(name)
-    parts = flat.parts_of(b)
     summed = (grads or {}).get(b)
     if summed is None and parts > 1 and not chunked:  # whole values into their blocks
         assert pushed is not None
@@ -125,7 +132,9 @@ def _template(updater: Any, size: int, name: str) -> tuple[Any, list] | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _elementwise_cached(updater: Any, keys: tuple, shapes: tuple, name: str, opt_sig: Any) -> bool:
+def _elementwise_cached(
+    updater: Any, keys: tuple, shapes: tuple, name: str, opt_sig: Any, reduce: bool
+) -> bool:
     # Keyed on the updater object: jaxkv caches pushes per updater object the same way.
     opt_state = jax.tree_util.tree_unflatten(
         opt_sig[0], [jax.ShapeDtypeStruct(s, d) for s, d in opt_sig[1]]
@@ -147,18 +156,23 @@ def _elementwise_cached(updater: Any, keys: tuple, shapes: tuple, name: str, opt
     owners += key_of_leaf  # the params
     if len(owners) != len(jaxpr.invars) or len(g_leaves) != len(keys):
         return False
-    return _owners(jaxpr, owners) is not None
+    outs = _owners(jaxpr, owners, len(keys) if reduce else 0)
+    # A reduction over some keys only may not leave the update (in its state, say).
+    return outs is not None and not any(isinstance(o, _Partial) for o in outs)
 
 
-def _elementwise(updater: Any, keys: tuple, shapes: tuple, name: str, opt_state: Any) -> bool:
+def _elementwise(
+    updater: Any, keys: tuple, shapes: tuple, name: str, opt_state: Any, reduce: bool = False
+) -> bool:
     """Whether every step ``updater.update`` takes on a key's arrays is elementwise, with no
-    other key's arrays and only scalars beside them (see the module doc)."""
+    other key's arrays and only scalars beside them, or (with ``reduce``) a sum, maximum or
+    minimum over the whole group (see the module doc)."""
     leaves, treedef = jax.tree_util.tree_flatten(opt_state)
     sig = (treedef, tuple((tuple(np.shape(x)), np.dtype(x.dtype)) for x in leaves))
     try:
-        return _elementwise_cached(updater, keys, shapes, name, sig)
+        return _elementwise_cached(updater, keys, shapes, name, sig, reduce)
     except TypeError:  # an updater that cannot be hashed: not cached, checked each trace
-        return _elementwise_cached.__wrapped__(updater, keys, shapes, name, sig)
+        return _elementwise_cached.__wrapped__(updater, keys, shapes, name, sig, reduce)
 
 
 # What a value is, seen from the bucket: the array of one key (its position in the group), or
@@ -186,10 +200,45 @@ def _shared(v: Any) -> str:
     return _UNIFORM if tuple(getattr(v.aval, "shape", ())) == () else _OTHER
 
 
-def _owners(jaxpr: Any, owners: Sequence[Any]) -> list[Any] | None:
+@dataclasses.dataclass(frozen=True)
+class _Partial:
+    """A reduction (``op``: ``add``, ``max`` or ``min``) over the whole arrays of some of the
+    group's keys (``keys``): over all of them it is what the same reduction over the bucket
+    gives, so it is then shared by all keys (``_UNIFORM``); over some, it may only meet the
+    others' by the same ``op``."""
+
+    op: str
+    keys: frozenset
+
+
+# A reduction over all of an array's axes, and how two of its partial results combine.
+_MONOIDS = {"reduce_sum": "add", "reduce_max": "max", "reduce_min": "min"}
+
+
+def _combine(name: str, eqn: Any, ins: list, count: int) -> Any:
+    """What an equation over partial reductions gives (see ``_Partial``), or ``None``."""
+    parts = [o for o in ins if isinstance(o, _Partial)]
+    if name == "copy" and len(ins) == 1:
+        return parts[0]
+    if name not in ("add", "max", "min") or len(ins) != 2:
+        return None
+    if len(parts) == 1:  # the other, a literal 0 added (Python's sum starts from 0)
+        other = eqn.invars[1 - ins.index(parts[0])]
+        ok = name == "add" == parts[0].op and isinstance(other, jex.Literal) and other.val == 0
+        return parts[0] if ok else None
+    a, b = parts
+    if not (a.op == b.op == name) or a.keys & b.keys:
+        return None
+    keys = a.keys | b.keys
+    return _UNIFORM if len(keys) == count else _Partial(name, keys)
+
+
+def _owners(jaxpr: Any, owners: Sequence[Any], count: int = 0) -> list[Any] | None:
     """What each output of ``jaxpr`` is (a key's position, ``_UNIFORM`` or ``_OTHER``) given
     its inputs' (``None`` for an input shared by all keys), or ``None`` if some equation is not
-    elementwise on a key's arrays, or mixes two keys' arrays."""
+    elementwise on a key's arrays, or mixes two keys' arrays. With ``count`` (the group's
+    number of keys), a sum, maximum or minimum over each key's whole array, combined over all
+    ``count`` keys by the same operation, is shared by all keys too (see ``_Partial``)."""
     env: dict[Any, Any] = {v: _shared(v) for v in jaxpr.constvars}
     env.update((v, _shared(v) if o is None else o) for v, o in zip(jaxpr.invars, owners))
     # (An input given as None is shared: uniform if it is a scalar.)
@@ -201,7 +250,21 @@ def _owners(jaxpr: Any, owners: Sequence[Any]) -> list[Any] | None:
         ins = [read(v) for v in eqn.invars]
         keyed = {o for o in ins if isinstance(o, int)}
         name = eqn.primitive.name
-        if not keyed:
+        partial = any(isinstance(o, _Partial) for o in ins)
+        if partial and name not in _CALLS:
+            out = None if keyed else _combine(name, eqn, ins, count)
+            if out is None:
+                return None
+            env.update((v, out) for v in eqn.outvars)
+            continue
+        if count and name in _MONOIDS and len(keyed) == 1 and len(ins) == 1:
+            (owner,) = keyed
+            if tuple(eqn.params.get("axes", ())) != tuple(range(len(eqn.invars[0].aval.shape))):
+                return None  # over some axes only: not a reduction over the key's array
+            out = _Partial(_MONOIDS[name], frozenset([owner]))
+            env.update((v, _UNIFORM if count == 1 else out) for v in eqn.outvars)
+            continue
+        if not keyed and not partial:
             if name == "broadcast_in_dim" or name in _ELEMENTWISE:
                 kind = _UNIFORM if all(o == _UNIFORM for o in ins) else _OTHER
             else:
@@ -210,7 +273,7 @@ def _owners(jaxpr: Any, owners: Sequence[Any]) -> list[Any] | None:
             continue
         sub = _sub_jaxpr(eqn) if name in _CALLS else None
         if sub is not None:  # a jitted or custom-derivative function: what it does inside
-            out = _owners(sub[0], ins)
+            out = _owners(sub[0], ins, count)
             if out is None:
                 return None
             env.update(zip(eqn.outvars, out))

@@ -3,6 +3,8 @@ a bucket, and that every operation gives the numbers of the per-key layout, eage
 ``jit``, ``shard_map`` and ``pmap``, with no recompiles, in the per-key store's memory, and with
 one checkpoint format for both."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -286,6 +288,18 @@ def _mix_keys():
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+def _global(reduce, combine, inner=lambda x: x, outer=lambda x: x):
+    """A scale shared by all keys, from a reduction over each key's gradient (``reduce``, of
+    ``inner`` of it) combined over the keys (``combine``), then ``outer`` of that."""
+
+    def update(updates, state, params=None):
+        parts = [reduce(inner(g)) for g in jax.tree_util.tree_leaves(updates)]
+        scale = outer(functools.reduce(combine, parts))
+        return jax.tree_util.tree_map(lambda g: -0.1 * g / (1.0 + scale), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def _reversed_rows():
     """Not elementwise: each key's gradient reversed along its first axis, with momentum."""
     inner = optax.trace(0.5)
@@ -317,10 +331,33 @@ BUCKETED = {
     "adamw": (optax.adamw(0.05, weight_decay=0.1), True),
     "sgd-momentum": (OPTIMIZERS["sgd-momentum"], True),
     "rmsprop": (optax.rmsprop(0.05), True),
-    "clip-adam": (OPTIMIZERS["clip-adam"], False),
+    # A sum, maximum or minimum over the whole group: once over the bucket (the group's norm).
+    "clip-adam": (OPTIMIZERS["clip-adam"], True),
+    "mix-keys+trace": (optax.chain(_mix_keys(), optax.trace(0.9)), True),
+    "inf-norm+trace": (
+        optax.chain(_global(jnp.max, jnp.maximum, jnp.abs), optax.trace(0.9)),
+        True,
+    ),
+    "min+trace": (
+        optax.chain(_global(jnp.min, jnp.minimum, outer=jnp.abs), optax.trace(0.9)),
+        True,
+    ),
+    # A reduction per key, or combined otherwise than by its own operation: per key.
     "lamb": (OPTIMIZERS["lamb"], False),
+    "sum-of-norms+trace": (
+        optax.chain(_global(lambda g: jnp.sqrt(jnp.sum(g * g)), jnp.add), optax.trace(0.9)),
+        False,
+    ),
+    "sum-of-means+trace": (optax.chain(_global(jnp.mean, jnp.add), optax.trace(0.9)), False),
+    "max-of-sums+trace": (optax.chain(_global(jnp.sum, jnp.maximum), optax.trace(0.9)), False),
+    "row-sums+trace": (
+        optax.chain(
+            _global(lambda g: jnp.max(jnp.sum(g, axis=-1)) if g.ndim else g, jnp.add),
+            optax.trace(0.9),
+        ),
+        False,
+    ),
     "sign-sgd+trace": (optax.chain(_sign_sgd(0.1), optax.trace(0.9)), True),
-    "mix-keys+trace": (optax.chain(_mix_keys(), optax.trace(0.9)), False),
     "reversed-rows": (_reversed_rows(), False),
     "scanned": (_scanned(), False),
 }
