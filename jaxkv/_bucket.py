@@ -8,9 +8,12 @@ count, a learning rate, a bias correction) gives on the concatenation of the key
 the concatenation of what it gives per key. Such an updater runs once on the tree
 ``{bucket: flat}``: one fused loop over the bucket instead of one per key. (On CPU, only where the
 updater keeps per-key state: see ``update_bucket``.) sgd, momentum, adam,
-adamw, rmsprop, lion and most custom chains of them qualify; anything with a reduction
-(``clip_by_global_norm``, LAMB's trust ratio), a reshape or a step that mixes keys does not, and
-runs per key on views (``_update.apply_updater``), with the same numbers.
+adamw, rmsprop, lion and most custom chains of them qualify. So does one whose other steps are
+sums, maxima or minima over the whole group (each key's whole array reduced, the results
+combined over every key by the same operation: ``clip_by_global_norm``), which equal the same
+reduction over the bucket. A reduction used per key (LAMB's trust ratio), a reshape or a step
+that mixes keys otherwise does not, and runs per key on views (``_update.apply_updater``), with
+the same numbers.
 
 Whether an updater qualifies is read from the jaxpr of its ``update`` on the group's per-key
 tree, once per trace of a push.

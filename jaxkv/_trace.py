@@ -114,12 +114,11 @@ def gather(state: KVState, values: Mapping[Key, Any], axis_name: Any) -> dict[Ke
     for members in together.values():
         cat = jnp.concatenate([jnp.ravel(given[k]) for k in members])
         grid = jax.lax.all_gather(cat, axis_arg(names))  # (devices, blocks side by side)
-        offset = 0
-        for k in members:
-            width = math.prod(given[k].shape)
-            size, shape = math.prod(state.shapes[k]), state.shapes[k]
-            whole[k] = from_blocks(grid[:, offset : offset + width], size, shape)
-            offset += width
+        # Split, not sliced: AD's transpose of a split is one concatenation, where each
+        # slice's would be a padding to the whole grid (measured: 8 s a step on ResNet-50).
+        widths = [math.prod(given[k].shape) for k in members]
+        for k, part in zip(members, jax.lax.split(grid, widths, axis=1)):
+            whole[k] = from_blocks(part, math.prod(state.shapes[k]), state.shapes[k])
     out = {}
     for key, value in zip(keys, values.values()):
         if key in whole:
