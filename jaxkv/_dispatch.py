@@ -29,7 +29,7 @@ from ._args import devices_of, group
 from ._arrays import copies, stacked_sharding
 from ._errors import KVStoreError
 from ._fast import all_eager, assemble, per_device, single_device
-from ._push import _PUSH_CACHE, Donate, Kind, flat_push_fn
+from ._push import Donate, Kind, flat_push_fn, push_fn
 from ._state import KVState, normalize_key
 from ._update import optimizer_group
 
@@ -235,7 +235,7 @@ def _push_plan(
             return _NO_PLAN
         group_at = state._groups.index(group_keys)
     if state._flat is None:
-        fn = _PUSH_CACHE.get(state, order, tuple(kinds), updater, donate)
+        fn = push_fn(state, order, tuple(kinds), updater, donate)
     else:
         fn = flat_push_fn(state, order, tuple(kinds), updater, donate)
     return _PushPlan(

@@ -184,41 +184,52 @@ def _add_up(xss: list[list[jax.Array]], dtypes: tuple) -> list[jax.Array]:
     return [functools.reduce(operator.add, [x.astype(t) for x in xs]) for xs, t in zip(xss, dtypes)]
 
 
-class _PushCache:
-    """Jitted push computations, one per static signature, least recently used dropped first."""
+class _Computations:
+    """Jitted push computations, one per static signature and updater, least recently used
+    dropped first. An entry holds its updater, so that the updater's id (part of the key)
+    is not reused while the entry lives."""
 
     def __init__(self, size: int = 256):
         self._size = size
         self._fns: collections.OrderedDict = collections.OrderedDict()
 
-    def get(
-        self,
-        state: KVState,
-        keys: tuple[Key, ...],
-        kinds: tuple[Kind, ...],
-        updater: Any,
-        donate: Donate,
-    ) -> Callable:
-        sig = (
-            state.devices,
-            state._user_mesh,
-            state.bigarray_bound,
-            state.compression,
-            keys,
-            kinds,
-            id(updater),
-            donate,
-        )
-        entry = self._fns.get(sig)
+    def get(self, sig: tuple, updater: Any, build: Callable[[], Callable]) -> Callable:
+        key = (sig, id(updater))
+        entry = self._fns.get(key)
         if entry is not None and entry[0] is updater:
-            self._fns.move_to_end(sig)
+            self._fns.move_to_end(key)
             return entry[1]
-        fn = _build_push(state, keys, kinds, updater, donate)
-        logger.debug("jaxkv: new push signature (%d keys, donate=%s)", len(keys), donate)
-        self._fns[sig] = (updater, fn)  # holding updater keeps its id from being reused
+        fn = build()
+        self._fns[key] = (updater, fn)
         if len(self._fns) > self._size:
             self._fns.popitem(last=False)
         return fn
+
+
+_COMPUTATIONS = _Computations()
+
+
+def push_fn(
+    state: KVState, keys: tuple[Key, ...], kinds: tuple[Kind, ...], updater: Any, donate: Donate
+) -> Callable:
+    """The cached push computation ``fn(stored, opt_state, residuals, pushed)`` of this
+    signature, for a state with one array per key."""
+    sig = (
+        "keys",
+        state.devices,
+        state._user_mesh,
+        state.bigarray_bound,
+        state.compression,
+        keys,
+        kinds,
+        donate,
+    )
+
+    def build() -> Callable:
+        logger.debug("jaxkv: new push signature (%d keys, donate=%s)", len(keys), donate)
+        return _build_push(state, keys, kinds, updater, donate)
+
+    return _COMPUTATIONS.get(sig, updater, build)
 
 
 def _sum_stacked(state: KVState, stacked: list[int], pushed: list[Any], stored: list[Any]) -> None:
@@ -350,9 +361,6 @@ def _build_push(
     return jax.jit(run, donate_argnums=_donated(donate))
 
 
-_PUSH_CACHE = _PushCache()
-
-
 def push_eager(
     state: KVState,
     grouped: dict[Key, list[jax.Array]],
@@ -380,7 +388,7 @@ def push_eager(
         ]
     kinds, pushed = zip(*layouts)
     residuals = [state._residuals[i] for i in index]
-    fn = _PUSH_CACHE.get(state, tuple(grouped), kinds, updater, donate)
+    fn = push_fn(state, tuple(grouped), kinds, updater, donate)
     # Over other processes' devices too, its collectives run after this process's earlier ones.
     new_values, new_opt, new_residuals = _dist.ordered(
         "push", fn, stored, opt_state, residuals, list(pushed)
@@ -418,39 +426,15 @@ def push_eager_flat(
 def flat_push_fn(
     state: KVState, keys: tuple[Key, ...], kinds: tuple[Kind, ...], updater: Any, donate: Donate
 ) -> Callable:
-    """The cached flat push computation ``fn(state, pushed) -> new state`` of this signature."""
-    key = (state.devices, state._user_mesh, state.bigarray_bound, keys, kinds)
-    fn = _FLAT_PUSHES.get(key, updater, donate)
-    if fn is None:
-        fn = _build_push_flat(state, keys, kinds, updater, donate)
+    """The cached flat push computation ``fn(state, pushed) -> new state`` of this signature
+    (the state's layout is part of the computation's own cache key: its tree structure)."""
+    sig = ("flat", state.devices, state._user_mesh, state.bigarray_bound, keys, kinds, donate)
+
+    def build() -> Callable:
         logger.debug("jaxkv: new flat push signature (%d keys, donate=%s)", len(keys), donate)
-        _FLAT_PUSHES.put(key, updater, donate, fn)
-    return fn
+        return _build_push_flat(state, keys, kinds, updater, donate)
 
-
-class _FlatCache:
-    """Jitted flat pushes, one per signature (the state's layout is part of the computation's
-    own cache key: its tree structure), least recently used dropped first."""
-
-    def __init__(self, size: int = 256):
-        self._size = size
-        self._fns: collections.OrderedDict = collections.OrderedDict()
-
-    def get(self, key: tuple, updater: Any, donate: Donate) -> Callable | None:
-        sig = (key, id(updater), donate)
-        entry = self._fns.get(sig)
-        if entry is not None and entry[0] is updater:
-            self._fns.move_to_end(sig)
-            return entry[1]
-        return None
-
-    def put(self, key: tuple, updater: Any, donate: Donate, fn: Callable) -> None:
-        self._fns[(key, id(updater), donate)] = (updater, fn)  # holding updater keeps its id
-        if len(self._fns) > self._size:
-            self._fns.popitem(last=False)
-
-
-_FLAT_PUSHES = _FlatCache()
+    return _COMPUTATIONS.get(sig, updater, build)
 
 
 def _build_push_flat(

@@ -699,6 +699,14 @@ class KVState:
                 return _fl.write(flat, self._leaves, new)
             positions = tuple(sorted(new))
             return list(_fl.eager_write(flat, positions)(self._leaves, [new[i] for i in positions]))
+        chunked = [k for i, k in enumerate(self._keys) if self._chunked(i)]
+        if chunked:  # its values here are blocks: they cannot be laid out anew
+            raise KVStoreError(
+                f"keys {chunked[:4]}{' ...' if len(chunked) > 4 else ''}: expected whole values "
+                "to lay out anew (new keys, or new optimizer groups, change a flat store's "
+                "buckets), given this device's blocks of split buckets (inside shard_map); "
+                "add keys and make optimizer state before the step"
+            )
         old: dict[Key, Any] = {}
         if any(k not in values for k in keys):
             views = self._values

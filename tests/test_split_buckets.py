@@ -352,3 +352,17 @@ def test_a_pull_inside_the_step_gathers_a_split_bucket_at_once(devices):
     text = step.lower(s).as_text()
     assert text.count("stablehlo.all_gather") == 2  # the pull's, and the gather's
     assert text.count("stablehlo.reduce_scatter") == 1
+
+
+def test_new_keys_inside_shard_map_are_refused_over_split_buckets(devices):
+    """Inside ``shard_map`` the split buckets' values are blocks: laying out the buckets anew
+    from them would give wrong values, so a new key is refused there, before anything runs."""
+    s = _store(devices, "flat")
+    spec = jaxkv.specs(s, "kv")
+
+    def body(state):
+        return jaxkv.init(state, {"new": jnp.ones(3)})
+
+    step = jax.jit(jax.shard_map(body, mesh=s.mesh, in_specs=(spec,), out_specs=P()))
+    with pytest.raises(jaxkv.KVStoreError, match="expected whole values to lay out anew"):
+        step(s)
