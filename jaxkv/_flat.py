@@ -390,49 +390,50 @@ def _is_family(run: list, keys: Sequence[Key], shapes: Sequence[tuple[int, ...]]
     return True
 
 
-def unpack_opt(packing: Packing, leaves: Sequence[Any]) -> Any:
-    """The optax state packed by :func:`pack_opt`, each family's leaves views of its bucket."""
+def _unpacked(packing: Packing, leaves: Sequence[Any], one: Any) -> Any:
+    """The optax state's tree from its packed ``leaves``: each family's bucket gives one leaf
+    per key, ``one(bucket, j)`` for the j-th key of the group; other leaves are kept."""
     starts = dict(packing.families)
-    offsets, total = packing.offsets()
-    parts = packing.parts
     out: list[Any] = []
     it = iter(leaves)
     i = 0
     while i < packing.leaves:
         leaf = next(it)
         if i in starts:
-            for offset, shape in zip(offsets, packing.shapes):
-                size = math.prod(shape)
-                if parts > 1:
-                    out.append(split_view(leaf, offset, size, shape, parts, total))
-                else:
-                    out.append(jax.lax.slice_in_dim(leaf, offset, offset + size).reshape(shape))
+            out.extend(one(leaf, j) for j in range(len(packing.keys)))
             i += len(packing.keys)
         else:
             out.append(leaf)
             i += 1
     return jax.tree_util.tree_unflatten(packing.treedef, out)
+
+
+def unpack_opt(packing: Packing, leaves: Sequence[Any]) -> Any:
+    """The optax state packed by :func:`pack_opt`, each family's leaves views of its bucket."""
+    offsets, total = packing.offsets()
+    parts = packing.parts
+
+    def one(bucket: Any, j: int) -> Any:
+        offset, shape = offsets[j], packing.shapes[j]
+        size = math.prod(shape)
+        if parts > 1:
+            return split_view(bucket, offset, size, shape, parts, total)
+        return jax.lax.slice_in_dim(bucket, offset, offset + size).reshape(shape)
+
+    return _unpacked(packing, leaves, one)
 
 
 def unpack_opt_like(packing: Packing, leaves: Sequence[Any]) -> Any:
     """The optax state's tree over leaves that are not arrays (``jaxkv.specs``'
     ``PartitionSpec``, ``jax.eval_shape``'s ``ShapeDtypeStruct``): each key of a family gets its
     bucket's (a ``ShapeDtypeStruct`` of the key's shape)."""
-    starts = dict(packing.families)
-    out: list[Any] = []
-    it = iter(leaves)
-    i = 0
-    while i < packing.leaves:
-        leaf = next(it)
-        if i in starts:
-            for shape in packing.shapes:
-                is_type = isinstance(leaf, jax.ShapeDtypeStruct)
-                out.append(jax.ShapeDtypeStruct(shape, leaf.dtype) if is_type else leaf)
-            i += len(packing.keys)
-        else:
-            out.append(leaf)
-            i += 1
-    return jax.tree_util.tree_unflatten(packing.treedef, out)
+
+    def one(bucket: Any, j: int) -> Any:
+        if isinstance(bucket, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(packing.shapes[j], bucket.dtype)
+        return bucket
+
+    return _unpacked(packing, leaves, one)
 
 
 @functools.lru_cache(maxsize=256)

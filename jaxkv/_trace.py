@@ -328,12 +328,8 @@ def _updated(
         opt_blocks = (
             None if opt_state is None else _opt_blocks(state, updater, keys, stored, opt_state, n)
         )
-
-        def step(stored: list[Any], opt_state: Any, pushed: list[Any]) -> tuple[list[Any], Any]:
-            return apply_updater(updater, keys, pushed, stored, opt_state)
-
         return run_on_blocks(
-            step,
+            _group_step(updater, keys),
             (stored, opt_state, pushed),
             (blocks, opt_blocks, blocks),
             (blocks, opt_blocks),
@@ -341,12 +337,27 @@ def _updated(
         )
     new = []
     for key, s, p, b in zip(keys, stored, pushed, blocks):
-
-        def one(s: Any, p: Any, key: Key = key) -> Any:
-            return apply_updater(updater, [key], [p], [s], None)[0][0]
-
-        new.append(run_on_blocks(one, (s, p), (b, b), b, names))
+        new.append(run_on_blocks(_key_step(updater, key), (s, p), (b, b), b, names))
     return new, None
+
+
+def _group_step(updater: Any, keys: list[Key]) -> Any:
+    """An optax ``updater``'s step over the group ``keys``: ``(stored, opt_state, pushed) ->
+    (new values, new opt_state)``."""
+
+    def step(stored: list[Any], opt_state: Any, pushed: list[Any]) -> tuple[list[Any], Any]:
+        return apply_updater(updater, keys, pushed, stored, opt_state)
+
+    return step
+
+
+def _key_step(updater: Any, key: Key) -> Any:
+    """A per-key ``updater``'s step on ``key``: ``(stored, pushed) -> new value``."""
+
+    def one(stored: Any, pushed: Any) -> Any:
+        return apply_updater(updater, [key], [pushed], [stored], None)[0][0]
+
+    return one
 
 
 def _on_chunks(
@@ -401,21 +412,16 @@ def _on_chunks(
             _check_structure(state, updater, keys, stored, opt_state)
             leaves, treedef = jax.tree_util.tree_flatten(opt_state)
             flags = jax.tree_util.tree_unflatten(treedef, [j in family for j in range(len(leaves))])
-
-            def step(stored: list[Any], opt_state: Any, pushed: list[Any]) -> tuple[list, Any]:
-                return apply_updater(updater, keys, pushed, stored, opt_state)
-
+            step = _group_step(updater, keys)
             args = (stored, opt_state, pushed)
             if is_blockwise(step, args, (as_is, flags, as_is), (as_is, flags)):
                 new, new_opt = step(*args)
                 return state.replace(dict(zip(keys, new)), {tuple(keys): new_opt})
         else:
             for k, s, p in zip(keys, stored, pushed):
-
-                def one(s: Any, p: Any, key: Key = k) -> Any:
-                    return apply_updater(updater, [key], [p], [s], None)[0][0]
-
-                if k in gathered and is_blockwise(one, (s, p), (True, True), True):
+                if k in gathered and is_blockwise(
+                    _key_step(updater, k), (s, p), (True, True), True
+                ):
                     gathered.discard(k)
     stored = [whole(k, s) if k in gathered else s for k, s in zip(keys, stored)]
     pushed = [whole(k, p) if k in gathered else p for k, p in zip(keys, pushed)]
