@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _dist
+
 Key = Hashable  # an int or a str (``_state.Key``; this module sits below ``_state.py``)
 
 __all__ = [
@@ -233,7 +235,8 @@ def eager_values(layout: FlatLayout, leaves: Sequence[Any]) -> list[Any]:
     out = [leaves[nb + j] if b < 0 else None for b, j, _ in layout.where]
     positions = in_buckets(layout)
     if positions:
-        for i, x in zip(positions, eager_views(layout, positions)(list(leaves[:nb]))):
+        views = run("flat views", eager_views(layout, positions), list(leaves[:nb]))
+        for i, x in zip(positions, views):
             out[i] = x
     return out
 
@@ -242,6 +245,13 @@ def eager_values(layout: FlatLayout, leaves: Sequence[Any]) -> list[Any]:
 def eager_views(layout: FlatLayout, positions: tuple[int, ...] | None = None) -> Any:
     """:func:`views` as one jitted computation (eagerly, each view is a fresh array)."""
     return jax.jit(lambda leaves: views(layout, leaves, positions))
+
+
+def run(what: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, one of this module's eager computations: over several processes' devices
+    it takes its turn among their collectives, as every computation there does (``_dist``:
+    XLA may add collectives to any of them)."""
+    return _dist.ordered(what, fn, *args)
 
 
 def pack(layout: FlatLayout, values: Sequence[Any]) -> list[Any]:
@@ -341,35 +351,64 @@ class Packing:
         return out
 
 
+def opt_packing(
+    keys: Sequence[Key], shapes: Sequence[tuple[int, ...]], opt_state: Any, parts: int = 1
+) -> Packing:
+    """How :func:`pack_opt` packs the optax state of the group ``keys`` (sorted, with their
+    shapes): its families, read from the tree's paths, shapes and dtypes alone."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
+    n = len(keys)
+    families = []
+    i = 0
+    while i < len(flat):
+        run = flat[i : i + n]
+        if n and len(run) == n and _is_family(run, keys, shapes):
+            families.append((i, np.dtype(run[0][1].dtype).name))
+            i += n
+        else:
+            i += 1
+    return Packing(
+        treedef, tuple(keys), tuple(map(tuple, shapes)), tuple(families), len(flat), parts
+    )
+
+
+def pack_opt_leaves(packing: Packing, opt_state: Any) -> list[Any]:
+    """The leaves of ``opt_state`` packed as ``packing`` says: each family's leaves in one
+    bucket (split over ``packing.parts`` devices as the group's value bucket is)."""
+    flat = jax.tree_util.tree_leaves(opt_state)
+    starts = dict(packing.families)
+    n = len(packing.keys)
+    out: list[Any] = []
+    i = 0
+    while i < len(flat):
+        if i in starts:
+            run = flat[i : i + n]
+            if packing.parts > 1:
+                grid = jnp.concatenate([as_blocks(x, packing.parts) for x in run], axis=1)
+                out.append(grid.reshape(-1))
+            else:
+                out.append(jnp.concatenate([jnp.ravel(x) for x in run]))
+            i += n
+        else:
+            out.append(flat[i])
+            i += 1
+    return out
+
+
 def pack_opt(
     keys: Sequence[Key], shapes: Sequence[tuple[int, ...]], opt_state: Any, parts: int = 1
 ) -> tuple:
     """``(packing, leaves)``: the optax state of the group ``keys`` (sorted, with their shapes)
     with each family of per-key leaves packed into one bucket (split over ``parts``
     devices as the group's value bucket is)."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
-    n = len(keys)
-    families = []
-    out: list[Any] = []
-    i = 0
-    while i < len(flat):
-        run = flat[i : i + n]
-        if n and len(run) == n and _is_family(run, keys, shapes):
-            dtype = run[0][1].dtype
-            families.append((i, np.dtype(dtype).name))
-            if parts > 1:
-                grid = jnp.concatenate([as_blocks(x, parts) for _, x in run], axis=1)
-                out.append(grid.reshape(-1))
-            else:
-                out.append(jnp.concatenate([jnp.ravel(x) for _, x in run]))
-            i += n
-        else:
-            out.append(flat[i][1])
-            i += 1
-    packing = Packing(
-        treedef, tuple(keys), tuple(map(tuple, shapes)), tuple(families), len(flat), parts
-    )
-    return packing, out
+    packing = opt_packing(keys, shapes, opt_state, parts)
+    return packing, pack_opt_leaves(packing, opt_state)
+
+
+@functools.lru_cache(maxsize=256)
+def eager_pack_opt(packing: Packing) -> Any:
+    """:func:`pack_opt_leaves` as one jitted computation."""
+    return jax.jit(functools.partial(pack_opt_leaves, packing))
 
 
 def _is_family(run: list, keys: Sequence[Key], shapes: Sequence[tuple[int, ...]]) -> bool:

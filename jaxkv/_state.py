@@ -413,7 +413,7 @@ class KVState:
             return _fl.unpack_opt(packing, opt)
         if not all(isinstance(x, jax.Array) for x in opt):  # specs, or jax.eval_shape's
             return _fl.unpack_opt_like(packing, opt)
-        return _fl.eager_unpack_opt(packing)(list(opt))
+        return _fl.run("flat optimizer state", _fl.eager_unpack_opt(packing), list(opt))
 
     # -- read-only views -------------------------------------------------------------------
     def keys(self) -> tuple[Key, ...]:
@@ -627,7 +627,11 @@ class KVState:
             flat,
             packings,
         )
-        if flat is not None and flat.split:
+        # Placed where the store keeps each leaf: a split bucket and its moments sharded, and
+        # values laid out anew (from a flat layout to one array per key, say, when compression
+        # is set) where their layout keeps them, not where XLA put their views.
+        relaid = flat is not self._flat and (flat is not None or self._flat is not None)
+        if relaid or (flat is not None and flat.split):
             new = new._placed()
         return new
 
@@ -638,8 +642,8 @@ class KVState:
         leaves = jax.tree_util.tree_leaves(self)
         if not leaves or not all(isinstance(x, jax.Array) for x in leaves):
             return self  # traced, or abstract: a computation places its own results
-        if any(isinstance(x, jax.core.Tracer) for x in leaves):
-            return self
+        if any(isinstance(x, jax.core.Tracer) for x in leaves) or _spans_processes(self._devices):
+            return self  # (across processes buckets are whole: their views are replicated)
         mesh = self.mesh
         shardings = jax.tree_util.tree_map(
             lambda spec: NamedSharding(mesh, spec), self._leaf_specs(self.axis)
@@ -698,7 +702,8 @@ class KVState:
             if traced or not new:
                 return _fl.write(flat, self._leaves, new)
             positions = tuple(sorted(new))
-            return list(_fl.eager_write(flat, positions)(self._leaves, [new[i] for i in positions]))
+            write = _fl.eager_write(flat, positions)
+            return list(_fl.run("flat write", write, self._leaves, [new[i] for i in positions]))
         chunked = [k for i, k in enumerate(self._keys) if self._chunked(i)]
         if chunked:  # its values here are blocks: they cannot be laid out anew
             raise KVStoreError(
@@ -720,7 +725,7 @@ class KVState:
             return whole
         if traced:
             return _fl.pack(flat, whole)
-        return list(_fl.eager_pack(flat)(whole))
+        return list(_fl.run("flat pack", _fl.eager_pack(flat), whole))
 
 
 def _pack_opt(
@@ -742,8 +747,12 @@ def _pack_opt(
         leaves = old._opt_states[n]  # type: ignore[index]
         if any(isinstance(x, jax.core.Tracer) for x in [*leaves, *jax.tree_util.tree_leaves(opt)]):
             return packing, _fl.write_opt(packing, leaves, opt)
-        return packing, list(_fl.eager_write_opt(packing)(list(leaves), opt))
-    return _fl.pack_opt(group, shapes, opt, parts)
+        write = _fl.eager_write_opt(packing)
+        return packing, list(_fl.run("flat optimizer write", write, list(leaves), opt))
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(opt)):
+        return _fl.pack_opt(group, shapes, opt, parts)
+    packing = _fl.opt_packing(group, shapes, opt, parts)
+    return packing, list(_fl.run("flat optimizer pack", _fl.eager_pack_opt(packing), opt))
 
 
 def _spans_processes(devices: tuple[jax.Device, ...]) -> bool:

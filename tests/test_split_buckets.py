@@ -366,3 +366,24 @@ def test_new_keys_inside_shard_map_are_refused_over_split_buckets(devices):
     step = jax.jit(jax.shard_map(body, mesh=s.mesh, in_specs=(spec,), out_specs=P()))
     with pytest.raises(jaxkv.KVStoreError, match="expected whole values to lay out anew"):
         step(s)
+
+
+def test_compression_set_over_split_buckets_lays_each_key_out_where_it_belongs(devices):
+    """Setting gradient compression takes a flat store to one array per key. Each key's array
+    must then be placed as the per-key layout places it (replicated below the bound), not as
+    XLA placed its view of the split bucket (row-sharded): else a pull into outs hands each
+    device only its rows (found by the stateful model, make test-deep)."""
+    kv = jaxkv.KVStore("device", devices=devices, layout="flat")
+    shapes = [(8, 4), (2, 3), (1024, 16)]
+    values = [np.arange(np.prod(s), dtype=np.float32).reshape(s) for s in shapes]
+    kv.init([0, 1, 2], [jaxkv.nd.array(v) for v in values])
+    assert kv._state._flat.split
+    kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    state = kv._state
+    assert state.buckets == 0
+    for k, s in enumerate(shapes):
+        assert state[k].sharding.spec == (P("kv") if state.is_sharded(s) else P()), k
+    outs = [jaxkv.nd.zeros(shapes[0], jaxkv.cpu(i)) for i in range(D)]
+    kv.pull(0, out=outs)
+    for o in outs:
+        np.testing.assert_array_equal(o.asnumpy(), values[0])
