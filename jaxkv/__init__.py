@@ -24,7 +24,9 @@ from ._ops import gather as gather
 from ._ops import init as init
 from ._ops import init_optimizer as init_optimizer
 from ._ops import pull as pull
+from ._ops import pull_rows as pull_rows
 from ._ops import push as push
+from ._ops import push_rows as push_rows
 from ._ops import pushpull as pushpull
 from ._ops import row_sparse_pull as row_sparse_pull
 from ._ops import specs as specs
@@ -73,7 +75,9 @@ __all__ = [
     "load_state",
     "nd",
     "pull",
+    "pull_rows",
     "push",
+    "push_rows",
     "pushpull",
     "row_sparse_pull",
     "save_state",

@@ -1,5 +1,5 @@
 """The public face of the functional core: ``init``, ``push``, ``pull``, ``pushpull``,
-``row_sparse_pull``.
+``row_sparse_pull``, ``pull_rows``, ``push_rows`` (the last three from ``_rows.py``).
 
 Eagerly, one ``push`` is one jitted computation for all its keys: per-device contributions are
 assembled (without copying) into one array sharded over the store's mesh and summed with a
@@ -20,16 +20,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 
-from . import _dispatch, _dist
+from . import _dispatch
 from ._args import MISSING, as_array, devices_of, group, is_traced, pairs
 from ._arrays import copies, replicate
 from ._compression import residual_zeros
 from ._errors import DuplicateKeyError, KeyTypeError, KVStoreError, ShapeError
 from ._push import init_opt_states, push_eager, push_eager_flat
+from ._rows import pull_rows, push_rows, row_sparse_pull
 from ._state import Key, KVState, check_compressible, key_kind
 from ._trace import gather, is_block, push_in_trace
 from ._update import Updater, optimizer_group
@@ -40,7 +39,9 @@ __all__ = [
     "init",
     "init_optimizer",
     "pull",
+    "pull_rows",
     "push",
+    "push_rows",
     "pushpull",
     "row_sparse_pull",
     "specs",
@@ -322,54 +323,3 @@ def pushpull(
         keys, values = list(keys.keys()), list(keys.values())
     new = push(state, keys, values, updater=updater, axis_name=axis_name, donate=donate)
     return new, pull(new, keys, devices=devices, axis_name=axis_name)
-
-
-@jax.jit
-def _keep_rows(value: jax.Array, mask: jax.Array) -> jax.Array:
-    mask = mask.reshape(mask.shape + (1,) * (value.ndim - 1))
-    return jnp.where(mask, value, jnp.zeros((), value.dtype))
-
-
-def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = None) -> jax.Array:
-    """The value of ``key`` with only the rows in ``row_ids`` kept and the others zero.
-
-    Eagerly, ids that are not whole numbers in ``[0, rows)`` are refused. Inside ``jit`` (traced
-    ids) they cannot be: there an id outside ``[0, rows)`` selects no row.
-
-    Examples:
-      >>> import jax.numpy as jnp, jaxkv
-      >>> s = jaxkv.init(jaxkv.empty(), {"e": jnp.ones((3, 2))})
-      >>> jaxkv.row_sparse_pull(s, "e", [0, 2]).tolist()
-      [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
-    """
-    value = state[key]
-    if value.ndim == 0:
-        raise ShapeError(f"key {key!r}: row_sparse_pull expects a value with rows, given a scalar")
-    rows = value.shape[0]
-    ids: jax.Array | np.ndarray  # on device where traced, else on the host
-    mask: jax.Array | np.ndarray
-    if is_traced(row_ids) or is_traced(value):
-        # Traced ids cannot be refused: those outside [0, rows) select no row. (JAX's own
-        # indexing would wrap -1 around to the last row.)
-        ids = jnp.asarray(row_ids).ravel().astype(jnp.int32)
-        ids = jnp.where(ids < 0, rows, ids)
-        mask = jnp.zeros(rows, bool).at[ids].set(True, mode="drop")
-    else:
-        ids = np.asarray(jax.device_get(row_ids) if isinstance(row_ids, jax.Array) else row_ids)
-        ids = ids.ravel()
-        # MXNet's row ids are often float32 (mx.nd.array's default): whole numbers are fine.
-        if ids.size and (
-            not np.issubdtype(ids.dtype, np.number)
-            or np.any(ids != np.round(ids))
-            or ids.min() < 0
-            or ids.max() >= rows
-        ):
-            raise KVStoreError(
-                f"key {key!r}: row_ids expected integers in [0, {rows}), given {ids.tolist()}"
-            )
-        ids = ids.astype(np.int64)
-        mask = np.zeros(rows, bool)
-        mask[ids] = True
-        mask = jax.device_put(mask, state.sharding)  # replicated: it is small
-    out = _dist.ordered("row_sparse_pull", _keep_rows, value, mask)
-    return out if devices is None else replicate([out], devices_of(devices))[0]

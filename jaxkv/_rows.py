@@ -1,0 +1,646 @@
+"""Rows of a table: ``pull_rows``, ``push_rows`` and ``row_sparse_pull``, which read, sum and
+update only the rows a step touches (MXNet's ``row_sparse`` values and ``lazy_update``).
+
+How rows move. A table the store replicates is read and written where it is, on every device:
+a gather of the rows asked for, a scatter of the rows pushed. A table the store shards (its rows
+split over the D devices of the mesh, each holding ``R / D`` consecutive rows) is handled in one
+``shard_map`` over the store's mesh: every device gathers, from its own block, the rows of the
+request that fall in it (zeros elsewhere), and one ``psum`` (the same rows asked on every
+device) or ``psum_scatter`` (each device its own rows) adds the D partial answers, so each row
+crosses the interconnect once and no device ever holds more than its block and the rows of the
+step. A push all-gathers the pushed ``(ids, rows)`` pairs (they are small), sums duplicate ids
+(``jnp.unique`` of a fixed size and a segment sum), reads the touched rows and the same rows of
+the optimizer state as above, runs the updater on them (the same arithmetic on every device),
+and each device writes back the rows that live in its block. Cost: O(rows touched x D) per
+device, nothing proportional to the table (with ``donate=True``: without it, a pure function
+must leave the old table intact, which copies it).
+
+An optax updater runs on the touched rows and the same rows of its per-parameter state leaves
+(``optax.tree_utils.tree_map_params`` finds them); its other leaves (Adam's step count) are
+updated once per push, as a dense push would: MXNet's ``lazy_update=True``. An MXNet-style
+``updater(key, pushed, stored)`` gets what MXNet gives it, densely: the pushed rows summed into a
+value of the table's shape, zero elsewhere, and the stored value (this device's block inside
+``shard_map``); it may change any row, as in MXNet.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from . import _dist
+from ._args import as_array, devices_of, is_traced
+from ._arrays import replicate
+from ._collectives import axis_names, unsummed_axes
+from ._errors import KVStoreError, ShapeError
+from ._fast import assemble
+from ._state import Key, KVState, normalize_key
+from ._update import optimizer_group
+
+__all__ = ["pull_rows", "push_rows", "row_sparse_pull"]
+
+_ID_DTYPE = jnp.int32  # row ids on device (JAX's default integer); tables below 2**31 rows
+
+
+# -- the row arithmetic, on a whole table or on one device's block of it --------------------
+def _take(x: Any, ids: Any, lo: Any = 0) -> Any:
+    """The rows ``ids`` of ``x`` (a table, or the block of it whose first row is row ``lo``);
+    rows outside ``x`` read as zeros."""
+    local = ids - lo
+    inside = (local >= 0) & (local < x.shape[0])
+    return jnp.take(x, jnp.where(inside, local, x.shape[0]), axis=0, mode="fill", fill_value=0)
+
+
+def _put(x: Any, ids: Any, rows: Any, lo: Any = 0) -> Any:
+    """``x`` with the rows ``ids`` set to ``rows``; rows outside ``x`` are dropped."""
+    local = ids - lo
+    inside = (local >= 0) & (local < x.shape[0])
+    where = jnp.where(inside, local, x.shape[0])
+    return x.at[where].set(rows.astype(x.dtype), mode="drop")
+
+
+def _dedupe(ids: Any, rows: Any, n_rows: int) -> tuple[Any, Any]:
+    """Each distinct valid id once (sorted, padded with ``n_rows``, which selects nothing) and
+    the sum of its rows: ids outside ``[0, n_rows)`` update nothing."""
+    ids = jnp.where((ids >= 0) & (ids < n_rows), ids, n_rows)
+    size = ids.shape[0]
+    unique, inverse = jnp.unique(ids, size=size, fill_value=n_rows, return_inverse=True)
+    summed = jax.ops.segment_sum(rows, inverse.reshape(-1), num_segments=size)
+    return unique, summed
+
+
+class _Where:
+    """How to reach a key's rows from the code running: the whole table (``axis`` None), or
+    this device's block of ``block`` rows along the mapped ``axis``."""
+
+    def __init__(self, axis: Any = None, block: int = 0) -> None:
+        self.axis = axis
+        self.block = block
+
+    def lo(self) -> Any:
+        return 0 if self.axis is None else jax.lax.axis_index(self.axis) * self.block
+
+    def take(self, x: Any, ids: Any) -> Any:
+        """The rows ``ids`` (the same on every device) of the table whose part here is ``x``."""
+        if self.axis is None:
+            return _take(x, ids)
+        return jax.lax.psum(_take(x, ids, self.lo()), self.axis)
+
+    def put(self, x: Any, ids: Any, rows: Any) -> Any:
+        return _put(x, ids, rows, self.lo())
+
+
+def _update_rows(
+    key: Key,
+    where: _Where,
+    stored: Any,
+    opt_state: Any,
+    ids: Any,
+    rows: Any,
+    n_rows: int,
+    updater: Any,
+) -> tuple[Any, Any]:
+    """The new stored value (or block) and optimizer state after a push of ``rows`` at ``ids``
+    (the whole push: the same on every device)."""
+    unique, summed = _dedupe(ids, rows.astype(stored.dtype), n_rows)
+    if updater is None:
+        return where.put(stored, unique, summed), opt_state
+    if isinstance(updater, optax.GradientTransformation):
+        tree_map_params = optax.tree_utils.tree_map_params
+        old = where.take(stored, unique)
+        opt_rows = tree_map_params(updater, lambda x: where.take(x, unique), opt_state)
+        updates, new_opt = updater.update({key: summed}, opt_rows, {key: old})
+        new_rows = optax.apply_updates({key: old}, updates)[key]
+        # The per-parameter leaves: their touched rows written back; the others (a step
+        # count) as the update left them.
+        per_row = tree_map_params(
+            updater, lambda x: True, opt_state, transform_non_params=lambda x: False
+        )
+        opt_state = jax.tree_util.tree_map(
+            lambda rowwise, x, new: where.put(x, unique, new) if rowwise else new,
+            per_row,
+            opt_state,
+            new_opt,
+        )
+        return where.put(stored, unique, new_rows), opt_state
+    pushed = where.put(jnp.zeros_like(stored), unique, summed)
+    value = updater(key, pushed, stored)
+    if value is None:
+        raise KVStoreError(
+            f"key {key!r}: the updater returned None, expected the new stored value. "
+            "MXNet-style in-place updaters (stored += ...) work through jaxkv.KVStore; "
+            "a functional updater must return the new value"
+        )
+    value = as_array(value)
+    if tuple(value.shape) != tuple(stored.shape):
+        raise ShapeError(
+            f"key {key!r}: the updater returned shape {tuple(value.shape)}, expected the stored "
+            f"shape {tuple(stored.shape)}"
+        )
+    return value.astype(stored.dtype), opt_state
+
+
+# -- checks -----------------------------------------------------------------------------------
+def _table(state: KVState, key: Any, what: str) -> tuple[Key, int, tuple[int, ...]]:
+    key = normalize_key(key)
+    i = state.index(key)
+    shape = state._shapes[i]
+    if not shape:
+        raise ShapeError(f"key {key!r}: {what} expects a value with rows, given a scalar")
+    if shape[0] >= 2**31:
+        raise KVStoreError(
+            f"key {key!r}: {what} expects a table of fewer than 2**31 rows, given {shape[0]}"
+        )
+    return key, i, shape
+
+
+def _host_ids(key: Key, row_ids: Any, n_rows: int) -> np.ndarray:
+    """Eager row ids, flattened, as int32 on the host; refused unless whole numbers in
+    ``[0, n_rows)`` (MXNet's ids are often float32, ``mx.nd.array``'s default)."""
+    if hasattr(row_ids, "asnumpy"):
+        row_ids = row_ids.asnumpy()
+    ids = np.asarray(jax.device_get(row_ids) if isinstance(row_ids, jax.Array) else row_ids)
+    ids = ids.ravel()
+    if ids.size and (
+        not (np.issubdtype(ids.dtype, np.integer) or np.issubdtype(ids.dtype, np.floating))
+        or np.any(ids != np.round(ids))
+        or ids.min() < 0
+        or ids.max() >= n_rows
+    ):
+        shown = ids.tolist() if ids.size <= 16 else f"{ids[:16].tolist()} ... ({ids.size} ids)"
+        raise KVStoreError(
+            f"key {key!r}: row_ids expected integers in [0, {n_rows}), given {shown}"
+        )
+    if ids.size == 0 and not np.issubdtype(ids.dtype, np.number):
+        ids = ids.astype(np.int32)
+    return ids.astype(np.int32)
+
+
+def _traced_ids(row_ids: Any) -> Any:
+    if hasattr(row_ids, "asjax"):
+        row_ids = row_ids.asjax()
+    ids = jnp.asarray(row_ids).ravel()
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        ids = jnp.where(ids == jnp.round(ids), ids, -1)  # a fraction selects no row
+    return ids.astype(_ID_DTYPE)
+
+
+def _block_rows(state: KVState, key: Key, leaf: Any) -> int | None:
+    """Inside ``shard_map``: the rows of this device's block of ``key`` (``None``: ``leaf`` is
+    the whole value); refuses a block that is not whole rows."""
+    shape = state.shapes[key]
+    if tuple(leaf.shape) == shape and not state._chunked(state.index(key)):
+        return None
+    if tuple(leaf.shape[1:]) != shape[1:]:
+        raise KVStoreError(
+            f"key {key!r}: expected this device's block to be whole rows of the table {shape}, "
+            f"given a block of shape {tuple(leaf.shape)} (a split bucket cuts a table whose rows "
+            "do not divide by the devices across rows); use layout='keys' for this table, or "
+            "call this outside shard_map"
+        )
+    return int(leaf.shape[0])
+
+
+def _axis(state: KVState, axis_name: Any, key: Key) -> Any:
+    names = axis_names(axis_name) if axis_name is not None else (state.axis,)
+    if len(names) != 1:
+        raise KVStoreError(
+            f"key {key!r}: expected one mapped axis for the rows of a table, given {names}"
+        )
+    return names[0]
+
+
+# -- pull -------------------------------------------------------------------------------------
+def pull_rows(
+    state: KVState, key: Any, row_ids: Any, *, devices: Any = None, axis_name: Any = None
+) -> jax.Array:
+    """The rows ``row_ids`` of the value of ``key``: shape ``(len(row_ids), *shape[1:])``
+    (``row_ids`` of any shape are flattened), in their order, repeats allowed.
+
+    Its cost grows with the rows asked for, not with the table: only those rows are read and
+    moved, from the devices that hold them when the table is sharded.
+
+    Args:
+      state: the store.
+      key: a key whose value has rows (at least one dimension).
+      row_ids: integer row ids (whole-number floats are accepted, as MXNet's ids often are).
+      devices: where to place the result (replicated on each); default the store's devices.
+      axis_name: inside ``shard_map`` over a sharded table (its leaf this device's block): the
+        mapped axis (default the store's axis name). Each device gets the rows of its own ids.
+
+    Raises:
+      KVStoreError: eagerly, an id that is not a whole number in ``[0, rows)``. Inside ``jit``
+        such an id cannot be refused: it selects no row (its row of the result is zeros).
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxkv
+      >>> s = jaxkv.init(jaxkv.empty(), {"e": jnp.arange(6.0).reshape(3, 2)})
+      >>> jaxkv.pull_rows(s, "e", [2, 0, 2]).tolist()
+      [[4.0, 5.0], [0.0, 1.0], [4.0, 5.0]]
+    """
+    key, i, shape = _table(state, key, "pull_rows")
+    value = state[key]
+    if is_traced(value) or is_traced(row_ids) or _traced_leaves(state):
+        ids = _traced_ids(row_ids)
+        block = _block_rows(state, key, value)
+        if block is None:
+            return _take(value, jnp.where(ids >= 0, ids, shape[0]))
+        axis = _axis(state, axis_name, key)
+        ids = jnp.where(ids >= 0, ids, shape[0])
+        asked = jax.lax.all_gather(ids, axis)  # every device's request
+        part = _take(value, asked, jax.lax.axis_index(axis) * block)
+        return jax.lax.psum_scatter(part, axis, scatter_dimension=0)
+    ids = _host_ids(key, row_ids, shape[0])
+    out = _eager_take(state, key, i, ids)
+    if devices is not None:
+        out = replicate([out], devices_of(devices))[0]
+    return out
+
+
+def _traced_leaves(state: KVState) -> bool:
+    return any(is_traced(x) for x in state._leaves)
+
+
+def _own_leaf(state: KVState, i: int) -> int | None:
+    """The position among the leaves of key position ``i``'s own array, or ``None`` where it
+    lives in a bucket."""
+    flat = state._flat
+    if flat is None:
+        return i
+    b, j, _ = flat.where[i]
+    return None if b >= 0 else len(flat.buckets) + j
+
+
+def _eager_take(state: KVState, key: Key, i: int, ids: np.ndarray) -> jax.Array:
+    replicated = NamedSharding(state.mesh, PartitionSpec())
+    dev_ids = jax.device_put(ids, replicated)
+    leaf = _own_leaf(state, i)
+    if leaf is None:  # a view of a bucket: sliced and gathered in one computation
+        return _dist.ordered("pull_rows", _bucket_take(key), state, dev_ids)
+    table = state._leaves[leaf]
+    sharded = state.is_sharded(state._shapes[i])
+    fn = _sharded_take(state.mesh, state.axis) if sharded else _replicated_take(replicated)
+    return _dist.ordered("pull_rows", fn, table, dev_ids)
+
+
+@functools.lru_cache(maxsize=64)
+def _replicated_take(sharding: NamedSharding) -> Any:
+    return jax.jit(_take, out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded_take(mesh: Any, axis: str) -> Any:
+    def body(block: Any, ids: Any) -> Any:
+        return jax.lax.psum(_take(block, ids, jax.lax.axis_index(axis) * block.shape[0]), axis)
+
+    spec = PartitionSpec(axis)
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=PartitionSpec())
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _bucket_take(key: Key) -> Any:
+    return jax.jit(lambda state, ids: _take(state[key], ids))
+
+
+# -- row_sparse_pull --------------------------------------------------------------------------
+def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = None) -> jax.Array:
+    """The value of ``key`` with only the rows in ``row_ids`` kept and the others zero.
+
+    Only the rows asked for are read (and, for a sharded table, each stays on the device that
+    holds it): the rest of the result is zeros written in place. :func:`pull_rows` gives the
+    rows alone, ``(len(row_ids), ...)``.
+
+    Eagerly, ids that are not whole numbers in ``[0, rows)`` are refused. Inside ``jit`` (traced
+    ids) they cannot be: there an id outside ``[0, rows)`` selects no row.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxkv
+      >>> s = jaxkv.init(jaxkv.empty(), {"e": jnp.ones((3, 2))})
+      >>> jaxkv.row_sparse_pull(s, "e", [0, 2]).tolist()
+      [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
+    """
+    key, i, shape = _table(state, key, "row_sparse_pull")
+    value = state[key]
+    if is_traced(value) or is_traced(row_ids) or _traced_leaves(state):
+        ids = _traced_ids(row_ids)
+        ids = jnp.where(ids >= 0, ids, shape[0])
+        lo = 0
+        block = _block_rows(state, key, value)
+        if block is not None:
+            lo = jax.lax.axis_index(_axis(state, None, key)) * block
+        return _put(jnp.zeros_like(value), ids, _take(value, ids, lo), lo)
+    ids = _host_ids(key, row_ids, shape[0])
+    leaf = _own_leaf(state, i)
+    dev_ids = jax.device_put(ids, NamedSharding(state.mesh, PartitionSpec()))
+    if leaf is None:
+        out = _dist.ordered("row_sparse_pull", _bucket_keep(key), state, dev_ids)
+    else:
+        sharded = state.is_sharded(shape)
+        fn = _sharded_keep(state.mesh, state.axis) if sharded else _replicated_keep()
+        out = _dist.ordered("row_sparse_pull", fn, state._leaves[leaf], dev_ids)
+    return out if devices is None else replicate([out], devices_of(devices))[0]
+
+
+def _keep(x: Any, ids: Any, lo: Any = 0) -> Any:
+    return _put(jnp.zeros_like(x), ids, _take(x, ids, lo), lo)
+
+
+@functools.lru_cache(maxsize=1)
+def _replicated_keep() -> Any:
+    return jax.jit(_keep)
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded_keep(mesh: Any, axis: str) -> Any:
+    def body(block: Any, ids: Any) -> Any:
+        return _keep(block, ids, jax.lax.axis_index(axis) * block.shape[0])
+
+    spec = PartitionSpec(axis)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=spec))
+
+
+@functools.lru_cache(maxsize=256)
+def _bucket_keep(key: Key) -> Any:
+    return jax.jit(lambda state, ids: _keep(state[key], ids))
+
+
+# -- push -------------------------------------------------------------------------------------
+def _pairs(key: Key, row_ids: Any, rows: Any) -> list[tuple[Any, Any]]:
+    """``(row_ids, rows)`` as a list of pairs: one pair, or one per device."""
+    many = isinstance(rows, list | tuple)  # rows decide: row ids may be a plain list of ints
+    if many and (not isinstance(row_ids, list | tuple) or len(rows) != len(row_ids)):
+        given = f"{len(row_ids)} row_ids" if isinstance(row_ids, list | tuple) else "one row_ids"
+        raise ShapeError(
+            f"key {key!r}: push_rows expects one (row_ids, rows) pair or a list of each of the "
+            f"same length (one per device), given {given} and {len(rows)} rows"
+        )
+    if many and not rows:
+        raise ShapeError(f"key {key!r}: push_rows expects at least one (row_ids, rows) pair")
+    return list(zip(row_ids, rows)) if many else [(row_ids, rows)]
+
+
+def _unwrapped(x: Any) -> Any:
+    return x.asjax() if hasattr(x, "asjax") else as_array(x)
+
+
+def _check_rows(key: Key, shape: tuple[int, ...], dtype: Any, n: int, rows: Any, what: str) -> None:
+    want = (n, *shape[1:])
+    if tuple(rows.shape) != want:
+        raise ShapeError(
+            f"key {key!r}: {what} has shape {tuple(rows.shape)}, expected {want} (one row of the "
+            f"table {shape} per row id)"
+        )
+    if jnp.dtype(rows.dtype).kind == "c" and jnp.dtype(dtype).kind != "c":
+        raise KVStoreError(
+            f"key {key!r}: {what} has dtype {rows.dtype}, expected a real dtype castable to the "
+            f"stored {dtype}"
+        )
+
+
+def push_rows(
+    state: KVState,
+    key: Any,
+    row_ids: Any,
+    rows: Any,
+    *,
+    updater: Any = None,
+    axis_name: Any = None,
+    donate: bool = False,
+) -> KVState:
+    """A new state with the rows ``rows`` pushed to the rows ``row_ids`` of ``key``: a
+    row-sparse push.
+
+    ``(row_ids, rows)`` is one pair, or a list of row ids and a list of rows, one pair per
+    device (``rows[j]`` of shape ``(len(row_ids[j]), *shape[1:])``). Rows pushed to the same id,
+    in one pair or across pairs (and, with ``axis_name``, across devices), are summed. Only the
+    rows pushed change, and with an optax updater only those rows of its optimizer state, as
+    MXNet's ``lazy_update=True``: the updater runs on the touched rows (its step count, a leaf
+    that is not per parameter, advances once per push). ``updater=None`` assigns the summed rows.
+    An MXNet-style ``updater(key, pushed, stored)`` gets, as MXNet gives it, the pushed rows
+    summed into a value of the table's shape (zeros elsewhere) and the stored value.
+
+    Args:
+      state: the store.
+      key: the table's key.
+      row_ids: integer row ids of any shape (flattened), or a list of them (one per device).
+      rows: the rows, ``(n, *shape[1:])`` for ``n`` ids, or a list of them.
+      updater: ``None`` (assign), an ``optax.GradientTransformation`` (lazy: only the touched
+        rows; the key must be an optimizer group of its own), or ``updater(key, pushed, stored)``.
+      axis_name: inside ``pmap``/``shard_map``: the mapped axis. Each device pushes its own
+        pair; pairs that JAX has made invariant along it (the same on every device) count once.
+      donate: let the computation reuse the buffers of ``state`` (which then becomes invalid);
+        the table is then updated in place, at a cost that grows with the rows alone.
+
+    Raises:
+      KVStoreError: eagerly, an id that is not a whole number in ``[0, rows)``; rows of another
+        shape; a key in an optimizer group with other keys. Inside ``jit``, an id outside
+        ``[0, rows)`` cannot be refused: it updates nothing. Nothing changes on a refusal.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxkv
+      >>> s = jaxkv.init(jaxkv.empty(), {"e": jnp.zeros((3, 2))})
+      >>> s = jaxkv.push_rows(s, "e", [[2, 0], [2]], [jnp.ones((2, 2)), jnp.ones((1, 2))])
+      >>> jaxkv.pull(s, "e").tolist()
+      [[1.0, 1.0], [0.0, 0.0], [2.0, 2.0]]
+    """
+    key, i, shape = _table(state, key, "push_rows")
+    dtype = state._stored_types()[i].dtype
+    pairs = [(ids, _unwrapped(r)) for ids, r in _pairs(key, row_ids, rows)]
+    optax_push = isinstance(updater, optax.GradientTransformation)
+    group = None
+    if optax_push:
+        group, _ = optimizer_group(state, (key,), unpack=False)
+    traced = (
+        _traced_leaves(state)
+        or any(is_traced(x) for x in jax.tree_util.tree_leaves(state._opt_states))
+        or any(is_traced(ids) or is_traced(r) for ids, r in pairs)
+    )
+    if traced:
+        return _push_traced(state, key, shape, pairs, updater, axis_name, group)
+    if axis_name is not None:
+        raise KVStoreError(
+            f"axis_name={axis_name!r}: expected to be called inside pmap or shard_map, given an "
+            "eager call (eagerly, a list of per-device pairs is already summed over devices)"
+        )
+    host = []
+    for n, (ids, r) in enumerate(pairs):
+        what = "the rows" if len(pairs) == 1 else f"rows {n}"
+        ids = _host_ids(key, ids, shape[0])
+        _check_rows(key, shape, dtype, ids.size, r, what)
+        host.append((ids, r))
+    if optax_push and state.opt_group(key) is None:
+        from ._push import init_opt_states
+
+        state = init_opt_states(state, updater, (key,))
+    ids, rows = _gathered(state, key, host, dtype)
+    leaf = _own_leaf(state, i)
+    n = None if group is None else state._groups.index(group)
+    if leaf is not None and (n is None or state._packings[n] is None):
+        fn = _own_push(
+            state.mesh, state.axis, key, shape[0], state.is_sharded(shape), updater, donate
+        )
+        opt = None if n is None else state._opt_states[n]
+        value, opt = _dist.ordered("push_rows", fn, state._leaves[leaf], opt, ids, rows)
+        return state._replace_leaves({leaf: value}, {} if n is None else {n: opt})
+    fn = _state_push(key, shape[0], updater, donate)
+    return _dist.ordered("push_rows", fn, state, ids, rows)
+
+
+def _gathered(
+    state: KVState, key: Key, host: list[tuple[np.ndarray, Any]], dtype: Any
+) -> tuple[jax.Array, jax.Array]:
+    """Every pair's ids and rows side by side, on the store's devices: rows already on the
+    store's devices, one pair on each, are used in place (one array sharded over the mesh);
+    others are copied there."""
+    replicated = NamedSharding(state.mesh, PartitionSpec())
+    ids = np.concatenate([ids for ids, _ in host])
+    devices = state.devices
+    placed = [next(iter(r.devices())) if len(r.devices()) == 1 else None for _, r in host]
+    sizes = {r.shape[0] for _, r in host}
+    if (
+        len(host) == len(devices) > 1
+        and len(sizes) == 1
+        and placed == list(devices)
+        and all(r.dtype == host[0][1].dtype for _, r in host)
+        and all(d.process_index == jax.process_index() for d in devices)
+    ):
+        n = sizes.pop()
+        spec = NamedSharding(state.mesh, PartitionSpec(state.axis))
+        rows = assemble((n * len(devices), *host[0][1].shape[1:]), spec, [r for _, r in host])
+        return jax.device_put(ids, spec), rows
+    if len(host) == 1:
+        rows = jax.device_put(host[0][1], replicated)
+    else:
+        rows = _concat(tuple(jax.device_put([r for _, r in host], [replicated] * len(host))))
+    return jax.device_put(ids, replicated), rows
+
+
+@jax.jit
+def _concat(rows: tuple) -> Any:
+    dtype = jnp.result_type(*rows)
+    return jnp.concatenate([r.astype(dtype) for r in rows])
+
+
+@functools.lru_cache(maxsize=256)
+def _own_push(
+    mesh: Any, axis: str, key: Key, n_rows: int, sharded: bool, updater: Any, donate: bool
+) -> Any:
+    """The eager push of rows into a key kept as an array of its own: ``(table, opt_state,
+    ids, rows) -> (table, opt_state)``, in a ``shard_map`` over the store's mesh for a sharded
+    table (its optimizer state's per-parameter leaves sharded like it)."""
+    donated = (0, 1) if donate else ()
+    if not sharded:
+
+        def whole(table: Any, opt: Any, ids: Any, rows: Any) -> Any:
+            return _update_rows(key, _Where(), table, opt, ids, rows, n_rows, updater)
+
+        return jax.jit(whole, donate_argnums=donated)
+
+    return jax.jit(_sharded_runner(mesh, axis, key, n_rows, updater), donate_argnums=donated)
+
+
+def _sharded_runner(mesh: Any, axis: str, key: Key, n_rows: int, updater: Any) -> Any:
+    """``(table, opt_state, ids, rows) -> (table, opt_state)`` for a table sharded over
+    ``mesh``: the pairs, whether replicated or one block per device, are all-gathered where
+    they are not whole on each device."""
+    split = PartitionSpec(axis)
+
+    def run(table: Any, opt: Any, ids: Any, rows: Any) -> Any:
+        opt_spec = jax.tree_util.tree_map(
+            lambda x: split if tuple(x.shape) == tuple(table.shape) else PartitionSpec(), opt
+        )
+
+        def body(block: Any, opt: Any, ids: Any, rows: Any) -> Any:
+            # ids and rows arrive whole (replicated in_specs): XLA gathers stacked pairs once.
+            where = _Where(axis, block.shape[0])
+            return _update_rows(key, where, block, opt, ids, rows, n_rows, updater)
+
+        mapped = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(split, opt_spec, PartitionSpec(), PartitionSpec()),
+            out_specs=(split, opt_spec),
+            check_vma=False,
+        )
+        return mapped(table, opt, ids, rows)
+
+    return run
+
+
+@functools.lru_cache(maxsize=256)
+def _state_push(key: Key, n_rows: int, updater: Any, donate: bool) -> Any:
+    """The eager push of rows into a key of a bucket (flat layout): the whole state in and
+    out, the key's view read and written inside the one computation."""
+
+    def run(state: KVState, ids: Any, rows: Any) -> KVState:
+        return _push_whole(state, key, n_rows, ids, rows, updater)
+
+    return jax.jit(run, donate_argnums=(0,) if donate else ())
+
+
+def _push_whole(
+    state: KVState, key: Key, n_rows: int, ids: Any, rows: Any, updater: Any
+) -> KVState:
+    stored = state[key]
+    group = state.opt_group(key) if isinstance(updater, optax.GradientTransformation) else None
+    opt = None if group is None else state.opt_states[group]
+    if isinstance(updater, optax.GradientTransformation) and opt is None:
+        opt = updater.init({key: stored})
+        group = (key,)
+    value, opt = _update_rows(key, _Where(), stored, opt, ids, rows, n_rows, updater)
+    return state.replace({key: value}, None if group is None else {group: opt})
+
+
+def _push_traced(
+    state: KVState,
+    key: Key,
+    shape: tuple[int, ...],
+    pairs: Sequence[tuple[Any, Any]],
+    updater: Any,
+    axis_name: Any,
+    group: tuple[Key, ...] | None,
+) -> KVState:
+    """``push_rows`` inside the caller's trace (``jit``, ``pmap`` or ``shard_map``)."""
+    dtype = state._stored_types()[state.index(key)].dtype
+    ids_list, rows_list = [], []
+    for n, (ids, r) in enumerate(pairs):
+        ids = _traced_ids(ids)
+        _check_rows(
+            key, shape, dtype, ids.shape[0], r, "the rows" if len(pairs) == 1 else f"rows {n}"
+        )
+        ids_list.append(ids)
+        rows_list.append(r.astype(dtype))
+    ids = jnp.concatenate(ids_list) if len(ids_list) > 1 else ids_list[0]
+    rows = jnp.concatenate(rows_list) if len(rows_list) > 1 else rows_list[0]
+    ids = jnp.where(ids >= 0, ids, shape[0])
+    stored = state[key]
+    block = _block_rows(state, key, stored)
+    axis = None
+    if axis_name is not None or block is not None:
+        axis = _axis(state, axis_name, key)
+        # Each device's own pair, gathered from all; pairs already the same on every device
+        # (invariant along the axis) are not gathered, so they count once.
+        if unsummed_axes(rows, (axis,)) or unsummed_axes(ids, (axis,)):
+            ids = jax.lax.all_gather(ids, axis, tiled=True)
+            rows = jax.lax.all_gather(rows, axis, tiled=True)
+    if block is None:
+        return _push_whole(state, key, shape[0], ids, rows, updater)
+    opt = None if group is None else state.opt_states[group]
+    if isinstance(updater, optax.GradientTransformation) and opt is None:
+        raise KVStoreError(
+            f"key {key!r}: expected optimizer state made before the step for a row push of this "
+            "device's block inside shard_map; call jaxkv.init_optimizer(state, optimizer, "
+            f"[{key!r}]) before it"
+        )
+    where = _Where(axis, block)
+    value, opt = _update_rows(key, where, stored, opt, ids, rows, shape[0], updater)
+    return state.replace({key: value}, None if group is None else {group: opt})
