@@ -1,0 +1,344 @@
+"""``jaxkv.pull_rows`` and ``jaxkv.push_rows`` against a NumPy model of a table, eagerly, inside
+``jit``, ``shard_map`` and ``pmap``, for replicated and sharded tables in every layout.
+
+The model: a push sums every pushed row by id (across pairs, duplicates included), then for the
+distinct ids only: assign (no updater), ``stored + 2 * pushed`` (an MXNet-style updater, which
+sees the summed rows in a table of zeros), or optax on the rows (the touched rows of the value
+and of the per-parameter state; the step count once per push). Rows not pushed never change.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _devices import cpu_empty
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import jaxkv
+
+NDEV = 8
+# (rows, width): replicated (8 x 3), sharded by rows (2048 x 8 = 16K elements, the big-array
+# bound), and a table of 2050 rows, too big to replicate under "flat" but whose rows do not
+# divide by 8 (a split bucket cuts it across rows; per key it is replicated).
+TABLES = {"small": (8, 3), "sharded": (2048, 8), "odd": (2050, 8)}
+LAYOUTS = ["keys", "flat", "auto"]
+SGD = optax.sgd(0.5, momentum=0.9)
+ADAM = optax.adam(0.25)
+
+
+def _add(key, pushed, stored):
+    return stored + 2 * pushed
+
+
+def _table(rows: int, width: int) -> np.ndarray:
+    return (np.arange(rows * width, dtype=np.float32).reshape(rows, width) % 97) / 4
+
+
+def _store(layout: str, table: str = "sharded", **options) -> jaxkv.KVState:
+    rows, width = TABLES[table]
+    values = {"e": jnp.asarray(_table(rows, width)), "b": jnp.ones(3, jnp.float32)}
+    return jaxkv.init(cpu_empty(layout=layout, **options), values)
+
+
+def _model_push(table, opt, ids, rows, updater):
+    """The NumPy model of one push: ``(table, opt)`` after it."""
+    table = table.copy()
+    ids = np.asarray(ids).ravel()
+    summed: dict[int, np.ndarray] = {}
+    for i, r in zip(ids.tolist(), np.asarray(rows)):
+        summed[i] = summed.get(i, 0) + r
+    unique = np.array(sorted(summed), dtype=np.int64)
+    if not unique.size:
+        return table, opt
+    grads = np.stack([summed[i] for i in unique.tolist()]).astype(np.float32)
+    if updater is None:
+        table[unique] = grads
+    elif updater is _add:
+        table[unique] = table[unique] + 2 * grads
+    else:  # optax on the touched rows
+        if opt is None:
+            opt = updater.init({"e": jnp.asarray(table)})
+        rows_of = optax.tree_utils.tree_map_params(updater, lambda x: x[unique], opt)
+        updates, new = updater.update(
+            {"e": jnp.asarray(grads)}, rows_of, {"e": jnp.asarray(table[unique])}
+        )
+        table[unique] = np.asarray(
+            optax.apply_updates({"e": jnp.asarray(table[unique])}, updates)["e"]
+        )
+        mask = optax.tree_utils.tree_map_params(
+            updater, lambda x: True, opt, transform_non_params=lambda x: False
+        )
+        opt = jax.tree_util.tree_map(
+            lambda rowwise, old, n: _set_rows(old, unique, n) if rowwise else n, mask, opt, new
+        )
+    return table, opt
+
+
+def _set_rows(old, unique, new):
+    out = np.array(old, copy=True)
+    out[unique] = np.asarray(new)
+    return out
+
+
+def _close(got, want, exact: bool):
+    if exact:
+        np.testing.assert_array_equal(np.asarray(got), want)
+    else:
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6, atol=2e-6)
+
+
+# -- the model, eagerly ------------------------------------------------------------------------
+ID_COUNTS = (1, 6)  # a small fixed pool of request sizes: each compiles once
+UPDATERS = {"assign": None, "add": _add, "sgd": SGD, "adam": ADAM}
+
+
+@st.composite
+def _pushes(draw, n_rows):
+    """A push: 1 pair, or one per device (8), or 3 pairs; ids with repeats, unsorted."""
+    pairs = draw(st.sampled_from([1, 3, NDEV]))
+    n = draw(st.sampled_from(ID_COUNTS))
+    out = []
+    for _ in range(pairs):
+        ids = draw(st.lists(st.integers(0, n_rows - 1), min_size=n, max_size=n))
+        scale = draw(st.sampled_from([0.5, 1.0, -2.0]))
+        out.append((np.array(ids, np.int32), scale))
+    return out
+
+
+@pytest.mark.standard_promotion  # optax's Adam
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("table", list(TABLES))
+@pytest.mark.parametrize("updater", list(UPDATERS))
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_pushes_and_pulls_of_rows_follow_the_model(layout, table, updater, data):
+    devices = jax.devices("cpu")
+    rows, width = TABLES[table]
+    state = _store(layout, table)
+    model, opt = _table(rows, width), None
+    upd = UPDATERS[updater]
+    exact = updater in ("assign", "add")
+    for _ in range(data.draw(st.integers(1, 3))):
+        push = data.draw(_pushes(rows))
+        ids = [i for i, _ in push]
+        values = [
+            jax.device_put(
+                jnp.full((len(i), width), s, jnp.float32) + jnp.arange(width, dtype=jnp.float32),
+                devices[j % NDEV],
+            )
+            for j, (i, s) in enumerate(push)
+        ]
+        if len(push) == 1 and data.draw(st.booleans()):
+            state = jaxkv.push_rows(state, "e", ids[0], values[0], updater=upd)
+        else:
+            state = jaxkv.push_rows(state, "e", ids, values, updater=upd)
+        model, opt = _model_push(
+            model, opt, np.concatenate(ids), np.concatenate([np.asarray(v) for v in values]), upd
+        )
+        _close(jaxkv.pull(state, "e"), model, exact)
+        asked = data.draw(st.lists(st.integers(0, rows - 1), min_size=5, max_size=5))
+        _close(jaxkv.pull_rows(state, "e", asked), model[asked], exact)
+        kept = np.zeros_like(model)
+        kept[asked] = model[asked]
+        _close(jaxkv.row_sparse_pull(state, "e", asked), kept, exact)
+    np.testing.assert_array_equal(jaxkv.pull(state, "b"), np.ones(3))  # the other key untouched
+
+
+# -- what a pull gives ---------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pull_rows_keeps_order_repeats_and_the_id_shape_flattened(layout):
+    state = _store(layout)
+    want = _table(*TABLES["sharded"])
+    ids = np.array([[7, 2047], [0, 7]])
+    out = jaxkv.pull_rows(state, "e", ids)
+    assert out.shape == (4, 8)
+    np.testing.assert_array_equal(out, want[ids.ravel()])
+    np.testing.assert_array_equal(jaxkv.pull_rows(state, "e", np.array([3.0, 1.0])), want[[3, 1]])
+
+
+def test_pull_rows_to_devices_is_replicated_on_exactly_those(devices):
+    state = _store("keys")
+    out = jaxkv.pull_rows(state, "e", [5, 9], devices=[devices[2], devices[5]])
+    assert out.sharding.device_set == {devices[2], devices[5]}
+    assert out.is_fully_replicated
+    np.testing.assert_array_equal(out, _table(*TABLES["sharded"])[[5, 9]])
+
+
+def test_pull_rows_of_no_rows():
+    out = jaxkv.pull_rows(_store("keys"), "e", np.zeros(0, np.int64))
+    assert out.shape == (0, 8)
+
+
+@pytest.mark.parametrize(
+    "ids", [[-1], [2048], [0.5], ["a"], [2**40]], ids=["negative", "past", "fraction", "str", "big"]
+)
+def test_ids_outside_the_table_are_refused_eagerly(ids):
+    state = _store("keys")
+    with pytest.raises(
+        jaxkv.KVStoreError, match=r"key 'e': row_ids expected integers in \[0, 2048\)"
+    ):
+        jaxkv.pull_rows(state, "e", ids)
+    with pytest.raises(jaxkv.KVStoreError, match="row_ids expected integers"):
+        jaxkv.push_rows(state, "e", ids, jnp.ones((1, 8)))
+    np.testing.assert_array_equal(jaxkv.pull(state, "e"), _table(*TABLES["sharded"]))
+
+
+def test_a_scalar_has_no_rows():
+    state = jaxkv.init(cpu_empty(), {"s": jnp.float32(1)})
+    with pytest.raises(jaxkv.ShapeError, match="key 's': pull_rows expects a value with rows"):
+        jaxkv.pull_rows(state, "s", [0])
+    with pytest.raises(jaxkv.ShapeError, match="push_rows expects a value with rows"):
+        jaxkv.push_rows(state, "s", [0], jnp.ones(1))
+
+
+def test_rows_of_the_wrong_shape_or_pairing_are_refused():
+    state = _store("keys")
+    with pytest.raises(jaxkv.ShapeError, match=r"has shape \(2, 7\), expected \(2, 8\)"):
+        jaxkv.push_rows(state, "e", [0, 1], jnp.ones((2, 7)))
+    with pytest.raises(jaxkv.ShapeError, match="given 2 row_ids and 3 rows"):
+        jaxkv.push_rows(state, "e", [[0], [1]], [jnp.ones((1, 8))] * 3)
+    with pytest.raises(jaxkv.ShapeError, match=r"rows 1 has shape \(2, 8\), expected \(1, 8\)"):
+        jaxkv.push_rows(state, "e", [[0], [1]], [jnp.ones((1, 8)), jnp.ones((2, 8))])
+    with pytest.raises(jaxkv.UnknownKeyError):
+        jaxkv.push_rows(state, "nope", [0], jnp.ones((1, 8)))
+
+
+def test_an_optimizer_group_of_several_keys_is_refused():
+    state = jaxkv.init_optimizer(_store("keys"), SGD)  # one group: ('b', 'e')
+    with pytest.raises(jaxkv.KVStoreError, match="expected exactly the keys of group"):
+        jaxkv.push_rows(state, "e", [0], jnp.ones((1, 8)), updater=SGD)
+
+
+def test_the_push_is_pure_unless_donated():
+    state = _store("keys")
+    new = jaxkv.push_rows(state, "e", [3], jnp.zeros((1, 8)))
+    np.testing.assert_array_equal(jaxkv.pull(state, "e"), _table(*TABLES["sharded"]))
+    assert float(jaxkv.pull(new, "e")[3].sum()) == 0
+    donated = jaxkv.push_rows(new, "e", [4], jnp.zeros((1, 8)), donate=True)
+    assert float(jaxkv.pull(donated, "e")[3:5].sum()) == 0
+
+
+@pytest.mark.standard_promotion
+def test_a_sharded_table_stays_sharded_and_its_optimizer_state_too(devices):
+    state = _store("keys")
+    state = jaxkv.push_rows(state, "e", [1, 2000], jnp.ones((2, 8)), updater=ADAM)
+    assert state["e"].sharding.spec == P("kv")
+    mu = state.opt_states[("e",)][0].mu["e"]
+    assert mu.sharding.spec == P("kv")
+    touched = np.flatnonzero(np.asarray(mu).any(axis=1))
+    assert touched.tolist() == [1, 2000]
+
+
+@pytest.mark.standard_promotion
+def test_repeated_pushes_compile_once(compiles):
+    state = _store("keys")
+    step = 0
+    with compiles() as c:
+        for _ in range(4):
+            ids = np.random.default_rng(step).integers(0, 2048, 6)
+            state = jaxkv.push_rows(state, "e", ids, jnp.ones((6, 8)), updater=ADAM, donate=True)
+            jaxkv.pull_rows(state, "e", ids)
+            step += 1
+        first = c.count
+        for _ in range(3):
+            ids = np.random.default_rng(step).integers(0, 2048, 6)
+            state = jaxkv.push_rows(state, "e", ids, jnp.ones((6, 8)), updater=ADAM, donate=True)
+            jaxkv.pull_rows(state, "e", ids)
+            step += 1
+    assert c.count == first
+
+
+# -- inside the user's trace ---------------------------------------------------------------------
+@pytest.mark.standard_promotion
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_inside_jit_the_same_as_eagerly(layout):
+    state = _store(layout)
+    ids = jnp.array([5, 1, 5, 2047], jnp.int32)
+    rows = jnp.arange(32, dtype=jnp.float32).reshape(4, 8)
+
+    @jax.jit
+    def step(s, ids, rows):
+        s = jaxkv.push_rows(s, "e", ids, rows, updater=ADAM)
+        return s, jaxkv.pull_rows(s, "e", ids), jaxkv.row_sparse_pull(s, "e", ids)
+
+    eager = jaxkv.push_rows(state, "e", np.asarray(ids), rows, updater=ADAM)
+    traced = jaxkv.init_optimizer(state, ADAM, ["e"])
+    new, pulled, kept = step(traced, ids, rows)
+    np.testing.assert_allclose(jaxkv.pull(new, "e"), jaxkv.pull(eager, "e"), rtol=1e-6)
+    np.testing.assert_allclose(pulled, jaxkv.pull_rows(eager, "e", np.asarray(ids)), rtol=1e-6)
+    np.testing.assert_allclose(kept, jaxkv.row_sparse_pull(eager, "e", np.asarray(ids)), rtol=1e-6)
+
+
+def test_inside_jit_ids_outside_the_table_select_and_update_nothing():
+    state = _store("keys")
+    ids = jnp.array([-1, 2048, 3], jnp.int32)
+
+    @jax.jit
+    def step(s, ids):
+        s = jaxkv.push_rows(s, "e", ids, jnp.full((3, 8), 100.0))
+        return s, jaxkv.pull_rows(s, "e", ids)
+
+    new, pulled = step(state, ids)
+    want = _table(*TABLES["sharded"])
+    want[3] = 100.0
+    np.testing.assert_array_equal(jaxkv.pull(new, "e"), want)
+    np.testing.assert_array_equal(pulled, np.stack([np.zeros(8), np.zeros(8), want[3]]))
+
+
+def _shard_map(state, body, in_specs, out_specs):
+    return jax.jit(jax.shard_map(body, mesh=state.mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+@pytest.mark.parametrize("layout", ["keys", "flat"])
+def test_inside_shard_map_each_device_pushes_and_pulls_its_own_rows(layout):
+    state = jaxkv.init_optimizer(_store(layout), SGD, ["e"])
+    spec = jaxkv.specs(state, "kv")
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 2048, (NDEV, 5)).astype(np.int32)
+    ids[3, 0] = ids[0, 0]  # the same row from two devices: summed
+    rows = rng.normal(size=(NDEV, 5, 8)).astype(np.float32)
+
+    def body(s, ids, rows):
+        s = jaxkv.push_rows(s, "e", ids[0], rows[0], updater=SGD, axis_name="kv")
+        return s, jaxkv.pull_rows(s, "e", ids[0], axis_name="kv")[None]
+
+    step = _shard_map(state, body, (spec, P("kv"), P("kv")), (spec, P("kv")))
+    new, pulled = step(state, ids, rows)
+    eager = jaxkv.push_rows(state, "e", list(ids), [jnp.asarray(r) for r in rows], updater=SGD)
+    np.testing.assert_allclose(jaxkv.pull(new, "e"), jaxkv.pull(eager, "e"), rtol=1e-6)
+    want = np.stack([np.asarray(jaxkv.pull_rows(eager, "e", i)) for i in ids])
+    np.testing.assert_allclose(pulled, want, rtol=1e-6)
+
+
+def test_inside_shard_map_a_pair_the_same_on_every_device_counts_once():
+    state = _store("keys")
+    spec = jaxkv.specs(state, "kv")
+
+    def body(s, ids, rows):  # ids and rows replicated: invariant along the axis
+        return jaxkv.push_rows(s, "e", ids, rows, updater=_add, axis_name="kv")
+
+    step = _shard_map(state, body, (spec, P(), P()), spec)
+    new = step(state, jnp.array([9, 1500], jnp.int32), jnp.ones((2, 8), jnp.float32))
+    want = _table(*TABLES["sharded"])
+    want[[9, 1500]] += 2
+    np.testing.assert_array_equal(jaxkv.pull(new, "e"), want)
+
+
+def test_under_pmap_per_device_pairs_are_summed(devices):
+    state = jaxkv.init(cpu_empty(bigarray_bound=None), {"e": jnp.zeros((6, 2))})
+    ids = np.array([[d % 6] for d in range(NDEV)], np.int32)
+    rows = np.ones((NDEV, 1, 2), np.float32)
+
+    def step(s, ids, rows):
+        return jaxkv.pull(jaxkv.push_rows(s, "e", ids, rows, axis_name="i"), "e")
+
+    new = jax.pmap(step, axis_name="i", in_axes=(None, 0, 0), devices=devices)(state, ids, rows)
+    want = np.zeros((6, 2))
+    np.add.at(want, ids.ravel(), 1.0)
+    for d in range(NDEV):  # the same on every device
+        np.testing.assert_array_equal(np.asarray(new)[d], want)
