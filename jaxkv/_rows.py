@@ -40,7 +40,7 @@ from ._args import as_array, devices_of, is_traced
 from ._arrays import replicate
 from ._collectives import axis_names, unsummed_axes
 from ._errors import KVStoreError, ShapeError
-from ._fast import assemble
+from ._fast import assemble, per_device
 from ._state import Key, KVState, normalize_key
 from ._update import optimizer_group
 
@@ -232,6 +232,8 @@ def pull_rows(
       key: a key whose value has rows (at least one dimension).
       row_ids: integer row ids (whole-number floats are accepted, as MXNet's ids often are).
       devices: where to place the result (replicated on each); default the store's devices.
+        With a list of id arrays as ``row_ids`` (one per device), the devices they go to
+        (default: the store's), and the result is a list: each device's rows, on it.
       axis_name: inside ``shard_map`` over a sharded table (its leaf this device's block): the
         mapped axis (default the store's axis name). Each device gets the rows of its own ids.
 
@@ -257,11 +259,73 @@ def pull_rows(
         asked = jax.lax.all_gather(ids, axis)  # every device's request
         part = _take(value, asked, jax.lax.axis_index(axis) * block)
         return jax.lax.psum_scatter(part, axis, scatter_dimension=0)
+    if _per_device(row_ids):
+        return _pull_per_device(state, key, i, shape, list(row_ids), devices)
     ids = _host_ids(key, row_ids, shape[0])
     out = _eager_take(state, key, i, ids)
     if devices is not None:
         out = replicate([out], devices_of(devices))[0]
     return out
+
+
+def _per_device(row_ids: Any) -> bool:
+    """Whether eager ``row_ids`` are a list of id arrays (one per device), not ids."""
+    return isinstance(row_ids, list | tuple) and any(
+        np.ndim(x) >= 1 or hasattr(x, "shape") and len(x.shape) >= 1 for x in row_ids
+    )
+
+
+def _pull_per_device(
+    state: KVState, key: Key, i: int, shape: tuple[int, ...], row_ids: list, devices: Any
+) -> list[jax.Array]:
+    """Each device's own rows, on it: ``row_ids[j]`` to ``devices[j]``. Where the devices are
+    the store's, in order, and ask for as many rows each, one computation serves them all
+    (each device gathers from its block of a sharded table what every device asks, and one
+    ``psum_scatter`` gives each its own rows); else one pull each."""
+    targets = devices_of(devices) if devices is not None else state.devices
+    if len(targets) != len(row_ids):
+        raise ShapeError(
+            f"key {key!r}: expected one row_ids per device ({len(targets)} devices), given "
+            f"{len(row_ids)} row_ids"
+        )
+    ids = [_host_ids(key, x, shape[0]) for x in row_ids]
+    leaf = _own_leaf(state, i)
+    sizes = {x.size for x in ids}
+    if (
+        targets != state.devices
+        or len(sizes) != 1
+        or leaf is None
+        or len(targets) == 1
+        or _spans_processes(state)
+    ):
+        return [_place(_eager_take(state, key, i, x), d) for x, d in zip(ids, targets)]
+    split = NamedSharding(state.mesh, PartitionSpec(state.axis))
+    stacked = jax.device_put(np.concatenate(ids), split)
+    fn = _per_device_take(state.mesh, state.axis, state.is_sharded(shape))
+    out = _dist.ordered("pull_rows", fn, state._leaves[leaf], stacked)
+    return per_device(out)
+
+
+def _spans_processes(state: KVState) -> bool:
+    return any(d.process_index != jax.process_index() for d in state.devices)
+
+
+def _place(x: jax.Array, device: jax.Device) -> jax.Array:
+    return replicate([x], (device,))[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _per_device_take(mesh: Any, axis: str, sharded: bool) -> Any:
+    def body(table: Any, ids: Any) -> Any:
+        if not sharded:
+            return _take(table, ids)
+        asked = jax.lax.all_gather(ids, axis)
+        part = _take(table, asked, jax.lax.axis_index(axis) * table.shape[0])
+        return jax.lax.psum_scatter(part, axis, scatter_dimension=0)
+
+    split = PartitionSpec(axis)
+    table = split if sharded else PartitionSpec()
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(table, split), out_specs=split))
 
 
 def _traced_leaves(state: KVState) -> bool:

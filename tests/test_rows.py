@@ -342,3 +342,21 @@ def test_under_pmap_per_device_pairs_are_summed(devices):
     np.add.at(want, ids.ravel(), 1.0)
     for d in range(NDEV):  # the same on every device
         np.testing.assert_array_equal(np.asarray(new)[d], want)
+
+
+@pytest.mark.parametrize("table", ["small", "sharded"])
+def test_pull_rows_with_ids_per_device_gives_each_device_its_rows(table, devices):
+    rows, width = TABLES[table]
+    state = _store("keys", table)
+    want = _table(rows, width)
+    ids = [np.array([d % rows, rows - 1, (3 * d) % rows]) for d in range(NDEV)]
+    out = jaxkv.pull_rows(state, "e", ids)
+    assert len(out) == NDEV
+    for d, x in enumerate(out):
+        assert x.devices() == {devices[d]}
+        np.testing.assert_array_equal(x, want[ids[d]])
+    some = jaxkv.pull_rows(state, "e", [[1], [2, 3]], devices=[devices[6], devices[1]])
+    assert some[0].devices() == {devices[6]} and some[1].devices() == {devices[1]}
+    np.testing.assert_array_equal(some[1], want[[2, 3]])
+    with pytest.raises(jaxkv.ShapeError, match="expected one row_ids per device"):
+        jaxkv.pull_rows(state, "e", [[1], [2]], devices=[devices[0]])
