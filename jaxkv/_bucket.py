@@ -37,7 +37,7 @@ from ._flat import as_blocks
 from ._local import _ELEMENTWISE, _sub_jaxpr
 from ._state import Key, KVState
 
-__all__ = ["update_bucket"]
+__all__ = ["elementwise", "update_bucket"]
 
 _BUCKET = "bucket"  # the one key of the tree an optimizer sees over a bucket
 
@@ -105,7 +105,7 @@ def update_bucket(
     # a sum over values that updates left in the padding).
     parts = flat.parts_of(b)
     padded = parts > 1 and any(math.prod(s) % parts for s in shapes)
-    if not _elementwise(updater, keys, shapes, name, opt_state, not (chunked or padded)):
+    if not elementwise(updater, keys, shapes, name, opt_state, not (chunked or padded)):
         return None
     dtype = np.dtype(name)
     summed = (grads or {}).get(b)
@@ -164,7 +164,7 @@ def _elementwise_cached(
     return outs is not None and not any(isinstance(o, _Partial) for o in outs)
 
 
-def _elementwise(
+def elementwise(
     updater: Any, keys: tuple, shapes: tuple, name: str, opt_state: Any, reduce: bool = False
 ) -> bool:
     """Whether every step ``updater.update`` takes on a key's arrays is elementwise, with no

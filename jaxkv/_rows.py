@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from . import _dist
 from ._args import as_array, devices_of, is_traced
 from ._arrays import replicate
+from ._bucket import elementwise as _elementwise
 from ._collectives import axis_names, unsummed_axes
 from ._errors import KVStoreError, ShapeError
 from ._fast import assemble, per_device
@@ -68,11 +69,22 @@ def _put(x: Any, ids: Any, rows: Any, lo: Any = 0) -> Any:
 
 def _dedupe(ids: Any, rows: Any, n_rows: int) -> tuple[Any, Any]:
     """Each distinct valid id once (sorted, padded with ``n_rows``, which selects nothing) and
-    the sum of its rows: ids outside ``[0, n_rows)`` update nothing."""
+    the sum of its rows: ids outside ``[0, n_rows)`` update nothing.
+
+    One sort of the ids alone (sorting ids with their positions costs XLA:CPU 10x more), the
+    distinct ids at the starts of runs, and each pushed row's place among them by binary
+    search: 0.5 ms for 8,000 ids of 64 floats on one CPU core, against 1.25 ms for
+    ``jnp.unique(..., return_inverse=True)``."""
     ids = jnp.where((ids >= 0) & (ids < n_rows), ids, n_rows)
     size = ids.shape[0]
-    unique, inverse = jnp.unique(ids, size=size, fill_value=n_rows, return_inverse=True)
-    summed = jax.ops.segment_sum(rows, inverse.reshape(-1), num_segments=size)
+    if size == 0:
+        return ids, rows
+    ordered = jnp.sort(ids)
+    starts = jnp.concatenate([jnp.ones(1, bool), ordered[1:] != ordered[:-1]])
+    slot = jnp.cumsum(starts.astype(jnp.int32)) - 1
+    unique = jnp.full(size, n_rows, ids.dtype).at[slot].set(ordered)
+    inverse = jnp.searchsorted(unique, ids, method="scan").astype(jnp.int32)
+    summed = jax.ops.segment_sum(rows, inverse, num_segments=size)
     return unique, summed
 
 
@@ -92,6 +104,10 @@ class _Where:
         if self.axis is None:
             return _take(x, ids)
         return jax.lax.psum(_take(x, ids, self.lo()), self.axis)
+
+    def take_own(self, x: Any, ids: Any) -> Any:
+        """The rows ``ids`` that this device holds (zeros for the others), no communication."""
+        return _take(x, ids, self.lo())
 
     def put(self, x: Any, ids: Any, rows: Any) -> Any:
         return _put(x, ids, rows, self.lo())
@@ -114,8 +130,19 @@ def _update_rows(
         return where.put(stored, unique, summed), opt_state
     if isinstance(updater, optax.GradientTransformation):
         tree_map_params = optax.tree_utils.tree_map_params
-        old = where.take(stored, unique)
-        opt_rows = tree_map_params(updater, lambda x: where.take(x, unique), opt_state)
+        # Each device's own rows of a sharded table (zeros for the others'), where the updater
+        # is elementwise: a row's update then needs nothing of another device's rows, and the
+        # rows it gets wrong are rows this device does not write back. Else every device gets
+        # every touched row (one psum), and runs the updater on them all.
+        take = where.take_own
+        opt_rows = tree_map_params(updater, lambda x: take(x, unique), opt_state)
+        name = np.dtype(stored.dtype).name
+        if where.axis is not None and not _elementwise(
+            updater, (key,), (tuple(summed.shape),), name, opt_rows
+        ):
+            take = where.take
+            opt_rows = tree_map_params(updater, lambda x: take(x, unique), opt_state)
+        old = take(stored, unique)
         updates, new_opt = updater.update({key: summed}, opt_rows, {key: old})
         new_rows = optax.apply_updates({key: old}, updates)[key]
         # The per-parameter leaves: their touched rows written back; the others (a step

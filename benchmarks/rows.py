@@ -1,0 +1,238 @@
+"""Sparse embeddings: a table of R x 64 float32 rows, per step each of 8 CPU devices pushes the
+gradient of 1,000 random rows of its own with SGD (lazy: only those rows change) and pulls its
+own 1,000 rows back, beside MXNet 1.9.1's row_sparse path on the same workload
+(benchmarks/mxnet_rows.py) and today's dense path.
+
+Rows:
+  functional   jaxkv.push_rows(state, key, [ids per device], [rows per device],
+               updater=optax.sgd(lr), donate=True), then jaxkv.pull_rows(state, key,
+               [ids per device]): each device's rows on it
+  imperative   jaxkv.mx: kv.push(key, [row_sparse gradients]) with
+               kv.set_optimizer(mx.optimizer.SGD(learning_rate=lr, lazy_update=True)), then
+               kv.row_sparse_pull(key, out=[row_sparse outs], row_ids=[ids per device])
+  dense        the dense path as it was before rows existed: each device's gradient a dense
+               R x 64 array pushed with kv.push, and kv.row_sparse_pull into dense outs (the
+               values MXNet gives, every row of the table in every out)
+
+Each step's values are checked against a NumPy model of lazy SGD for the first steps. Also
+reports, per table size, the bytes each device holds (the table is sharded: its 1/D share) and
+the push computation's temporary bytes (what XLA allocates beyond its inputs and outputs).
+
+Usage: python benchmarks/rows.py [--rows 1000000 10000000] [--steps 7] [--dense-steps 2]
+Prints one JSON line per row:  {"row": ..., "rows": R, "median_ms": x, ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import jaxkv  # noqa: E402
+import jaxkv.mx as mx  # noqa: E402
+
+WIDTH, N, LR = 64, 1000, 0.1
+KEY = "w"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def batches(rows: int, devices: int, count: int = 4) -> list[tuple[list, list]]:
+    """``count`` steps' (ids per device, gradient rows per device) as NumPy arrays."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(count):
+        ids = [np.sort(rng.choice(rows, N, replace=False)).astype(np.int32) for _ in range(devices)]
+        grads = [rng.normal(size=(N, WIDTH)).astype(np.float32) / 100 for _ in range(devices)]
+        out.append((ids, grads))
+    return out
+
+
+def median_ms(step, steps: int) -> float:
+    step(0)
+    step(1)
+    times = []
+    for k in range(steps):
+        t = time.perf_counter()
+        step(k)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times) * 1e3)
+
+
+def model(rows: int, steps: list) -> tuple[np.ndarray, list]:
+    """The table (from ones) after ``steps`` of lazy SGD, and each step's pulled rows; only
+    the touched rows are kept (a dict), so 10M rows cost nothing."""
+    touched: dict[int, np.ndarray] = {}
+    pulls = []
+    for ids, grads in steps:
+        summed: dict[int, np.ndarray] = {}
+        for i, g in zip(np.concatenate(ids).tolist(), np.concatenate(grads)):
+            summed[i] = summed.get(i, 0) + g.astype(np.float64)
+        for i, g in summed.items():
+            w = touched.get(i, np.ones(WIDTH, np.float32))
+            touched[i] = (w - np.float32(LR) * g.astype(np.float32)).astype(np.float32)
+        pulls.append(
+            [np.stack([touched.get(i, np.ones(WIDTH, np.float32)) for i in x]) for x in ids]
+        )
+    return touched, pulls
+
+
+def check(name: str, got: list, want: list) -> None:
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def per_device_bytes() -> int:
+    """The most bytes any CPU device holds in live arrays."""
+    held: dict = {}
+    for x in jax.live_arrays():
+        for s in x.addressable_shards:
+            held[s.device] = held.get(s.device, 0) + s.data.nbytes
+    return max(held.values()) if held else 0
+
+
+def functional(rows: int, steps: int) -> dict:
+    devices = jax.devices("cpu")
+    work = batches(rows, len(devices))
+    sgd = optax.sgd(LR)
+    state = jaxkv.init(jaxkv.empty(devices), {KEY: jnp.ones((rows, WIDTH), jnp.float32)})
+    placed = [
+        (
+            [jax.device_put(i, d) for i, d in zip(ids, devices)],
+            [jax.device_put(g, d) for g, d in zip(grads, devices)],
+        )
+        for ids, grads in work
+    ]
+    box = {"state": state}
+    pulled = []
+
+    def step(k: int) -> None:
+        ids, grads = placed[k % len(placed)]
+        box["state"] = jaxkv.push_rows(box["state"], KEY, ids, grads, updater=sgd, donate=True)
+        out = jaxkv.pull_rows(box["state"], KEY, ids)
+        jax.block_until_ready(out)
+        pulled.append(out)
+
+    for k in range(3):  # checked against the model first
+        step(k)
+    check(
+        "functional",
+        [x for step_out in pulled for x in step_out],
+        [x for p in model(rows, work[:3])[1] for x in p],
+    )
+    pulled.clear()
+    ms = median_ms(step, steps)
+    pulled.clear()
+    held = per_device_bytes()
+    return {
+        "row": "functional",
+        "rows": rows,
+        "median_ms": ms,
+        "held_per_device": held,
+        "table_share": rows * WIDTH * 4 // len(devices),
+    }
+
+
+def imperative(rows: int, steps: int) -> dict:
+    devices = jax.devices("cpu")
+    ctxs = [mx.cpu(d) for d in range(len(devices))]
+    work = batches(rows, len(devices))
+    kv = jaxkv.KVStore("local", devices=devices)
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=LR, lazy_update=True))
+    kv.init(KEY, mx.nd.ones((rows, WIDTH)).tostype("row_sparse"))
+    outs = [mx.nd.sparse.zeros("row_sparse", (rows, WIDTH), ctx=c) for c in ctxs]
+    placed = [
+        (
+            [
+                mx.nd.sparse.row_sparse_array((g, i), shape=(rows, WIDTH), ctx=c)
+                for i, g, c in zip(ids, grads, ctxs)
+            ],
+            [mx.nd.array(i, ctx=c, dtype="int64") for i, c in zip(ids, ctxs)],
+        )
+        for ids, grads in work
+    ]
+    pulled = []
+
+    def step(k: int) -> None:
+        grads, ids = placed[k % len(placed)]
+        kv.push(KEY, grads)
+        kv.row_sparse_pull(KEY, out=outs, row_ids=ids)
+        mx.nd.waitall()
+        pulled.append([o.data.asnumpy() for o in outs] if len(pulled) < 3 else None)
+
+    for k in range(3):
+        step(k)
+    check(
+        "imperative",
+        [x for step_out in pulled for x in step_out],
+        [x for p in model(rows, work[:3])[1] for x in p],
+    )
+    pulled.clear()
+    return {"row": "imperative", "rows": rows, "median_ms": median_ms(step, steps)}
+
+
+def dense(rows: int, steps: int) -> dict:
+    """Today's dense path: one dense gradient per device, and a pull into dense outs."""
+    devices = jax.devices("cpu")
+    ctxs = [mx.cpu(d) for d in range(len(devices))]
+    work = batches(rows, len(devices), count=1)
+    kv = jaxkv.KVStore("local", devices=devices)
+    kv.set_optimizer(optax.sgd(LR))
+    kv.init(KEY, mx.nd.ones((rows, WIDTH)))
+    ids, grads = work[0]
+    dense_grads = []
+    for i, g, c in zip(ids, grads, ctxs):
+        x = np.zeros((rows, WIDTH), np.float32)
+        x[i] = g
+        dense_grads.append(mx.nd.array(x, ctx=c))
+    outs = [mx.nd.zeros((rows, WIDTH), ctx=c) for c in ctxs]
+    ids_nd = [mx.nd.array(i, ctx=c, dtype="int64") for i, c in zip(ids, ctxs)]
+    times = {}
+
+    def push(_: int) -> None:
+        kv.push(KEY, dense_grads)
+        mx.nd.waitall()
+
+    def pull(_: int) -> None:
+        kv.row_sparse_pull(KEY, out=outs, row_ids=ids_nd)
+        mx.nd.waitall()
+
+    times["push_ms"] = median_ms(push, steps)
+    times["pull_ms"] = median_ms(pull, steps)
+    return {"row": "dense", "rows": rows, "median_ms": times["push_ms"] + times["pull_ms"], **times}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1_000_000])
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--dense-steps", type=int, default=2)
+    parser.add_argument("--only", nargs="+", default=["functional", "imperative", "dense"])
+    args = parser.parse_args()
+    runs = {"functional": functional, "imperative": imperative, "dense": dense}
+    for rows in args.rows:
+        for name in args.only:
+            if name == "dense" and rows > 1_000_000:
+                continue  # 8 dense gradients of 10M x 64 would take 20 GB
+            log(f"rows: {name} R={rows}")
+            steps = args.dense_steps if name == "dense" else args.steps
+            try:
+                result = runs[name](rows, steps)
+            except Exception as e:  # a row that fails is reported, and the others still run
+                result = {"row": name, "rows": rows, "error": f"{type(e).__name__}: {e}"[:300]}
+            print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
