@@ -327,10 +327,60 @@ def _pull_per_device(
     ):
         return [_place(_eager_take(state, key, i, x), d) for x, d in zip(ids, targets)]
     split = NamedSharding(state.mesh, PartitionSpec(state.axis))
+    if state.is_sharded(shape):
+        block = shape[0] // len(targets)
+        local, back, _ = route(ids, block, len(targets))
+        fn = _routed_take(state.mesh, state.axis)
+        asked = jax.device_put(local.reshape(-1), split)
+        placed = jax.device_put(back.reshape(-1), split)
+        out = _dist.ordered("pull_rows", fn, state._leaves[leaf], asked, placed)
+        return per_device(out)
     stacked = jax.device_put(np.concatenate(ids), split)
-    fn = _per_device_take(state.mesh, state.axis, state.is_sharded(shape))
+    fn = _per_device_take(state.mesh, state.axis, False)
     out = _dist.ordered("pull_rows", fn, state._leaves[leaf], stacked)
     return per_device(out)
+
+
+def route(ids: Sequence[np.ndarray], block: int, parts: int) -> tuple[Any, Any, Any]:
+    """How the rows of ``ids`` (one array of row ids per device) travel between the devices of
+    a table cut in ``parts`` blocks of ``block`` rows: each device sends to each owner at most
+    ``C`` ids (``C`` the largest such count, rounded up to a power of two from 8, so that a
+    step compiles again only when it grows past one).
+
+    Returns ``(local, back, send)``, each with one row per device: ``local[s]`` is
+    ``(parts * C,)``, the ids device ``s`` sends to each owner in turn as rows of the owner's
+    block (``block`` where unused: it selects nothing); ``back[s]`` is ``(n,)``, where each of
+    ``s``'s ids lands among the ``parts * C`` rows it gets back (owner-major); ``send[s]`` is
+    ``(parts * C,)``, which of ``s``'s own rows goes in each slot (``n`` where unused)."""
+    owners = [x // block for x in ids]
+    most = max((int(np.bincount(o, minlength=parts).max()) for o in owners if o.size), default=1)
+    c = max(8, 1 << (most - 1).bit_length())
+    local = np.full((len(ids), parts, c), block, np.int32)
+    send = np.full((len(ids), parts, c), max((x.size for x in ids), default=0), np.int32)
+    back = np.zeros((len(ids), max((x.size for x in ids), default=0)), np.int32)
+    for s, (x, o) in enumerate(zip(ids, owners)):
+        order = np.argsort(o, kind="stable")
+        by_owner = o[order]
+        slot = np.arange(x.size) - np.searchsorted(by_owner, by_owner)
+        local[s, by_owner, slot] = x[order] - by_owner * block
+        send[s, by_owner, slot] = order
+        back[s, order] = by_owner * c + slot
+    return local.reshape(len(ids), -1), back, send.reshape(len(ids), -1)
+
+
+@functools.lru_cache(maxsize=64)
+def _routed_take(mesh: Any, axis: str) -> Any:
+    """Each device's rows of a sharded table: its ids sent to their owners, and their rows
+    back, with two all-to-alls of ``parts * C`` rows (see :func:`route`)."""
+
+    def body(block: Any, local: Any, back: Any) -> Any:
+        asked = jax.lax.all_to_all(local, axis, 0, 0, tiled=True)  # what others ask of me
+        rows = _take(block, asked)
+        got = jax.lax.all_to_all(rows, axis, 0, 0, tiled=True)  # owner-major
+        return jnp.take(got, back, axis=0)
+
+    split = PartitionSpec(axis)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(split, split, split), out_specs=split))
 
 
 def _spans_processes(state: KVState) -> bool:
@@ -572,9 +622,16 @@ def push_rows(
         from ._push import init_opt_states
 
         state = init_opt_states(state, updater, (key,))
-    ids, rows = _gathered(state, key, host, dtype)
     leaf = _own_leaf(state, i)
     n = None if group is None else state._groups.index(group)
+    if leaf is not None and (n is None or state._packings[n] is None):
+        routed = _routed(state, key, shape, host, updater, n)
+        if routed is not None:
+            fn = _routed_push(state.mesh, state.axis, key, shape[0], updater, donate)
+            opt = None if n is None else state._opt_states[n]
+            value, opt = _dist.ordered("push_rows", fn, state._leaves[leaf], opt, *routed)
+            return state._replace_leaves({leaf: value}, {} if n is None else {n: opt})
+    ids, rows = _gathered(state, key, host, dtype)
     if leaf is not None and (n is None or state._packings[n] is None):
         fn = _own_push(
             state.mesh, state.axis, key, shape[0], state.is_sharded(shape), updater, donate
@@ -584,6 +641,79 @@ def push_rows(
         return state._replace_leaves({leaf: value}, {} if n is None else {n: opt})
     fn = _state_push(key, shape[0], updater, donate)
     return _dist.ordered("push_rows", fn, state, ids, rows)
+
+
+def _routed(
+    state: KVState,
+    key: Key,
+    shape: tuple[int, ...],
+    host: list[tuple[np.ndarray, Any]],
+    updater: Any,
+    n: int | None,
+) -> tuple[Any, Any, Any] | None:
+    """A push of one pair per device of the store, in place there, of as many rows each, into a
+    sharded table, with an updater that needs no other device's rows (none, an MXNet-style
+    updater on the block, an elementwise optax one): the ``(local, send, rows)`` arguments of
+    :func:`_routed_push`, each device's rows going straight to the owners of their ids. Else
+    ``None``: every device gets every pushed row (:func:`_gathered`)."""
+    devices = state.devices
+    parts = len(devices)
+    if (
+        not state.is_sharded(shape)
+        or len(host) != parts
+        or len({r.shape[0] for _, r in host}) != 1
+        or [next(iter(r.devices())) if len(r.devices()) == 1 else None for _, r in host]
+        != list(devices)
+        or len({r.dtype for _, r in host}) != 1
+        or _spans_processes(state)
+    ):
+        return None
+    if isinstance(updater, optax.GradientTransformation):
+        opt = state._opt_states[n]  # type: ignore[index]
+        rows_state = optax.tree_utils.tree_map_params(
+            updater, lambda x: jax.ShapeDtypeStruct((1, *shape[1:]), x.dtype), opt
+        )
+        name = np.dtype(host[0][1].dtype).name
+        if not _elementwise(updater, (key,), ((1, *shape[1:]),), name, rows_state):
+            return None
+    local, _, send = route([ids for ids, _ in host], shape[0] // parts, parts)
+    split = NamedSharding(state.mesh, PartitionSpec(state.axis))
+    rows = host[0][1].shape[0]
+    stacked = assemble((rows * parts, *shape[1:]), split, [r for _, r in host])
+    return (
+        jax.device_put(local.reshape(-1), split),
+        jax.device_put(send.reshape(-1), split),
+        stacked,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _routed_push(mesh: Any, axis: str, key: Key, n_rows: int, updater: Any, donate: bool) -> Any:
+    """``(table, opt_state, local, send, rows) -> (table, opt_state)``: each device sends each
+    owner its rows for it (one all-to-all of ``parts * C`` rows, see :func:`route`), and each
+    owner sums and updates the rows of its block alone."""
+    split = PartitionSpec(axis)
+
+    def body(block: Any, opt: Any, local: Any, send: Any, rows: Any) -> Any:
+        ids = jax.lax.all_to_all(local, axis, 0, 0, tiled=True)
+        got = jax.lax.all_to_all(_take(rows, send), axis, 0, 0, tiled=True)
+        return _update_rows(key, _Where(), block, opt, ids, got, block.shape[0], updater)
+
+    def run(table: Any, opt: Any, local: Any, send: Any, rows: Any) -> Any:
+        opt_spec = jax.tree_util.tree_map(
+            lambda x: split if tuple(x.shape) == tuple(table.shape) else PartitionSpec(), opt
+        )
+        mapped = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(split, opt_spec, split, split, split),
+            out_specs=(split, opt_spec),
+            check_vma=False,
+        )
+        return mapped(table, opt, local, send, rows)
+
+    del n_rows
+    return jax.jit(run, donate_argnums=(0, 1) if donate else ())
 
 
 def _gathered(

@@ -360,3 +360,38 @@ def test_pull_rows_with_ids_per_device_gives_each_device_its_rows(table, devices
     np.testing.assert_array_equal(some[1], want[[2, 3]])
     with pytest.raises(jaxkv.ShapeError, match="expected one row_ids per device"):
         jaxkv.pull_rows(state, "e", [[1], [2]], devices=[devices[0]])
+
+
+@pytest.mark.parametrize("spread", ["one-block", "every-block", "mixed"])
+def test_rows_routed_to_their_owners_whatever_the_spread(spread, devices):
+    """One pair per device into a sharded table goes straight to the owners of its ids (an
+    all-to-all sized by the busiest owner): skewed, even and mixed requests give the model."""
+    rows, width = TABLES["sharded"]
+    block = rows // NDEV
+    rng = np.random.default_rng(len(spread))
+    if spread == "one-block":  # every id in device 3's block: the busiest route takes them all
+        ids = [rng.integers(3 * block, 4 * block, 9) for _ in range(NDEV)]
+    elif spread == "every-block":
+        ids = [np.arange(NDEV) * block + d for d in range(NDEV)]
+        ids = [np.concatenate([x, x[:1]]) for x in ids]  # and one repeat each
+    else:
+        ids = [rng.integers(0, rows, 9) for _ in range(NDEV)]
+    values = [
+        jax.device_put(jnp.asarray(rng.normal(size=(len(x), width)), jnp.float32), devices[d])
+        for d, x in enumerate(ids)
+    ]
+    state = _store("keys")
+    model = _table(rows, width)
+    for upd in (None, _add, SGD):
+        state = jaxkv.push_rows(state, "e", ids, values, updater=upd)
+        model, _ = _model_push(
+            model,
+            None,
+            np.concatenate(ids),
+            np.concatenate([np.asarray(v) for v in values]),
+            upd,
+        )
+        _close(jaxkv.pull(state, "e"), model, exact=False)
+        pulled = jaxkv.pull_rows(state, "e", ids)
+        for x, got in zip(ids, pulled):
+            _close(got, model[x], exact=False)
