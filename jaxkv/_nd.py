@@ -3,6 +3,16 @@
 An ``NDArray`` holds one ``jax.Array`` on one device. In-place operations (``+=``, ``a[:] = v``)
 rebind the handle to a new array, which is how ``kv.pull(key, out=a)`` fills ``a`` and how an
 MXNet-style updater (``stored += input * 2``) works inside ``jit``.
+
+Dense arrays have MXNet's storage type ``'default'``; ``a.tostype('row_sparse')`` and
+``zeros(shape, stype='row_sparse')`` give the row-sparse arrays of :mod:`jaxkv.nd.sparse`.
+
+64-bit integers: JAX runs with 64-bit types off unless ``jax_enable_x64`` is set, so an array
+asked for as ``int64`` (MXNet's type for row ids) holds ``int32`` values and still reports
+``dtype`` int64 (``asnumpy()`` gives int64 too), as MXNet code expects. Its values are exact
+while they fit 32 bits; one that does not is refused when the array is made. Floating types are
+not treated so: ``float64`` asked for gives (and reports) ``float32``, since its values would
+not be exact.
 """
 
 from __future__ import annotations
@@ -20,9 +30,17 @@ from jax.typing import ArrayLike
 from ._context import Context, current_context
 from ._errors import KVStoreError, ShapeError
 
-__all__ = ["NDArray", "array", "empty", "full", "ones", "waitall", "zeros"]
+__all__ = ["NDArray", "arange", "array", "empty", "full", "ones", "waitall", "zeros"]
 
 _DEFAULT_DTYPE = np.float32  # MXNet's mx_real_t
+
+
+def stype_error(where: str, stype: object) -> KVStoreError:
+    """The refusal of a storage type jaxkv does not have."""
+    return KVStoreError(
+        f"{where}: expected stype 'default' or 'row_sparse' (the storage types jaxkv has; "
+        f"MXNet's 'csr' is not provided), given stype={stype!r}"
+    )
 
 
 def _unwrap(x: Any) -> Any:
@@ -47,12 +65,15 @@ class NDArray:
       0.0
     """
 
-    __slots__ = ("_data", "_where", "__weakref__")
+    __slots__ = ("_data", "_where", "_dtype", "__weakref__")
     __array_priority__ = 1000.0  # numpy defers to our reflected operators
 
-    def __init__(self, data: jax.Array) -> None:
+    def __init__(self, data: jax.Array, dtype: npt.DTypeLike | None = None) -> None:
         self._data = data
         self._where: tuple[Any, Any] = (None, None)  # (array, its device), see _device
+        # The dtype to report when it is not the one held: int64 asked for, int32 held (x64
+        # off). It counts only while the held array has that dtype's JAX form (see dtype).
+        self._dtype: np.dtype | None = _declared(dtype)
 
     def _device(self) -> jax.Device:
         """The device of the held array; cached per array, since pulls ask for it each time."""
@@ -74,7 +95,15 @@ class NDArray:
 
     @property
     def dtype(self) -> np.dtype:
-        return np.dtype(self._data.dtype)
+        """The dtype, as MXNet reports it: ``int64`` for an array asked for as ``int64``."""
+        held = np.dtype(self._data.dtype)
+        declared = self._dtype
+        return declared if declared is not None and _dtype(declared) == held else held
+
+    @property
+    def stype(self) -> str:
+        """MXNet's storage type: ``'default'`` (dense) for an ``NDArray``."""
+        return "default"
 
     @property
     def size(self) -> int:
@@ -96,8 +125,10 @@ class NDArray:
 
     # -- conversion --------------------------------------------------------------------------
     def asnumpy(self) -> np.ndarray:
-        """A NumPy copy of the value (waits for it)."""
-        return np.array(self._data)
+        """A NumPy copy of the value (waits for it), in :attr:`dtype`."""
+        out = np.array(self._data)
+        dtype = self.dtype
+        return out if out.dtype == dtype else out.astype(dtype)
 
     def asjax(self) -> jax.Array:
         """The ``jax.Array`` this handle currently holds."""
@@ -110,7 +141,8 @@ class NDArray:
 
     def __array__(self, dtype: npt.DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
         out = np.asarray(self._data)
-        return out.astype(dtype) if dtype is not None else out
+        dtype = self.dtype if dtype is None else np.dtype(dtype)
+        return out if out.dtype == dtype else out.astype(dtype)
 
     def __jax_array__(self) -> jax.Array:
         return self._data
@@ -119,21 +151,45 @@ class NDArray:
         self._data.block_until_ready()
 
     def astype(self, dtype: npt.DTypeLike, copy: bool = True) -> NDArray:
-        return NDArray(self._data.astype(_dtype(dtype)))
+        return NDArray(self._data.astype(_dtype(dtype)), dtype)
 
     def reshape(self, *shape: Any) -> NDArray:
         """A new array with the same values in another shape (``a.reshape((2, 2))``)."""
         if len(shape) == 1 and not isinstance(shape[0], numbers.Integral):
             shape = tuple(shape[0])
-        return NDArray(self._data.reshape(shape))
+        return NDArray(self._data.reshape(shape), self._dtype)
 
     def copy(self) -> NDArray:
-        return NDArray(jnp.copy(self._data))
+        return NDArray(jnp.copy(self._data), self._dtype)
+
+    def tostype(self, stype: str) -> NDArray:
+        """A copy in storage type ``stype``: ``'default'`` (dense) or ``'row_sparse'``.
+
+        The row-sparse copy keeps the rows that hold a non-zero value, as MXNet's
+        ``cast_storage`` does; under ``jit`` (where that set is not known) it keeps every row.
+
+        Raises:
+          KVStoreError: ``stype`` is neither (jaxkv has no ``'csr'``).
+
+        Examples:
+          >>> import jaxkv.nd as nd
+          >>> rsp = nd.array([[0, 0], [1, 2], [0, 0]]).tostype('row_sparse')
+          >>> rsp.indices.asnumpy().tolist(), rsp.data.asnumpy().tolist()
+          ([1], [[1.0, 2.0]])
+        """
+        if stype == "default":
+            return self.copy()
+        if stype == "row_sparse":
+            from ._sparse import from_dense
+
+            return from_dense(self._data, self._dtype)
+        raise stype_error("tostype", stype)
 
     def copyto(self, other: Context | NDArray) -> NDArray:
         """Copy into ``other``: a context (a new array there) or an ``NDArray`` (filled)."""
         if isinstance(other, Context):
-            return NDArray(jax.device_put(self._data, other.device, may_alias=False))
+            moved = jax.device_put(self._data, other.device, may_alias=False)
+            return NDArray(moved, self._dtype)
         if isinstance(other, NDArray):
             other[:] = self
             return other
@@ -145,7 +201,7 @@ class NDArray:
 
     # -- indexing ----------------------------------------------------------------------------
     def __getitem__(self, index: Any) -> NDArray:
-        return NDArray(self._data[_unwrap(index)])
+        return NDArray(self._data[_unwrap(index)], self._dtype)
 
     def __setitem__(self, index: Any, value: NDArray | ArrayLike) -> None:
         new = jnp.asarray(_unwrap(value), dtype=self._data.dtype)
@@ -172,7 +228,7 @@ class NDArray:
         reflected: bool = False,
     ) -> NDArray:
         a, b = self._data, _unwrap(other)
-        return NDArray(op(b, a) if reflected else op(a, b))
+        return NDArray(op(b, a) if reflected else op(a, b), self._dtype)
 
     def _inplace(self, other: NDArray | ArrayLike, op: Callable[[Any, Any], jax.Array]) -> NDArray:
         self._data = op(self._data, _unwrap(other)).astype(self._data.dtype)
@@ -247,14 +303,16 @@ def _ctx(ctx: Context | None) -> Context:
     raise KVStoreError(f"ctx: expected a jaxkv.Context such as cpu(0), given {ctx!r}")
 
 
-def _check_kwargs(kwargs: dict) -> None:
+def _check_kwargs(where: str, kwargs: dict[str, Any], hint: str = "") -> None:
+    """Refuse arguments MXNet's creator would refuse: only ``stype='default'``, ``out=None``."""
+    kwargs = dict(kwargs)
     stype = kwargs.pop("stype", "default")
     if kwargs.get("out", 0) is None:
         del kwargs["out"]
-    if stype != "default" or kwargs:
+    if stype not in (None, "default") or kwargs:
         raise KVStoreError(
-            f"expected only dense arrays (stype='default'), given stype={stype!r} and "
-            f"other arguments {sorted(kwargs)}"
+            f"{where}: expected only dense arrays (stype='default'), given stype={stype!r} "
+            f"and other arguments {sorted(kwargs)}{hint}"
         )
 
 
@@ -263,26 +321,72 @@ def _dtype(dtype: Any) -> np.dtype:
     return jax.dtypes.canonicalize_dtype(np.dtype(dtype or _DEFAULT_DTYPE))
 
 
+def _declared(dtype: Any) -> np.dtype | None:
+    """The dtype an array reports over the one it holds: a 64-bit integer type with x64 off
+    (``int64`` reported, ``int32`` held, exact while the values fit). ``None``: report the
+    held dtype (floats are not declared: their held values would not be exact)."""
+    if dtype is None:
+        return None
+    wanted = np.dtype(dtype)
+    return wanted if wanted.kind in "iu" and _dtype(wanted) != wanted else None
+
+
+def _host(source: Any, wanted: np.dtype, held: np.dtype) -> np.ndarray:
+    """``source`` as a NumPy array of the dtype JAX holds, refusing 64-bit integers that do
+    not fit the 32-bit type that holds them."""
+    values = np.asarray(source, dtype=wanted)
+    if wanted != held and wanted.kind in "iu" and values.size:
+        info = np.iinfo(held)
+        low, high = values.min(), values.max()
+        if low < info.min or high > info.max:
+            raise KVStoreError(
+                f"dtype {wanted.name}: JAX holds it as {held.name} (64-bit types are off), "
+                f"expected values in [{info.min}, {info.max}], given values in [{low}, {high}]; "
+                f"set jax.config.update('jax_enable_x64', True) for 64-bit values"
+            )
+    return values.astype(held)
+
+
 def _fill(
     shape: int | Sequence[int],
     value: ArrayLike,
     ctx: Context | None,
     dtype: npt.DTypeLike | None,
-    kwargs: dict[str, Any],
 ) -> NDArray:
-    _check_kwargs(dict(kwargs))
-    dtype = _dtype(dtype)
-    return NDArray(jnp.full(_shape(shape), value, dtype, device=_ctx(ctx).device))
+    wanted = np.dtype(dtype or _DEFAULT_DTYPE)
+    held = _dtype(wanted)
+    if isinstance(value, numbers.Real):
+        value = _host(value, wanted, held)
+    return NDArray(jnp.full(_shape(shape), value, held, device=_ctx(ctx).device), wanted)
 
 
 def zeros(
     shape: int | Sequence[int],
     ctx: Context | None = None,
     dtype: npt.DTypeLike | None = None,
+    stype: str | None = None,
     **kwargs: Any,
 ) -> NDArray:
-    """An array of zeros (float32 unless ``dtype``) on ``ctx`` (default: current context)."""
-    return _fill(shape, 0, ctx, dtype, kwargs)
+    """An array of zeros (float32 unless ``dtype``) on ``ctx`` (default: current context).
+
+    ``stype='row_sparse'`` gives an empty :class:`jaxkv.nd.sparse.RowSparseNDArray` (no rows
+    stored), as in MXNet.
+
+    Examples:
+      >>> import jaxkv.nd as nd
+      >>> nd.zeros((2, 3), stype='row_sparse')
+      <BLANKLINE>
+      <RowSparseNDArray 2x3 @cpu(0)>
+    """
+    if stype not in (None, "default"):
+        if stype != "row_sparse":
+            raise stype_error("zeros", stype)
+        _check_kwargs("zeros", kwargs)
+        from ._sparse import zeros as sparse_zeros
+
+        return sparse_zeros("row_sparse", shape, ctx, dtype)
+    _check_kwargs("zeros", kwargs)
+    return _fill(shape, 0, ctx, dtype)
 
 
 def ones(
@@ -291,18 +395,30 @@ def ones(
     dtype: npt.DTypeLike | None = None,
     **kwargs: Any,
 ) -> NDArray:
-    """An array of ones (float32 unless ``dtype``) on ``ctx`` (default: current context)."""
-    return _fill(shape, 1, ctx, dtype, kwargs)
+    """An array of ones (float32 unless ``dtype``) on ``ctx`` (default: current context).
+
+    Dense only, as MXNet's ``ones``: for a row-sparse array of ones, use
+    ``ones(shape).tostype('row_sparse')``.
+    """
+    _check_kwargs("ones", kwargs, _DENSE_ONLY.format("ones(shape)"))
+    return _fill(shape, 1, ctx, dtype)
 
 
 def empty(
     shape: int | Sequence[int],
     ctx: Context | None = None,
     dtype: npt.DTypeLike | None = None,
+    stype: str | None = None,
     **kwargs: Any,
 ) -> NDArray:
-    """An array of the given shape; JAX has no uninitialised memory, so it holds zeros."""
-    return _fill(shape, 0, ctx, dtype, kwargs)
+    """An array of the given shape; JAX has no uninitialised memory, so it holds zeros.
+
+    ``stype='row_sparse'`` gives an empty row-sparse array, as :func:`zeros` does.
+    """
+    if stype not in (None, "default"):
+        return zeros(shape, ctx, dtype, stype, **kwargs)
+    _check_kwargs("empty", kwargs)
+    return _fill(shape, 0, ctx, dtype)
 
 
 def full(
@@ -312,8 +428,14 @@ def full(
     dtype: npt.DTypeLike | None = None,
     **kwargs: Any,
 ) -> NDArray:
-    """An array filled with ``val`` (float32 unless ``dtype``) on ``ctx``."""
-    return _fill(shape, val, ctx, dtype, kwargs)
+    """An array filled with ``val`` (float32 unless ``dtype``) on ``ctx``; dense only."""
+    _check_kwargs("full", kwargs, _DENSE_ONLY.format("full(shape, val)"))
+    return _fill(shape, val, ctx, dtype)
+
+
+_DENSE_ONLY = (
+    "; MXNet's {0} makes dense arrays only: for a row-sparse one use {0}.tostype('row_sparse')"
+)
 
 
 def array(
@@ -322,16 +444,54 @@ def array(
     """An array copied from ``source`` onto ``ctx``.
 
     As in MXNet, the dtype is ``source.dtype`` for an ``NDArray`` (or ``jax.Array``) and
-    float32 for anything else, unless ``dtype`` is given.
+    float32 for anything else, unless ``dtype`` is given; a row-sparse ``source`` gives a
+    row-sparse copy. ``dtype='int64'`` gives an array that reports int64 (see the module's
+    note on 64-bit integers).
+
+    Examples:
+      >>> import jaxkv.nd as nd
+      >>> ids = nd.array([3, 1], dtype='int64')
+      >>> ids.dtype, ids.asnumpy().tolist()
+      (dtype('int64'), [3, 1])
     """
+    if getattr(source, "stype", "default") == "row_sparse":
+        from ._sparse import array as sparse_array
+
+        return sparse_array(source, ctx, dtype)
     if isinstance(source, NDArray | jax.Array):
-        data = _unwrap(source)
-        dtype = _dtype(dtype or data.dtype)
+        wanted = np.dtype(dtype or source.dtype)
+        held = _dtype(wanted)
+        data = jnp.asarray(_unwrap(source), dtype=held)
     else:
-        dtype = _dtype(dtype)
-        data = np.asarray(source, dtype=dtype)
-    data = jnp.asarray(data, dtype=dtype)
-    return NDArray(jax.device_put(data, _ctx(ctx).device, may_alias=False))
+        wanted = np.dtype(dtype or _DEFAULT_DTYPE)
+        held = _dtype(wanted)
+        data = jnp.asarray(_host(source, wanted, held))
+    return NDArray(jax.device_put(data, _ctx(ctx).device, may_alias=False), wanted)
+
+
+def arange(
+    start: float,
+    stop: float | None = None,
+    step: float = 1.0,
+    repeat: int = 1,
+    infer_range: bool | None = None,
+    ctx: Context | None = None,
+    dtype: npt.DTypeLike = _DEFAULT_DTYPE,
+) -> NDArray:
+    """Evenly spaced values in ``[start, stop)`` (``[0, start)`` without ``stop``), each
+    repeated ``repeat`` times, as MXNet's ``arange`` (float32 unless ``dtype``).
+
+    Examples:
+      >>> import jaxkv.nd as nd
+      >>> nd.arange(0, 3, dtype='int64').asnumpy().tolist()
+      [0, 1, 2]
+      >>> nd.arange(2, repeat=2).asnumpy().tolist()
+      [0.0, 0.0, 1.0, 1.0]
+    """
+    if stop is None:
+        start, stop = 0, start
+    values = np.repeat(np.arange(start, stop, step), int(repeat))
+    return array(values, ctx, dtype)
 
 
 def waitall() -> None:

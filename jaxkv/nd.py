@@ -1,6 +1,15 @@
-"""MXNet-style NDArrays: ``jaxkv.nd.ones((2, 3), jaxkv.cpu(1))`` and friends."""
+"""MXNet-style NDArrays: ``jaxkv.nd.ones((2, 3), jaxkv.cpu(1))`` and friends.
 
+``jaxkv.nd.sparse`` holds MXNet's row-sparse arrays (``row_sparse_array``, ``zeros``,
+``RowSparseNDArray``, ...); like ``os.path``, it is a module reached as an attribute, and
+``import jaxkv.nd.sparse`` works too.
+"""
+
+import sys
+
+from . import _sparse as sparse
 from ._nd import NDArray as NDArray
+from ._nd import arange as arange
 from ._nd import array as array
 from ._nd import empty as empty
 from ._nd import full as full
@@ -8,4 +17,16 @@ from ._nd import ones as ones
 from ._nd import waitall as waitall
 from ._nd import zeros as zeros
 
-__all__ = ["NDArray", "array", "empty", "full", "ones", "waitall", "zeros"]
+sys.modules[__name__ + ".sparse"] = sparse
+
+__all__ = [
+    "NDArray",
+    "arange",
+    "array",
+    "empty",
+    "full",
+    "ones",
+    "sparse",
+    "waitall",
+    "zeros",
+]

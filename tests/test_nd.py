@@ -48,8 +48,13 @@ def test_full_and_array():
     b = nd.array(nd.ones(2, dtype="int32"), ctx=jaxkv.cpu(3))
     assert b.dtype == np.int32 and b.context == jaxkv.cpu(3)
     assert nd.array([[1, 2]], dtype="float16").dtype == np.float16
-    with pytest.raises(jaxkv.KVStoreError, match="stype"):
-        nd.zeros((2,), stype="row_sparse")
+    # MXNet's zeros and empty take stype='row_sparse' (tests/test_nd_sparse.py); ones and full
+    # make dense arrays only, and no creator makes 'csr'.
+    for make in (lambda: nd.ones((2, 2), stype="row_sparse"), lambda: nd.full(2, 1, stype="rsp")):
+        with pytest.raises(jaxkv.KVStoreError, match="stype.*tostype"):
+            make()
+    with pytest.raises(jaxkv.KVStoreError, match="'default' or 'row_sparse'.*'csr'"):
+        nd.zeros((2, 2), stype="csr")
 
 
 def test_arithmetic_and_in_place_updates_rebind_the_handle():
