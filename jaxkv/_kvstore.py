@@ -21,8 +21,9 @@ import jax
 import numpy as np
 import optax
 
-from . import _args, _arrays, _checkpoint, _compression, _dispatch, _dist, _fast, _ops
+from . import _args, _arrays, _checkpoint, _compression, _dispatch, _dist, _fast, _kvsparse, _ops
 from ._errors import KVStoreError, ShapeError
+from ._mxopt import Optimizer as MXNetOptimizer
 from ._nd import NDArray, _unwrap
 from ._push import KEEP_VALUES
 from ._state import BIGARRAY_BOUND, Key, KVState, empty
@@ -149,6 +150,7 @@ class KVStore:
             bound = None
         self._state: KVState = empty(devices, bigarray_bound=bound, layout=layout)
         self._updater: Any = None
+        self._mxnet_optimizer: MXNetOptimizer | None = None  # where set_optimizer got one
         self._wrappers: dict[int, tuple[Any, Any]] = {}  # id(updater) -> (updater, wrapper)
         # Arrays handed out through `state`: never donated while the store still holds them.
         self._shared: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -213,6 +215,9 @@ class KVStore:
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
         """Push values: each key's values (one per device) are summed, then the updater runs."""
         with self._lock:
+            if _holds_row_sparse(value):
+                self._push_row_sparse(key, value)
+                return
             self._update(key, _unwrap_values(value))
 
     def pull(
@@ -230,7 +235,7 @@ class KVStore:
                 return None
             pairs = _args.pairs(key, out, "outs")
             self._check_outs(pairs)
-            self._fill(pairs)
+            self._fill(_sparse_outs(pairs, ignore_sparse))
             return None
 
     def pushpull(
@@ -238,6 +243,13 @@ class KVStore:
     ) -> jax.Array | list[jax.Array] | None:
         """Push ``value`` then pull into ``out`` (or into ``value`` itself when ``out=None``)."""
         with self._lock:
+            if _holds_row_sparse(value):  # MXNet: push, then pull ignoring row-sparse outs
+                targets = out if out is not None else value
+                pairs = _args.pairs(key, targets, "outs")
+                self._check_outs(pairs)
+                self._push_row_sparse(key, value)
+                self._fill(_sparse_outs(pairs, True))
+                return None
             pairs = fill = None
             if out is not None or _holds_ndarrays(value):
                 targets = out if out is not None else value
@@ -252,7 +264,7 @@ class KVStore:
                 pairs = _args.pairs(key, out if out is not None else value, "outs")
             if pairs is None:
                 return self._values(key)
-            self._fill(pairs)
+            self._fill(_sparse_outs(pairs, True))
             return None
 
     def broadcast(self, key: Any, value: Any, out: Any, priority: int = 0) -> None:
@@ -266,7 +278,7 @@ class KVStore:
             except KVStoreError:
                 self._state = before
                 raise
-            self._fill(pairs)
+            self._fill(_sparse_outs(pairs, True))
 
     def row_sparse_pull(
         self, key: Any, out: Any = None, priority: int = 0, row_ids: Any = None
@@ -291,22 +303,24 @@ class KVStore:
                 ]
                 return rows if isinstance(key, list | tuple) else rows[0]
             pairs = _args.pairs(key, out, "outs")
-            n = sum(len(outs) for _, outs in pairs)
-            ids = row_ids if isinstance(row_ids, list | tuple) else [row_ids] * n
-            if len(ids) != n:
-                raise ShapeError(
-                    f"key {key!r}: expected {n} row_ids (one per out), given {len(ids)}"
-                )
             self._check_outs(pairs)
-            it = iter(ids)
-            filled = []
-            for k, outs in pairs:
-                for o in outs:
-                    device = o._device()
-                    kept = _ops.row_sparse_pull(state, k, _unwrap(next(it)), devices=[device])
-                    filled.append((o, kept, device))
-            for o, kept, device in filled:
-                _set(o, kept, device)
+            ids_of = _row_ids_per_out(key, pairs, row_ids)
+            filled: list = []
+            for (k, outs), ids in zip(pairs, ids_of):
+                sparse = [(o, x) for o, x in zip(outs, ids) if _kvsparse.is_row_sparse(o)]
+                if sparse:
+                    rows = _kvsparse.pull_into(state, k, *map(list, zip(*sparse)))
+                    filled.extend(("rows", *r) for r in rows)
+                for o, x in zip(outs, ids):
+                    if not _kvsparse.is_row_sparse(o):  # beyond MXNet, which refuses dense outs
+                        device = o._device()
+                        kept = _ops.row_sparse_pull(state, k, _unwrap(x), devices=[device])
+                        filled.append(("dense", o, kept, device))
+            for how, o, x, where in filled:  # every out filled once all are computed
+                if how == "rows":
+                    o._set_rows(x, where, where.devices().pop())
+                else:
+                    _set(o, x, where)
             return None
 
     # -- updaters and optimizers ---------------------------------------------------------------
@@ -318,6 +332,7 @@ class KVStore:
             if known is None or known[0] is not updater:
                 known = self._wrappers[id(updater)] = (updater, _from_mxnet_updater(updater))
             self._updater = known[1]
+            self._mxnet_optimizer = None
 
     _set_updater = set_updater
 
@@ -329,10 +344,15 @@ class KVStore:
         state per key, which is MXNet's semantics; code that pushes a list of keys gets
         ``optax.update`` on that list. A push of part of a group is refused.
         """
+        mxnet = None
+        if isinstance(optimizer, MXNetOptimizer):  # mx.optimizer.SGD / Adam, on optax
+            mxnet = optimizer
+            optimizer = mxnet.transformation()
         if not isinstance(optimizer, optax.GradientTransformation):
             raise KVStoreError(
                 "set_optimizer: expected an optax.GradientTransformation such as "
-                f"optax.sgd(0.1), given {type(optimizer).__name__}"
+                "optax.sgd(0.1), or mx.optimizer.SGD / Adam, given "
+                f"{type(optimizer).__name__}"
             )
         with self._lock:
             if optimizer is not self._updater:  # states made for another optimizer go
@@ -340,6 +360,7 @@ class KVStore:
                     opt_states={g: None for g in self._state.opt_states}
                 )
             self._updater = optimizer
+            self._mxnet_optimizer = mxnet
 
     def set_gradient_compression(self, compression_params: dict) -> None:
         """Compress each device's pushed values before they are summed, as MXNet does.
@@ -474,6 +495,36 @@ class KVStore:
             donate=donate,  # type: ignore[arg-type]
         )
 
+    def _push_row_sparse(self, key: Any, value: Any) -> None:
+        """A push where some values are row-sparse: each key with one is pushed by rows
+        (``_kvsparse.push``), the others as one dense push; the store changes only once every
+        part has succeeded."""
+        pairs = _args.pairs(key, value, "values")
+        grouped: dict[Key, list] = {}
+        for k, vs in pairs:
+            self._state.index(k)  # unknown keys refused before anything runs
+            grouped.setdefault(k, []).extend(vs)
+        sparse = [k for k, vs in grouped.items() if any(map(_kvsparse.is_row_sparse, vs))]
+        dense = [k for k in grouped if k not in sparse]
+        updater, lazy = self._updater, True
+        if self._mxnet_optimizer is not None:
+            updater = self._mxnet_optimizer.transformation(row_sparse=True)
+            lazy = self._mxnet_optimizer.lazy_update
+        state = self._state
+        steps = len(sparse) + bool(dense)
+        donate = steps == 1 and not len(self._shared) and not self._keeps_values()
+        if dense:
+            state = _ops.push(
+                state,
+                dense,
+                [_unwrap_values(grouped[k]) for k in dense],
+                updater=self._updater,
+                donate=donate,
+            )
+        for k in sparse:
+            state = _kvsparse.push(state, k, grouped[k], updater, lazy, donate)
+        self._state = state
+
     def _values(self, key: Any) -> jax.Array | list[jax.Array]:
         single = not isinstance(key, list | tuple)
         values = _arrays.replicated_copies(self._state, [key] if single else list(key))
@@ -544,8 +595,56 @@ class KVStore:
 
 
 def _set(out: NDArray, x: jax.Array, device: Any) -> None:
-    """Rebind ``out`` to ``x`` (on ``device``), in ``out``'s dtype."""
+    """Rebind ``out`` to ``x`` (on ``device``), in ``out``'s dtype (a row-sparse out keeps
+    the rows of ``x`` that are not zero)."""
+    if _kvsparse.is_row_sparse(out):
+        out._set(x, device)
+        return
     out._set(x if out._data.dtype == x.dtype else x.astype(out._data.dtype), device)
+
+
+def _holds_row_sparse(x: Any) -> bool:
+    if isinstance(x, list | tuple):
+        return any(_holds_row_sparse(v) for v in x)
+    return _kvsparse.is_row_sparse(x)
+
+
+def _sparse_outs(pairs: list[tuple[Key, list]], ignore_sparse: bool) -> list[tuple[Key, list]]:
+    """``pairs`` without their row-sparse outs where MXNet ignores them (a pull with
+    ``ignore_sparse=True``, pushpull and broadcast): those are left as they are."""
+    if not ignore_sparse:
+        return pairs
+    kept = [(k, [o for o in outs if not _kvsparse.is_row_sparse(o)]) for k, outs in pairs]
+    if any(len(o) != len(outs) for (_, o), (_, outs) in zip(kept, pairs)):
+        logger.info(
+            "pull: row-sparse outs left unchanged (ignore_sparse=True, as MXNet); use "
+            "row_sparse_pull, or pull with ignore_sparse=False"
+        )
+    return [(k, outs) for k, outs in kept if outs]
+
+
+def _row_ids_per_out(key: Any, pairs: list[tuple[Key, list]], row_ids: Any) -> list[list]:
+    """``row_ids`` paired with the outs as MXNet pairs them: one per out (nested per key for a
+    list of keys), or one for every out."""
+    n = sum(len(outs) for _, outs in pairs)
+    if not isinstance(row_ids, list | tuple):
+        return [[row_ids] * len(outs) for _, outs in pairs]
+    if isinstance(key, list | tuple) and len(row_ids) == len(pairs) and n != len(pairs):
+        out = []
+        for (k, outs), ids in zip(pairs, row_ids):
+            ids = list(ids) if isinstance(ids, list | tuple) else [ids] * len(outs)
+            if len(ids) != len(outs):
+                raise ShapeError(
+                    f"key {k!r}: expected {len(outs)} row_ids (one per out), given {len(ids)}"
+                )
+            out.append(ids)
+        return out
+    if len(row_ids) == 1 and n > 1:
+        row_ids = list(row_ids) * n
+    if len(row_ids) != n:
+        raise ShapeError(f"key {key!r}: expected {n} row_ids (one per out), given {len(row_ids)}")
+    it = iter(row_ids)
+    return [[next(it) for _ in outs] for _, outs in pairs]
 
 
 # How many bytes of sharded values a pull all-gathers before handing them out.

@@ -8,10 +8,11 @@ own. Each test keeps the name of the MXNet test it ports. Stores are ``mx.kv.cre
 8 simulated CPU devices that stand in for MXNet's devices (``cpu_store``), whatever JAX's
 default backend.
 
-Left out: every sparse storage case (``stype='row_sparse'`` / ``'csr'`` values and outs,
-``test_sparse_aggregator``, the ignored-pull-into-row_sparse checks of ``test_invalid_pull``),
-because jaxkv has no sparse storage types; and the tests of MXNet's test-only ``'teststore'``
-plug-in (``test_custom_store``, ``test_get_type_device``, ``test_set_optimizer``).
+Left out here: every sparse storage case (``stype='row_sparse'`` values and outs,
+``test_sparse_aggregator``, the pulls into row_sparse outs of ``test_invalid_pull``), which
+tests/test_mxnet_sparse_unittests.py ports; ``'csr'`` (jaxkv has no csr storage: refused); and
+the tests of MXNet's test-only ``'teststore'`` plug-in (``test_custom_store``,
+``test_get_type_device``, ``test_set_optimizer``).
 ``row_sparse_pull`` on a dense value is kept, with MXNet's semantics (rows not asked for are 0).
 """
 

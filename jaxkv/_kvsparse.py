@@ -1,0 +1,109 @@
+"""The imperative store's row-sparse values: MXNet's ``row_sparse`` init, push and
+``row_sparse_pull`` over the functional row operations (``_rows.py``).
+
+A key initialised with (or assigned) a row-sparse value is stored as its dense value (rows
+absent are zeros), as every key is; what the store remembers is that its storage type is
+``row_sparse``, which MXNet's pulls look at. A push of row-sparse values is one
+:func:`jaxkv.push_rows` of each device's ``(indices, data)``:
+
+* with an optimizer that updates lazily (an optax transformation, or ``mx.optimizer.SGD`` /
+  ``Adam`` with ``lazy_update=True``): only the pushed rows and their optimizer state change;
+* with ``lazy_update=False``: MXNet's standard update, every row (the gradient densified);
+* with an MXNet-style ``updater(key, input, stored)``: the merged rows, summed into a value of
+  the table's shape (zeros elsewhere), and the stored value, as ``NDArray`` handles;
+* with none: the stored value becomes the merged sum (rows not pushed become zero), as MXNet
+  replaces it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _ops
+from ._errors import KVStoreError, ShapeError
+from ._nd import NDArray
+from ._sparse import RowSparseNDArray
+from ._state import Key, KVState
+
+__all__ = ["is_row_sparse", "push", "pull_into", "replace_all"]
+
+
+def is_row_sparse(x: Any) -> bool:
+    return isinstance(x, RowSparseNDArray)
+
+
+def replace_all(key: Key, pushed: jax.Array, stored: jax.Array) -> jax.Array:
+    """MXNet's push without an updater: the stored value becomes the pushed sum."""
+    return pushed
+
+
+def dense_of(x: Any) -> Any:
+    """A pushed value as a dense array (a row-sparse one scattered into zeros)."""
+    return x._dense() if is_row_sparse(x) else x
+
+
+def push(state: KVState, key: Key, values: list, updater: Any, lazy: bool, donate: bool) -> KVState:
+    """``state`` after a push of ``values`` (one per device, the first row-sparse) to ``key``."""
+    shape = state.shapes[key]
+    for v in values:
+        if tuple(v.shape) != tuple(shape):
+            raise ShapeError(
+                f"key {key!r}: the pushed value has shape {tuple(v.shape)}, expected the stored "
+                f"shape {tuple(shape)}"
+            )
+    # MXNet sums a mixed list in the first value's storage type.
+    values = [v if is_row_sparse(v) else _as_row_sparse(v) for v in values]
+    if not lazy:  # MXNet's standard update: every row, with the gradient densified
+        return _ops.push(state, key, [dense_of(v) for v in values], updater=updater, donate=donate)
+    ids = [v._ids for v in values]
+    rows = [v._rows for v in values]
+    return _ops.push_rows(
+        state,
+        key,
+        ids,
+        rows,
+        updater=replace_all if updater is None else updater,
+        donate=donate,
+    )
+
+
+def _as_row_sparse(x: Any) -> RowSparseNDArray:
+    from ._sparse import from_dense
+
+    data = x._data if isinstance(x, NDArray) else jnp.asarray(x)
+    return from_dense(data)
+
+
+def pull_into(state: KVState, key: Key, outs: list, row_ids: list) -> list[tuple[Any, Any, Any]]:
+    """What each row-sparse out of ``key`` receives: ``(out, rows, ids)`` on the out's device,
+    for the distinct ids asked of it (sorted, as MXNet's ``row_sparse_pull`` gives them)."""
+    wanted = [_distinct(key, ids, state.shapes[key][0]) for ids in row_ids]
+    devices = [o._device() for o in outs]
+    if tuple(devices) == state.devices and len({x.size for x in wanted}) == 1 and len(devices) > 1:
+        rows = _ops.pull_rows(state, key, wanted)  # one computation: each device its rows
+    else:
+        rows = [_ops.pull_rows(state, key, x, devices=[d]) for x, d in zip(wanted, devices)]
+    return [(o, r, jax.device_put(x, d)) for o, r, x, d in zip(outs, rows, wanted, devices)]
+
+
+def _distinct(key: Key, ids: Any, n_rows: int) -> np.ndarray:
+    if isinstance(ids, NDArray):
+        ids = ids.asnumpy()
+    elif isinstance(ids, jax.Array):
+        ids = np.asarray(jax.device_get(ids))
+    x = np.asarray(ids).ravel()
+    if x.size and (
+        not np.issubdtype(x.dtype, np.number)
+        or np.any(x != np.round(x))
+        or x.min() < 0
+        or x.max() >= n_rows
+    ):
+        raise KVStoreError(
+            f"key {key!r}: row_ids expected integers in [0, {n_rows}), given "
+            f"{x.tolist() if x.size <= 16 else x[:16].tolist() + ['...']}"
+        )
+    return np.unique(x.astype(np.int64)).astype(np.int32)
