@@ -1,7 +1,8 @@
 """The MXNet drop-in: ``import jaxkv.mx as mx`` and MXNet KVStore code runs unchanged.
 
-Provides ``mx.kv.create``, ``mx.nd.*``, ``mx.cpu``, ``mx.gpu``, ``mx.Context`` and
-``mx.context.current_context``.
+Provides ``mx.kv.create``, ``mx.nd.*``, ``mx.cpu``, ``mx.gpu``, ``mx.Context``,
+``mx.context.current_context`` and ``mx.optimizer`` (MXNet's ``SGD`` and ``Adam``, with its
+numbers, for ``kv.set_optimizer``).
 """
 
 from .. import nd as nd
@@ -12,6 +13,7 @@ from .._context import gpu as gpu
 from .._errors import KVStoreError as MXNetError
 from . import context as context
 from . import kv as kv
+from . import optimizer as optimizer
 
 kvstore = kv
 ndarray = nd
@@ -27,4 +29,5 @@ __all__ = [
     "kvstore",
     "nd",
     "ndarray",
+    "optimizer",
 ]

@@ -1,0 +1,41 @@
+"""``mx.optimizer``: MXNet 1.9.1's ``SGD`` and ``Adam`` (and ``create``), for ``kv.set_optimizer``.
+
+They give MXNet's numbers (see :mod:`jaxkv._mxopt` for the formulas and what ``lazy_update``
+means for row-sparse gradients). MXNet's other optimizers (``RMSProp``, ``NAG``, ...) are not
+here: asking for one raises :class:`MissingOptimizerError`, which is both a
+``jaxkv.KVStoreError`` and an ``AttributeError``.
+"""
+
+from __future__ import annotations
+
+from .._mxopt import MXNET_MISSING_NAMES as _MXNET_MISSING_NAMES
+from .._mxopt import SGD as SGD
+from .._mxopt import Adam as Adam
+from .._mxopt import AdamState as AdamState
+from .._mxopt import MissingOptimizerError as MissingOptimizerError
+from .._mxopt import Optimizer as Optimizer
+from .._mxopt import OptimizerArgumentError as OptimizerArgumentError
+from .._mxopt import SGDState as SGDState
+from .._mxopt import UnknownOptimizerError as UnknownOptimizerError
+from .._mxopt import ccSGD as ccSGD
+from .._mxopt import create as create
+from .._mxopt import missing as _missing
+
+__all__ = [
+    "SGD",
+    "Adam",
+    "AdamState",
+    "MissingOptimizerError",
+    "Optimizer",
+    "OptimizerArgumentError",
+    "SGDState",
+    "UnknownOptimizerError",
+    "ccSGD",
+    "create",
+]
+
+
+def __getattr__(name: str) -> object:
+    if name in _MXNET_MISSING_NAMES:
+        raise _missing(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
