@@ -35,8 +35,11 @@ _ELEMENTWISE = frozenset(
     convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1
     floor ge gt imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg
     nextafter not or pow real reduce_precision rem round rsqrt select_n sign sin sinh sqrt square
-    stop_gradient sub tan tanh xor""".split()  # noqa: SIM905
+    stop_gradient sub tan tanh xor shift_left shift_right_logical shift_right_arithmetic
+    bitcast_convert_type""".split()  # noqa: SIM905
 )
+# (bitcast_convert_type is elementwise only between types of one width: between others JAX
+# adds or drops a trailing axis, which changes the shape, and the checks refuse that.)
 # Reductions over the rows, and the collective that completes them across devices.
 _REDUCTIONS = {"reduce_sum": "psum", "reduce_max": "pmax", "reduce_min": "pmin"}
 
@@ -91,6 +94,9 @@ def _rule(eqn: Any, kinds: list[str], reduce: bool) -> tuple[list[str], str | No
         kind = _broadcast_kind(kinds[0], shapes[0], eqn.params)
         return None if kind is None else ([kind], None)
     if name in _ELEMENTWISE:
+        out_shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
+        if name == "bitcast_convert_type" and shapes[0] != out_shape:
+            return None  # a bitcast between types of different widths reshapes
         sized = [k for k, s in zip(kinds, shapes) if s]  # scalars broadcast to any block
         if _BLOCK in kinds:
             return None if _WHOLE in sized else ([_BLOCK] * n_out, None)

@@ -228,6 +228,9 @@ class Optimizer:
     """
 
     _frozen = False
+    # Whether a row-sparse gradient updates only its rows: every optimizer here sets it (SGD
+    # and Adam take it as an argument, as MXNet's); annotated here for the store.
+    lazy_update: bool
 
     def __init__(
         self,
