@@ -45,7 +45,12 @@ per key and with the flat layout, PyTorch's Adam (fused, foreach) and SGD (forea
             then full size on the accelerator's first device (skipped where JAX's default
             backend is cpu, unless JAXKV_BENCH_GPU_ON_CPU=1); each row's values checked
 
-Usage: python benchmarks/bench.py [--steps 7] [--quick] [--only in-jit|dist|proxy|gpu|step]
+Sparse embeddings (benchmarks/rows.py): a 1M x 64 (and 10M x 64) float32 table, 1,000 random
+rows per device per step pushed from 8 CPU devices with lazy SGD and pulled back to each, jaxkv
+functional and imperative beside MXNet 1.9.1's row_sparse path and jaxkv's dense path:
+  rows      run in a process of its own, MXNet's in its venv
+
+Usage: python benchmarks/bench.py [--steps 7] [--quick] [--only in-jit|dist|proxy|gpu|step|rows]
          [--eager-steps 200] [--step-steps 200]
 --only proxy / --only gpu / --only step exit 1 where a hand-written or jaxkv row fails or its
 values differ (a missed goal is reported, not an error); the full run does so after writing its
@@ -72,6 +77,7 @@ import dist  # noqa: E402  (benchmarks/dist.py)
 import eager  # noqa: E402  (benchmarks/eager.py)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import rows as sparse_rows  # noqa: E402  (benchmarks/rows.py)
 import step  # noqa: E402  (benchmarks/step.py)
 
 import jaxkv  # noqa: E402
@@ -354,7 +360,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip the slow baselines")
     parser.add_argument(
         "--only",
-        choices=["in-jit", "dist", "no-fast-paths", "proxy", "gpu", "step"],
+        choices=["in-jit", "dist", "no-fast-paths", "proxy", "gpu", "step", "rows"],
         help="run only this section; print it, write no report",
     )
     parser.add_argument(
@@ -383,6 +389,9 @@ def main() -> None:
         return 1 if step.failed(res) else 0
     if args.only == "in-jit":
         log("\n".join(in_jit_lines(in_jit(steps))))
+        return
+    if args.only == "rows":
+        log("\n".join(sparse_rows.report(sparse_rows.run_section(steps, MXNET_VENV, log=log))))
         return
     if args.only == "dist":
         with cpu_children():
@@ -452,10 +461,11 @@ def main() -> None:
     jit_rows = in_jit(steps)
     with cpu_children():
         dist_rows = dist.run(steps, log=log) + dist.run(steps, log=log, compression="2bit")
+    rows_res = sparse_rows.run_section(steps, MXNET_VENV, log=log)
     log("[memory] peak RSS of the imperative resnet50 loop ...")
     mem = memory()
     log(f"  {mem}")
-    write_report(rows, jit_rows, bw, mem, slow, dist_rows, eager_res, step_res)
+    write_report(rows, jit_rows, bw, mem, slow, dist_rows, eager_res, step_res, rows_res)
     return 1 if any(eager.failed(r) for r in eager_res) or step.failed(step_res) else 0
 
 
@@ -467,7 +477,7 @@ def _ratio(a, b):
     return "—" if a is None or b is None else f"{a / b:.2f}x"
 
 
-def write_report(rows, jit_rows, bw, mem, slow, dist_rows, eager_res, step_res) -> None:
+def write_report(rows, jit_rows, bw, mem, slow, dist_rows, eager_res, step_res, rows_res) -> None:
     lines = [
         "# jaxkv benchmark results",
         "",
@@ -538,6 +548,7 @@ def write_report(rows, jit_rows, bw, mem, slow, dist_rows, eager_res, step_res) 
     for res in eager_res:  # one device: the CPU proxy, then the GPU section
         lines += ["", *eager.report(res)]
     lines += ["", *step.report(step_res)]
+    lines += ["", *sparse_rows.report(rows_res)]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(HERE, "results.md"), "w") as f:
         f.write(text)

@@ -199,6 +199,7 @@ def _rows(shapes, opt) -> tuple[dict, dict]:
     if missing:
         skipped["jaxkv sharded"] = f"jaxkv.{', jaxkv.'.join(missing)} not in this jaxkv"
         return rows, skipped
+
     def sharded_step(spec):
         @functools.partial(jax.jit, donate_argnums=0)
         @functools.partial(

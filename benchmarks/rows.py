@@ -163,23 +163,37 @@ def imperative(rows: int, steps: int) -> dict:
         for ids, grads in work
     ]
     pulled = []
+    checking = False
 
     def step(k: int) -> None:
         grads, ids = placed[k % len(placed)]
         kv.push(KEY, grads)
         kv.row_sparse_pull(KEY, out=outs, row_ids=ids)
         mx.nd.waitall()
-        pulled.append([o.data.asnumpy() for o in outs] if len(pulled) < 3 else None)
+        if checking:
+            pulled.append([o.data.asnumpy() for o in outs])
 
+    checking = True
     for k in range(3):
         step(k)
+    checking = False
     check(
         "imperative",
         [x for step_out in pulled for x in step_out],
         [x for p in model(rows, work[:3])[1] for x in p],
     )
     pulled.clear()
-    return {"row": "imperative", "rows": rows, "median_ms": median_ms(step, steps)}
+    ms = median_ms(step, steps)
+    pulled.clear()
+    held = per_device_bytes()
+    share = rows * WIDTH * 4 // len(devices)
+    return {
+        "row": "imperative",
+        "rows": rows,
+        "median_ms": ms,
+        "held_per_device": held,
+        "table_share": share,
+    }
 
 
 def dense(rows: int, steps: int) -> dict:
@@ -232,6 +246,129 @@ def main() -> None:
             except Exception as e:  # a row that fails is reported, and the others still run
                 result = {"row": name, "rows": rows, "error": f"{type(e).__name__}: {e}"[:300]}
             print(json.dumps(result), flush=True)
+
+
+# -- the section of `make bench` (benchmarks/bench.py runs it) ---------------------------------
+SIZES = (1_000_000, 10_000_000)
+
+
+def run_section(steps: int, mxnet_venv: str, log=log) -> dict:
+    """Every row for each table size, jaxkv's in a process of its own (on JAX's CPU backend),
+    MXNet's with its venv's python ("not run" where that venv is absent)."""
+    import os
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    results: list[dict] = []
+    log(f"[rows] jaxkv, tables of {', '.join(f'{r:,}' for r in SIZES)} x {WIDTH} ...")
+    cmd = [sys.executable, os.path.join(here, "rows.py"), "--steps", str(steps), "--rows"]
+    out = subprocess.run(
+        cmd + [str(r) for r in SIZES], capture_output=True, text=True, env=env, check=False
+    )
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            results.append(json.loads(line))
+            log(f"  {line}")
+    if out.returncode:
+        log(f"  rows.py failed: {out.stderr[-2000:]}")
+    python = os.path.join(mxnet_venv, "bin", "python")
+    if os.path.exists(os.path.join(mxnet_venv, ".ok")):
+        log("[rows] MXNet 1.9.1 row_sparse ...")
+        mx_out = subprocess.run(
+            [python, os.path.join(here, "mxnet_rows.py"), *map(str, SIZES)],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+        for line in mx_out.splitlines():
+            if line.startswith("mxnet-rows "):
+                fields = dict(f.split("=") for f in line.split()[1:])
+                results.append(
+                    {
+                        "row": "mxnet",
+                        "rows": int(fields["R"]),
+                        "median_ms": float(fields["median_ms"]),
+                    }
+                )
+                log(f"  {line}")
+    return {"results": results}
+
+
+def _get(res: dict, row: str, rows: int, field: str = "median_ms"):
+    for r in res["results"]:
+        if r["row"] == row and r["rows"] == rows:
+            return r.get(field)
+    return None
+
+
+def report(res: dict) -> list[str]:
+    """The sparse-embeddings section of results.md, with the issue's goals."""
+    lines = [
+        "## Sparse embeddings: rows of a table",
+        "",
+        f"A table of R x {WIDTH} float32; per step each of 8 CPU devices pushes the gradient of "
+        f"{N:,} random rows of its own with SGD (lazy: only those rows change) and pulls its own "
+        f"{N:,} rows back (benchmarks/rows.py; MXNet 1.9.1: benchmarks/mxnet_rows.py, "
+        "`kv.init` of a row_sparse table of ones, `SGD(lazy_update=True)`, `row_sparse_pull` to "
+        "each device). Median of 7 steps after warm-up; values checked against a NumPy model.",
+        "",
+        "| R | path | ms/step | MXNet / this | dense / this |",
+        "|---|---|---|---|---|",
+    ]
+    for rows in SIZES:
+        mxnet = _get(res, "mxnet", rows)
+        dense = _get(res, "dense", rows)
+        for row in ("functional", "imperative", "dense", "mxnet"):
+            ms = _get(res, row, rows)
+            error = _get(res, row, rows, "error")
+            if ms is None and error is None:
+                continue
+            name = {"mxnet": "MXNet 1.9.1 row_sparse", "dense": "jaxkv dense (before rows)"}.get(
+                row, f"jaxkv {row}"
+            )
+            if error:
+                lines.append(f"| {rows:,} | {name} | failed: {error} | | |")
+                continue
+            extra = ""
+            if row == "dense":
+                extra = (
+                    f" (push {_get(res, row, rows, 'push_ms'):.0f}, "
+                    f"pull {_get(res, row, rows, 'pull_ms'):.0f})"
+                )
+            ratio_mx = "—" if mxnet is None or row == "mxnet" else f"{mxnet / ms:.2f}x"
+            ratio_dense = "—" if dense is None or row == "dense" else f"{dense / ms:.0f}x"
+            lines.append(f"| {rows:,} | {name} | {ms:.2f}{extra} | {ratio_mx} | {ratio_dense} |")
+    lines += ["", "| goal | measured | met |", "|---|---|---|"]
+    small, big = SIZES
+    for row in ("functional", "imperative"):
+        ms, mx_ms = _get(res, row, small), _get(res, "mxnet", small)
+        if ms is not None and mx_ms is not None:
+            lines.append(
+                f"| {row}: >= 2x faster than MXNet's row_sparse path (R={small:,}) | "
+                f"{mx_ms / ms:.2f}x | {'yes' if mx_ms / ms >= 2 else 'no'} |"
+            )
+        dense = _get(res, "dense", small)
+        if row == "imperative" and ms is not None and dense is not None:
+            lines.append(
+                f"| imperative: >= 100x faster than the dense imperative path (R={small:,}) | "
+                f"{dense / ms:.0f}x | {'yes' if dense / ms >= 100 else 'no'} |"
+            )
+        ms_big = _get(res, row, big)
+        if ms is not None and ms_big is not None:
+            change = ms_big / ms - 1
+            lines.append(
+                f"| {row}: 10x the table changes a step by < 20% | {change:+.0%} | "
+                f"{'yes' if abs(change) < 0.2 else 'no'} |"
+            )
+        held, share = _get(res, row, big, "held_per_device"), _get(res, row, big, "table_share")
+        if held is not None and share:
+            lines.append(
+                f"| {row}: bytes held per device near the table's 1/D share (R={big:,}) | "
+                f"{held / 1e6:.0f} MB for a {share / 1e6:.0f} MB share ({held / share:.2f}x) | "
+                f"{'yes' if held / share < 1.25 else 'no'} |"
+            )
+    return lines
 
 
 if __name__ == "__main__":
