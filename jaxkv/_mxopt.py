@@ -163,7 +163,7 @@ def create(name: str, **kwargs: Any) -> Optimizer:
       The optimizer.
 
     Raises:
-      UnknownOptimizerError: any other name, such as MXNet's ``'rmsprop'`` or ``'nag'``.
+      KVStoreError: (``UnknownOptimizerError``) any other name, such as MXNet's ``'rmsprop'`` or ``'nag'``.
 
     Examples:
       >>> from jaxkv.mx import optimizer
@@ -223,7 +223,7 @@ class Optimizer:
       param_dict: only ``None`` or ``{}``.
 
     Raises:
-      OptimizerArgumentError: an argument MXNet's optimizers do not take, or one whose numbers
+      KVStoreError: (``OptimizerArgumentError``) an argument MXNet's optimizers do not take, or one whose numbers
         jaxkv does not reproduce (named in the message).
     """
 

@@ -95,14 +95,14 @@ class NDArray:
 
     @property
     def dtype(self) -> np.dtype:
-        """The dtype, as MXNet reports it: ``int64`` for an array asked for as ``int64``."""
+        """The dtype as MXNet reports it (``int64`` for an array asked for as ``int64``)."""
         held = np.dtype(self._data.dtype)
         declared = self._dtype
         return declared if declared is not None and _dtype(declared) == held else held
 
     @property
     def stype(self) -> str:
-        """MXNet's storage type: ``'default'`` (dense) for an ``NDArray``."""
+        """MXNet's storage type, ``'default'`` (dense) for an ``NDArray``."""
         return "default"
 
     @property

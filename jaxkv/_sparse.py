@@ -229,9 +229,8 @@ class RowSparseNDArray(NDArray):
     stype='row_sparse')``) or ``dense.tostype('row_sparse')``. It is an ``NDArray`` (as in
     MXNet), with ``stype == 'row_sparse'``; ``asnumpy()`` gives the dense array.
 
-    Attributes:
-      data: an ``NDArray`` of the stored rows, shape ``(nnz, *shape[1:])``.
-      indices: an ``NDArray`` of their row ids (sorted, unique), dtype int64 as MXNet's.
+    ``data`` is an ``NDArray`` of the stored rows, shape ``(nnz, *shape[1:])``; ``indices``
+    an ``NDArray`` of their row ids (sorted, unique), dtype int64 as MXNet's.
 
     Internals the KVStore uses: ``_rows`` and ``_ids`` (the stored rows and their int32 ids,
     ``jax.Array``\\ s on the array's device), ``_shape``; ``_set_rows(rows, ids, device)``
@@ -361,7 +360,7 @@ class RowSparseNDArray(NDArray):
 
     @property
     def stype(self) -> str:
-        """MXNet's storage type: ``'row_sparse'``."""
+        """MXNet's storage type, ``'row_sparse'``."""
         return "row_sparse"
 
     @property
@@ -378,7 +377,7 @@ class RowSparseNDArray(NDArray):
 
     @property
     def indices(self) -> NDArray:
-        """The stored rows' ids, sorted and unique: an ``NDArray`` that reports int64."""
+        """The stored rows' ids (sorted and unique), an ``NDArray`` that reports int64."""
         if _dtype(_INDEX_DTYPE) == _INDEX_DTYPE:  # jax_enable_x64: int64 is held as such
             return NDArray(self._ids.astype(_INDEX_DTYPE))
         return NDArray(self._ids, _INDEX_DTYPE)
