@@ -83,6 +83,7 @@ def pull_into(state: KVState, key: Key, outs: list, row_ids: list) -> list[tuple
     for the distinct ids asked of it (sorted, as MXNet's ``row_sparse_pull`` gives them)."""
     wanted = [_distinct(key, ids, state.shapes[key][0]) for ids in row_ids]
     devices = [o._device() for o in outs]
+    rows: list[jax.Array]
     if tuple(devices) == state.devices and len({x.size for x in wanted}) == 1 and len(devices) > 1:
         rows = _ops.pull_rows(state, key, wanted)  # one computation: each device its rows
     else:

@@ -245,10 +245,10 @@ class KVStore:
         with self._lock:
             if _holds_row_sparse(value):  # MXNet: push, then pull ignoring row-sparse outs
                 targets = out if out is not None else value
-                pairs = _args.pairs(key, targets, "outs")
-                self._check_outs(pairs)
+                to_fill = _args.pairs(key, targets, "outs")
+                self._check_outs(to_fill)
                 self._push_row_sparse(key, value)
-                self._fill(_sparse_outs(pairs, True))
+                self._fill(_sparse_outs(to_fill, True))
                 return None
             pairs = fill = None
             if out is not None or _holds_ndarrays(value):
@@ -309,8 +309,8 @@ class KVStore:
             for (k, outs), ids in zip(pairs, ids_of):
                 sparse = [(o, x) for o, x in zip(outs, ids) if _kvsparse.is_row_sparse(o)]
                 if sparse:
-                    rows = _kvsparse.pull_into(state, k, *map(list, zip(*sparse)))
-                    filled.extend(("rows", *r) for r in rows)
+                    got = _kvsparse.pull_into(state, k, *map(list, zip(*sparse)))
+                    filled.extend(("rows", *r) for r in got)
                 for o, x in zip(outs, ids):
                     if not _kvsparse.is_row_sparse(o):  # beyond MXNet, which refuses dense outs
                         device = o._device()

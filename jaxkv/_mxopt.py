@@ -163,7 +163,8 @@ def create(name: str, **kwargs: Any) -> Optimizer:
       The optimizer.
 
     Raises:
-      KVStoreError: (``UnknownOptimizerError``) any other name, such as MXNet's ``'rmsprop'`` or ``'nag'``.
+      KVStoreError: (``UnknownOptimizerError``) any other name, such as MXNet's
+        ``'rmsprop'`` or ``'nag'``.
 
     Examples:
       >>> from jaxkv.mx import optimizer
@@ -223,8 +224,8 @@ class Optimizer:
       param_dict: only ``None`` or ``{}``.
 
     Raises:
-      KVStoreError: (``OptimizerArgumentError``) an argument MXNet's optimizers do not take, or one whose numbers
-        jaxkv does not reproduce (named in the message).
+      KVStoreError: (``OptimizerArgumentError``) an argument MXNet's optimizers do not take,
+        or one whose numbers jaxkv does not reproduce (named in the message).
     """
 
     _frozen = False

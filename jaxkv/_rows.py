@@ -247,7 +247,7 @@ def _axis(state: KVState, axis_name: Any, key: Key) -> Any:
 # -- pull -------------------------------------------------------------------------------------
 def pull_rows(
     state: KVState, key: Any, row_ids: Any, *, devices: Any = None, axis_name: Any = None
-) -> jax.Array:
+) -> Any:
     """The rows ``row_ids`` of the value of ``key``: shape ``(len(row_ids), *shape[1:])``
     (``row_ids`` of any shape are flattened), in their order, repeats allowed.
 
@@ -474,7 +474,7 @@ def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = No
     if is_traced(value) or is_traced(row_ids) or _traced_leaves(state):
         ids = _traced_ids(row_ids)
         ids = jnp.where(ids >= 0, ids, shape[0])
-        lo = 0
+        lo: Any = 0
         block = _block_rows(state, key, value)
         if block is not None:
             lo = jax.lax.axis_index(_axis(state, None, key)) * block
@@ -613,8 +613,8 @@ def push_rows(
             "eager call (eagerly, a list of per-device pairs is already summed over devices)"
         )
     host = []
-    for n, (ids, r) in enumerate(pairs):
-        what = "the rows" if len(pairs) == 1 else f"rows {n}"
+    for j, (ids, r) in enumerate(pairs):
+        what = "the rows" if len(pairs) == 1 else f"rows {j}"
         ids = _host_ids(key, ids, shape[0])
         _check_rows(key, shape, dtype, ids.size, r, what)
         host.append((ids, r))
@@ -623,7 +623,7 @@ def push_rows(
 
         state = init_opt_states(state, updater, (key,))
     leaf = _own_leaf(state, i)
-    n = None if group is None else state._groups.index(group)
+    n: int | None = None if group is None else state._groups.index(group)
     if leaf is not None and (n is None or state._packings[n] is None):
         routed = _routed(state, key, shape, host, updater, n)
         if routed is not None:
