@@ -286,6 +286,7 @@ def pull_rows(
         asked = jax.lax.all_gather(ids, axis)  # every device's request
         part = _take(value, asked, jax.lax.axis_index(axis) * block)
         return jax.lax.psum_scatter(part, axis, scatter_dimension=0)
+    _one_process(state, key, "pull_rows")
     if _per_device(row_ids):
         return _pull_per_device(state, key, i, shape, list(row_ids), devices)
     ids = _host_ids(key, row_ids, shape[0])
@@ -381,6 +382,18 @@ def _routed_take(mesh: Any, axis: str) -> Any:
 
     split = PartitionSpec(axis)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(split, split, split), out_specs=split))
+
+
+def _one_process(state: KVState, key: Key, what: str) -> None:
+    """Refuse an eager row operation on a store across processes: each process would bring
+    its own ids, which one computation over every process's devices cannot take yet."""
+    if _spans_processes(state):
+        raise KVStoreError(
+            f"key {key!r}: {what} expects a store on this process's devices, given one across "
+            f"{jax.process_count()} processes (row operations across processes are not "
+            "supported yet); push dense values with jaxkv.push, or pull with row_sparse_pull "
+            "(the same row ids in every process)"
+        )
 
 
 def _spans_processes(state: KVState) -> bool:
@@ -612,6 +625,7 @@ def push_rows(
             f"axis_name={axis_name!r}: expected to be called inside pmap or shard_map, given an "
             "eager call (eagerly, a list of per-device pairs is already summed over devices)"
         )
+    _one_process(state, key, "push_rows")
     host = []
     for j, (ids, r) in enumerate(pairs):
         what = "the rows" if len(pairs) == 1 else f"rows {j}"

@@ -17,6 +17,8 @@ def test_dist_sync_job(n):
             "init from rank 0",
             "push sums over workers",
             "sharded value with sgd",
+            "row push refused",
+            "row pull refused",
             "broadcast f",
             "broadcast b",
             "broadcast i",
