@@ -26,6 +26,7 @@ import numpy as np
 from . import _ops
 from ._errors import KVStoreError, ShapeError
 from ._nd import NDArray
+from ._rows import _fetched
 from ._sparse import RowSparseNDArray
 from ._state import Key, KVState
 
@@ -81,14 +82,15 @@ def _as_row_sparse(x: Any) -> RowSparseNDArray:
 def pull_into(state: KVState, key: Key, outs: list, row_ids: list) -> list[tuple[Any, Any, Any]]:
     """What each row-sparse out of ``key`` receives: ``(out, rows, ids)`` on the out's device,
     for the distinct ids asked of it (sorted, as MXNet's ``row_sparse_pull`` gives them)."""
-    wanted = [_distinct(key, ids, state.shapes[key][0]) for ids in row_ids]
+    wanted = [_distinct(key, ids, state.shapes[key][0]) for ids in _fetched(row_ids)]
     devices = [o._device() for o in outs]
     rows: list[jax.Array]
     if tuple(devices) == state.devices and len({x.size for x in wanted}) == 1 and len(devices) > 1:
         rows = _ops.pull_rows(state, key, wanted)  # one computation: each device its rows
     else:
         rows = [_ops.pull_rows(state, key, x, devices=[d]) for x, d in zip(wanted, devices)]
-    return [(o, r, jax.device_put(x, d)) for o, r, x, d in zip(outs, rows, wanted, devices)]
+    ids = jax.device_put(wanted, devices)  # one call for every out's ids
+    return list(zip(outs, rows, ids))
 
 
 def _distinct(key: Key, ids: Any, n_rows: int) -> np.ndarray:

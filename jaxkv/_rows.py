@@ -210,6 +210,18 @@ def _host_ids(key: Key, row_ids: Any, n_rows: int) -> np.ndarray:
     return ids.astype(np.int32)
 
 
+def _fetched(row_ids: list) -> list:
+    """``row_ids`` with every id array on a device copied to the host in one transfer (one
+    ``device_get`` each would wait for each in turn)."""
+    row_ids = [x.asjax() if hasattr(x, "asjax") else x for x in row_ids]
+    on_device = [i for i, x in enumerate(row_ids) if isinstance(x, jax.Array)]
+    if on_device:
+        got = jax.device_get([row_ids[i] for i in on_device])
+        for i, x in zip(on_device, got):
+            row_ids[i] = x
+    return row_ids
+
+
 def _traced_ids(row_ids: Any) -> Any:
     if hasattr(row_ids, "asjax"):
         row_ids = row_ids.asjax()
@@ -316,7 +328,7 @@ def _pull_per_device(
             f"key {key!r}: expected one row_ids per device ({len(targets)} devices), given "
             f"{len(row_ids)} row_ids"
         )
-    ids = [_host_ids(key, x, shape[0]) for x in row_ids]
+    ids = [_host_ids(key, x, shape[0]) for x in _fetched(row_ids)]
     leaf = _own_leaf(state, i)
     sizes = {x.size for x in ids}
     if (
@@ -627,7 +639,8 @@ def push_rows(
         )
     _one_process(state, key, "push_rows")
     host = []
-    for j, (ids, r) in enumerate(pairs):
+    fetched = _fetched([ids for ids, _ in pairs])
+    for j, (ids, r) in enumerate(zip(fetched, [r for _, r in pairs])):
         what = "the rows" if len(pairs) == 1 else f"rows {j}"
         ids = _host_ids(key, ids, shape[0])
         _check_rows(key, shape, dtype, ids.size, r, what)
