@@ -85,6 +85,16 @@ def pull_into(state: KVState, key: Key, outs: list, row_ids: list) -> list[tuple
     wanted = [_distinct(key, ids, state.shapes[key][0]) for ids in _fetched(row_ids)]
     devices = [o._device() for o in outs]
     rows: list[jax.Array]
+    if any(d.process_index != jax.process_index() for d in state.devices):
+        # Across processes: one pull of every out's ids (each process may have its own outs),
+        # then each out's rows on its device.
+        first = next(d for d in state.devices if d.process_index == jax.process_index())
+        every = np.concatenate(wanted) if wanted else np.zeros(0, np.int32)
+        got = _ops.pull_rows(state, key, every, devices=[first])
+        cuts = np.cumsum([x.size for x in wanted])[:-1]
+        pieces = [got[a:b] for a, b in zip([0, *cuts], [*cuts, every.size])]
+        rows = list(jax.device_put(pieces, devices))
+        return list(zip(outs, rows, jax.device_put(wanted, devices)))
     if tuple(devices) == state.devices and len({x.size for x in wanted}) == 1 and len(devices) > 1:
         rows = _ops.pull_rows(state, key, wanted)  # one computation: each device its rows
     else:

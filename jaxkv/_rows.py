@@ -298,7 +298,8 @@ def pull_rows(
         asked = jax.lax.all_gather(ids, axis)  # every device's request
         part = _take(value, asked, jax.lax.axis_index(axis) * block)
         return jax.lax.psum_scatter(part, axis, scatter_dimension=0)
-    _one_process(state, key, "pull_rows")
+    if _spans_processes(state):
+        return _pull_across(state, key, i, shape, row_ids, devices)
     if _per_device(row_ids):
         return _pull_per_device(state, key, i, shape, list(row_ids), devices)
     ids = _host_ids(key, row_ids, shape[0])
@@ -354,7 +355,21 @@ def _pull_per_device(
     return per_device(out)
 
 
-def route(ids: Sequence[np.ndarray], block: int, parts: int) -> tuple[Any, Any, Any]:
+def busiest(ids: Sequence[np.ndarray], block: int, parts: int) -> int:
+    """The most ids one of ``ids`` (one array per device) sends to one owner."""
+    return max(
+        (int(np.bincount(x // block, minlength=parts).max()) for x in ids if x.size), default=1
+    )
+
+
+def slots(most: int) -> int:
+    """``C`` for a busiest route of ``most`` ids: a power of two from 8."""
+    return max(8, 1 << (max(most, 1) - 1).bit_length())
+
+
+def route(
+    ids: Sequence[np.ndarray], block: int, parts: int, c: int | None = None, n: int | None = None
+) -> tuple[Any, Any, Any]:
     """How the rows of ``ids`` (one array of row ids per device) travel between the devices of
     a table cut in ``parts`` blocks of ``block`` rows: each device sends to each owner at most
     ``C`` ids (``C`` the largest such count, rounded up to a power of two from 8, so that a
@@ -364,13 +379,16 @@ def route(ids: Sequence[np.ndarray], block: int, parts: int) -> tuple[Any, Any, 
     ``(parts * C,)``, the ids device ``s`` sends to each owner in turn as rows of the owner's
     block (``block`` where unused: it selects nothing); ``back[s]`` is ``(n,)``, where each of
     ``s``'s ids lands among the ``parts * C`` rows it gets back (owner-major); ``send[s]`` is
-    ``(parts * C,)``, which of ``s``'s own rows goes in each slot (``n`` where unused)."""
+    ``(parts * C,)``, which of ``s``'s own rows goes in each slot (``n`` where unused). ``c``
+    and ``n`` (the ids per device, padded) may be given: across processes they are agreed."""
     owners = [x // block for x in ids]
-    most = max((int(np.bincount(o, minlength=parts).max()) for o in owners if o.size), default=1)
-    c = max(8, 1 << (most - 1).bit_length())
+    if c is None:
+        c = slots(busiest(ids, block, parts))
+    if n is None:
+        n = max((x.size for x in ids), default=0)
     local = np.full((len(ids), parts, c), block, np.int32)
-    send = np.full((len(ids), parts, c), max((x.size for x in ids), default=0), np.int32)
-    back = np.zeros((len(ids), max((x.size for x in ids), default=0)), np.int32)
+    send = np.full((len(ids), parts, c), n, np.int32)
+    back = np.zeros((len(ids), n), np.int32)
     for s, (x, o) in enumerate(zip(ids, owners)):
         order = np.argsort(o, kind="stable")
         by_owner = o[order]
@@ -394,18 +412,6 @@ def _routed_take(mesh: Any, axis: str) -> Any:
 
     split = PartitionSpec(axis)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(split, split, split), out_specs=split))
-
-
-def _one_process(state: KVState, key: Key, what: str) -> None:
-    """Refuse an eager row operation on a store across processes: each process would bring
-    its own ids, which one computation over every process's devices cannot take yet."""
-    if _spans_processes(state):
-        raise KVStoreError(
-            f"key {key!r}: {what} expects a store on this process's devices, given one across "
-            f"{jax.process_count()} processes (row operations across processes are not "
-            "supported yet); push dense values with jaxkv.push, or pull with row_sparse_pull "
-            "(the same row ids in every process)"
-        )
 
 
 def _spans_processes(state: KVState) -> bool:
@@ -470,6 +476,12 @@ def _sharded_take(mesh: Any, axis: str) -> Any:
     return jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=PartitionSpec())
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _bucket_take_split(key: Key, split: NamedSharding) -> Any:
+    """Each device's rows of a key in a bucket, for its own ids (sharded along axis 0)."""
+    return jax.jit(lambda state, ids: _take(state[key], ids), out_shardings=split)
 
 
 @functools.lru_cache(maxsize=256)
@@ -637,7 +649,6 @@ def push_rows(
             f"axis_name={axis_name!r}: expected to be called inside pmap or shard_map, given an "
             "eager call (eagerly, a list of per-device pairs is already summed over devices)"
         )
-    _one_process(state, key, "push_rows")
     host = []
     fetched = _fetched([ids for ids, _ in pairs])
     for j, (ids, r) in enumerate(zip(fetched, [r for _, r in pairs])):
@@ -651,6 +662,8 @@ def push_rows(
         state = init_opt_states(state, updater, (key,))
     leaf = _own_leaf(state, i)
     n: int | None = None if group is None else state._groups.index(group)
+    if _spans_processes(state):
+        return _push_across(state, key, shape, host, updater, n, leaf, donate)
     if leaf is not None and (n is None or state._packings[n] is None):
         routed = _routed(state, key, shape, host, updater, n)
         if routed is not None:
@@ -695,14 +708,8 @@ def _routed(
         or _spans_processes(state)
     ):
         return None
-    if isinstance(updater, optax.GradientTransformation):
-        opt = state._opt_states[n]  # type: ignore[index]
-        rows_state = optax.tree_utils.tree_map_params(
-            updater, lambda x: jax.ShapeDtypeStruct((1, *shape[1:]), x.dtype), opt
-        )
-        name = np.dtype(host[0][1].dtype).name
-        if not _elementwise(updater, (key,), ((1, *shape[1:]),), name, rows_state):
-            return None
+    if not _owners_alone(state, key, shape, updater, n):
+        return None
     local, _, send = route([ids for ids, _ in host], shape[0] // parts, parts)
     split = NamedSharding(state.mesh, PartitionSpec(state.axis))
     rows = host[0][1].shape[0]
@@ -712,6 +719,165 @@ def _routed(
         jax.device_put(send.reshape(-1), split),
         stacked,
     )
+
+
+def _owners_alone(
+    state: KVState, key: Key, shape: tuple[int, ...], updater: Any, n: int | None
+) -> bool:
+    """Whether each owner can update its own rows alone: no updater, an MXNet-style one (it
+    gets this device's block), or an elementwise optax one."""
+    if not isinstance(updater, optax.GradientTransformation):
+        return True
+    opt = state._opt_states[n]  # type: ignore[index]
+    rows_state = optax.tree_utils.tree_map_params(
+        updater, lambda x: jax.ShapeDtypeStruct((1, *shape[1:]), x.dtype), opt
+    )
+    name = np.dtype(state._stored_types()[state.index(key)].dtype).name
+    return elementwise_rows(updater, key, shape, name, rows_state)
+
+
+def elementwise_rows(updater: Any, key: Key, shape: tuple, name: str, rows_state: Any) -> bool:
+    return _elementwise(updater, (key,), ((1, *shape[1:]),), name, rows_state)
+
+
+# -- across processes ---------------------------------------------------------------------------
+# Each process brings its own ids: every device of every process is one source (or requester)
+# of rows, padded to the largest count of any device, and a sharded table's routes are sized by
+# the busiest route of any device; one host all-gather agrees on both before the computation.
+def _local_devices(state: KVState) -> list[jax.Device]:
+    me = jax.process_index()
+    return [d for d in state.devices if d.process_index == me]
+
+
+def _agreed(*values: int) -> tuple[int, ...]:
+    """The largest of each value over every process (one host all-gather)."""
+    got = _dist.all_gather(np.array(values, np.int64), "sizes of a row operation")
+    return tuple(int(v) for v in got.max(axis=0))
+
+
+def _global(state: KVState, shards: Sequence[Any]) -> jax.Array:
+    """One array sharded along axis 0 over the store's mesh, whose block on each of this
+    process's devices (in mesh order) is ``shards[j]``."""
+    local = _local_devices(state)
+    placed = jax.device_put(list(shards), local)
+    shape = (shards[0].shape[0] * len(state.devices), *shards[0].shape[1:])
+    split = NamedSharding(state.mesh, PartitionSpec(state.axis))
+    return jax.make_array_from_single_device_arrays(shape, split, list(placed))
+
+
+def _padded_ids(ids: np.ndarray, n: int, fill: int) -> np.ndarray:
+    return np.concatenate([ids, np.full(n - ids.size, fill, np.int32)]).astype(np.int32)
+
+
+def _pull_across(
+    state: KVState, key: Key, i: int, shape: tuple[int, ...], row_ids: Any, devices: Any
+) -> Any:
+    """``pull_rows`` on a store across processes: this process's ids (one array, asked by its
+    first device, or one per device of this process) and its rows, on its devices."""
+    local = _local_devices(state)
+    leaf = _own_leaf(state, i)
+    per = _per_device(row_ids)
+    asked = [_host_ids(key, x, shape[0]) for x in _fetched(list(row_ids) if per else [row_ids])]
+    if per and len(asked) != len(local):
+        raise ShapeError(
+            f"key {key!r}: expected one row_ids per device of this process ({len(local)}), "
+            f"given {len(asked)} row_ids"
+        )
+    mine = asked + [np.zeros(0, np.int32)] * (len(local) - len(asked))
+    parts = len(state.devices)
+    sharded = state.is_sharded(shape) and leaf is not None
+    block = shape[0] // parts
+    most = busiest(mine, block, parts) if sharded else 1
+    n, most = _agreed(max(x.size for x in mine), most)
+    if sharded and leaf is not None:
+        c = slots(most)
+        ids, back, _ = route(mine, block, parts, c, n)
+        fn = _routed_take(state.mesh, state.axis)
+        out = _dist.ordered(
+            "pull_rows",
+            fn,
+            state._leaves[leaf],
+            _global(state, list(ids)),
+            _global(state, list(back)),
+        )
+    elif leaf is not None:
+        fn = _per_device_take(state.mesh, state.axis, False)
+        padded = [_padded_ids(x, n, 0) for x in mine]
+        out = _dist.ordered("pull_rows", fn, state._leaves[leaf], _global(state, padded))
+    else:  # in a bucket (whole on every device across processes): read from the view
+        split = NamedSharding(state.mesh, PartitionSpec(state.axis))
+        asked_all = _global(state, [_padded_ids(x, n, 0) for x in mine])
+        out = _dist.ordered("pull_rows", _bucket_take_split(key, split), state, asked_all)
+    rows = [x[: a.size] for x, a in zip(per_device(out), mine)]
+    if per:
+        targets = devices_of(devices) if devices is not None else tuple(local)
+        return [_place(r, d) for r, d in zip(rows, targets)]
+    return replicate([rows[0]], devices_of(devices) if devices is not None else tuple(local))[0]
+
+
+def _push_across(
+    state: KVState,
+    key: Key,
+    shape: tuple[int, ...],
+    host: list[tuple[np.ndarray, Any]],
+    updater: Any,
+    n_group: int | None,
+    leaf: int | None,
+    donate: bool,
+) -> KVState:
+    """``push_rows`` on a store across processes: this process's pairs, one per device of this
+    process (or all of them from its first device), summed with every other process's."""
+    local = _local_devices(state)
+    placed = [next(iter(r.devices())) if len(r.devices()) == 1 else None for _, r in host]
+    dtype = state._stored_types()[state.index(key)].dtype
+    if len(host) == len(local) and placed == local:
+        pairs = [(ids, r.astype(dtype)) for ids, r in host]
+    else:
+        ids = np.concatenate([x for x, _ in host])
+        moved = jax.device_put([r.astype(dtype) for _, r in host], [local[0]] * len(host))
+        rows = jnp.concatenate(moved) if len(moved) > 1 else moved[0]
+        pairs = [(ids, rows)] + [
+            (np.zeros(0, np.int32), jax.device_put(np.zeros((0, *shape[1:]), dtype), d))
+            for d in local[1:]
+        ]
+    parts = len(state.devices)
+    sharded = state.is_sharded(shape) and leaf is not None
+    block = shape[0] // parts
+    alone = sharded and (n_group is None or state._packings[n_group] is None)
+    alone = alone and _owners_alone(state, key, shape, updater, n_group)
+    most = busiest([x for x, _ in pairs], block, parts) if alone else 1
+    n, most = _agreed(max(x.size for x, _ in pairs), most)
+    rows = [_pad_rows(r, n) for _, r in pairs]
+    opt = None if n_group is None else state._opt_states[n_group]
+    if alone and leaf is not None:
+        to, _, send = route([x for x, _ in pairs], block, parts, slots(most), n)
+        fn = _routed_push(state.mesh, state.axis, key, shape[0], updater, donate)
+        value, opt = _dist.ordered(
+            "push_rows",
+            fn,
+            state._leaves[leaf],
+            opt,
+            _global(state, list(to)),
+            _global(state, list(send)),
+            _global(state, rows),
+        )
+        return state._replace_leaves({leaf: value}, {} if n_group is None else {n_group: opt})
+    stacked_ids = _global(state, [_padded_ids(x, n, -1) for x, _ in pairs])
+    stacked = _global(state, rows)
+    if leaf is not None and (n_group is None or state._packings[n_group] is None):
+        fn = _own_push(state.mesh, state.axis, key, shape[0], sharded, updater, donate)
+        value, opt = _dist.ordered("push_rows", fn, state._leaves[leaf], opt, stacked_ids, stacked)
+        return state._replace_leaves({leaf: value}, {} if n_group is None else {n_group: opt})
+    fn = _state_push(key, shape[0], updater, donate)
+    return _dist.ordered("push_rows", fn, state, stacked_ids, stacked)
+
+
+def _pad_rows(rows: Any, n: int) -> Any:
+    if rows.shape[0] == n:
+        return rows
+    device = next(iter(rows.devices()))
+    zeros = jax.device_put(np.zeros((n - rows.shape[0], *rows.shape[1:]), rows.dtype), device)
+    return jnp.concatenate([rows, zeros])
 
 
 @functools.lru_cache(maxsize=256)

@@ -17,8 +17,6 @@ def test_dist_sync_job(n):
             "init from rank 0",
             "push sums over workers",
             "sharded value with sgd",
-            "row push refused",
-            "row pull refused",
             "broadcast f",
             "broadcast b",
             "broadcast i",
@@ -64,4 +62,24 @@ def test_dist_sync_sums_within_each_process_then_across(n):
             "global value refused",
         ):
             assert f"rank {rank} ok {check}" in run.stdout, run.stdout + run.stderr
+        assert f"rank {rank} done" in run.stdout
+
+
+@pytest.mark.parametrize("bound", [0, 64])
+def test_rows_across_processes(bound):
+    """Each process pushes and pulls its own rows of one table (kept whole on every device, or
+    split over every process's devices by MXNet's bound): functionally, and through a dist_sync
+    KVStore's row-sparse values with MXNet's lazy SGD; every process checks the whole table."""
+    run = launch(2, "rows_job.py", bound)
+    assert run.returncode == 0, run.stdout + run.stderr
+    tag = "split" if bound else "whole"
+    for rank in range(2):
+        for check in (
+            "functional pull per device",
+            "functional pull of one array",
+            "functional assign of one pair per process",
+            "row_sparse_pull after lazy sgd",
+            "the whole table after lazy sgd",
+        ):
+            assert f"rank {rank} ok {tag} {check}" in run.stdout, run.stdout + run.stderr
         assert f"rank {rank} done" in run.stdout

@@ -44,21 +44,6 @@ def main():
     kv.set_optimizer(optax.sgd(0.5))
     kv.push(5, mx.nd.ones((64, 512)))
     check("sharded value with sgd", kv.pull(5), np.full((64, 512), -0.5 * workers))
-    # Row pushes and pulls across processes are refused (each process would bring its own
-    # ids), before anything changes; row_sparse_pull with the same ids everywhere works.
-    rsp = mx.nd.sparse.row_sparse_array(([[1.0] * 512], [rank]), shape=(64, 512))
-    try:
-        kv.push(5, rsp)
-    except jaxkv.KVStoreError as e:
-        assert "across" in str(e) and "processes" in str(e), e
-        check("row push refused", kv.pull(5), np.full((64, 512), -0.5 * workers))
-    try:
-        jaxkv.pull_rows(kv.state, 5, [rank])
-    except jaxkv.KVStoreError as e:
-        assert "not supported yet" in str(e), e
-        kept = np.zeros((64, 512), np.float32)
-        kept[[0, 63]] = -0.5 * workers
-        check("row pull refused", kv.row_sparse_pull(5, row_ids=[0, 63]), kept)
     # Host-side collectives: rank 0's values bit for bit (-0.0, a NaN's payload, bools, ints,
     # a scalar, an empty array), every process's values gathered in order, and barriers of
     # different names refused on every process (they run different code).
