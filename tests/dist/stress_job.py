@@ -5,7 +5,8 @@ them, and checks every value it reads against a NumPy model of the store.
     stress_job.py SEED OPS DIR [BOUND]
 
 The calls: ``init``, ``push``, ``pull``, ``pushpull``, ``set_optimizer`` (and back to the
-default assign), ``save``, ``load``, ``barrier``, ``row_sparse_pull``, and a refused push (a
+default assign), ``save``, ``load``, ``barrier``, ``row_sparse_pull`` (into dense and into
+row-sparse outs), a push of row-sparse values (``row_push``), and a refused push (a
 wrong shape), drawn from ``random.Random(SEED)``, the same in every process. Values are small
 integers and the optimizer is ``optax.sgd(1.0, momentum=1.0)``, so every sum and update is exact
 in float32 in any order, and the model's values are compared exactly. ``BOUND`` (optional) is
@@ -48,6 +49,7 @@ WEIGHTS = {
     "load": 1,
     "barrier": 1,
     "row_sparse_pull": 2,
+    "row_push": 2,
     "bad_push": 1,
 }
 
@@ -60,6 +62,18 @@ class Model:
         self.groups = {}  # key -> its optimizer group (a sorted tuple), if it has one
         self.trace = {}  # key -> float32 momentum, for keys in a group
         self.optimizer = False
+
+    def row_push(self, key, rows, total):
+        """A push of row-sparse values: assign makes the rows not pushed zero (MXNet replaces
+        the stored value); an optimizer updates only the rows pushed (lazily)."""
+        if not self.optimizer:
+            self.values[key] = np.zeros(SHAPES[key], np.float32)
+            self.values[key][rows] = total
+            return
+        if key not in self.groups:
+            self.groups[key], self.trace[key] = (key,), np.zeros(SHAPES[key], np.float32)
+        self.trace[key][rows] = total + self.trace[key][rows]
+        self.values[key][rows] = self.values[key][rows] - self.trace[key][rows]
 
     def push(self, keys, total):
         if not self.optimizer:
@@ -134,6 +148,9 @@ def main():
         subsets = [s for s in SUBSETS if all(k in model.values for k in s)]
         if op == "row_sparse_pull" and not [k for k in ready if len(SHAPES[k]) == 2]:
             op = "pull"
+        tables = [k for k in ready if len(SHAPES[k]) == 2 and pushable(model, (k,))]
+        if op == "row_push" and not tables:
+            op = "pull"
         if op in ("push", "pushpull"):
             subsets = [s for s in subsets if pushable(model, s)]
             if not subsets:
@@ -204,11 +221,40 @@ def main():
             want[rows] = model.values[k][rows]
             if rng.random() < 0.5:
                 check("row_sparse_pull", k, kv.row_sparse_pull(k, row_ids=mx.nd.array(rows)), want)
-            else:
+            elif rng.random() < 0.5:
                 got = outs([k])[0]
                 kv.row_sparse_pull(k, out=got, row_ids=mx.nd.array(rows))
                 for x in got:
                     check("row_sparse_pull into outs", k, x.asnumpy(), want)
+            else:  # row-sparse outs, each device asking for its own rows
+                got = [
+                    mx.nd.sparse.zeros("row_sparse", SHAPES[k], ctx=mx.cpu(d))
+                    for d in range(len(local))
+                ]
+                asked = [rows[d:] for d in range(len(local))]
+                kv.row_sparse_pull(k, out=got, row_ids=[mx.nd.array(a) for a in asked])
+                for x, a in zip(got, asked):
+                    kept = np.zeros(SHAPES[k], np.float32)
+                    kept[a] = model.values[k][a]
+                    check("row_sparse_pull into row-sparse outs", k, x.asnumpy(), kept)
+        elif op == "row_push":
+            k = rng.choice(tables)
+            rows = sorted(rng.sample(range(SHAPES[k][0]), rng.randint(1, min(5, SHAPES[k][0]))))
+            base = (
+                np.float32(rng.randint(-2, 2))
+                + np.arange(len(rows) * SHAPES[k][1], dtype=np.float32).reshape(
+                    len(rows), SHAPES[k][1]
+                )
+                % 3
+            )
+            values = [
+                mx.nd.sparse.row_sparse_array(
+                    (base * (rank + 1) * (d + 1), np.array(rows)), shape=SHAPES[k], ctx=mx.cpu(d)
+                )
+                for d in range(len(local))
+            ]
+            kv.push(k, values)
+            model.row_push(k, rows, base * np.float32(ranks * devices))
         elif op == "bad_push":
             k = rng.choice(ready)
             try:
