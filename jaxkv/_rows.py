@@ -26,6 +26,7 @@ value of the table's shape, zero elsewhere, and the stored value (this device's 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -459,6 +460,11 @@ def _eager_take(state: KVState, key: Key, i: int, ids: np.ndarray) -> jax.Array:
     replicated = NamedSharding(state.mesh, PartitionSpec())
     dev_ids = jax.device_put(ids, replicated)
     leaf = _own_leaf(state, i)
+    place = _in_bucket(state, i)
+    if place is not None:  # its rows read straight from its bucket
+        b, off, split = place
+        fn = _bucket_rows_take(state.mesh, state.axis, off, state._shapes[i], split)
+        return _dist.ordered("pull_rows", fn, state._leaves[b], dev_ids)
     if leaf is None:  # a view of a bucket: sliced and gathered in one computation
         return _dist.ordered("pull_rows", _bucket_take(key), state, dev_ids)
     table = state._leaves[leaf]
@@ -481,6 +487,168 @@ def _sharded_take(mesh: Any, axis: str) -> Any:
     return jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=PartitionSpec())
     )
+
+
+# -- rows of a key in a flat bucket, addressed in place -------------------------------------------
+# A key in a bucket is a run of its bucket (whole), or of each device's chunk (split, its rows
+# dividing by the devices: device d's chunk holds rows [d*B, (d+1)*B) at the key's offset). Its
+# rows are read and written there by element, so a step costs its rows, not its bucket. A key
+# whose rows do not divide (a split bucket cuts it across rows) goes through its view.
+def _in_bucket(state: KVState, i: int) -> tuple[int, int, bool] | None:
+    """``(bucket, offset, split)`` of key position ``i`` where its rows can be addressed in its
+    bucket, else ``None`` (an array of its own, or rows cut across devices)."""
+    flat = state._flat
+    if flat is None or any(is_traced(x) for x in state._leaves):
+        return None
+    b, off, _ = flat.where[i]
+    if b < 0:
+        return None
+    parts = flat.parts_of(b)
+    shape = state._shapes[i]
+    if parts > 1 and shape[0] % parts:
+        return None
+    return b, off, parts > 1
+
+
+def _elements(ids: Any, lo: Any, rows: int, off: int, width: int, size: int) -> Any:
+    """The element positions ``(n, width)`` in a run (a bucket, or a device's chunk of
+    ``size`` elements) of the rows ``ids`` of a key at ``off`` holding rows
+    ``[lo, lo + rows)``; ``size`` (past the end) for rows elsewhere."""
+    local = ids - lo
+    inside = (local >= 0) & (local < rows)
+    first = off + jnp.where(inside, local, 0) * width
+    at = first[:, None] + jnp.arange(width, dtype=first.dtype)[None, :]
+    return jnp.where(inside[:, None], at, size)
+
+
+def _run_take(leaf: Any, ids: Any, lo: Any, rows: int, off: int, shape: tuple) -> Any:
+    width = math.prod(shape[1:])
+    at = _elements(ids, lo, rows, off, width, leaf.shape[0])
+    got = jnp.take(leaf, at, mode="fill", fill_value=0)
+    return got.reshape(ids.shape[0], *shape[1:])
+
+
+def _run_put(leaf: Any, ids: Any, new: Any, lo: Any, rows: int, off: int, shape: tuple) -> Any:
+    width = math.prod(shape[1:])
+    at = _elements(ids, lo, rows, off, width, leaf.shape[0])
+    values = new.reshape(ids.shape[0], width).astype(leaf.dtype)
+    return leaf.at[at].set(values, mode="drop")
+
+
+class _InRun(_Where):
+    """``_Where`` for a key's run in a bucket (or in this device's chunk of a split one)."""
+
+    def __init__(self, axis: Any, rows: int, off: int, shape: tuple) -> None:
+        super().__init__(axis, rows)
+        self.off, self.shape = off, shape
+
+    def take_own(self, x: Any, ids: Any) -> Any:
+        return _run_take(x, ids, self.lo(), self.block, self.off, self.shape)
+
+    def take(self, x: Any, ids: Any) -> Any:
+        mine = self.take_own(x, ids)
+        return mine if self.axis is None else jax.lax.psum(mine, self.axis)
+
+    def put(self, x: Any, ids: Any, rows: Any) -> Any:
+        return _run_put(x, ids, rows, self.lo(), self.block, self.off, self.shape)
+
+
+@functools.lru_cache(maxsize=256)
+def _bucket_rows_take(mesh: Any, axis: str, off: int, shape: tuple, split: bool) -> Any:
+    """``(bucket, ids) -> rows`` of a key at ``off`` in its bucket, read in place."""
+    if not split:
+        return jax.jit(lambda leaf, ids: _run_take(leaf, ids, 0, shape[0], off, shape))
+    parts = mesh.devices.size
+
+    def body(chunk: Any, ids: Any) -> Any:
+        rows = shape[0] // parts
+        lo = jax.lax.axis_index(axis) * rows
+        return jax.lax.psum(_run_take(chunk, ids, lo, rows, off, shape), axis)
+
+    spec = PartitionSpec(axis)
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=PartitionSpec())
+    )
+
+
+def _bucket_push(
+    state: KVState,
+    key: Key,
+    i: int,
+    place: tuple[int, int, bool],
+    n: int | None,
+    ids: Any,
+    rows: Any,
+    updater: Any,
+    donate: bool,
+) -> KVState:
+    """A push of rows into a key of a bucket, in place: the bucket, and for an optax updater
+    its group's state (the key's own: its moments packed in buckets laid out as its value's),
+    in and out of one computation."""
+    b, off, split = place
+    shape = state._shapes[i]
+    packing = None if n is None else state._packings[n]
+    opt: Any = None
+    families: tuple[int, ...] = ()
+    if n is not None and packing is not None:
+        # one key alone in its group (and its bucket): each family bucket is laid out as the
+        # value's, from offset 0
+        opt, families = tuple(state._opt_states[n]), tuple(packing.packed_positions())
+    fn = _bucket_pusher(
+        state.mesh, state.axis, key, off, shape, split, updater, packing, families, donate
+    )
+    value, opt = _dist.ordered("push_rows", fn, state._leaves[b], opt, ids, rows)
+    return state._replace_leaves({b: value}, {} if n is None else {n: opt})
+
+
+@functools.lru_cache(maxsize=256)
+def _bucket_pusher(
+    mesh: Any,
+    axis: str,
+    key: Key,
+    off: int,
+    shape: tuple,
+    split: bool,
+    updater: Any,
+    packing: Any,
+    families: tuple[int, ...],
+    donate: bool,
+) -> Any:
+    """``(bucket, opt_state, ids, rows) -> (bucket, opt_state)`` for a key at ``off``."""
+    parts = mesh.devices.size if split else 1
+    rows_here = shape[0] // parts
+
+    def update(leaf: Any, opt: Any, ids: Any, rows: Any) -> Any:
+        where = _InRun(axis if split else None, rows_here, off, shape)
+        if packing is None:
+            return _update_rows(key, where, leaf, opt, ids, rows, shape[0], updater)
+        # The packed leaves as optax's tree: each family bucket as the key's value (addressed
+        # by the same run), the other leaves as they are.
+        tree = jax.tree_util.tree_unflatten(packing.treedef, list(opt))
+        value, new = _update_rows(key, where, leaf, tree, ids, rows, shape[0], updater)
+        return value, tuple(jax.tree_util.tree_leaves(new))
+
+    if not split:
+        return jax.jit(update, donate_argnums=(0, 1) if donate else ())
+    spec = PartitionSpec(axis)
+
+    def run(leaf: Any, opt: Any, ids: Any, rows: Any) -> Any:
+        if packing is None:
+            opt_spec = jax.tree_util.tree_map(
+                lambda x: spec if tuple(x.shape) == tuple(leaf.shape) else PartitionSpec(), opt
+            )
+        else:
+            opt_spec = tuple(spec if j in families else PartitionSpec() for j in range(len(opt)))
+        mapped = jax.shard_map(
+            update,
+            mesh=mesh,
+            in_specs=(spec, opt_spec, PartitionSpec(), PartitionSpec()),
+            out_specs=(spec, opt_spec),
+            check_vma=False,
+        )
+        return mapped(leaf, opt, ids, rows)
+
+    return jax.jit(run, donate_argnums=(0, 1) if donate else ())
 
 
 @functools.lru_cache(maxsize=256)
@@ -677,6 +845,11 @@ def push_rows(
             value, opt = _dist.ordered("push_rows", fn, state._leaves[leaf], opt, *routed)
             return state._replace_leaves({leaf: value}, {} if n is None else {n: opt})
     ids, rows = _gathered(state, key, host, dtype)
+    place = _in_bucket(state, i)
+    if place is not None and (
+        updater is None or (optax_push and n is not None and state._packings[n] is not None)
+    ):
+        return _bucket_push(state, key, i, place, n, ids, rows, updater, donate)
     if leaf is not None and (n is None or state._packings[n] is None):
         fn = _own_push(
             state.mesh, state.axis, key, shape[0], state.is_sharded(shape), updater, donate
