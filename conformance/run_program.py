@@ -28,6 +28,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import numpy as np  # noqa: E402
 import programs  # noqa: E402
 
 
@@ -105,19 +106,56 @@ class Runner:
             return [self._tree(s, make) for s in spec]
         return make(spec)
 
-    def values(self, spec):
+    def value(self, d):
+        """The NDArray a value description ``d`` stands for (see programs.py)."""
         mx = self.mx
-        return self._tree(
-            spec, lambda d: mx.nd.array(programs.materialize(d), ctx=mx.cpu(d["ctx"]))
+        ctx = mx.cpu(d["ctx"])
+        if not programs.row_sparse(d):
+            return mx.nd.array(programs.materialize(d), ctx=ctx)
+        shape, make = tuple(d["shape"]), d["make"]
+        if make == "zeros":
+            return mx.nd.sparse.zeros("row_sparse", shape, ctx=ctx)
+        if make == "ones":
+            return mx.nd.ones(shape, ctx=ctx).tostype("row_sparse") * d["fill"]
+        if make == "tostype":
+            return mx.nd.array(programs.materialize(d), ctx=ctx).tostype("row_sparse")
+        rows = d["rows"]
+        data = np.array(programs.row_data(d), dtype=np.float32).reshape((len(rows), *shape[1:]))
+        return mx.nd.sparse.row_sparse_array(
+            (mx.nd.array(data, ctx=ctx), self.ids(rows, d["ids_dtype"], ctx)), shape=shape, ctx=ctx
         )
+
+    def ids(self, ids, dtype, ctx):
+        """Row ids as MXNet code makes them: ``int64``, or ``nd.array``'s default float32."""
+        mx = self.mx
+        if dtype == "int64":
+            return mx.nd.array(ids, ctx=ctx, dtype="int64")
+        return mx.nd.array(ids, ctx=ctx)
+
+    def values(self, spec):
+        return self._tree(spec, self.value)
 
     def outs(self, spec):
         mx = self.mx
-        return self._tree(spec, lambda d: mx.nd.zeros(tuple(d["shape"]), ctx=mx.cpu(d["ctx"])))
+
+        def out(d):
+            if programs.row_sparse(d):
+                return mx.nd.sparse.zeros("row_sparse", tuple(d["shape"]), ctx=mx.cpu(d["ctx"]))
+            return mx.nd.zeros(tuple(d["shape"]), ctx=mx.cpu(d["ctx"]))
+
+        return self._tree(spec, out)
+
+    def row_ids(self, spec):
+        mx = self.mx
+        return self._tree(spec, lambda d: self.ids(d["ids"], d["dtype"], mx.cpu(d["ctx"])))
 
     def read(self, arrays):
+        """Nested lists; a row-sparse array as ``{"rsp": its dense value, "ids": its row ids}``."""
         if isinstance(arrays, list):
             return [self.read(a) for a in arrays]
+        if getattr(arrays, "stype", "default") == "row_sparse":
+            ids = [int(i) for i in arrays.indices.asnumpy().tolist()]
+            return {"rsp": arrays.asnumpy().tolist(), "ids": ids}
         return arrays.asnumpy().tolist()
 
     def step(self, kv, op):
@@ -132,7 +170,14 @@ class Runner:
             kv.push(op["key"], self.values(op["value"]))
         elif name == "pull":
             outs = self.outs(op["out"])
-            kv.pull(op["key"], out=outs)
+            if "ignore_sparse" in op:
+                kv.pull(op["key"], out=outs, ignore_sparse=op["ignore_sparse"])
+            else:
+                kv.pull(op["key"], out=outs)
+            result = outs
+        elif name == "row_sparse_pull":
+            outs = self.outs(op["out"])
+            kv.row_sparse_pull(op["key"], out=outs, row_ids=self.row_ids(op["row_ids"]))
             result = outs
         elif name == "pushpull":
             values, outs = self.values(op["value"]), self.outs(op.get("out"))
@@ -144,6 +189,8 @@ class Runner:
             result = outs
         elif name == "set_updater":
             kv._set_updater(UPDATERS[op["name"]])
+        elif name == "set_optimizer":
+            kv.set_optimizer(getattr(mx.optimizer, op["name"])(**op["args"]))
         else:
             raise ValueError(f"unknown op {name!r}")
         mx.nd.waitall()  # MXNet is asynchronous: an error must show up at its own op
