@@ -486,6 +486,9 @@ class KVStore:
                 )
             if any(id(leaf) in self._shared for leaf in leaves):
                 donate = False
+        if self._mxnet_optimizer is not None:  # MXNet's optimizers update key by key
+            self._state = self._push_key_by_key(state, key, values, self._updater)
+            return
         # KEEP_VALUES is jaxkv's own third answer, beside the public True and False.
         self._state = _ops.push(
             state,
@@ -494,6 +497,19 @@ class KVStore:
             updater=self._updater,
             donate=donate,  # type: ignore[arg-type]
         )
+
+    def _push_key_by_key(self, state: KVState, key: Any, values: Any, updater: Any) -> KVState:
+        """A push updated key by key, each key its own optimizer group, as MXNet's optimizers
+        update (the same numbers as one push of the keys, since SGD and Adam are elementwise;
+        a later push of any of them alone is then accepted, as in MXNet). The store's state
+        changes only once every key's push has succeeded."""
+        grouped: dict[Key, list] = {}
+        for k, vs in _args.pairs(key, values, "values"):
+            state.index(k)  # unknown keys refused before anything runs
+            grouped.setdefault(k, []).extend(vs)
+        for k, vs in grouped.items():
+            state = _ops.push(state, k, vs, updater=updater, donate=False)
+        return state
 
     def _push_row_sparse(self, key: Any, value: Any) -> None:
         """A push where some values are row-sparse: each key with one is pushed by rows
@@ -513,7 +529,11 @@ class KVStore:
         state = self._state
         steps = len(sparse) + bool(dense)
         donate = steps == 1 and not len(self._shared) and not self._keeps_values()
-        if dense:
+        if dense and self._mxnet_optimizer is not None:
+            state = self._push_key_by_key(
+                state, dense, [_unwrap_values(grouped[k]) for k in dense], self._updater
+            )
+        elif dense:
             state = _ops.push(
                 state,
                 dense,
