@@ -346,8 +346,7 @@ def _pull_per_device(
         block = shape[0] // len(targets)
         local, back, _ = route(ids, block, len(targets))
         fn = _routed_take(state.mesh, state.axis)
-        asked = jax.device_put(local.reshape(-1), split)
-        placed = jax.device_put(back.reshape(-1), split)
+        asked, placed = jax.device_put([local.reshape(-1), back.reshape(-1)], [split, split])
         out = _dist.ordered("pull_rows", fn, state._leaves[leaf], asked, placed)
         return per_device(out)
     stacked = jax.device_put(np.concatenate(ids), split)
@@ -892,11 +891,8 @@ def _routed(
     split = NamedSharding(state.mesh, PartitionSpec(state.axis))
     rows = host[0][1].shape[0]
     stacked = assemble((rows * parts, *shape[1:]), split, [r for _, r in host])
-    return (
-        jax.device_put(local.reshape(-1), split),
-        jax.device_put(send.reshape(-1), split),
-        stacked,
-    )
+    to, slots_of = jax.device_put([local.reshape(-1), send.reshape(-1)], [split, split])
+    return to, slots_of, stacked
 
 
 def _owners_alone(
