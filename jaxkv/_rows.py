@@ -55,6 +55,8 @@ _ID_DTYPE = jnp.int32  # row ids on device (JAX's default integer); tables below
 def _take(x: Any, ids: Any, lo: Any = 0) -> Any:
     """The rows ``ids`` of ``x`` (a table, or the block of it whose first row is row ``lo``);
     rows outside ``x`` read as zeros."""
+    if x.shape[0] == 0:  # (no rows here: a device that pushed none)
+        return jnp.zeros((ids.shape[0], *x.shape[1:]), x.dtype)
     local = ids - lo
     inside = (local >= 0) & (local < x.shape[0])
     return jnp.take(x, jnp.where(inside, local, x.shape[0]), axis=0, mode="fill", fill_value=0)

@@ -395,3 +395,19 @@ def test_rows_routed_to_their_owners_whatever_the_spread(spread, devices):
         pulled = jaxkv.pull_rows(state, "e", ids)
         for x, got in zip(ids, pulled):
             _close(got, model[x], exact=False)
+
+
+@pytest.mark.parametrize("table", ["small", "sharded"])
+@pytest.mark.parametrize("updater", ["assign", "sgd"])
+def test_a_push_of_no_rows_changes_nothing(table, updater, devices):
+    rows, width = TABLES[table]
+    state = _store("keys", table)
+    upd = UPDATERS[updater]
+    none = np.zeros(0, np.int32)
+    empty = [jax.device_put(jnp.zeros((0, width), jnp.float32), d) for d in devices]
+    for new in (
+        jaxkv.push_rows(state, "e", [none] * NDEV, empty, updater=upd),
+        jaxkv.push_rows(state, "e", none, jnp.zeros((0, width), jnp.float32), updater=upd),
+    ):
+        np.testing.assert_array_equal(jaxkv.pull(new, "e"), _table(rows, width))
+    assert [x.shape for x in jaxkv.pull_rows(state, "e", [none] * NDEV)] == [(0, width)] * NDEV
