@@ -34,7 +34,7 @@ import optax
 from jax.extend import core as jex
 
 from ._flat import as_blocks
-from ._local import _ELEMENTWISE, _sub_jaxpr
+from ._local import _ELEMENTWISE, _sub_jaxpr, keeps_shape
 from ._state import Key, KVState
 
 __all__ = ["elementwise", "update_bucket"]
@@ -284,18 +284,10 @@ def _owners(jaxpr: Any, owners: Sequence[Any], count: int = 0) -> list[Any] | No
         if len(keyed) > 1:
             return None  # mixes two keys' arrays
         if name in _ELEMENTWISE:
-            if any(o == _OTHER for o in ins) or not _same_shape(eqn):
+            if any(o == _OTHER for o in ins) or not keeps_shape(eqn):
                 return None  # an array that is not one value for every element
             (owner,) = keyed
             env.update((v, owner) for v in eqn.outvars)
             continue
         return None
     return [read(v) for v in jaxpr.outvars]
-
-
-def _same_shape(eqn: Any) -> bool:
-    """Whether an elementwise equation keeps its operands' shape (a ``bitcast_convert_type``
-    between types of different widths does not)."""
-    if eqn.primitive.name != "bitcast_convert_type":
-        return True
-    return tuple(eqn.outvars[0].aval.shape) == tuple(eqn.invars[0].aval.shape)

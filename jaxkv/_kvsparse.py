@@ -2,8 +2,8 @@
 ``row_sparse_pull`` over the functional row operations (``_rows.py``).
 
 A key initialised with (or assigned) a row-sparse value is stored as its dense value (rows
-absent are zeros), as every key is; what the store remembers is that its storage type is
-``row_sparse``, which MXNet's pulls look at. A push of row-sparse values is one
+absent are zeros), as every key is: the store keeps no storage type per key (MXNet's refusals
+that depend on one are listed as differences in the README). A push of row-sparse values is one
 :func:`jaxkv.push_rows` of each device's ``(indices, data)``:
 
 * with an optimizer that updates lazily (an optax transformation, or ``mx.optimizer.SGD`` /
@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ops
-from ._errors import KVStoreError, ShapeError
+from ._errors import ShapeError
 from ._nd import NDArray
-from ._rows import _fetched
+from ._rows import _fetched, _host_ids
 from ._sparse import RowSparseNDArray
 from ._state import Key, KVState
 
@@ -104,19 +104,5 @@ def pull_into(state: KVState, key: Key, outs: list, row_ids: list) -> list[tuple
 
 
 def _distinct(key: Key, ids: Any, n_rows: int) -> np.ndarray:
-    if isinstance(ids, NDArray):
-        ids = ids.asnumpy()
-    elif isinstance(ids, jax.Array):
-        ids = np.asarray(jax.device_get(ids))
-    x = np.asarray(ids).ravel()
-    if x.size and (
-        not np.issubdtype(x.dtype, np.number)
-        or np.any(x != np.round(x))
-        or x.min() < 0
-        or x.max() >= n_rows
-    ):
-        raise KVStoreError(
-            f"key {key!r}: row_ids expected integers in [0, {n_rows}), given "
-            f"{x.tolist() if x.size <= 16 else x[:16].tolist() + ['...']}"
-        )
-    return np.unique(x.astype(np.int64)).astype(np.int32)
+    """The distinct ids of ``ids`` (checked as every row id is), sorted."""
+    return np.unique(_host_ids(key, ids, n_rows))

@@ -503,11 +503,7 @@ class KVStore:
         update (the same numbers as one push of the keys, since SGD and Adam are elementwise;
         a later push of any of them alone is then accepted, as in MXNet). The store's state
         changes only once every key's push has succeeded."""
-        grouped: dict[Key, list] = {}
-        for k, vs in _args.pairs(key, values, "values"):
-            state.index(k)  # unknown keys refused before anything runs
-            grouped.setdefault(k, []).extend(vs)
-        for k, vs in grouped.items():
+        for k, vs in _grouped(state, key, values).items():
             state = _ops.push(state, k, vs, updater=updater, donate=False)
         return state
 
@@ -515,11 +511,7 @@ class KVStore:
         """A push where some values are row-sparse: each key with one is pushed by rows
         (``_kvsparse.push``), the others as one dense push; the store changes only once every
         part has succeeded."""
-        pairs = _args.pairs(key, value, "values")
-        grouped: dict[Key, list] = {}
-        for k, vs in pairs:
-            self._state.index(k)  # unknown keys refused before anything runs
-            grouped.setdefault(k, []).extend(vs)
+        grouped = _grouped(self._state, key, value)
         sparse = [k for k, vs in grouped.items() if any(map(_kvsparse.is_row_sparse, vs))]
         dense = [k for k in grouped if k not in sparse]
         updater, lazy = self._updater, True
@@ -621,6 +613,16 @@ def _set(out: NDArray, x: jax.Array, device: Any) -> None:
         out._set(x, device)
         return
     out._set(x if out._data.dtype == x.dtype else x.astype(out._data.dtype), device)
+
+
+def _grouped(state: KVState, key: Any, values: Any) -> dict[Key, list]:
+    """Each pushed key's values, MXNet's pairing, in call order; unknown keys are refused
+    before anything runs."""
+    grouped: dict[Key, list] = {}
+    for k, vs in _args.pairs(key, values, "values"):
+        state.index(k)
+        grouped.setdefault(k, []).extend(vs)
+    return grouped
 
 
 def _holds_row_sparse(x: Any) -> bool:

@@ -83,6 +83,14 @@ def _sub_jaxpr(eqn: Any) -> tuple[Any, list] | None:
     return found[0] if len(found) == 1 else None
 
 
+def keeps_shape(eqn: Any) -> bool:
+    """Whether an elementwise equation keeps its operand's shape (a ``bitcast_convert_type``
+    between types of different widths does not)."""
+    if eqn.primitive.name != "bitcast_convert_type":
+        return True
+    return tuple(eqn.outvars[0].aval.shape) == tuple(eqn.invars[0].aval.shape)
+
+
 def _rule(eqn: Any, kinds: list[str], reduce: bool) -> tuple[list[str], str | None] | None:
     """The kinds of ``eqn``'s outputs and what to do beyond binding it (``'inline'`` its
     jaxpr, or the collective that completes a reduction over the rows), or ``None`` if it
@@ -94,8 +102,7 @@ def _rule(eqn: Any, kinds: list[str], reduce: bool) -> tuple[list[str], str | No
         kind = _broadcast_kind(kinds[0], shapes[0], eqn.params)
         return None if kind is None else ([kind], None)
     if name in _ELEMENTWISE:
-        out_shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
-        if name == "bitcast_convert_type" and shapes[0] != out_shape:
+        if not keeps_shape(eqn):
             return None  # a bitcast between types of different widths reshapes
         sized = [k for k, s in zip(kinds, shapes) if s]  # scalars broadcast to any block
         if _BLOCK in kinds:

@@ -44,6 +44,7 @@ from ._collectives import axis_names, unsummed_axes
 from ._errors import KVStoreError, ShapeError
 from ._fast import assemble, per_device
 from ._state import Key, KVState, normalize_key
+from ._state import _spans_processes as _state_spans_processes
 from ._update import optimizer_group
 
 __all__ = ["pull_rows", "push_rows", "row_sparse_pull"]
@@ -422,7 +423,15 @@ def _routed_take(mesh: Any, axis: str) -> Any:
 
 
 def _spans_processes(state: KVState) -> bool:
-    return any(d.process_index != jax.process_index() for d in state.devices)
+    return _state_spans_processes(state.devices)
+
+
+def _like_table(opt: Any, table: Any, split: PartitionSpec) -> Any:
+    """The ``shard_map`` specs of an optimizer state beside a table split along ``split``: its
+    leaves of the table's shape (per-parameter moments) split alike, the others replicated."""
+    return jax.tree_util.tree_map(
+        lambda x: split if tuple(x.shape) == tuple(table.shape) else PartitionSpec(), opt
+    )
 
 
 def _place(x: jax.Array, device: jax.Device) -> jax.Array:
@@ -635,9 +644,7 @@ def _bucket_pusher(
 
     def run(leaf: Any, opt: Any, ids: Any, rows: Any) -> Any:
         if packing is None:
-            opt_spec = jax.tree_util.tree_map(
-                lambda x: spec if tuple(x.shape) == tuple(leaf.shape) else PartitionSpec(), opt
-            )
+            opt_spec = _like_table(opt, leaf, spec)
         else:
             opt_spec = tuple(spec if j in families else PartitionSpec() for j in range(len(opt)))
         mapped = jax.shard_map(
@@ -653,14 +660,10 @@ def _bucket_pusher(
 
 
 @functools.lru_cache(maxsize=256)
-def _bucket_take_split(key: Key, split: NamedSharding) -> Any:
-    """Each device's rows of a key in a bucket, for its own ids (sharded along axis 0)."""
-    return jax.jit(lambda state, ids: _take(state[key], ids), out_shardings=split)
-
-
-@functools.lru_cache(maxsize=256)
-def _bucket_take(key: Key) -> Any:
-    return jax.jit(lambda state, ids: _take(state[key], ids))
+def _bucket_take(key: Key, out: NamedSharding | None = None) -> Any:
+    """The rows of a key read through its view of its bucket (``out``: where the result goes;
+    across processes, each device's rows for its own ids, split along axis 0)."""
+    return jax.jit(lambda state, ids: _take(state[key], ids), out_shardings=out)
 
 
 # -- row_sparse_pull --------------------------------------------------------------------------
@@ -841,7 +844,7 @@ def push_rows(
     if leaf is not None and (n is None or state._packings[n] is None):
         routed = _routed(state, key, shape, host, updater, n)
         if routed is not None:
-            fn = _routed_push(state.mesh, state.axis, key, shape[0], updater, donate)
+            fn = _routed_push(state.mesh, state.axis, key, updater, donate)
             opt = None if n is None else state._opt_states[n]
             value, opt = _dist.ordered("push_rows", fn, state._leaves[leaf], opt, *routed)
             return state._replace_leaves({leaf: value}, {} if n is None else {n: opt})
@@ -909,10 +912,6 @@ def _owners_alone(
         updater, lambda x: jax.ShapeDtypeStruct((1, *shape[1:]), x.dtype), opt
     )
     name = np.dtype(state._stored_types()[state.index(key)].dtype).name
-    return elementwise_rows(updater, key, shape, name, rows_state)
-
-
-def elementwise_rows(updater: Any, key: Key, shape: tuple, name: str, rows_state: Any) -> bool:
     return _elementwise(updater, (key,), ((1, *shape[1:]),), name, rows_state)
 
 
@@ -983,7 +982,7 @@ def _pull_across(
     else:  # in a bucket (whole on every device across processes): read from the view
         split = NamedSharding(state.mesh, PartitionSpec(state.axis))
         asked_all = _global(state, [_padded_ids(x, n, 0) for x in mine])
-        out = _dist.ordered("pull_rows", _bucket_take_split(key, split), state, asked_all)
+        out = _dist.ordered("pull_rows", _bucket_take(key, split), state, asked_all)
     rows = [x[: a.size] for x, a in zip(per_device(out), mine)]
     if per:
         targets = devices_of(devices) if devices is not None else tuple(local)
@@ -1027,7 +1026,7 @@ def _push_across(
     opt = None if n_group is None else state._opt_states[n_group]
     if alone and leaf is not None:
         to, _, send = route([x for x, _ in pairs], block, parts, slots(most), n)
-        fn = _routed_push(state.mesh, state.axis, key, shape[0], updater, donate)
+        fn = _routed_push(state.mesh, state.axis, key, updater, donate)
         value, opt = _dist.ordered(
             "push_rows",
             fn,
@@ -1057,7 +1056,7 @@ def _pad_rows(rows: Any, n: int) -> Any:
 
 
 @functools.lru_cache(maxsize=256)
-def _routed_push(mesh: Any, axis: str, key: Key, n_rows: int, updater: Any, donate: bool) -> Any:
+def _routed_push(mesh: Any, axis: str, key: Key, updater: Any, donate: bool) -> Any:
     """``(table, opt_state, local, send, rows) -> (table, opt_state)``: each device sends each
     owner its rows for it (one all-to-all of ``parts * C`` rows, see :func:`route`), and each
     owner sums and updates the rows of its block alone."""
@@ -1069,9 +1068,7 @@ def _routed_push(mesh: Any, axis: str, key: Key, n_rows: int, updater: Any, dona
         return _update_rows(key, _Where(), block, opt, ids, got, block.shape[0], updater)
 
     def run(table: Any, opt: Any, local: Any, send: Any, rows: Any) -> Any:
-        opt_spec = jax.tree_util.tree_map(
-            lambda x: split if tuple(x.shape) == tuple(table.shape) else PartitionSpec(), opt
-        )
+        opt_spec = _like_table(opt, table, split)
         mapped = jax.shard_map(
             body,
             mesh=mesh,
@@ -1081,7 +1078,6 @@ def _routed_push(mesh: Any, axis: str, key: Key, n_rows: int, updater: Any, dona
         )
         return mapped(table, opt, local, send, rows)
 
-    del n_rows
     return jax.jit(run, donate_argnums=(0, 1) if donate else ())
 
 
@@ -1145,9 +1141,7 @@ def _sharded_runner(mesh: Any, axis: str, key: Key, n_rows: int, updater: Any) -
     split = PartitionSpec(axis)
 
     def run(table: Any, opt: Any, ids: Any, rows: Any) -> Any:
-        opt_spec = jax.tree_util.tree_map(
-            lambda x: split if tuple(x.shape) == tuple(table.shape) else PartitionSpec(), opt
-        )
+        opt_spec = _like_table(opt, table, split)
 
         def body(block: Any, opt: Any, ids: Any, rows: Any) -> Any:
             # ids and rows arrive whole (replicated in_specs): XLA gathers stacked pairs once.
