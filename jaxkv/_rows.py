@@ -695,12 +695,16 @@ def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = No
         return _put(jnp.zeros_like(value), ids, _take(value, ids, lo), lo)
     ids = _host_ids(key, row_ids, shape[0])
     leaf = _own_leaf(state, i)
-    dev_ids = jax.device_put(ids, NamedSharding(state.mesh, PartitionSpec()))
+    # Whole on the store's devices where the store keeps it so, as a pull gives it (a result
+    # that needs no input, no ids at all, would otherwise land on one device).
+    replicated = NamedSharding(state.mesh, PartitionSpec())
+    dev_ids = jax.device_put(ids, replicated)
     if leaf is None:
-        out = _dist.ordered("row_sparse_pull", _bucket_keep(key), state, dev_ids)
+        out_to = None if state._is_split(i) else replicated
+        out = _dist.ordered("row_sparse_pull", _bucket_keep(key, out_to), state, dev_ids)
     else:
         sharded = state.is_sharded(shape)
-        fn = _sharded_keep(state.mesh, state.axis) if sharded else _replicated_keep()
+        fn = _sharded_keep(state.mesh, state.axis) if sharded else _replicated_keep(replicated)
         out = _dist.ordered("row_sparse_pull", fn, state._leaves[leaf], dev_ids)
     return out if devices is None else replicate([out], devices_of(devices))[0]
 
@@ -709,9 +713,9 @@ def _keep(x: Any, ids: Any, lo: Any = 0) -> Any:
     return _put(jnp.zeros_like(x), ids, _take(x, ids, lo), lo)
 
 
-@functools.lru_cache(maxsize=1)
-def _replicated_keep() -> Any:
-    return jax.jit(_keep)
+@functools.lru_cache(maxsize=64)
+def _replicated_keep(out: NamedSharding) -> Any:
+    return jax.jit(_keep, out_shardings=out)
 
 
 @functools.lru_cache(maxsize=64)
@@ -724,8 +728,8 @@ def _sharded_keep(mesh: Any, axis: str) -> Any:
 
 
 @functools.lru_cache(maxsize=256)
-def _bucket_keep(key: Key) -> Any:
-    return jax.jit(lambda state, ids: _keep(state[key], ids))
+def _bucket_keep(key: Key, out: NamedSharding | None) -> Any:
+    return jax.jit(lambda state, ids: _keep(state[key], ids), out_shardings=out)
 
 
 # -- push -------------------------------------------------------------------------------------

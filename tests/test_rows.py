@@ -411,3 +411,16 @@ def test_a_push_of_no_rows_changes_nothing(table, updater, devices):
     ):
         np.testing.assert_array_equal(jaxkv.pull(new, "e"), _table(rows, width))
     assert [x.shape for x in jaxkv.pull_rows(state, "e", [none] * NDEV)] == [(0, width)] * NDEV
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_row_sparse_pull_of_no_rows_is_whole_on_the_stores_devices(layout, devices):
+    """Found by the deep stateful run: with no ids the result needs no input, and it landed on
+    one device, so a compressed store took it as one device's push."""
+    state = jaxkv.init(cpu_empty(layout=layout), {0: jnp.ones((2, 3))})
+    for ids in ([], [1]):
+        out = jaxkv.row_sparse_pull(state, 0, ids)
+        assert out.sharding.device_set == set(devices) and out.is_fully_replicated
+        want = np.zeros((2, 3))
+        want[ids] = 1
+        np.testing.assert_array_equal(out, want)
