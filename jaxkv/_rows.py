@@ -968,6 +968,7 @@ def _pull_across(
     block = shape[0] // parts
     most = busiest(mine, block, parts) if sharded else 1
     n, most = _agreed(max(x.size for x in mine), most)
+    n = max(n, 1)  # no ids anywhere: one padded id (XLA may place a zero-size result whole)
     if sharded and leaf is not None:
         c = slots(most)
         ids, back, _ = route(mine, block, parts, c, n)
@@ -1026,6 +1027,7 @@ def _push_across(
     alone = alone and _owners_alone(state, key, shape, updater, n_group)
     most = busiest([x for x, _ in pairs], block, parts) if alone else 1
     n, most = _agreed(max(x.size for x, _ in pairs), most)
+    n = max(n, 1)  # no rows anywhere: one padded row that selects nothing
     rows = [_pad_rows(r, n) for _, r in pairs]
     opt = None if n_group is None else state._opt_states[n_group]
     if alone and leaf is not None:

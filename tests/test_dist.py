@@ -80,6 +80,8 @@ def test_rows_across_processes(bound):
             "functional assign of one pair per process",
             "row_sparse_pull after lazy sgd",
             "the whole table after lazy sgd",
+            "functional pull and push of no rows",
+            "row_sparse_pull of no rows",
         ):
             assert f"rank {rank} ok {tag} {check}" in run.stdout, run.stdout + run.stderr
         assert f"rank {rank} done" in run.stdout

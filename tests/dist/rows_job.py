@@ -93,6 +93,12 @@ def main():
     for i, g in summed.items():
         model[i] = g
     check(f"{tag} functional assign of one pair per process", jaxkv.pull(state, "t", devices=local[0]), model)
+    # no ids on any process: nothing read, nothing changed (one padded id, selecting nothing)
+    none = np.zeros(0, np.int32)
+    got = jaxkv.pull_rows(state, "t", [none] * len(local))
+    assert [g.shape for g in got] == [(0, WIDTH)] * len(local), [g.shape for g in got]
+    state = jaxkv.push_rows(state, "t", none, jnp.zeros((0, WIDTH)), updater=optax.sgd(LR))
+    check(f"{tag} functional pull and push of no rows", jaxkv.pull(state, "t", devices=local[0]), model)
 
     # Imperative: a dist_sync store, row-sparse values, MXNet's lazy SGD.
     kv = mx.kv.create("dist_sync")
@@ -126,6 +132,14 @@ def main():
     dense = mx.nd.zeros((ROWS, WIDTH))
     kv.pull("e", out=dense)
     check(f"{tag} the whole table after lazy sgd", dense.asnumpy(), model)
+    # no ids into row-sparse outs, from the table and from a small key kept in a bucket
+    kv.init("s", mx.nd.ones((3, 2)))
+    for k, shape in (("e", (ROWS, WIDTH)), ("s", (3, 2))):
+        outs = [mx.nd.sparse.zeros("row_sparse", shape, ctx=mx.cpu(j)) for j in range(len(local))]
+        kv.row_sparse_pull(k, out=outs, row_ids=[mx.nd.array([], dtype="int64") for _ in outs])
+        for o in outs:
+            assert o.indices.asnumpy().size == 0, o.indices.asnumpy()
+            check(f"{tag} row_sparse_pull of no rows", o.asnumpy(), np.zeros(shape))
     kv.barrier()
     print(f"rank {rank} done", flush=True)
 
