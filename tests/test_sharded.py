@@ -100,9 +100,7 @@ def test_optimizer_state_is_sharded_too(state, devices):
         (packed,) = [o for g, o in zip(new._groups, new._opt_states) if g == ("big", "small")]
         mus = [x for x in packed if x.ndim == 1 and x.size > 1]
         assert len(mus) == 2  # mu and nu, one bucket each
-        assert all(
-            b == x.nbytes // 8 for x in mus for b in device_bytes(x).values()
-        )
+        assert all(b == x.nbytes // 8 for x in mus for b in device_bytes(x).values())
     else:
         mu = new.opt_states[("big", "small")][0].mu["big"]
         assert all(b == mu.nbytes // 8 for b in device_bytes(mu).values())
