@@ -28,6 +28,7 @@ from ._ops import pull_rows as pull_rows
 from ._ops import push as push
 from ._ops import push_rows as push_rows
 from ._ops import pushpull as pushpull
+from ._ops import pushpull_rows as pushpull_rows
 from ._ops import row_sparse_pull as row_sparse_pull
 from ._ops import specs as specs
 from ._state import KVState as KVState
@@ -79,6 +80,7 @@ __all__ = [
     "push",
     "push_rows",
     "pushpull",
+    "pushpull_rows",
     "row_sparse_pull",
     "save_state",
     "specs",

@@ -1,5 +1,6 @@
 """The public face of the functional core: ``init``, ``push``, ``pull``, ``pushpull``,
-``row_sparse_pull``, ``pull_rows``, ``push_rows`` (the last three from ``_rows.py``).
+``row_sparse_pull``, ``pull_rows``, ``push_rows``, ``pushpull_rows`` (the last four from
+``_rows.py``).
 
 Eagerly, one ``push`` is one jitted computation for all its keys: per-device contributions are
 assembled (without copying) into one array sharded over the store's mesh and summed with a
@@ -28,7 +29,7 @@ from ._arrays import copies, replicate
 from ._compression import residual_zeros
 from ._errors import DuplicateKeyError, KeyTypeError, KVStoreError, ShapeError
 from ._push import init_opt_states, push_eager, push_eager_flat
-from ._rows import pull_rows, push_rows, row_sparse_pull
+from ._rows import pull_rows, push_rows, pushpull_rows, row_sparse_pull
 from ._state import Key, KVState, check_compressible, key_kind
 from ._trace import gather, is_block, push_in_trace
 from ._update import Updater, optimizer_group
@@ -43,6 +44,7 @@ __all__ = [
     "push",
     "push_rows",
     "pushpull",
+    "pushpull_rows",
     "row_sparse_pull",
     "specs",
 ]

@@ -47,7 +47,7 @@ from ._state import Key, KVState, normalize_key
 from ._state import _spans_processes as _state_spans_processes
 from ._update import optimizer_group
 
-__all__ = ["pull_rows", "push_rows", "row_sparse_pull"]
+__all__ = ["pull_rows", "push_rows", "pushpull_rows", "row_sparse_pull"]
 
 _ID_DTYPE = jnp.int32  # row ids on device (JAX's default integer); tables below 2**31 rows
 
@@ -88,6 +88,8 @@ def _dedupe(ids: Any, rows: Any, n_rows: int) -> tuple[Any, Any]:
     slot = jnp.cumsum(starts.astype(jnp.int32)) - 1
     unique = jnp.full(size, n_rows, ids.dtype).at[slot].set(ordered)
     inverse = jnp.searchsorted(unique, ids, method="scan").astype(jnp.int32)
+    if rows.dtype == jnp.bool_:  # summed as a push sums them: any of them
+        return unique, jax.ops.segment_max(rows.astype(jnp.int8), inverse, num_segments=size) > 0
     summed = jax.ops.segment_sum(rows, inverse, num_segments=size)
     return unique, summed
 
@@ -344,22 +346,33 @@ def _pull_per_device(
         or _spans_processes(state)
     ):
         return [_place(_eager_take(state, key, i, x), d) for x, d in zip(ids, targets)]
-    split = NamedSharding(state.mesh, PartitionSpec(state.axis))
+    asked = _split_ids(state, row_ids, ids)
     if state.is_sharded(shape):
-        block = shape[0] // len(targets)
-        local, back, _ = route(ids, block, len(targets))
-        fn = _routed_take(state.mesh, state.axis)
-        asked, placed = jax.device_put([local.reshape(-1), back.reshape(-1)], [split, split])
-        out = _dist.ordered("pull_rows", fn, state._leaves[leaf], asked, placed)
-        return per_device(out)
-    stacked = jax.device_put(np.concatenate(ids), split)
+        c = slots(busiest(ids, shape[0] // len(targets), len(targets)))
+        fn = _routed_take(state.mesh, state.axis, c)
+        return per_device(_dist.ordered("pull_rows", fn, state._leaves[leaf], asked))
     fn = _per_device_take(state.mesh, state.axis, False)
-    out = _dist.ordered("pull_rows", fn, state._leaves[leaf], stacked)
-    return per_device(out)
+    return per_device(_dist.ordered("pull_rows", fn, state._leaves[leaf], asked))
+
+
+def _split_ids(state: KVState, given: Sequence[Any], ids: list[np.ndarray]) -> jax.Array:
+    """Each device's ids (``ids[j]``, checked on the host, as many for each device) as one array
+    split along axis 0 over the store's mesh: the ``given`` arrays themselves where they are
+    already ``int32`` on their devices, else copied from the host."""
+    split = NamedSharding(state.mesh, PartitionSpec(state.axis))
+    n = ids[0].size
+    shards = [x.asjax() if hasattr(x, "asjax") else x for x in given]
+    if all(
+        isinstance(x, jax.Array) and x.dtype == jnp.int32 and x.shape == (n,) and x.devices() == {d}
+        for x, d in zip(shards, state.devices)
+    ):
+        return assemble((n * len(shards),), split, shards)
+    return jax.device_put(np.concatenate(ids), split)
 
 
 def busiest(ids: Sequence[np.ndarray], block: int, parts: int) -> int:
-    """The most ids one of ``ids`` (one array per device) sends to one owner."""
+    """The most ids one of ``ids`` (one array of checked ids per device) sends to one owner of a
+    table cut in ``parts`` blocks of ``block`` rows."""
     return max(
         (int(np.bincount(x // block, minlength=parts).max()) for x in ids if x.size), default=1
     )
@@ -376,50 +389,57 @@ def slots(most: int) -> int:
     return -(-most // step) * step
 
 
-def route(
-    ids: Sequence[np.ndarray], block: int, parts: int, c: int | None = None, n: int | None = None
-) -> tuple[Any, Any, Any]:
-    """How the rows of ``ids`` (one array of row ids per device) travel between the devices of
-    a table cut in ``parts`` blocks of ``block`` rows: each device sends to each owner at most
-    ``C`` ids (``C`` the largest such count, rounded up by :func:`slots`).
+def _plan(ids: Any, block: int, parts: int, c: int) -> tuple[Any, Any]:
+    """On one device, inside ``shard_map``: where each of its ``ids`` goes among the
+    ``parts * c`` slots it sends (owner-major, ``c`` per owner of a table cut in ``parts``
+    blocks of ``block`` rows), and each slot's id as a row of its owner's block (``block``,
+    which selects nothing, where unused). An id outside the table (padding) goes nowhere: its
+    slot is ``parts * c``. ``c`` is at least the most ids this device sends one owner (the host
+    counts them: :func:`busiest`)."""
+    valid = (ids >= 0) & (ids < parts * block)
+    owner = jnp.where(valid, ids // block, parts)
+    to = owner[:, None] == jnp.arange(parts, dtype=owner.dtype)[None, :]
+    seen = jnp.cumsum(to.astype(jnp.int32), axis=0)  # ids so far for each owner
+    slot = jnp.sum(jnp.where(to, seen, 0), axis=1) - 1
+    dest = jnp.where(valid, owner * c + slot, parts * c)
+    local = jnp.full(parts * c, block, ids.dtype)
+    return dest, local.at[dest].set(ids - owner * block, mode="drop")
 
-    Returns ``(local, back, send)``, each with one row per device: ``local[s]`` is
-    ``(parts * C,)``, the ids device ``s`` sends to each owner in turn as rows of the owner's
-    block (``block`` where unused: it selects nothing); ``back[s]`` is ``(n,)``, where each of
-    ``s``'s ids lands among the ``parts * C`` rows it gets back (owner-major); ``send[s]`` is
-    ``(parts * C,)``, which of ``s``'s own rows goes in each slot (``n`` where unused). ``c``
-    and ``n`` (the ids per device, padded) may be given: across processes they are agreed."""
-    owners = [x // block for x in ids]
-    if c is None:
-        c = slots(busiest(ids, block, parts))
-    if n is None:
-        n = max((x.size for x in ids), default=0)
-    local = np.full((len(ids), parts, c), block, np.int32)
-    send = np.full((len(ids), parts, c), n, np.int32)
-    back = np.zeros((len(ids), n), np.int32)
-    for s, (x, o) in enumerate(zip(ids, owners)):
-        order = np.argsort(o, kind="stable")
-        by_owner = o[order]
-        slot = np.arange(x.size) - np.searchsorted(by_owner, by_owner)
-        local[s, by_owner, slot] = x[order] - by_owner * block
-        send[s, by_owner, slot] = order
-        back[s, order] = by_owner * c + slot
-    return local.reshape(len(ids), -1), back, send.reshape(len(ids), -1)
+
+def _exchange(local: Any, rows: Any, dest: Any, axis: str) -> tuple[Any, Any]:
+    """Each slot's id and row sent to its owner (see :func:`_plan`): one all-to-all, the id a
+    column of the rows bit cast to ``int32`` where the rows' items are 4 bytes, else two."""
+    n = local.shape[0]
+    shape = rows.shape[1:]
+    if jnp.dtype(rows.dtype).itemsize != 4:
+        sent = jnp.zeros((n, *shape), rows.dtype).at[dest].set(rows, mode="drop")
+        ids = jax.lax.all_to_all(local, axis, 0, 0, tiled=True)
+        return ids, jax.lax.all_to_all(sent, axis, 0, 0, tiled=True)
+    flat = rows.reshape(rows.shape[0], math.prod(shape))
+    if flat.dtype != jnp.int32:
+        flat = jax.lax.bitcast_convert_type(flat, jnp.int32)
+    sent = jnp.zeros((n, flat.shape[1] + 1), jnp.int32).at[:, -1].set(local)
+    sent = jax.lax.all_to_all(sent.at[dest, :-1].set(flat, mode="drop"), axis, 0, 0, tiled=True)
+    got = sent[:, :-1]
+    if rows.dtype != jnp.int32:
+        got = jax.lax.bitcast_convert_type(got, rows.dtype)
+    return sent[:, -1], got.reshape(n, *shape)
 
 
 @functools.lru_cache(maxsize=64)
-def _routed_take(mesh: Any, axis: str) -> Any:
-    """Each device's rows of a sharded table: its ids sent to their owners, and their rows
-    back, with two all-to-alls of ``parts * C`` rows (see :func:`route`)."""
+def _routed_take(mesh: Any, axis: str, c: int) -> Any:
+    """``(table, ids) -> rows``, both split along axis 0 over the mesh: each device's ids sent
+    to their owners and the rows back, two all-to-alls of ``parts * c`` slots."""
+    parts = mesh.shape[axis]
 
-    def body(block: Any, local: Any, back: Any) -> Any:
+    def body(block: Any, ids: Any) -> Any:
+        dest, local = _plan(ids, block.shape[0], parts, c)
         asked = jax.lax.all_to_all(local, axis, 0, 0, tiled=True)  # what others ask of me
-        rows = _take(block, asked)
-        got = jax.lax.all_to_all(rows, axis, 0, 0, tiled=True)  # owner-major
-        return jnp.take(got, back, axis=0)
+        got = jax.lax.all_to_all(_take(block, asked), axis, 0, 0, tiled=True)  # owner-major
+        return jnp.take(got, dest, axis=0, mode="fill", fill_value=0)
 
     split = PartitionSpec(axis)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(split, split, split), out_specs=split))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(split, split), out_specs=split))
 
 
 def _spans_processes(state: KVState) -> bool:
@@ -811,6 +831,63 @@ def push_rows(
       >>> jaxkv.pull(s, "e").tolist()
       [[1.0, 1.0], [0.0, 0.0], [2.0, 2.0]]
     """
+    return _push(state, key, row_ids, rows, updater, axis_name, donate, False)[0]
+
+
+def pushpull_rows(
+    state: KVState,
+    key: Any,
+    row_ids: Any,
+    rows: Any,
+    *,
+    updater: Any = None,
+    axis_name: Any = None,
+    donate: bool = False,
+) -> tuple[KVState, Any]:
+    """:func:`push_rows`, then :func:`pull_rows` of the same ids from the new state, fused:
+    ``(state, rows)``, the rows the step's ids have after the push (with a list of pairs, a
+    list: each pair's rows, on the device its rows came from), in one computation where the
+    push and the pull can share their routes (a sharded table, one pair per device of as many
+    rows each, an elementwise updater): the pushed rows go to their owners, and the new rows
+    come back the same way. This
+    is the step of an embedding table's training loop (push the gradient of the rows the batch
+    touched, read them back for the next forward pass). Arguments and refusals as
+    :func:`push_rows`; the result is what ``push_rows`` then ``pull_rows`` give.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxkv
+      >>> s = jaxkv.init(jaxkv.empty(), {"e": jnp.zeros((3, 2))})
+      >>> s, got = jaxkv.pushpull_rows(s, "e", [2, 0, 2], jnp.ones((3, 2)))
+      >>> got.tolist()
+      [[2.0, 2.0], [1.0, 1.0], [2.0, 2.0]]
+    """
+    state, pulled = _push(state, key, row_ids, rows, updater, axis_name, donate, True)
+    if pulled is not None:
+        return state, pulled
+    if not isinstance(rows, list | tuple):
+        return state, pull_rows(state, key, row_ids, axis_name=axis_name)
+    if _traced_leaves(state) or any(is_traced(x) for x in row_ids):
+        return state, [pull_rows(state, key, x, axis_name=axis_name) for x in row_ids]
+    homes = []
+    for r in rows:
+        r = _unwrapped(r)
+        on = r.devices() if isinstance(r, jax.Array) else ()
+        homes.append(next(iter(on)) if len(on) == 1 else state.devices[0])
+    return state, pull_rows(state, key, list(row_ids), devices=homes)
+
+
+def _push(
+    state: KVState,
+    key: Any,
+    row_ids: Any,
+    rows: Any,
+    updater: Any,
+    axis_name: Any,
+    donate: bool,
+    pull: bool,
+) -> tuple[KVState, Any]:
+    """``push_rows``, and with ``pull``, where one computation can also pull the pushed ids
+    (see :func:`pushpull_rows`), the pulled rows (else ``None``)."""
     key, i, shape = _table(state, key, "push_rows")
     dtype = state._stored_types()[i].dtype
     pairs = [(ids, _unwrapped(r)) for ids, r in _pairs(key, row_ids, rows)]
@@ -824,7 +901,7 @@ def push_rows(
         or any(is_traced(ids) or is_traced(r) for ids, r in pairs)
     )
     if traced:
-        return _push_traced(state, key, shape, pairs, updater, axis_name, group)
+        return _push_traced(state, key, shape, pairs, updater, axis_name, group), None
     if axis_name is not None:
         raise KVStoreError(
             f"axis_name={axis_name!r}: expected to be called inside pmap or shard_map, given an "
@@ -844,29 +921,31 @@ def push_rows(
     leaf = _own_leaf(state, i)
     n: int | None = None if group is None else state._groups.index(group)
     if _spans_processes(state):
-        return _push_across(state, key, shape, host, updater, n, leaf, donate)
+        return _push_across(state, key, shape, host, updater, n, leaf, donate), None
     if leaf is not None and (n is None or state._packings[n] is None):
-        routed = _routed(state, key, shape, host, updater, n)
+        routed = _routed(state, key, shape, host, updater, n, [ids for ids, _ in pairs])
         if routed is not None:
-            fn = _routed_push(state.mesh, state.axis, key, updater, donate)
+            c, ids, rows = routed
+            fn = _routed_push(state.mesh, state.axis, key, updater, donate, c, pull)
             opt = None if n is None else state._opt_states[n]
-            value, opt = _dist.ordered("push_rows", fn, state._leaves[leaf], opt, *routed)
-            return state._replace_leaves({leaf: value}, {} if n is None else {n: opt})
+            out = _dist.ordered("push_rows", fn, state._leaves[leaf], opt, ids, rows)
+            new = state._replace_leaves({leaf: out[0]}, {} if n is None else {n: out[1]})
+            return new, per_device(out[2]) if pull else None
     ids, rows = _gathered(state, key, host, dtype)
     place = _in_bucket(state, i)
     if place is not None and (
         updater is None or (optax_push and n is not None and state._packings[n] is not None)
     ):
-        return _bucket_push(state, key, i, place, n, ids, rows, updater, donate)
+        return _bucket_push(state, key, i, place, n, ids, rows, updater, donate), None
     if leaf is not None and (n is None or state._packings[n] is None):
         fn = _own_push(
             state.mesh, state.axis, key, shape[0], state.is_sharded(shape), updater, donate
         )
         opt = None if n is None else state._opt_states[n]
         value, opt = _dist.ordered("push_rows", fn, state._leaves[leaf], opt, ids, rows)
-        return state._replace_leaves({leaf: value}, {} if n is None else {n: opt})
+        return state._replace_leaves({leaf: value}, {} if n is None else {n: opt}), None
     fn = _state_push(key, shape[0], updater, donate)
-    return _dist.ordered("push_rows", fn, state, ids, rows)
+    return _dist.ordered("push_rows", fn, state, ids, rows), None
 
 
 def _routed(
@@ -876,12 +955,14 @@ def _routed(
     host: list[tuple[np.ndarray, Any]],
     updater: Any,
     n: int | None,
-) -> tuple[Any, Any, Any] | None:
+    given: Sequence[Any],
+) -> tuple[int, Any, Any] | None:
     """A push of one pair per device of the store, in place there, of as many rows each, into a
     sharded table, with an updater that needs no other device's rows (none, an MXNet-style
-    updater on the block, an elementwise optax one): the ``(local, send, rows)`` arguments of
-    :func:`_routed_push`, each device's rows going straight to the owners of their ids. Else
-    ``None``: every device gets every pushed row (:func:`_gathered`)."""
+    updater on the block, an elementwise optax one): ``C`` and the ``(ids, rows)`` arguments of
+    :func:`_routed_push`, each device's rows going straight to the owners of their ids
+    (``given``: the row ids as given, used in place where they can be). Else ``None``: every
+    device gets every pushed row (:func:`_gathered`)."""
     devices = state.devices
     parts = len(devices)
     if (
@@ -896,12 +977,11 @@ def _routed(
         return None
     if not _owners_alone(state, key, shape, updater, n):
         return None
-    local, _, send = route([ids for ids, _ in host], shape[0] // parts, parts)
+    c = slots(busiest([ids for ids, _ in host], shape[0] // parts, parts))
     split = NamedSharding(state.mesh, PartitionSpec(state.axis))
     rows = host[0][1].shape[0]
     stacked = assemble((rows * parts, *shape[1:]), split, [r for _, r in host])
-    to, slots_of = jax.device_put([local.reshape(-1), send.reshape(-1)], [split, split])
-    return to, slots_of, stacked
+    return c, _split_ids(state, given, [ids for ids, _ in host]), stacked
 
 
 def _owners_alone(
@@ -970,16 +1050,9 @@ def _pull_across(
     n, most = _agreed(max(x.size for x in mine), most)
     n = max(n, 1)  # no ids anywhere: one padded id (XLA may place a zero-size result whole)
     if sharded and leaf is not None:
-        c = slots(most)
-        ids, back, _ = route(mine, block, parts, c, n)
-        fn = _routed_take(state.mesh, state.axis)
-        out = _dist.ordered(
-            "pull_rows",
-            fn,
-            state._leaves[leaf],
-            _global(state, list(ids)),
-            _global(state, list(back)),
-        )
+        fn = _routed_take(state.mesh, state.axis, slots(most))
+        ids = _global(state, [_padded_ids(x, n, -1) for x in mine])
+        out = _dist.ordered("pull_rows", fn, state._leaves[leaf], ids)
     elif leaf is not None:
         fn = _per_device_take(state.mesh, state.axis, False)
         padded = [_padded_ids(x, n, 0) for x in mine]
@@ -1031,16 +1104,10 @@ def _push_across(
     rows = [_pad_rows(r, n) for _, r in pairs]
     opt = None if n_group is None else state._opt_states[n_group]
     if alone and leaf is not None:
-        to, _, send = route([x for x, _ in pairs], block, parts, slots(most), n)
-        fn = _routed_push(state.mesh, state.axis, key, updater, donate)
+        fn = _routed_push(state.mesh, state.axis, key, updater, donate, slots(most), False)
+        padded = _global(state, [_padded_ids(x, n, -1) for x, _ in pairs])
         value, opt = _dist.ordered(
-            "push_rows",
-            fn,
-            state._leaves[leaf],
-            opt,
-            _global(state, list(to)),
-            _global(state, list(send)),
-            _global(state, rows),
+            "push_rows", fn, state._leaves[leaf], opt, padded, _global(state, rows)
         )
         return state._replace_leaves({leaf: value}, {} if n_group is None else {n_group: opt})
     stacked_ids = _global(state, [_padded_ids(x, n, -1) for x, _ in pairs])
@@ -1062,27 +1129,36 @@ def _pad_rows(rows: Any, n: int) -> Any:
 
 
 @functools.lru_cache(maxsize=256)
-def _routed_push(mesh: Any, axis: str, key: Key, updater: Any, donate: bool) -> Any:
-    """``(table, opt_state, local, send, rows) -> (table, opt_state)``: each device sends each
-    owner its rows for it (one all-to-all of ``parts * C`` rows, see :func:`route`), and each
-    owner sums and updates the rows of its block alone."""
+def _routed_push(
+    mesh: Any, axis: str, key: Key, updater: Any, donate: bool, c: int, pull: bool
+) -> Any:
+    """``(table, opt_state, ids, rows) -> (table, opt_state)``, ids and rows split along axis 0:
+    each device sends each owner its ids and rows for it (one all-to-all of ``parts * c`` slots,
+    see :func:`_plan`), and each owner sums and updates the rows of its block alone. With
+    ``pull``, also each device's rows after the update, in the order of its ids (one more
+    all-to-all, back along the same routes): ``(table, opt_state, rows)``."""
     split = PartitionSpec(axis)
+    parts = mesh.shape[axis]
 
-    def body(block: Any, opt: Any, local: Any, send: Any, rows: Any) -> Any:
-        ids = jax.lax.all_to_all(local, axis, 0, 0, tiled=True)
-        got = jax.lax.all_to_all(_take(rows, send), axis, 0, 0, tiled=True)
-        return _update_rows(key, _Where(), block, opt, ids, got, block.shape[0], updater)
+    def body(block: Any, opt: Any, ids: Any, rows: Any) -> Any:
+        dest, local = _plan(ids, block.shape[0], parts, c)
+        got_ids, got = _exchange(local, rows, dest, axis)
+        block, opt = _update_rows(key, _Where(), block, opt, got_ids, got, block.shape[0], updater)
+        if not pull:
+            return block, opt
+        back = jax.lax.all_to_all(_take(block, got_ids), axis, 0, 0, tiled=True)
+        return block, opt, jnp.take(back, dest, axis=0, mode="fill", fill_value=0)
 
-    def run(table: Any, opt: Any, local: Any, send: Any, rows: Any) -> Any:
+    def run(table: Any, opt: Any, ids: Any, rows: Any) -> Any:
         opt_spec = _like_table(opt, table, split)
         mapped = jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(split, opt_spec, split, split, split),
-            out_specs=(split, opt_spec),
+            in_specs=(split, opt_spec, split, split),
+            out_specs=(split, opt_spec, split) if pull else (split, opt_spec),
             check_vma=False,
         )
-        return mapped(table, opt, local, send, rows)
+        return mapped(table, opt, ids, rows)
 
     return jax.jit(run, donate_argnums=(0, 1) if donate else ())
 

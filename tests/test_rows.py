@@ -133,13 +133,23 @@ def test_pushes_and_pulls_of_rows_follow_the_model(layout, table, updater, data)
             )
             for j, (i, s) in enumerate(push)
         ]
-        if len(push) == 1 and data.draw(st.booleans()):
-            state = jaxkv.push_rows(state, "e", ids[0], values[0], updater=upd)
+        one = len(push) == 1 and data.draw(st.booleans())
+        args = (ids[0], values[0]) if one else (ids, values)
+        fused = data.draw(st.booleans())
+        if fused:  # push then pull of the same ids, in one computation where it can be
+            state, pulled = jaxkv.pushpull_rows(state, "e", *args, updater=upd)
         else:
-            state = jaxkv.push_rows(state, "e", ids, values, updater=upd)
+            state = jaxkv.push_rows(state, "e", *args, updater=upd)
         model, opt = _model_push(
             model, opt, np.concatenate(ids), np.concatenate([np.asarray(v) for v in values]), upd
         )
+        if fused and one:
+            _close(pulled, model[ids[0]], exact)
+        elif fused:
+            assert len(pulled) == len(ids)
+            for x, got, j in zip(ids, pulled, range(len(ids))):
+                assert got.devices() == {devices[j]}
+                _close(got, model[x], exact)
         _close(jaxkv.pull(state, "e"), model, exact)
         asked = data.draw(st.lists(st.integers(0, rows - 1), min_size=5, max_size=5))
         _close(jaxkv.pull_rows(state, "e", asked), model[asked], exact)
@@ -263,12 +273,19 @@ def test_inside_jit_the_same_as_eagerly(layout):
 
     @jax.jit
     def step(s, ids, rows):
+        s, fused = jaxkv.pushpull_rows(s, "e", ids, rows, updater=ADAM)
+        s = jaxkv.push_rows(s, "e", ids, -rows, updater=ADAM)
         s = jaxkv.push_rows(s, "e", ids, rows, updater=ADAM)
-        return s, jaxkv.pull_rows(s, "e", ids), jaxkv.row_sparse_pull(s, "e", ids)
+        pulled = jaxkv.pull_rows(s, "e", ids)
+        return s, fused, pulled, jaxkv.row_sparse_pull(s, "e", ids)
 
     eager = jaxkv.push_rows(state, "e", np.asarray(ids), rows, updater=ADAM)
+    first = jaxkv.pull_rows(eager, "e", np.asarray(ids))
+    eager = jaxkv.push_rows(eager, "e", np.asarray(ids), -rows, updater=ADAM)
+    eager = jaxkv.push_rows(eager, "e", np.asarray(ids), rows, updater=ADAM)
     traced = jaxkv.init_optimizer(state, ADAM, ["e"])
-    new, pulled, kept = step(traced, ids, rows)
+    new, fused, pulled, kept = step(traced, ids, rows)
+    np.testing.assert_allclose(fused, first, rtol=1e-6)
     np.testing.assert_allclose(jaxkv.pull(new, "e"), jaxkv.pull(eager, "e"), rtol=1e-6)
     np.testing.assert_allclose(pulled, jaxkv.pull_rows(eager, "e", np.asarray(ids)), rtol=1e-6)
     np.testing.assert_allclose(kept, jaxkv.row_sparse_pull(eager, "e", np.asarray(ids)), rtol=1e-6)
@@ -307,12 +324,17 @@ def test_inside_shard_map_each_device_pushes_and_pulls_its_own_rows(layout):
         s = jaxkv.push_rows(s, "e", ids[0], rows[0], updater=SGD, axis_name="kv")
         return s, jaxkv.pull_rows(s, "e", ids[0], axis_name="kv")[None]
 
-    step = _shard_map(state, body, (spec, P("kv"), P("kv")), (spec, P("kv")))
-    new, pulled = step(state, ids, rows)
+    def fused(s, ids, rows):
+        s, got = jaxkv.pushpull_rows(s, "e", ids[0], rows[0], updater=SGD, axis_name="kv")
+        return s, got[None]
+
     eager = jaxkv.push_rows(state, "e", list(ids), [jnp.asarray(r) for r in rows], updater=SGD)
-    np.testing.assert_allclose(jaxkv.pull(new, "e"), jaxkv.pull(eager, "e"), rtol=1e-6)
     want = np.stack([np.asarray(jaxkv.pull_rows(eager, "e", i)) for i in ids])
-    np.testing.assert_allclose(pulled, want, rtol=1e-6)
+    for fn in (body, fused):
+        step = _shard_map(state, fn, (spec, P("kv"), P("kv")), (spec, P("kv")))
+        new, pulled = step(state, ids, rows)
+        np.testing.assert_allclose(jaxkv.pull(new, "e"), jaxkv.pull(eager, "e"), rtol=1e-6)
+        np.testing.assert_allclose(pulled, want, rtol=1e-6)
 
 
 def test_inside_shard_map_a_pair_the_same_on_every_device_counts_once():
@@ -395,6 +417,49 @@ def test_rows_routed_to_their_owners_whatever_the_spread(spread, devices):
         pulled = jaxkv.pull_rows(state, "e", ids)
         for x, got in zip(ids, pulled):
             _close(got, model[x], exact=False)
+        again, fused = jaxkv.pushpull_rows(state, "e", ids, values, updater=upd)
+        pushed = jaxkv.push_rows(state, "e", ids, values, updater=upd)
+        _close(jaxkv.pull(again, "e"), np.asarray(jaxkv.pull(pushed, "e")), exact=True)
+        for got, want in zip(fused, jaxkv.pull_rows(pushed, "e", ids)):
+            _close(got, np.asarray(want), exact=True)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape"),
+    [("float32", (2048, 4, 2)), ("int32", (2048, 8)), ("bfloat16", (2048, 8)), ("bool", (2048, 8))],
+)
+def test_routed_rows_of_any_dtype_and_row_shape(dtype, shape, devices):
+    """The routed push carries each row's id beside it (a column of the rows bit cast to int32
+    where their items are 4 bytes, else in an all-to-all of its own): every dtype and row shape
+    arrives whole, and pushpull_rows gives what push_rows then pull_rows give."""
+    rng = np.random.default_rng(7)
+    table = (rng.integers(0, 5, shape) > 2) if dtype == "bool" else rng.integers(-9, 9, shape)
+    state = jaxkv.init(cpu_empty(layout="keys"), {"e": jnp.asarray(table, dtype)})
+    assert state.is_sharded(shape)
+    ids = [rng.integers(0, shape[0], 7).astype(np.int32) for _ in range(NDEV)]
+    ids[2][:3] = ids[5][:3]  # repeats across devices: assigned their sum
+    values = [
+        jax.device_put(jnp.asarray(rng.integers(0, 2, (7, *shape[1:])), dtype), d) for d in devices
+    ]
+    want = np.asarray(jnp.asarray(table, dtype)).copy()
+    summed: dict[int, np.ndarray] = {}
+    for x, v in zip(ids, values):
+        for i, r in zip(x.tolist(), np.asarray(v)):
+            summed[i] = summed[i] + r if i in summed else r
+    for i, r in summed.items():
+        want[i] = r
+    for fused in (False, True):
+        if fused:
+            new, pulled = jaxkv.pushpull_rows(state, "e", ids, values)
+        else:
+            new = jaxkv.push_rows(state, "e", ids, values)
+            pulled = jaxkv.pull_rows(new, "e", ids)
+        got = jaxkv.pull(new, "e")
+        assert got.dtype == jnp.dtype(dtype)
+        np.testing.assert_array_equal(np.asarray(got), want)
+        for x, p, d in zip(ids, pulled, devices):
+            assert p.devices() == {d}
+            np.testing.assert_array_equal(np.asarray(p), want[x])
 
 
 @pytest.mark.parametrize("table", ["small", "sharded"])
