@@ -7,6 +7,8 @@ Rows:
   functional   jaxkv.push_rows(state, key, [ids per device], [rows per device],
                updater=optax.sgd(lr), donate=True), then jaxkv.pull_rows(state, key,
                [ids per device]): each device's rows on it
+  fused        jaxkv.pushpull_rows(state, key, [ids per device], [rows per device],
+               updater=optax.sgd(lr), donate=True): the same step in one computation
   imperative   jaxkv.mx: kv.push(key, [row_sparse gradients]) with
                kv.set_optimizer(mx.optimizer.SGD(learning_rate=lr, lazy_update=True)), then
                kv.row_sparse_pull(key, out=[row_sparse outs], row_ids=[ids per device])
@@ -102,7 +104,7 @@ def per_device_bytes() -> int:
     return max(held.values()) if held else 0
 
 
-def functional(rows: int, steps: int) -> dict:
+def functional(rows: int, steps: int, fused: bool = False) -> dict:
     devices = jax.devices("cpu")
     work = batches(rows, len(devices))
     sgd = optax.sgd(LR)
@@ -119,15 +121,20 @@ def functional(rows: int, steps: int) -> dict:
 
     def step(k: int) -> None:
         ids, grads = placed[k % len(placed)]
-        box["state"] = jaxkv.push_rows(box["state"], KEY, ids, grads, updater=sgd, donate=True)
-        out = jaxkv.pull_rows(box["state"], KEY, ids)
+        if fused:
+            box["state"], out = jaxkv.pushpull_rows(
+                box["state"], KEY, ids, grads, updater=sgd, donate=True
+            )
+        else:
+            box["state"] = jaxkv.push_rows(box["state"], KEY, ids, grads, updater=sgd, donate=True)
+            out = jaxkv.pull_rows(box["state"], KEY, ids)
         jax.block_until_ready(out)
         pulled.append(out)
 
     for k in range(len(work)):  # every batch once (each compiles its routes), checked
         step(k)
     check(
-        "functional",
+        "fused" if fused else "functional",
         [x for step_out in pulled for x in step_out],
         [x for p in model(rows, work)[1] for x in p],
     )
@@ -136,7 +143,7 @@ def functional(rows: int, steps: int) -> dict:
     pulled.clear()
     held = per_device_bytes()
     return {
-        "row": "functional",
+        "row": "fused" if fused else "functional",
         "rows": rows,
         "median_ms": ms,
         "held_per_device": held,
@@ -232,9 +239,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1_000_000])
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--dense-steps", type=int, default=2)
-    parser.add_argument("--only", nargs="+", default=["functional", "imperative", "dense"])
+    parser.add_argument(
+        "--only", nargs="+", default=["functional", "fused", "imperative", "dense"]
+    )
     args = parser.parse_args()
-    runs = {"functional": functional, "imperative": imperative, "dense": dense}
+    runs = {
+        "functional": functional,
+        "fused": lambda rows, steps: functional(rows, steps, fused=True),
+        "imperative": imperative,
+        "dense": dense,
+    }
     for rows in args.rows:
         for name in args.only:
             if name == "dense" and rows > 1_000_000:
@@ -319,14 +333,16 @@ def report(res: dict) -> list[str]:
     for rows in SIZES:
         mxnet = _get(res, "mxnet", rows)
         dense = _get(res, "dense", rows)
-        for row in ("functional", "imperative", "dense", "mxnet"):
+        for row in ("functional", "fused", "imperative", "dense", "mxnet"):
             ms = _get(res, row, rows)
             error = _get(res, row, rows, "error")
             if ms is None and error is None:
                 continue
-            name = {"mxnet": "MXNet 1.9.1 row_sparse", "dense": "jaxkv dense (before rows)"}.get(
-                row, f"jaxkv {row}"
-            )
+            name = {
+                "mxnet": "MXNet 1.9.1 row_sparse",
+                "dense": "jaxkv dense (before rows)",
+                "fused": "jaxkv functional, pushpull_rows",
+            }.get(row, f"jaxkv {row}")
             if error:
                 lines.append(f"| {rows:,} | {name} | failed: {error} | | |")
                 continue
@@ -341,7 +357,7 @@ def report(res: dict) -> list[str]:
             lines.append(f"| {rows:,} | {name} | {ms:.2f}{extra} | {ratio_mx} | {ratio_dense} |")
     lines += ["", "| goal | measured | met |", "|---|---|---|"]
     small, big = SIZES
-    for row in ("functional", "imperative"):
+    for row in ("functional", "fused", "imperative"):
         ms, mx_ms = _get(res, row, small), _get(res, "mxnet", small)
         if ms is not None and mx_ms is not None:
             lines.append(

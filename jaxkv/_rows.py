@@ -831,7 +831,7 @@ def push_rows(
       >>> jaxkv.pull(s, "e").tolist()
       [[1.0, 1.0], [0.0, 0.0], [2.0, 2.0]]
     """
-    return _push(state, key, row_ids, rows, updater, axis_name, donate, False)[0]
+    return _push(state, key, row_ids, rows, updater, axis_name, donate, None)[0]
 
 
 def pushpull_rows(
@@ -840,19 +840,23 @@ def pushpull_rows(
     row_ids: Any,
     rows: Any,
     *,
+    pull_ids: Any = None,
     updater: Any = None,
     axis_name: Any = None,
     donate: bool = False,
 ) -> tuple[KVState, Any]:
-    """:func:`push_rows`, then :func:`pull_rows` of the same ids from the new state, fused:
-    ``(state, rows)``, the rows the step's ids have after the push (with a list of pairs, a
-    list: each pair's rows, on the device its rows came from), in one computation where the
-    push and the pull can share their routes (a sharded table, one pair per device of as many
-    rows each, an elementwise updater): the pushed rows go to their owners, and the new rows
-    come back the same way. This
-    is the step of an embedding table's training loop (push the gradient of the rows the batch
-    touched, read them back for the next forward pass). Arguments and refusals as
-    :func:`push_rows`; the result is what ``push_rows`` then ``pull_rows`` give.
+    """:func:`push_rows`, then :func:`pull_rows` from the new state, fused: ``(state, rows)``,
+    the rows of ``pull_ids`` (default: the pushed ``row_ids``) after the push; with a list of
+    pairs, a list: each pair's rows, on the device its rows came from.
+
+    Where the table is sharded, the pairs are one per device of as many rows each and the
+    updater is elementwise (the routed push of :func:`push_rows`), the push and the pull are one
+    computation: the pushed rows go to their owners, and the rows asked for come back (along the
+    same routes when they are the pushed ids). This is the step of an embedding table's training
+    loop: push the gradient of the rows a batch touched, read back the rows the next batch needs
+    (MXNet's ``kv.push`` then ``kv.row_sparse_pull``). Arguments and refusals as
+    :func:`push_rows` (and :func:`pull_rows` for ``pull_ids``, checked before anything runs);
+    the result is what ``push_rows`` then ``pull_rows`` give.
 
     Examples:
       >>> import jax.numpy as jnp, jaxkv
@@ -861,19 +865,40 @@ def pushpull_rows(
       >>> got.tolist()
       [[2.0, 2.0], [1.0, 1.0], [2.0, 2.0]]
     """
-    state, pulled = _push(state, key, row_ids, rows, updater, axis_name, donate, True)
+    asked = row_ids if pull_ids is None else pull_ids
+    many = isinstance(rows, list | tuple)
+    if (
+        pull_ids is not None
+        and many
+        and (not isinstance(pull_ids, list | tuple) or len(pull_ids) != len(rows))
+    ):
+        raise ShapeError(
+            f"key {key!r}: pushpull_rows with {len(rows)} pairs expects a list of {len(rows)} "
+            "pull_ids, one per pair"
+        )
+    traced = _traced_leaves(state) or is_traced(asked) or many and any(map(is_traced, asked))
+    plan: Any = _SAME if pull_ids is None else None
+    if pull_ids is not None and many and not traced:  # checked before the push can donate
+        n_rows = _table(state, key, "pushpull_rows")[2][0]
+        plan = (list(pull_ids), [_host_ids(key, x, n_rows) for x in _fetched(list(pull_ids))])
+    elif pull_ids is not None and not traced:
+        _host_ids(key, pull_ids, _table(state, key, "pushpull_rows")[2][0])
+    state, pulled = _push(state, key, row_ids, rows, updater, axis_name, donate, plan)
     if pulled is not None:
         return state, pulled
-    if not isinstance(rows, list | tuple):
-        return state, pull_rows(state, key, row_ids, axis_name=axis_name)
-    if _traced_leaves(state) or any(is_traced(x) for x in row_ids):
-        return state, [pull_rows(state, key, x, axis_name=axis_name) for x in row_ids]
+    if not many:
+        return state, pull_rows(state, key, asked, axis_name=axis_name)
+    if traced:
+        return state, [pull_rows(state, key, x, axis_name=axis_name) for x in asked]
     homes = []
     for r in rows:
         r = _unwrapped(r)
         on = r.devices() if isinstance(r, jax.Array) else ()
         homes.append(next(iter(on)) if len(on) == 1 else state.devices[0])
-    return state, pull_rows(state, key, list(row_ids), devices=homes)
+    return state, pull_rows(state, key, list(asked), devices=homes)
+
+
+_SAME = "the pushed ids"  # pushpull_rows pulls the ids it pushed: the same routes serve both
 
 
 def _push(
@@ -884,10 +909,11 @@ def _push(
     updater: Any,
     axis_name: Any,
     donate: bool,
-    pull: bool,
+    pull: Any,
 ) -> tuple[KVState, Any]:
-    """``push_rows``, and with ``pull``, where one computation can also pull the pushed ids
-    (see :func:`pushpull_rows`), the pulled rows (else ``None``)."""
+    """``push_rows``, and, where one computation can also pull (see :func:`pushpull_rows`), the
+    pulled rows (else ``None``). ``pull``: ``None`` (no pull), ``_SAME`` (the pushed ids), or
+    ``(given, checked)``, the ids to pull per device as given and checked on the host."""
     key, i, shape = _table(state, key, "push_rows")
     dtype = state._stored_types()[i].dtype
     pairs = [(ids, _unwrapped(r)) for ids, r in _pairs(key, row_ids, rows)]
@@ -926,11 +952,18 @@ def _push(
         routed = _routed(state, key, shape, host, updater, n, [ids for ids, _ in pairs])
         if routed is not None:
             c, ids, rows = routed
-            fn = _routed_push(state.mesh, state.axis, key, updater, donate, c, pull)
+            args = [ids, rows]
+            back: int | None = None
+            if pull is _SAME:
+                back = 0
+            elif pull is not None and len({x.size for x in pull[1]}) == 1:
+                args.append(_split_ids(state, pull[0], pull[1]))
+                back = slots(busiest(pull[1], shape[0] // len(state.devices), len(state.devices)))
+            fn = _routed_push(state.mesh, state.axis, key, updater, donate, c, back)
             opt = None if n is None else state._opt_states[n]
-            out = _dist.ordered("push_rows", fn, state._leaves[leaf], opt, ids, rows)
+            out = _dist.ordered("push_rows", fn, state._leaves[leaf], opt, *args)
             new = state._replace_leaves({leaf: out[0]}, {} if n is None else {n: out[1]})
-            return new, per_device(out[2]) if pull else None
+            return new, None if back is None else per_device(out[2])
     ids, rows = _gathered(state, key, host, dtype)
     place = _in_bucket(state, i)
     if place is not None and (
@@ -1104,7 +1137,7 @@ def _push_across(
     rows = [_pad_rows(r, n) for _, r in pairs]
     opt = None if n_group is None else state._opt_states[n_group]
     if alone and leaf is not None:
-        fn = _routed_push(state.mesh, state.axis, key, updater, donate, slots(most), False)
+        fn = _routed_push(state.mesh, state.axis, key, updater, donate, slots(most), None)
         padded = _global(state, [_padded_ids(x, n, -1) for x, _ in pairs])
         value, opt = _dist.ordered(
             "push_rows", fn, state._leaves[leaf], opt, padded, _global(state, rows)
@@ -1130,35 +1163,41 @@ def _pad_rows(rows: Any, n: int) -> Any:
 
 @functools.lru_cache(maxsize=256)
 def _routed_push(
-    mesh: Any, axis: str, key: Key, updater: Any, donate: bool, c: int, pull: bool
+    mesh: Any, axis: str, key: Key, updater: Any, donate: bool, c: int, back: int | None
 ) -> Any:
     """``(table, opt_state, ids, rows) -> (table, opt_state)``, ids and rows split along axis 0:
     each device sends each owner its ids and rows for it (one all-to-all of ``parts * c`` slots,
-    see :func:`_plan`), and each owner sums and updates the rows of its block alone. With
-    ``pull``, also each device's rows after the update, in the order of its ids (one more
-    all-to-all, back along the same routes): ``(table, opt_state, rows)``."""
+    see :func:`_plan`), and each owner sums and updates the rows of its block alone.
+
+    With ``back`` (not ``None``), also each device's rows after the update: ``back == 0``, the
+    pushed ids, in their order (one more all-to-all, back along the same routes); ``back > 0``,
+    the ids of one more argument, ``pull_ids`` (routed as a pull with ``C = back``: two more).
+    Then ``(table, opt_state, rows)``."""
     split = PartitionSpec(axis)
     parts = mesh.shape[axis]
 
-    def body(block: Any, opt: Any, ids: Any, rows: Any) -> Any:
+    def body(block: Any, opt: Any, ids: Any, rows: Any, *pull_ids: Any) -> Any:
         dest, local = _plan(ids, block.shape[0], parts, c)
         got_ids, got = _exchange(local, rows, dest, axis)
         block, opt = _update_rows(key, _Where(), block, opt, got_ids, got, block.shape[0], updater)
-        if not pull:
+        if back is None:
             return block, opt
-        back = jax.lax.all_to_all(_take(block, got_ids), axis, 0, 0, tiled=True)
-        return block, opt, jnp.take(back, dest, axis=0, mode="fill", fill_value=0)
+        if pull_ids:
+            dest, local = _plan(pull_ids[0], block.shape[0], parts, back)
+            got_ids = jax.lax.all_to_all(local, axis, 0, 0, tiled=True)
+        rows = jax.lax.all_to_all(_take(block, got_ids), axis, 0, 0, tiled=True)
+        return block, opt, jnp.take(rows, dest, axis=0, mode="fill", fill_value=0)
 
-    def run(table: Any, opt: Any, ids: Any, rows: Any) -> Any:
+    def run(table: Any, opt: Any, ids: Any, rows: Any, *pull_ids: Any) -> Any:
         opt_spec = _like_table(opt, table, split)
         mapped = jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(split, opt_spec, split, split),
-            out_specs=(split, opt_spec, split) if pull else (split, opt_spec),
+            in_specs=(split, opt_spec, split, split, *[split] * len(pull_ids)),
+            out_specs=(split, opt_spec) if back is None else (split, opt_spec, split),
             check_vma=False,
         )
-        return mapped(table, opt, ids, rows)
+        return mapped(table, opt, ids, rows, *pull_ids)
 
     return jax.jit(run, donate_argnums=(0, 1) if donate else ())
 

@@ -462,6 +462,48 @@ def test_routed_rows_of_any_dtype_and_row_shape(dtype, shape, devices):
             np.testing.assert_array_equal(np.asarray(p), want[x])
 
 
+@pytest.mark.standard_promotion  # optax's Adam
+@pytest.mark.parametrize("table", ["small", "sharded"])
+@pytest.mark.parametrize("updater", ["assign", "adam"])
+def test_pushpull_rows_with_other_pull_ids_gives_push_then_pull(table, updater, devices):
+    """The next batch's rows pulled in the push's computation (``pull_ids``): per device, as
+    many each (one computation on a sharded table) or not, and for one pair."""
+    rows, width = TABLES[table]
+    upd = UPDATERS[updater]
+    rng = np.random.default_rng(3)
+    ids = [rng.integers(0, rows, 6).astype(np.int32) for _ in range(NDEV)]
+    values = [
+        jax.device_put(jnp.asarray(rng.normal(size=(6, width)), jnp.float32), d) for d in devices
+    ]
+    same = [jax.device_put(rng.integers(0, rows, 5).astype(np.int32), d) for d in devices]
+    uneven = [np.arange(d % 3) for d in range(NDEV)]
+    state = _store("keys", table)
+    pushed = jaxkv.push_rows(state, "e", ids, values, updater=upd)
+    for asked in (same, uneven):
+        new, got = jaxkv.pushpull_rows(state, "e", ids, values, pull_ids=asked, updater=upd)
+        np.testing.assert_array_equal(jaxkv.pull(new, "e"), jaxkv.pull(pushed, "e"))
+        for g, w, d in zip(got, jaxkv.pull_rows(pushed, "e", asked), devices):
+            assert g.devices() == {d}
+            np.testing.assert_array_equal(g, w)
+    new, got = jaxkv.pushpull_rows(state, "e", ids[0], values[0], pull_ids=[1, 0, 1], updater=upd)
+    alone = jaxkv.push_rows(state, "e", ids[0], values[0], updater=upd)
+    np.testing.assert_array_equal(got, jaxkv.pull_rows(alone, "e", [1, 0, 1]))
+
+
+def test_pushpull_rows_refuses_pull_ids_before_it_pushes():
+    state = _store("keys")
+    ids = [np.array([d]) for d in range(NDEV)]
+    values = [jnp.ones((1, 8)) for _ in range(NDEV)]
+    bad = [np.array([0])] * (NDEV - 1) + [np.array([4096])]
+    with pytest.raises(jaxkv.KVStoreError, match="4096"):
+        jaxkv.pushpull_rows(state, "e", ids, values, pull_ids=bad, donate=True)
+    with pytest.raises(jaxkv.ShapeError, match="one per pair"):
+        jaxkv.pushpull_rows(state, "e", ids, values, pull_ids=[0, 1], donate=True)
+    with pytest.raises(jaxkv.KVStoreError, match="-1"):
+        jaxkv.pushpull_rows(state, "e", [0], jnp.ones((1, 8)), pull_ids=[-1], donate=True)
+    np.testing.assert_array_equal(jaxkv.pull(state, "e"), _table(*TABLES["sharded"]))  # not donated
+
+
 @pytest.mark.parametrize("table", ["small", "sharded"])
 @pytest.mark.parametrize("updater", ["assign", "sgd"])
 def test_a_push_of_no_rows_changes_nothing(table, updater, devices):
