@@ -239,9 +239,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1_000_000])
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--dense-steps", type=int, default=2)
-    parser.add_argument(
-        "--only", nargs="+", default=["functional", "fused", "imperative", "dense"]
-    )
+    parser.add_argument("--only", nargs="+", default=["functional", "fused", "imperative", "dense"])
     args = parser.parse_args()
     runs = {
         "functional": functional,

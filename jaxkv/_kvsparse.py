@@ -23,14 +23,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ops
+from . import _ops, _rows
 from ._errors import ShapeError
 from ._nd import NDArray
 from ._rows import _fetched, _host_ids
 from ._sparse import RowSparseNDArray
 from ._state import Key, KVState
 
-__all__ = ["is_row_sparse", "push", "pull_into", "replace_all"]
+__all__ = [
+    "checked",
+    "is_row_sparse",
+    "pull_into",
+    "push",
+    "pushpull_into",
+    "replace_all",
+    "wanted",
+]
 
 
 def is_row_sparse(x: Any) -> bool:
@@ -47,8 +55,21 @@ def dense_of(x: Any) -> Any:
     return x._dense() if is_row_sparse(x) else x
 
 
-def push(state: KVState, key: Key, values: list, updater: Any, lazy: bool, donate: bool) -> KVState:
-    """``state`` after a push of ``values`` (one per device, the first row-sparse) to ``key``."""
+def checked(state: KVState, key: Key, values: list, updater: Any) -> list:
+    """``values`` (one per device, the first row-sparse) as row-sparse values, with every
+    refusal of a lazy push of them to ``key`` raised now: for a push that runs later."""
+    values = _row_sparse_values(state, key, values)
+    _rows.check_push(
+        state,
+        key,
+        [v._ids for v in values],
+        [v._rows for v in values],
+        replace_all if updater is None else updater,
+    )
+    return values
+
+
+def _row_sparse_values(state: KVState, key: Key, values: list) -> list:
     shape = state.shapes[key]
     for v in values:
         if tuple(v.shape) != tuple(shape):
@@ -57,7 +78,12 @@ def push(state: KVState, key: Key, values: list, updater: Any, lazy: bool, donat
                 f"shape {tuple(shape)}"
             )
     # MXNet sums a mixed list in the first value's storage type.
-    values = [v if is_row_sparse(v) else _as_row_sparse(v) for v in values]
+    return [v if is_row_sparse(v) else _as_row_sparse(v) for v in values]
+
+
+def push(state: KVState, key: Key, values: list, updater: Any, lazy: bool, donate: bool) -> KVState:
+    """``state`` after a push of ``values`` (one per device, the first row-sparse) to ``key``."""
+    values = _row_sparse_values(state, key, values)
     if not lazy:  # MXNet's standard update: every row, with the gradient densified
         return _ops.push(state, key, [dense_of(v) for v in values], updater=updater, donate=donate)
     ids = [v._ids for v in values]
@@ -101,6 +127,35 @@ def pull_into(state: KVState, key: Key, outs: list, row_ids: list) -> list[tuple
         rows = [_ops.pull_rows(state, key, x, devices=[d]) for x, d in zip(wanted, devices)]
     ids = jax.device_put(wanted, devices)  # one call for every out's ids
     return list(zip(outs, rows, ids))
+
+
+def wanted(state: KVState, key: Key, row_ids: list) -> list[np.ndarray]:
+    """The distinct ids each out of ``key`` asks for (sorted), checked."""
+    return [_distinct(key, ids, state.shapes[key][0]) for ids in _fetched(row_ids)]
+
+
+def pushpull_into(
+    state: KVState, held: tuple, outs: list, asked: list[np.ndarray]
+) -> tuple[KVState, list[tuple[Any, Any, Any]]]:
+    """A held lazy push ``(key, values, updater, donate)`` (see :func:`checked`), then what each
+    row-sparse out receives for its distinct ids ``asked`` (see :func:`wanted`), as
+    :func:`pull_into` gives it: one ``pushpull_rows`` where the outs are the store's devices,
+    one each, asking as many rows each; else the push, then the pull."""
+    key, values, updater, donate = held
+    devices = [o._device() for o in outs]
+    if tuple(devices) != state.devices or len({x.size for x in asked}) != 1 or len(outs) < 2:
+        state = push(state, key, values, updater, True, donate)
+        return state, pull_into(state, key, outs, asked)
+    state, rows = _ops.pushpull_rows(
+        state,
+        key,
+        [v._ids for v in values],
+        [v._rows for v in values],
+        pull_ids=asked,
+        updater=replace_all if updater is None else updater,
+        donate=donate,
+    )
+    return state, list(zip(outs, rows, jax.device_put(asked, devices)))
 
 
 def _distinct(key: Key, ids: Any, n_rows: int) -> np.ndarray:

@@ -26,7 +26,7 @@ from ._errors import KVStoreError, ShapeError
 from ._mxopt import Optimizer as MXNetOptimizer
 from ._nd import NDArray, _unwrap
 from ._push import KEEP_VALUES
-from ._state import BIGARRAY_BOUND, Key, KVState, empty
+from ._state import BIGARRAY_BOUND, Key, KVState, _spans_processes, empty
 
 __all__ = ["KVStore", "create"]
 
@@ -148,7 +148,11 @@ class KVStore:
             bound = int(os.environ["MXNET_KVSTORE_BIGARRAY_BOUND"])
         elif name in _DIST_TYPES and jax.process_count() > 1:
             bound = None
-        self._state: KVState = empty(devices, bigarray_bound=bound, layout=layout)
+        # A row-sparse push under MXNet's optimizer, checked and held until the next call: a
+        # row_sparse_pull of its key then runs both in one computation (pushpull_rows); any
+        # other use of the state runs it first (see _state).
+        self._deferred: tuple | None = None
+        self._stored: KVState = empty(devices, bigarray_bound=bound, layout=layout)
         self._updater: Any = None
         self._mxnet_optimizer: MXNetOptimizer | None = None  # where set_optimizer got one
         self._wrappers: dict[int, tuple[Any, Any]] = {}  # id(updater) -> (updater, wrapper)
@@ -160,6 +164,24 @@ class KVStore:
         self._keep_values: bool | None = None
 
     # -- properties ------------------------------------------------------------------------
+    @property
+    def _state(self) -> KVState:
+        """The store's state, with a held row-sparse push applied first."""
+        if self._deferred is not None:
+            self._settle()
+        return self._stored
+
+    @_state.setter
+    def _state(self, state: KVState) -> None:
+        self._stored = state
+
+    def _settle(self) -> None:
+        with self._lock:
+            held, self._deferred = self._deferred, None
+            if held is not None:
+                key, values, updater, donate = held
+                self._stored = _kvsparse.push(self._stored, key, values, updater, True, donate)
+
     @property
     def type(self) -> str:
         """The type name, as given to :func:`create`."""
@@ -287,6 +309,30 @@ class KVStore:
         if row_ids is None:
             raise KVStoreError(f"key {key!r}: row_sparse_pull expects row_ids, given None")
         with self._lock:
+            held = self._deferred if out is not None else None
+            if held is not None:
+                pairs = _args.pairs(key, out, "outs")
+                outs = pairs[0][1]
+                if (
+                    len(pairs) == 1
+                    and pairs[0][0] == held[0]
+                    and all(map(_kvsparse.is_row_sparse, outs))
+                ):
+                    self._deferred = None  # taken: the pull below runs it
+                    try:
+                        self._check_outs(pairs)
+                        ids = _kvsparse.wanted(
+                            self._stored, held[0], _row_ids_per_out(key, pairs, row_ids)[0]
+                        )
+                    except KVStoreError:
+                        self._deferred = held  # refused: the push still runs, alone
+                        self._settle()
+                        raise
+                    state, got = _kvsparse.pushpull_into(self._stored, held, outs, ids)
+                    self._stored = state
+                    for o, x, where in got:
+                        o._set_rows(x, where, where.devices().pop())
+                    return None
             state = self._state
             if out is None:
                 keys = key if isinstance(key, list | tuple) else [key]
@@ -533,6 +579,18 @@ class KVStore:
                 updater=self._updater,
                 donate=donate,
             )
+        if (
+            sparse == list(grouped)
+            and len(sparse) == 1
+            and lazy
+            and self._mxnet_optimizer is not None
+            and not _spans_processes(state.devices)
+        ):
+            # Held until the next call (checked now): a row_sparse_pull of the key then runs
+            # with it in one computation, as a training loop's push and pull of rows do.
+            k = sparse[0]
+            self._deferred = (k, _kvsparse.checked(state, k, grouped[k], updater), updater, donate)
+            return
         for k in sparse:
             state = _kvsparse.push(state, k, grouped[k], updater, lazy, donate)
         self._state = state

@@ -933,13 +933,7 @@ def _push(
             f"axis_name={axis_name!r}: expected to be called inside pmap or shard_map, given an "
             "eager call (eagerly, a list of per-device pairs is already summed over devices)"
         )
-    host = []
-    fetched = _fetched([ids for ids, _ in pairs])
-    for j, (ids, r) in enumerate(zip(fetched, [r for _, r in pairs])):
-        what = "the rows" if len(pairs) == 1 else f"rows {j}"
-        ids = _host_ids(key, ids, shape[0])
-        _check_rows(key, shape, dtype, ids.size, r, what)
-        host.append((ids, r))
+    host = _host_pairs(key, shape, dtype, pairs)
     if optax_push and state.opt_group(key) is None:
         from ._push import init_opt_states
 
@@ -979,6 +973,30 @@ def _push(
         return state._replace_leaves({leaf: value}, {} if n is None else {n: opt}), None
     fn = _state_push(key, shape[0], updater, donate)
     return _dist.ordered("push_rows", fn, state, ids, rows), None
+
+
+def _host_pairs(
+    key: Key, shape: tuple[int, ...], dtype: Any, pairs: list[tuple[Any, Any]]
+) -> list[tuple[np.ndarray, Any]]:
+    """The pairs with their ids on the host, each pair checked."""
+    host = []
+    fetched = _fetched([ids for ids, _ in pairs])
+    for j, (ids, r) in enumerate(zip(fetched, [r for _, r in pairs])):
+        what = "the rows" if len(pairs) == 1 else f"rows {j}"
+        ids = _host_ids(key, ids, shape[0])
+        _check_rows(key, shape, dtype, ids.size, r, what)
+        host.append((ids, r))
+    return host
+
+
+def check_push(state: KVState, key: Any, row_ids: Any, rows: Any, updater: Any) -> None:
+    """Every refusal of an eager ``push_rows(state, key, row_ids, rows, updater=updater)``,
+    raised now, for a push that runs later (the imperative store's held push)."""
+    key, i, shape = _table(state, key, "push_rows")
+    pairs = [(ids, _unwrapped(r)) for ids, r in _pairs(key, row_ids, rows)]
+    if isinstance(updater, optax.GradientTransformation):
+        optimizer_group(state, (key,), unpack=False)
+    _host_pairs(key, shape, state._stored_types()[i].dtype, pairs)
 
 
 def _routed(
