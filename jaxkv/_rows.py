@@ -1,19 +1,19 @@
-"""Rows of a table: ``pull_rows``, ``push_rows`` and ``row_sparse_pull``, which read, sum and
-update only the rows a step touches (MXNet's ``row_sparse`` values and ``lazy_update``).
+"""Rows of a table: ``pull_rows``, ``push_rows``, ``pushpull_rows`` and ``row_sparse_pull``,
+which read, sum and update only the rows a step touches (MXNet's ``row_sparse`` values and
+``lazy_update``).
 
 How rows move. A table the store replicates is read and written where it is, on every device:
 a gather of the rows asked for, a scatter of the rows pushed. A table the store shards (its rows
 split over the D devices of the mesh, each holding ``R / D`` consecutive rows) is handled in one
-``shard_map`` over the store's mesh: every device gathers, from its own block, the rows of the
-request that fall in it (zeros elsewhere), and one ``psum`` (the same rows asked on every
-device) or ``psum_scatter`` (each device its own rows) adds the D partial answers, so each row
-crosses the interconnect once and no device ever holds more than its block and the rows of the
-step. A push all-gathers the pushed ``(ids, rows)`` pairs (they are small), sums duplicate ids
-(``jnp.unique`` of a fixed size and a segment sum), reads the touched rows and the same rows of
-the optimizer state as above, runs the updater on them (the same arithmetic on every device),
-and each device writes back the rows that live in its block. Cost: O(rows touched x D) per
-device, nothing proportional to the table (with ``donate=True``: without it, a pure function
-must leave the old table intact, which copies it).
+``shard_map`` over the store's mesh. With one request (or pair) per device, the ids are routed:
+the host checks them and counts the busiest route (``C``), each device places its ids in ``D * C``
+slots, owner-major (:func:`_plan`), one all-to-all takes them (and a push's rows, its ids a
+column beside them) to their owners, and another brings a pull's rows back. An owner sums the
+duplicate ids it gets (one sort, see :func:`_dedupe`) and updates its own rows alone where the
+updater is elementwise. Otherwise every device gets every pair (an all-gather), reads the
+touched rows it holds, and one ``psum`` (or ``psum_scatter``) adds the D partial answers. Cost:
+O(rows touched x D) per device at most, nothing proportional to the table (with
+``donate=True``: without it, a pure function must leave the old table intact, which copies it).
 
 An optax updater runs on the touched rows and the same rows of its per-parameter state leaves
 (``optax.tree_utils.tree_map_params`` finds them); its other leaves (Adam's step count) are
