@@ -71,14 +71,19 @@ def checked(state: KVState, key: Key, values: list, updater: Any) -> list:
 
 def _row_sparse_values(state: KVState, key: Key, values: list) -> list:
     shape = state.shapes[key]
+    with _rows._checking(state, key):  # across processes, a refusal here is every process's
+        _check_shapes(key, shape, values)
+    # MXNet sums a mixed list in the first value's storage type.
+    return [v if is_row_sparse(v) else _as_row_sparse(v) for v in values]
+
+
+def _check_shapes(key: Key, shape: tuple[int, ...], values: list) -> None:
     for v in values:
         if tuple(v.shape) != tuple(shape):
             raise ShapeError(
                 f"key {key!r}: the pushed value has shape {tuple(v.shape)}, expected the stored "
                 f"shape {tuple(shape)}"
             )
-    # MXNet sums a mixed list in the first value's storage type.
-    return [v if is_row_sparse(v) else _as_row_sparse(v) for v in values]
 
 
 def push(state: KVState, key: Key, values: list, updater: Any, lazy: bool, donate: bool) -> KVState:
@@ -108,7 +113,8 @@ def _as_row_sparse(x: Any) -> RowSparseNDArray:
 def pull_into(state: KVState, key: Key, outs: list, row_ids: list) -> list[tuple[Any, Any, Any]]:
     """What each row-sparse out of ``key`` receives: ``(out, rows, ids)`` on the out's device,
     for the distinct ids asked of it (sorted, as MXNet's ``row_sparse_pull`` gives them)."""
-    wanted = [_distinct(key, ids, state.shapes[key][0]) for ids in _fetched(row_ids)]
+    with _rows._checking(state, key):  # across processes, a refusal is every process's
+        wanted = [_distinct(key, ids, state.shapes[key][0]) for ids in _fetched(row_ids)]
     devices = [o._device() for o in outs]
     rows: list[jax.Array]
     if any(d.process_index != jax.process_index() for d in state.devices):

@@ -25,9 +25,10 @@ value of the table's shape, zero elsewhere, and the stored value (this device's 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -878,11 +879,13 @@ def pushpull_rows(
         )
     traced = _traced_leaves(state) or is_traced(asked) or many and any(map(is_traced, asked))
     plan: Any = _SAME if pull_ids is None else None
-    if pull_ids is not None and many and not traced:  # checked before the push can donate
+    if pull_ids is not None and not traced:  # checked before the push can donate
         n_rows = _table(state, key, "pushpull_rows")[2][0]
-        plan = (list(pull_ids), [_host_ids(key, x, n_rows) for x in _fetched(list(pull_ids))])
-    elif pull_ids is not None and not traced:
-        _host_ids(key, pull_ids, _table(state, key, "pushpull_rows")[2][0])
+        with _checking(state, key):
+            if many:
+                plan = (list(pull_ids), [_host_ids(key, x, n_rows) for x in _fetched(asked)])
+            else:
+                _host_ids(key, pull_ids, n_rows)
     state, pulled = _push(state, key, row_ids, rows, updater, axis_name, donate, plan)
     if pulled is not None:
         return state, pulled
@@ -916,7 +919,8 @@ def _push(
     ``(given, checked)``, the ids to pull per device as given and checked on the host."""
     key, i, shape = _table(state, key, "push_rows")
     dtype = state._stored_types()[i].dtype
-    pairs = [(ids, _unwrapped(r)) for ids, r in _pairs(key, row_ids, rows)]
+    with _checking(state, key):
+        pairs = [(ids, _unwrapped(r)) for ids, r in _pairs(key, row_ids, rows)]
     optax_push = isinstance(updater, optax.GradientTransformation)
     group = None
     if optax_push:
@@ -933,15 +937,19 @@ def _push(
             f"axis_name={axis_name!r}: expected to be called inside pmap or shard_map, given an "
             "eager call (eagerly, a list of per-device pairs is already summed over devices)"
         )
-    host = _host_pairs(key, shape, dtype, pairs)
+    with _checking(state, key):
+        host = _host_pairs(key, shape, dtype, pairs)
+    across = None
+    if _spans_processes(state):  # agreed before anything runs (init_opt_states may compute)
+        across = _across_pairs(state, key, shape, host)
     if optax_push and state.opt_group(key) is None:
         from ._push import init_opt_states
 
         state = init_opt_states(state, updater, (key,))
     leaf = _own_leaf(state, i)
     n: int | None = None if group is None else state._groups.index(group)
-    if _spans_processes(state):
-        return _push_across(state, key, shape, host, updater, n, leaf, donate), None
+    if across is not None:
+        return _push_across(state, key, shape, *across, updater, n, leaf, donate), None
     if leaf is not None and (n is None or state._packings[n] is None):
         routed = _routed(state, key, shape, host, updater, n, [ids for ids, _ in pairs])
         if routed is not None:
@@ -1059,10 +1067,36 @@ def _local_devices(state: KVState) -> list[jax.Device]:
     return [d for d in state.devices if d.process_index == me]
 
 
-def _agreed(*values: int) -> tuple[int, ...]:
-    """The largest of each value over every process (one host all-gather)."""
-    got = _dist.all_gather(np.array(values, np.int64), "sizes of a row operation")
-    return tuple(int(v) for v in got.max(axis=0))
+def _agreed(key: Key, values: tuple[int, int], refused: bool = False) -> tuple[int, int]:
+    """The largest of each value over every process: one host all-gather, the one collective
+    every process makes for a row operation before any computation, after checking its own
+    arguments. Where a process refused them (``refused``: it raises its own error after this),
+    every other process raises too, and nothing changes anywhere."""
+    sent = np.array([int(refused), *values], np.int64)
+    got = _dist.all_gather(sent, "sizes of a row operation")
+    refusing = np.flatnonzero(got[:, 0]).tolist()
+    if refused:
+        return values
+    if refusing:
+        raise KVStoreError(
+            f"key {key!r}: the row operation was refused on process(es) {refusing} (their "
+            "error says why; each process checks its own ids and rows); nothing changed on any "
+            "process"
+        )
+    return int(got[:, 1].max()), int(got[:, 2].max())
+
+
+@contextlib.contextmanager
+def _checking(state: KVState, key: Any) -> Iterator[None]:
+    """Checks of this process's arguments to a row operation: where the store spans processes,
+    a refusal is told to the others in the all-gather they meet next (:func:`_agreed`), so that
+    every process raises, not this one alone while the others wait for it."""
+    try:
+        yield
+    except KVStoreError:
+        if _spans_processes(state):
+            _agreed(key, (0, 0), refused=True)
+        raise
 
 
 def _global(state: KVState, shards: Sequence[Any]) -> jax.Array:
@@ -1087,18 +1121,20 @@ def _pull_across(
     local = _local_devices(state)
     leaf = _own_leaf(state, i)
     per = _per_device(row_ids)
-    asked = [_host_ids(key, x, shape[0]) for x in _fetched(list(row_ids) if per else [row_ids])]
-    if per and len(asked) != len(local):
-        raise ShapeError(
-            f"key {key!r}: expected one row_ids per device of this process ({len(local)}), "
-            f"given {len(asked)} row_ids"
-        )
+    with _checking(state, key):
+        given = _fetched(list(row_ids) if per else [row_ids])
+        asked = [_host_ids(key, x, shape[0]) for x in given]
+        if per and len(asked) != len(local):
+            raise ShapeError(
+                f"key {key!r}: expected one row_ids per device of this process ({len(local)}), "
+                f"given {len(asked)} row_ids"
+            )
     mine = asked + [np.zeros(0, np.int32)] * (len(local) - len(asked))
     parts = len(state.devices)
     sharded = state.is_sharded(shape) and leaf is not None
     block = shape[0] // parts
     most = busiest(mine, block, parts) if sharded else 1
-    n, most = _agreed(max(x.size for x in mine), most)
+    n, most = _agreed(key, (max(x.size for x in mine), most))
     n = max(n, 1)  # no ids anywhere: one padded id (XLA may place a zero-size result whole)
     if sharded and leaf is not None:
         fn = _routed_take(state.mesh, state.axis, slots(most))
@@ -1119,18 +1155,12 @@ def _pull_across(
     return replicate([rows[0]], devices_of(devices) if devices is not None else tuple(local))[0]
 
 
-def _push_across(
-    state: KVState,
-    key: Key,
-    shape: tuple[int, ...],
-    host: list[tuple[np.ndarray, Any]],
-    updater: Any,
-    n_group: int | None,
-    leaf: int | None,
-    donate: bool,
-) -> KVState:
-    """``push_rows`` on a store across processes: this process's pairs, one per device of this
-    process (or all of them from its first device), summed with every other process's."""
+def _across_pairs(
+    state: KVState, key: Key, shape: tuple[int, ...], host: list[tuple[np.ndarray, Any]]
+) -> tuple[list[tuple[np.ndarray, Any]], int, int]:
+    """This process's checked pairs as one pair per device of this process (all of them from
+    its first device, if not already so), with the largest count of ids of any device of any
+    process and the busiest route of a sharded table, agreed (:func:`_agreed`)."""
     local = _local_devices(state)
     placed = [next(iter(r.devices())) if len(r.devices()) == 1 else None for _, r in host]
     dtype = state._stored_types()[state.index(key)].dtype
@@ -1145,13 +1175,30 @@ def _push_across(
             for d in local[1:]
         ]
     parts = len(state.devices)
+    sharded = state.is_sharded(shape) and _own_leaf(state, state.index(key)) is not None
+    most = busiest([x for x, _ in pairs], shape[0] // parts, parts) if sharded else 1
+    n, most = _agreed(key, (max(x.size for x, _ in pairs), most))
+    return pairs, max(n, 1), most  # no rows anywhere: one padded row that selects nothing
+
+
+def _push_across(
+    state: KVState,
+    key: Key,
+    shape: tuple[int, ...],
+    pairs: list[tuple[np.ndarray, Any]],
+    n: int,
+    most: int,
+    updater: Any,
+    n_group: int | None,
+    leaf: int | None,
+    donate: bool,
+) -> KVState:
+    """``push_rows`` on a store across processes: this process's pairs, one per device of this
+    process, summed with every other process's (``n`` ids per device and the busiest route
+    ``most`` agreed by :func:`_across_pairs`)."""
     sharded = state.is_sharded(shape) and leaf is not None
-    block = shape[0] // parts
     alone = sharded and (n_group is None or state._packings[n_group] is None)
     alone = alone and _owners_alone(state, key, shape, updater, n_group)
-    most = busiest([x for x, _ in pairs], block, parts) if alone else 1
-    n, most = _agreed(max(x.size for x, _ in pairs), most)
-    n = max(n, 1)  # no rows anywhere: one padded row that selects nothing
     rows = [_pad_rows(r, n) for _, r in pairs]
     opt = None if n_group is None else state._opt_states[n_group]
     if alone and leaf is not None:

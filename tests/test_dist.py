@@ -82,6 +82,8 @@ def test_rows_across_processes(bound):
             "the whole table after lazy sgd",
             "functional pull and push of no rows",
             "row_sparse_pull of no rows",
+            "one process's bad ids refused everywhere",
+            "one process's bad row_sparse_pull refused everywhere",
         ):
             assert f"rank {rank} ok {tag} {check}" in run.stdout, run.stdout + run.stderr
         assert f"rank {rank} done" in run.stdout

@@ -99,6 +99,22 @@ def main():
     assert [g.shape for g in got] == [(0, WIDTH)] * len(local), [g.shape for g in got]
     state = jaxkv.push_rows(state, "t", none, jnp.zeros((0, WIDTH)), updater=optax.sgd(LR))
     check(f"{tag} functional pull and push of no rows", jaxkv.pull(state, "t", devices=local[0]), model)
+    # one process's bad ids: every process refuses (none waits for the others), nothing changes
+    bad = np.array([ROWS if rank == workers - 1 else 0], np.int32)
+    one = jnp.ones((1, WIDTH))
+    for name, call in (
+        ("push_rows", lambda: jaxkv.push_rows(state, "t", bad, one, updater=optax.sgd(LR))),
+        ("pull_rows", lambda: jaxkv.pull_rows(state, "t", bad)),
+        ("pushpull_rows", lambda: jaxkv.pushpull_rows(state, "t", [0], one, pull_ids=bad)),
+    ):
+        try:
+            call()
+        except jaxkv.KVStoreError as e:
+            mine = rank == workers - 1
+            assert (str(ROWS) in str(e)) if mine else ("refused on process" in str(e)), str(e)
+        else:
+            raise AssertionError(f"{name} with process {workers - 1}'s bad ids was not refused")
+    check(f"{tag} one process's bad ids refused everywhere", jaxkv.pull(state, "t", devices=local[0]), model)
 
     # Imperative: a dist_sync store, row-sparse values, MXNet's lazy SGD.
     kv = mx.kv.create("dist_sync")
@@ -132,6 +148,17 @@ def main():
     dense = mx.nd.zeros((ROWS, WIDTH))
     kv.pull("e", out=dense)
     check(f"{tag} the whole table after lazy sgd", dense.asnumpy(), model)
+    # one process's bad ids into row-sparse outs: every process refuses
+    outs = [mx.nd.sparse.zeros("row_sparse", (ROWS, WIDTH), ctx=mx.cpu(j)) for j in range(len(local))]
+    bad = [mx.nd.array([ROWS if rank == workers - 1 else 0]) for _ in outs]
+    try:
+        kv.row_sparse_pull("e", out=outs, row_ids=bad)
+    except jaxkv.KVStoreError as e:
+        assert (str(ROWS) in str(e)) if rank == workers - 1 else ("refused on process" in str(e))
+    else:
+        raise AssertionError("row_sparse_pull with one process's bad ids was not refused")
+    kv.pull("e", out=dense)
+    check(f"{tag} one process's bad row_sparse_pull refused everywhere", dense.asnumpy(), model)
     # no ids into row-sparse outs, from the table and from a small key kept in a bucket
     kv.init("s", mx.nd.ones((3, 2)))
     for k, shape in (("e", (ROWS, WIDTH)), ("s", (3, 2))):
