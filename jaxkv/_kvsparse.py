@@ -17,7 +17,7 @@ that depend on one are listed as differences in the README). A push of row-spars
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +31,14 @@ from ._sparse import RowSparseNDArray
 from ._state import Key, KVState
 
 __all__ = [
-    "checked",
+    "Held",
+    "held",
     "is_row_sparse",
     "pull_into",
     "push",
     "pushpull_into",
     "replace_all",
+    "run_held",
     "wanted",
 ]
 
@@ -55,18 +57,41 @@ def dense_of(x: Any) -> Any:
     return x._dense() if is_row_sparse(x) else x
 
 
-def checked(state: KVState, key: Key, values: list, updater: Any) -> list:
-    """``values`` (one per device, the first row-sparse) as row-sparse values, with every
-    refusal of a lazy push of them to ``key`` raised now: for a push that runs later."""
+class Held(NamedTuple):
+    """A lazy row-sparse push, checked, to run later (the imperative store holds it until its
+    next call): the row-sparse values, one per device, and their ids checked on the host."""
+
+    key: Key
+    values: list
+    ids: list
+    updater: Any
+    donate: bool
+
+
+def held(state: KVState, key: Key, values: list, updater: Any, donate: bool) -> Held:
+    """A lazy push of ``values`` (one per device, the first row-sparse) to ``key``, with every
+    refusal raised now: run it with :func:`run_held` or :func:`pushpull_into`."""
     values = _row_sparse_values(state, key, values)
-    _rows.check_push(
+    ids = _rows.check_push(
         state,
         key,
         [v._ids for v in values],
         [v._rows for v in values],
         replace_all if updater is None else updater,
     )
-    return values
+    return Held(key, values, ids, updater, donate)
+
+
+def run_held(state: KVState, push: Held) -> KVState:
+    """``state`` after a held push."""
+    return _ops.push_rows(
+        state,
+        push.key,
+        [v._ids for v in push.values],
+        [v._rows for v in push.values],
+        updater=replace_all if push.updater is None else push.updater,
+        donate=push.donate,
+    )
 
 
 def _row_sparse_values(state: KVState, key: Key, values: list) -> list:
@@ -141,27 +166,31 @@ def wanted(state: KVState, key: Key, row_ids: list) -> list[np.ndarray]:
 
 
 def pushpull_into(
-    state: KVState, held: tuple, outs: list, asked: list[np.ndarray]
+    state: KVState, push: Held, outs: list, asked: list[np.ndarray]
 ) -> tuple[KVState, list[tuple[Any, Any, Any]]]:
-    """A held lazy push ``(key, values, updater, donate)`` (see :func:`checked`), then what each
-    row-sparse out receives for its distinct ids ``asked`` (see :func:`wanted`), as
-    :func:`pull_into` gives it: one ``pushpull_rows`` where the outs are the store's devices,
-    one each, asking as many rows each; else the push, then the pull."""
-    key, values, updater, donate = held
+    """A held push, then what each row-sparse out receives for its distinct ids ``asked`` (see
+    :func:`wanted`), as :func:`pull_into` gives it: in one computation where the outs are the
+    store's devices, one each, asking as many rows each (the pushed values one per device of
+    the store); else the push, then the pull."""
     devices = [o._device() for o in outs]
-    if tuple(devices) != state.devices or len({x.size for x in asked}) != 1 or len(outs) < 2:
-        state = push(state, key, values, updater, True, donate)
-        return state, pull_into(state, key, outs, asked)
-    state, rows = _ops.pushpull_rows(
+    if (
+        tuple(devices) != state.devices
+        or len(push.values) != len(devices)
+        or len({x.size for x in asked}) != 1
+        or len(outs) < 2
+    ):
+        state = run_held(state, push)
+        return state, pull_into(state, push.key, outs, asked)
+    placed = jax.device_put(asked, devices)  # the outs' ids, and the pull's, in place
+    state, rows = _rows.pushpull_checked(
         state,
-        key,
-        [v._ids for v in values],
-        [v._rows for v in values],
-        pull_ids=asked,
-        updater=replace_all if updater is None else updater,
-        donate=donate,
+        push.key,
+        ([v._ids for v in push.values], [v._rows for v in push.values], push.ids),
+        (placed, asked),
+        replace_all if push.updater is None else push.updater,
+        push.donate,
     )
-    return state, list(zip(outs, rows, jax.device_put(asked, devices)))
+    return state, list(zip(outs, rows, placed))
 
 
 def _distinct(key: Key, ids: Any, n_rows: int) -> np.ndarray:

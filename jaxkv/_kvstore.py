@@ -151,7 +151,7 @@ class KVStore:
         # A row-sparse push under MXNet's optimizer, checked and held until the next call: a
         # row_sparse_pull of its key then runs both in one computation (pushpull_rows); any
         # other use of the state runs it first (see _state).
-        self._deferred: tuple | None = None
+        self._deferred: _kvsparse.Held | None = None
         self._stored: KVState = empty(devices, bigarray_bound=bound, layout=layout)
         self._updater: Any = None
         self._mxnet_optimizer: MXNetOptimizer | None = None  # where set_optimizer got one
@@ -179,8 +179,7 @@ class KVStore:
         with self._lock:
             held, self._deferred = self._deferred, None
             if held is not None:
-                key, values, updater, donate = held
-                self._stored = _kvsparse.push(self._stored, key, values, updater, True, donate)
+                self._stored = _kvsparse.run_held(self._stored, held)
 
     @property
     def type(self) -> str:
@@ -315,14 +314,14 @@ class KVStore:
                 outs = pairs[0][1]
                 if (
                     len(pairs) == 1
-                    and pairs[0][0] == held[0]
+                    and pairs[0][0] == held.key
                     and all(map(_kvsparse.is_row_sparse, outs))
                 ):
                     self._deferred = None  # taken: the pull below runs it
                     try:
                         self._check_outs(pairs)
                         ids = _kvsparse.wanted(
-                            self._stored, held[0], _row_ids_per_out(key, pairs, row_ids)[0]
+                            self._stored, held.key, _row_ids_per_out(key, pairs, row_ids)[0]
                         )
                     except KVStoreError:
                         self._deferred = held  # refused: the push still runs, alone
@@ -589,7 +588,7 @@ class KVStore:
             # Held until the next call (checked now): a row_sparse_pull of the key then runs
             # with it in one computation, as a training loop's push and pull of rows do.
             k = sparse[0]
-            self._deferred = (k, _kvsparse.checked(state, k, grouped[k], updater), updater, donate)
+            self._deferred = _kvsparse.held(state, k, grouped[k], updater, donate)
             return
         for k in sparse:
             state = _kvsparse.push(state, k, grouped[k], updater, lazy, donate)

@@ -913,10 +913,12 @@ def _push(
     axis_name: Any,
     donate: bool,
     pull: Any,
+    checked: list[np.ndarray] | None = None,
 ) -> tuple[KVState, Any]:
     """``push_rows``, and, where one computation can also pull (see :func:`pushpull_rows`), the
     pulled rows (else ``None``). ``pull``: ``None`` (no pull), ``_SAME`` (the pushed ids), or
-    ``(given, checked)``, the ids to pull per device as given and checked on the host."""
+    ``(given, checked)``, the ids to pull per device as given and checked on the host.
+    ``checked``: the pairs' ids, already checked on the host (:func:`check_push`)."""
     key, i, shape = _table(state, key, "push_rows")
     dtype = state._stored_types()[i].dtype
     with _checking(state, key):
@@ -937,8 +939,11 @@ def _push(
             f"axis_name={axis_name!r}: expected to be called inside pmap or shard_map, given an "
             "eager call (eagerly, a list of per-device pairs is already summed over devices)"
         )
-    with _checking(state, key):
-        host = _host_pairs(key, shape, dtype, pairs)
+    if checked is not None:
+        host = list(zip(checked, [r for _, r in pairs]))
+    else:
+        with _checking(state, key):
+            host = _host_pairs(key, shape, dtype, pairs)
     across = None
     if _spans_processes(state):  # agreed before anything runs (init_opt_states may compute)
         across = _across_pairs(state, key, shape, host)
@@ -997,14 +1002,34 @@ def _host_pairs(
     return host
 
 
-def check_push(state: KVState, key: Any, row_ids: Any, rows: Any, updater: Any) -> None:
+def check_push(state: KVState, key: Any, row_ids: Any, rows: Any, updater: Any) -> list[np.ndarray]:
     """Every refusal of an eager ``push_rows(state, key, row_ids, rows, updater=updater)``,
-    raised now, for a push that runs later (the imperative store's held push)."""
+    raised now, for a push that runs later (the imperative store's held push); returns the
+    checked ids on the host, one array per pair, for :func:`pushpull_checked`."""
     key, i, shape = _table(state, key, "push_rows")
     pairs = [(ids, _unwrapped(r)) for ids, r in _pairs(key, row_ids, rows)]
     if isinstance(updater, optax.GradientTransformation):
         optimizer_group(state, (key,), unpack=False)
-    _host_pairs(key, shape, state._stored_types()[i].dtype, pairs)
+    return [x for x, _ in _host_pairs(key, shape, state._stored_types()[i].dtype, pairs)]
+
+
+def pushpull_checked(
+    state: KVState,
+    key: Key,
+    pushed: tuple[list, list, list[np.ndarray]],
+    pulled: tuple[list, list[np.ndarray]],
+    updater: Any,
+    donate: bool,
+) -> tuple[KVState, list[jax.Array]]:
+    """``pushpull_rows`` of pairs and pull ids already checked (one per device of the store,
+    eagerly, in one process): ``pushed`` is ``(row_ids, rows, ids)`` and ``pulled``
+    ``(placed, ids)``, ``ids`` the checked ids on the host (:func:`check_push`) and ``placed``
+    the pull ids on their devices, used in place."""
+    row_ids, rows, ids = pushed
+    state, got = _push(state, key, row_ids, rows, updater, None, donate, pulled, ids)
+    if got is None:
+        got = pull_rows(state, key, pulled[1], devices=[next(iter(x.devices())) for x in pulled[0]])
+    return state, got
 
 
 def _routed(
