@@ -262,6 +262,7 @@ def main() -> None:
 
 # -- the section of `make bench` (benchmarks/bench.py runs it) ---------------------------------
 SIZES = (1_000_000, 10_000_000)
+STEPS = 31
 
 
 def run_section(steps: int, mxnet_venv: str, log=log) -> dict:
@@ -274,6 +275,8 @@ def run_section(steps: int, mxnet_venv: str, log=log) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     results: list[dict] = []
     log(f"[rows] jaxkv, tables of {', '.join(f'{r:,}' for r in SIZES)} x {WIDTH} ...")
+    # A step is milliseconds: at least 31 of them, or their median moves by 10-20% between runs.
+    steps = max(steps, STEPS)
     cmd = [sys.executable, os.path.join(here, "rows.py"), "--steps", str(steps), "--rows"]
     out = subprocess.run(
         cmd + [str(r) for r in SIZES], capture_output=True, text=True, env=env, check=False
@@ -323,7 +326,8 @@ def report(res: dict) -> list[str]:
         f"{N:,} random rows of its own with SGD (lazy: only those rows change) and pulls its own "
         f"{N:,} rows back (benchmarks/rows.py; MXNet 1.9.1: benchmarks/mxnet_rows.py, "
         "`kv.init` of a row_sparse table of ones, `SGD(lazy_update=True)`, `row_sparse_pull` to "
-        "each device). Median of 7 steps after warm-up; values checked against a NumPy model.",
+        f"each device). Median of {STEPS} steps (or `--steps`, if more) after warm-up; values "
+        "checked against a NumPy model.",
         "",
         "| R | path | ms/step | MXNet / this | dense / this |",
         "|---|---|---|---|---|",
