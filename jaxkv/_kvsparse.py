@@ -59,10 +59,13 @@ def dense_of(x: Any) -> Any:
 
 class Held(NamedTuple):
     """A lazy row-sparse push, checked, to run later (the imperative store holds it until its
-    next call): the row-sparse values, one per device, and their ids checked on the host."""
+    next call): each pushed value's ids and rows as they were at the push (the arrays, not the
+    ``RowSparseNDArray``, which the caller may change in place before the push runs), and the
+    ids checked on the host."""
 
     key: Key
-    values: list
+    row_ids: list
+    rows: list
     ids: list
     updater: Any
     donate: bool
@@ -72,14 +75,9 @@ def held(state: KVState, key: Key, values: list, updater: Any, donate: bool) -> 
     """A lazy push of ``values`` (one per device, the first row-sparse) to ``key``, with every
     refusal raised now: run it with :func:`run_held` or :func:`pushpull_into`."""
     values = _row_sparse_values(state, key, values)
-    ids = _rows.check_push(
-        state,
-        key,
-        [v._ids for v in values],
-        [v._rows for v in values],
-        replace_all if updater is None else updater,
-    )
-    return Held(key, values, ids, updater, donate)
+    row_ids, rows = [v._ids for v in values], [v._rows for v in values]
+    ids = _rows.check_push(state, key, row_ids, rows, replace_all if updater is None else updater)
+    return Held(key, row_ids, rows, ids, updater, donate)
 
 
 def run_held(state: KVState, push: Held) -> KVState:
@@ -87,8 +85,8 @@ def run_held(state: KVState, push: Held) -> KVState:
     return _ops.push_rows(
         state,
         push.key,
-        [v._ids for v in push.values],
-        [v._rows for v in push.values],
+        push.row_ids,
+        push.rows,
         updater=replace_all if push.updater is None else push.updater,
         donate=push.donate,
     )
@@ -175,7 +173,7 @@ def pushpull_into(
     devices = [o._device() for o in outs]
     if (
         tuple(devices) != state.devices
-        or len(push.values) != len(devices)
+        or len(push.rows) != len(devices)
         or len({x.size for x in asked}) != 1
         or len(outs) < 2
     ):
@@ -185,7 +183,7 @@ def pushpull_into(
     state, rows = _rows.pushpull_checked(
         state,
         push.key,
-        ([v._ids for v in push.values], [v._rows for v in push.values], push.ids),
+        (push.row_ids, push.rows, push.ids),
         (placed, asked),
         replace_all if push.updater is None else push.updater,
         push.donate,

@@ -133,3 +133,21 @@ def test_a_refused_pull_leaves_the_held_push_applied():
     model = _lazy_sgd(_lazy_sgd(table, ids, data), ids, data)
     np.testing.assert_array_equal(np.asarray(kv.pull("e")), model)
     assert float(jnp.abs(kv.pull("b") - 1).max()) == 0
+
+
+def test_a_value_changed_after_its_push_does_not_change_the_push():
+    """The held push keeps the pushed arrays: a gradient buffer refilled in place (as a
+    training loop refills its gradients) before the push runs does not change what was pushed."""
+    kv, table = _store()
+    ids, data, values = _grads(0)
+    kv.push("e", values)
+    for v in values:  # refilled in place, as a backward pass refills its gradients
+        v[:] = mx.nd.sparse.row_sparse_array(
+            (np.full((1, WIDTH), 100.0, np.float32), [0]), shape=(ROWS, WIDTH), ctx=v.context
+        )
+    model = _lazy_sgd(table, ids, data)
+    outs = _outs()
+    kv.row_sparse_pull("e", out=outs, row_ids=[mx.nd.array(x) for x in ids])
+    for o, x in zip(outs, ids):
+        np.testing.assert_array_equal(o.data.asnumpy(), model[np.unique(x)])
+    np.testing.assert_array_equal(np.asarray(kv.pull("e")), model)
