@@ -38,6 +38,7 @@ __all__ = [
     "push",
     "pushpull_into",
     "replace_all",
+    "lazy_push",
     "run_held",
     "wanted",
 ]
@@ -61,7 +62,8 @@ class Held(NamedTuple):
     """A lazy row-sparse push, checked, to run later (the imperative store holds it until its
     next call): each pushed value's ids and rows as they were at the push (the arrays, not the
     ``RowSparseNDArray``, which the caller may change in place before the push runs), and the
-    ids checked on the host."""
+    ids checked on the host; ``updater`` as :func:`lazy_push` runs it (``replace_all`` for
+    none)."""
 
     key: Key
     row_ids: list
@@ -76,20 +78,23 @@ def held(state: KVState, key: Key, values: list, updater: Any, donate: bool) -> 
     refusal raised now: run it with :func:`run_held` or :func:`pushpull_into`."""
     values = _row_sparse_values(state, key, values)
     row_ids, rows = [v._ids for v in values], [v._rows for v in values]
-    ids = _rows.check_push(state, key, row_ids, rows, replace_all if updater is None else updater)
+    updater = replace_all if updater is None else updater
+    ids = _rows.check_push(state, key, row_ids, rows, updater)
     return Held(key, row_ids, rows, ids, updater, donate)
 
 
 def run_held(state: KVState, push: Held) -> KVState:
     """``state`` after a held push."""
-    return _ops.push_rows(
-        state,
-        push.key,
-        push.row_ids,
-        push.rows,
-        updater=replace_all if push.updater is None else push.updater,
-        donate=push.donate,
-    )
+    return lazy_push(state, push.key, push.row_ids, push.rows, push.updater, push.donate)
+
+
+def lazy_push(
+    state: KVState, key: Key, row_ids: list, rows: list, updater: Any, donate: bool
+) -> KVState:
+    """One ``push_rows`` of each device's ``(row_ids, rows)``: only the rows pushed (and their
+    optimizer state) change; with no updater the stored value becomes the merged sum (MXNet)."""
+    updater = replace_all if updater is None else updater
+    return _ops.push_rows(state, key, row_ids, rows, updater=updater, donate=donate)
 
 
 def _row_sparse_values(state: KVState, key: Key, values: list) -> list:
@@ -114,15 +119,8 @@ def push(state: KVState, key: Key, values: list, updater: Any, lazy: bool, donat
     values = _row_sparse_values(state, key, values)
     if not lazy:  # MXNet's standard update: every row, with the gradient densified
         return _ops.push(state, key, [dense_of(v) for v in values], updater=updater, donate=donate)
-    ids = [v._ids for v in values]
-    rows = [v._rows for v in values]
-    return _ops.push_rows(
-        state,
-        key,
-        ids,
-        rows,
-        updater=replace_all if updater is None else updater,
-        donate=donate,
+    return lazy_push(
+        state, key, [v._ids for v in values], [v._rows for v in values], updater, donate
     )
 
 
@@ -137,24 +135,24 @@ def pull_into(state: KVState, key: Key, outs: list, row_ids: list) -> list[tuple
     """What each row-sparse out of ``key`` receives: ``(out, rows, ids)`` on the out's device,
     for the distinct ids asked of it (sorted, as MXNet's ``row_sparse_pull`` gives them)."""
     with _rows._checking(state, key):  # across processes, a refusal is every process's
-        wanted = [_distinct(key, ids, state.shapes[key][0]) for ids in _fetched(row_ids)]
+        asked = wanted(state, key, row_ids)
     devices = [o._device() for o in outs]
     rows: list[jax.Array]
     if any(d.process_index != jax.process_index() for d in state.devices):
         # Across processes: one pull of every out's ids (each process may have its own outs),
         # then each out's rows on its device.
         first = next(d for d in state.devices if d.process_index == jax.process_index())
-        every = np.concatenate(wanted) if wanted else np.zeros(0, np.int32)
+        every = np.concatenate(asked) if asked else np.zeros(0, np.int32)
         got = _ops.pull_rows(state, key, every, devices=[first])
-        cuts = np.cumsum([x.size for x in wanted])[:-1]
+        cuts = np.cumsum([x.size for x in asked])[:-1]
         pieces = [got[a:b] for a, b in zip([0, *cuts], [*cuts, every.size])]
         rows = list(jax.device_put(pieces, devices))
-        return list(zip(outs, rows, jax.device_put(wanted, devices)))
-    if tuple(devices) == state.devices and len({x.size for x in wanted}) == 1 and len(devices) > 1:
-        rows = _ops.pull_rows(state, key, wanted)  # one computation: each device its rows
+        return list(zip(outs, rows, jax.device_put(asked, devices)))
+    if tuple(devices) == state.devices and len({x.size for x in asked}) == 1 and len(devices) > 1:
+        rows = _ops.pull_rows(state, key, asked)  # one computation: each device its rows
     else:
-        rows = [_ops.pull_rows(state, key, x, devices=[d]) for x, d in zip(wanted, devices)]
-    ids = jax.device_put(wanted, devices)  # one call for every out's ids
+        rows = [_ops.pull_rows(state, key, x, devices=[d]) for x, d in zip(asked, devices)]
+    ids = jax.device_put(asked, devices)  # one call for every out's ids
     return list(zip(outs, rows, ids))
 
 
@@ -185,7 +183,7 @@ def pushpull_into(
         push.key,
         (push.row_ids, push.rows, push.ids),
         (placed, asked),
-        replace_all if push.updater is None else push.updater,
+        push.updater,
         push.donate,
     )
     return state, list(zip(outs, rows, placed))

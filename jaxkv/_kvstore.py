@@ -311,12 +311,8 @@ class KVStore:
             held = self._deferred if out is not None else None
             if held is not None:
                 pairs = _args.pairs(key, out, "outs")
-                outs = pairs[0][1]
-                if (
-                    len(pairs) == 1
-                    and pairs[0][0] == held.key
-                    and all(map(_kvsparse.is_row_sparse, outs))
-                ):
+                outs = pairs[0][1] if len(pairs) == 1 else []
+                if outs and pairs[0][0] == held.key and all(map(_kvsparse.is_row_sparse, outs)):
                     self._deferred = None  # taken: the pull below runs it
                     try:
                         self._check_outs(pairs)

@@ -873,10 +873,11 @@ def pushpull_rows(
         and many
         and (not isinstance(pull_ids, list | tuple) or len(pull_ids) != len(rows))
     ):
-        raise ShapeError(
-            f"key {key!r}: pushpull_rows with {len(rows)} pairs expects a list of {len(rows)} "
-            "pull_ids, one per pair"
-        )
+        with _checking(state, key):  # across processes, a refusal is every process's
+            raise ShapeError(
+                f"key {key!r}: pushpull_rows with {len(rows)} pairs expects a list of "
+                f"{len(rows)} pull_ids, one per pair"
+            )
     traced = _traced_leaves(state) or is_traced(asked) or many and any(map(is_traced, asked))
     plan: Any = _SAME if pull_ids is None else None
     if pull_ids is not None and not traced:  # checked before the push can donate
