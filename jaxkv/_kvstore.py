@@ -173,6 +173,8 @@ class KVStore:
 
     @_state.setter
     def _state(self, state: KVState) -> None:
+        if self._deferred is not None:  # the held push came first: it runs, then is replaced
+            self._settle()
         self._stored = state
 
     def _settle(self) -> None:

@@ -78,7 +78,16 @@ def test_a_push_then_a_row_sparse_pull_gives_push_then_pull(asked, layout):
 
 
 @pytest.mark.parametrize(
-    "then", ["pull", "push again", "state", "pushpull", "row_sparse_pull of another key", "save"]
+    "then",
+    [
+        "pull",
+        "push again",
+        "state",
+        "state set",
+        "pushpull",
+        "row_sparse_pull of another key",
+        "save",
+    ],
 )
 def test_every_other_call_sees_the_held_push(then, tmp_path):
     kv, table = _store()
@@ -95,6 +104,10 @@ def test_every_other_call_sees_the_held_push(then, tmp_path):
         np.testing.assert_array_equal(np.asarray(kv.pull("e")), _lazy_sgd(model, ids2, data2))
     elif then == "state":
         np.testing.assert_array_equal(np.asarray(jaxkv.pull(kv.state, "e")), model)
+    elif then == "state set":  # a state set after the push replaces what the push made
+        other, _ = _store()
+        kv.state = other.state
+        np.testing.assert_array_equal(np.asarray(kv.pull("e")), table)
     elif then == "pushpull":
         out = mx.nd.zeros((3,))
         kv.pushpull("b", mx.nd.ones((3,)), out=out)
