@@ -341,7 +341,9 @@ class KVStore:
                 rows = [_ops.row_sparse_pull(state, k, _unwrap(r)) for k, r in zip(keys, ids)]
                 # As pull returns them: whole on the store's devices (split values gathered).
                 rows = [
-                    r if r.is_fully_replicated else _arrays.replicate([r], state.devices)[0]
+                    r
+                    if r.is_fully_replicated and r.sharding.device_set == set(state.devices)
+                    else _arrays.replicate([r], state.devices)[0]
                     for r in rows
                 ]
                 return rows if isinstance(key, list | tuple) else rows[0]

@@ -497,7 +497,7 @@ def _eager_take(state: KVState, key: Key, i: int, ids: np.ndarray) -> jax.Array:
         fn = _bucket_rows_take(state.mesh, state.axis, off, state._shapes[i], split)
         return _dist.ordered("pull_rows", fn, state._leaves[b], dev_ids)
     if leaf is None:  # a view of a bucket: sliced and gathered in one computation
-        return _dist.ordered("pull_rows", _bucket_take(key), state, dev_ids)
+        return _dist.ordered("pull_rows", _bucket_take(key, replicated), state, dev_ids)
     table = state._leaves[leaf]
     sharded = state.is_sharded(state._shapes[i])
     fn = _sharded_take(state.mesh, state.axis) if sharded else _replicated_take(replicated)
@@ -587,8 +587,10 @@ class _InRun(_Where):
 @functools.lru_cache(maxsize=256)
 def _bucket_rows_take(mesh: Any, axis: str, off: int, shape: tuple, split: bool) -> Any:
     """``(bucket, ids) -> rows`` of a key at ``off`` in its bucket, read in place."""
-    if not split:
-        return jax.jit(lambda leaf, ids: _run_take(leaf, ids, 0, shape[0], off, shape))
+    if not split:  # the result named whole on the devices: with no ids, XLA would pick one
+        whole = NamedSharding(mesh, PartitionSpec())
+        take = lambda leaf, ids: _run_take(leaf, ids, 0, shape[0], off, shape)  # noqa: E731
+        return jax.jit(take, out_shardings=whole)
     parts = mesh.devices.size
 
     def body(chunk: Any, ids: Any) -> Any:
@@ -721,7 +723,7 @@ def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = No
     replicated = NamedSharding(state.mesh, PartitionSpec())
     dev_ids = jax.device_put(ids, replicated)
     if leaf is None:
-        out_to = None if state._is_split(i) else replicated
+        out_to = state.sharding_for(shape)  # named for a key of a split bucket too
         out = _dist.ordered("row_sparse_pull", _bucket_keep(key, out_to), state, dev_ids)
     else:
         sharded = state.is_sharded(shape)

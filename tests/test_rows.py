@@ -521,13 +521,35 @@ def test_a_push_of_no_rows_changes_nothing(table, updater, devices):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_row_sparse_pull_of_no_rows_is_whole_on_the_stores_devices(layout, devices):
+@pytest.mark.parametrize("bound", [None, 16])
+def test_rows_of_no_ids_are_whole_on_the_stores_devices(layout, bound, devices):
     """Found by the deep stateful run: with no ids the result needs no input, and it landed on
-    one device, so a compressed store took it as one device's push."""
-    state = jaxkv.init(cpu_empty(layout=layout), {0: jnp.ones((2, 3))})
+    one device, so a compressed store took it as one device's push. With the bound 16 the
+    three small keys fill a bucket split over the devices (the second finding)."""
+    values = {k: jnp.full((2, 3), k + 1.0) for k in range(3)}
+    state = jaxkv.init(cpu_empty(layout=layout, bigarray_bound=bound), values)
     for ids in ([], [1]):
         out = jaxkv.row_sparse_pull(state, 0, ids)
         assert out.sharding.device_set == set(devices) and out.is_fully_replicated
         want = np.zeros((2, 3))
         want[ids] = 1
         np.testing.assert_array_equal(out, want)
+        rows = jaxkv.pull_rows(state, 0, ids)
+        assert rows.sharding.device_set == set(devices) and rows.is_fully_replicated
+        np.testing.assert_array_equal(rows, np.ones((len(ids), 3)))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_compressed_store_refuses_its_own_row_sparse_pull_of_no_rows(layout, monkeypatch):
+    """The imperative form of the finding above: what ``kv.row_sparse_pull`` returns spans the
+    store's devices, as ``kv.pull``'s does, so a 2-bit store refuses it as a push value."""
+    monkeypatch.setenv("MXNET_KVSTORE_BIGARRAY_BOUND", "16")
+    kv = jaxkv.KVStore("device", devices=jax.devices("cpu"), layout=layout)
+    kv.init([0, 1], [jaxkv.nd.zeros((2, 3))] * 2)
+    kv.init(2, jaxkv.nd.zeros((2, 3)))  # a bucket split over the devices under "flat"
+    pulled = [kv.row_sparse_pull(0, row_ids=jaxkv.nd.array(ids)) for ids in ([], [1])]
+    kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    for got in pulled:
+        assert got.sharding.device_set == set(jax.devices("cpu"))
+        with pytest.raises(jaxkv.KVStoreError, match="several devices"):
+            kv.push(0, got)
