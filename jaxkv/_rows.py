@@ -6,14 +6,15 @@ How rows move. A table the store replicates is read and written where it is, on 
 a gather of the rows asked for, a scatter of the rows pushed. A table the store shards (its rows
 split over the D devices of the mesh, each holding ``R / D`` consecutive rows) is handled in one
 ``shard_map`` over the store's mesh. With one request (or pair) per device, the ids are routed:
-the host checks them and counts the busiest route (``C``), each device places its ids in ``D * C``
-slots, owner-major (:func:`_plan`), one all-to-all takes them (and a push's rows, its ids a
-column beside them) to their owners, and another brings a pull's rows back. An owner sums the
-duplicate ids it gets (one sort, see :func:`_dedupe`) and updates its own rows alone where the
-updater is elementwise. Otherwise every device gets every pair (an all-gather), reads the
-touched rows it holds, and one ``psum`` (or ``psum_scatter``) adds the D partial answers. Cost:
-O(rows touched x D) per device at most, nothing proportional to the table (with
-``donate=True``: without it, a pure function must leave the old table intact, which copies it).
+the host checks them and counts the busiest route (``C``), each device places its ids in
+``D * C`` slots, owner-major (:func:`_rowmath.plan`), one all-to-all takes them (and a push's
+rows, its ids a column beside them) to their owners, and another brings a pull's rows back. An
+owner sums the duplicate ids it gets (one sort, see :func:`_rowmath.dedupe`) and updates its own
+rows alone where the updater is elementwise. Otherwise every device gets every pair (an
+all-gather), reads the touched rows it holds, and one ``psum`` (or ``psum_scatter``) adds the D
+partial answers. Cost: O(rows touched x D) per device at most, nothing proportional to the
+table (with ``donate=True``: without it, a pure function must leave the old table intact, which
+copies it). This module checks and dispatches; the computations are in ``_rowmath.py``.
 
 An optax updater runs on the touched rows and the same rows of its per-parameter state leaves
 (``optax.tree_utils.tree_map_params`` finds them); its other leaves (Adam's step count) are
@@ -26,8 +27,6 @@ value of the table's shape, zero elsewhere, and the stored value (this device's 
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -44,6 +43,27 @@ from ._bucket import elementwise as _elementwise
 from ._collectives import axis_names, unsummed_axes
 from ._errors import KVStoreError, ShapeError
 from ._fast import assemble, per_device
+from ._rowmath import (
+    Where,
+    bucket_keep,
+    bucket_pusher,
+    bucket_rows_take,
+    bucket_take,
+    concat,
+    own_push,
+    per_device_take,
+    push_whole,
+    put,
+    replicated_keep,
+    replicated_take,
+    routed_push,
+    routed_take,
+    sharded_keep,
+    sharded_take,
+    state_push,
+    take,
+    update_rows,
+)
 from ._state import Key, KVState, normalize_key
 from ._state import _spans_processes as _state_spans_processes
 from ._update import optimizer_group
@@ -51,134 +71,6 @@ from ._update import optimizer_group
 __all__ = ["pull_rows", "push_rows", "pushpull_rows", "row_sparse_pull"]
 
 _ID_DTYPE = jnp.int32  # row ids on device (JAX's default integer); tables below 2**31 rows
-
-
-# -- the row arithmetic, on a whole table or on one device's block of it --------------------
-def _take(x: Any, ids: Any, lo: Any = 0) -> Any:
-    """The rows ``ids`` of ``x`` (a table, or the block of it whose first row is row ``lo``);
-    rows outside ``x`` read as zeros."""
-    if x.shape[0] == 0:  # (no rows here: a device that pushed none)
-        return jnp.zeros((ids.shape[0], *x.shape[1:]), x.dtype)
-    local = ids - lo
-    inside = (local >= 0) & (local < x.shape[0])
-    return jnp.take(x, jnp.where(inside, local, x.shape[0]), axis=0, mode="fill", fill_value=0)
-
-
-def _put(x: Any, ids: Any, rows: Any, lo: Any = 0) -> Any:
-    """``x`` with the rows ``ids`` set to ``rows``; rows outside ``x`` are dropped."""
-    local = ids - lo
-    inside = (local >= 0) & (local < x.shape[0])
-    where = jnp.where(inside, local, x.shape[0])
-    return x.at[where].set(rows.astype(x.dtype), mode="drop")
-
-
-def _dedupe(ids: Any, rows: Any, n_rows: int) -> tuple[Any, Any]:
-    """Each distinct valid id once (sorted, padded with ``n_rows``, which selects nothing) and
-    the sum of its rows: ids outside ``[0, n_rows)`` update nothing.
-
-    One sort of the ids alone (sorting ids with their positions costs XLA:CPU 10x more), the
-    distinct ids at the starts of runs, and each pushed row's place among them by binary
-    search: 0.5 ms for 8,000 ids of 64 floats on one CPU core, against 1.25 ms for
-    ``jnp.unique(..., return_inverse=True)``."""
-    ids = jnp.where((ids >= 0) & (ids < n_rows), ids, n_rows)
-    size = ids.shape[0]
-    if size == 0:
-        return ids, rows
-    ordered = jnp.sort(ids)
-    starts = jnp.concatenate([jnp.ones(1, bool), ordered[1:] != ordered[:-1]])
-    slot = jnp.cumsum(starts.astype(jnp.int32)) - 1
-    unique = jnp.full(size, n_rows, ids.dtype).at[slot].set(ordered)
-    inverse = jnp.searchsorted(unique, ids, method="scan").astype(jnp.int32)
-    if rows.dtype == jnp.bool_:  # summed as a push sums them: any of them
-        return unique, jax.ops.segment_max(rows.astype(jnp.int8), inverse, num_segments=size) > 0
-    summed = jax.ops.segment_sum(rows, inverse, num_segments=size)
-    return unique, summed
-
-
-class _Where:
-    """How to reach a key's rows from the code running: the whole table (``axis`` None), or
-    this device's block of ``block`` rows along the mapped ``axis``."""
-
-    def __init__(self, axis: Any = None, block: int = 0) -> None:
-        self.axis = axis
-        self.block = block
-
-    def lo(self) -> Any:
-        return 0 if self.axis is None else jax.lax.axis_index(self.axis) * self.block
-
-    def take(self, x: Any, ids: Any) -> Any:
-        """The rows ``ids`` (the same on every device) of the table whose part here is ``x``."""
-        if self.axis is None:
-            return _take(x, ids)
-        return jax.lax.psum(_take(x, ids, self.lo()), self.axis)
-
-    def take_own(self, x: Any, ids: Any) -> Any:
-        """The rows ``ids`` that this device holds (zeros for the others), no communication."""
-        return _take(x, ids, self.lo())
-
-    def put(self, x: Any, ids: Any, rows: Any) -> Any:
-        return _put(x, ids, rows, self.lo())
-
-
-def _update_rows(
-    key: Key,
-    where: _Where,
-    stored: Any,
-    opt_state: Any,
-    ids: Any,
-    rows: Any,
-    n_rows: int,
-    updater: Any,
-) -> tuple[Any, Any]:
-    """The new stored value (or block) and optimizer state after a push of ``rows`` at ``ids``
-    (the whole push: the same on every device)."""
-    unique, summed = _dedupe(ids, rows.astype(stored.dtype), n_rows)
-    if updater is None:
-        return where.put(stored, unique, summed), opt_state
-    if isinstance(updater, optax.GradientTransformation):
-        tree_map_params = optax.tree_utils.tree_map_params
-        # Each device's own rows of a sharded table (zeros for the others'), where the updater
-        # is elementwise: a row's update then needs nothing of another device's rows, and the
-        # rows it gets wrong are rows this device does not write back. Else every device gets
-        # every touched row (one psum), and runs the updater on them all.
-        take = where.take_own
-        opt_rows = tree_map_params(updater, lambda x: take(x, unique), opt_state)
-        name = np.dtype(stored.dtype).name
-        if where.axis is not None and not _elementwise(
-            updater, (key,), (tuple(summed.shape),), name, opt_rows
-        ):
-            take = where.take
-            opt_rows = tree_map_params(updater, lambda x: take(x, unique), opt_state)
-        old = take(stored, unique)
-        updates, new_opt = updater.update({key: summed}, opt_rows, {key: old})
-        new_rows = optax.apply_updates({key: old}, updates)[key]
-        # The per-parameter leaves: their touched rows written back; the others (a step
-        # count) as the update left them.
-        per_row = tree_map_params(
-            updater, lambda x: True, opt_state, transform_non_params=lambda x: False
-        )
-        opt_state = jax.tree_util.tree_map(
-            lambda rowwise, x, new: where.put(x, unique, new) if rowwise else new,
-            per_row,
-            opt_state,
-            new_opt,
-        )
-        return where.put(stored, unique, new_rows), opt_state
-    pushed = where.put(jnp.zeros_like(stored), unique, summed)
-    value = updater(key, pushed, stored)
-    if value is None:
-        raise KVStoreError(
-            f"key {key!r}: the updater returned None, expected the new stored value. "
-            "MXNet-style in-place updaters (stored += ...) work through jaxkv.KVStore; "
-            "a functional updater must return the new value"
-        )
-    value = as_array(value)
-    if tuple(value.shape) != tuple(stored.shape):
-        raise ShapeError(
-            f"key {key!r}: the updater returned shape {tuple(value.shape)}, expected the stored "
-            f"shape {tuple(stored.shape)}"
-        )
-    return value.astype(stored.dtype), opt_state
 
 
 # -- checks -----------------------------------------------------------------------------------
@@ -299,11 +191,11 @@ def pull_rows(
         ids = _traced_ids(row_ids)
         block = _block_rows(state, key, value)
         if block is None:
-            return _take(value, jnp.where(ids >= 0, ids, shape[0]))
+            return take(value, jnp.where(ids >= 0, ids, shape[0]))
         axis = _axis(state, axis_name, key)
         ids = jnp.where(ids >= 0, ids, shape[0])
         asked = jax.lax.all_gather(ids, axis)  # every device's request
-        part = _take(value, asked, jax.lax.axis_index(axis) * block)
+        part = take(value, asked, jax.lax.axis_index(axis) * block)
         return jax.lax.psum_scatter(part, axis, scatter_dimension=0)
     if _spans_processes(state):
         return _pull_across(state, key, i, shape, row_ids, devices)
@@ -350,9 +242,9 @@ def _pull_per_device(
     asked = _split_ids(state, row_ids, ids)
     if state.is_sharded(shape):
         c = slots(busiest(ids, shape[0] // len(targets), len(targets)))
-        fn = _routed_take(state.mesh, state.axis, c)
+        fn = routed_take(state.mesh, state.axis, c)
         return per_device(_dist.ordered("pull_rows", fn, state._leaves[leaf], asked))
-    fn = _per_device_take(state.mesh, state.axis, False)
+    fn = per_device_take(state.mesh, state.axis, False)
     return per_device(_dist.ordered("pull_rows", fn, state._leaves[leaf], asked))
 
 
@@ -390,87 +282,12 @@ def slots(most: int) -> int:
     return -(-most // step) * step
 
 
-def _plan(ids: Any, block: int, parts: int, c: int) -> tuple[Any, Any]:
-    """On one device, inside ``shard_map``: where each of its ``ids`` goes among the
-    ``parts * c`` slots it sends (owner-major, ``c`` per owner of a table cut in ``parts``
-    blocks of ``block`` rows), and each slot's id as a row of its owner's block (``block``,
-    which selects nothing, where unused). An id outside the table (padding) goes nowhere: its
-    slot is ``parts * c``. ``c`` is at least the most ids this device sends one owner (the host
-    counts them: :func:`busiest`)."""
-    valid = (ids >= 0) & (ids < parts * block)
-    owner = jnp.where(valid, ids // block, parts)
-    to = owner[:, None] == jnp.arange(parts, dtype=owner.dtype)[None, :]
-    seen = jnp.cumsum(to.astype(jnp.int32), axis=0)  # ids so far for each owner
-    slot = jnp.sum(jnp.where(to, seen, 0), axis=1) - 1
-    dest = jnp.where(valid, owner * c + slot, parts * c)
-    local = jnp.full(parts * c, block, ids.dtype)
-    return dest, local.at[dest].set(ids - owner * block, mode="drop")
-
-
-def _exchange(local: Any, rows: Any, dest: Any, axis: str) -> tuple[Any, Any]:
-    """Each slot's id and row sent to its owner (see :func:`_plan`): one all-to-all, the id a
-    column of the rows bit cast to ``int32`` where the rows' items are 4 bytes, else two."""
-    n = local.shape[0]
-    shape = rows.shape[1:]
-    if jnp.dtype(rows.dtype).itemsize != 4:
-        sent = jnp.zeros((n, *shape), rows.dtype).at[dest].set(rows, mode="drop")
-        ids = jax.lax.all_to_all(local, axis, 0, 0, tiled=True)
-        return ids, jax.lax.all_to_all(sent, axis, 0, 0, tiled=True)
-    flat = rows.reshape(rows.shape[0], math.prod(shape))
-    if flat.dtype != jnp.int32:
-        flat = jax.lax.bitcast_convert_type(flat, jnp.int32)
-    sent = jnp.zeros((n, flat.shape[1] + 1), jnp.int32).at[:, -1].set(local)
-    sent = jax.lax.all_to_all(sent.at[dest, :-1].set(flat, mode="drop"), axis, 0, 0, tiled=True)
-    got = sent[:, :-1]
-    if rows.dtype != jnp.int32:
-        got = jax.lax.bitcast_convert_type(got, rows.dtype)
-    return sent[:, -1], got.reshape(n, *shape)
-
-
-@functools.lru_cache(maxsize=64)
-def _routed_take(mesh: Any, axis: str, c: int) -> Any:
-    """``(table, ids) -> rows``, both split along axis 0 over the mesh: each device's ids sent
-    to their owners and the rows back, two all-to-alls of ``parts * c`` slots."""
-    parts = mesh.shape[axis]
-
-    def body(block: Any, ids: Any) -> Any:
-        dest, local = _plan(ids, block.shape[0], parts, c)
-        asked = jax.lax.all_to_all(local, axis, 0, 0, tiled=True)  # what others ask of me
-        got = jax.lax.all_to_all(_take(block, asked), axis, 0, 0, tiled=True)  # owner-major
-        return jnp.take(got, dest, axis=0, mode="fill", fill_value=0)
-
-    split = PartitionSpec(axis)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(split, split), out_specs=split))
-
-
 def _spans_processes(state: KVState) -> bool:
     return _state_spans_processes(state.devices)
 
 
-def _like_table(opt: Any, table: Any, split: PartitionSpec) -> Any:
-    """The ``shard_map`` specs of an optimizer state beside a table split along ``split``: its
-    leaves of the table's shape (per-parameter moments) split alike, the others replicated."""
-    return jax.tree_util.tree_map(
-        lambda x: split if tuple(x.shape) == tuple(table.shape) else PartitionSpec(), opt
-    )
-
-
 def _place(x: jax.Array, device: jax.Device) -> jax.Array:
     return replicate([x], (device,))[0]
-
-
-@functools.lru_cache(maxsize=64)
-def _per_device_take(mesh: Any, axis: str, sharded: bool) -> Any:
-    def body(table: Any, ids: Any) -> Any:
-        if not sharded:
-            return _take(table, ids)
-        asked = jax.lax.all_gather(ids, axis)
-        part = _take(table, asked, jax.lax.axis_index(axis) * table.shape[0])
-        return jax.lax.psum_scatter(part, axis, scatter_dimension=0)
-
-    split = PartitionSpec(axis)
-    table = split if sharded else PartitionSpec()
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(table, split), out_specs=split))
 
 
 def _traced_leaves(state: KVState) -> bool:
@@ -494,30 +311,14 @@ def _eager_take(state: KVState, key: Key, i: int, ids: np.ndarray) -> jax.Array:
     place = _in_bucket(state, i)
     if place is not None:  # its rows read straight from its bucket
         b, off, split = place
-        fn = _bucket_rows_take(state.mesh, state.axis, off, state._shapes[i], split)
+        fn = bucket_rows_take(state.mesh, state.axis, off, state._shapes[i], split)
         return _dist.ordered("pull_rows", fn, state._leaves[b], dev_ids)
     if leaf is None:  # a view of a bucket: sliced and gathered in one computation
-        return _dist.ordered("pull_rows", _bucket_take(key, replicated), state, dev_ids)
+        return _dist.ordered("pull_rows", bucket_take(key, replicated), state, dev_ids)
     table = state._leaves[leaf]
     sharded = state.is_sharded(state._shapes[i])
-    fn = _sharded_take(state.mesh, state.axis) if sharded else _replicated_take(replicated)
+    fn = sharded_take(state.mesh, state.axis) if sharded else replicated_take(replicated)
     return _dist.ordered("pull_rows", fn, table, dev_ids)
-
-
-@functools.lru_cache(maxsize=64)
-def _replicated_take(sharding: NamedSharding) -> Any:
-    return jax.jit(_take, out_shardings=sharding)
-
-
-@functools.lru_cache(maxsize=64)
-def _sharded_take(mesh: Any, axis: str) -> Any:
-    def body(block: Any, ids: Any) -> Any:
-        return jax.lax.psum(_take(block, ids, jax.lax.axis_index(axis) * block.shape[0]), axis)
-
-    spec = PartitionSpec(axis)
-    return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=PartitionSpec())
-    )
 
 
 # -- rows of a key in a flat bucket, addressed in place -------------------------------------------
@@ -539,69 +340,6 @@ def _in_bucket(state: KVState, i: int) -> tuple[int, int, bool] | None:
     if parts > 1 and shape[0] % parts:
         return None
     return b, off, parts > 1
-
-
-def _elements(ids: Any, lo: Any, rows: int, off: int, width: int, size: int) -> Any:
-    """The element positions ``(n, width)`` in a run (a bucket, or a device's chunk of
-    ``size`` elements) of the rows ``ids`` of a key at ``off`` holding rows
-    ``[lo, lo + rows)``; ``size`` (past the end) for rows elsewhere."""
-    local = ids - lo
-    inside = (local >= 0) & (local < rows)
-    first = off + jnp.where(inside, local, 0) * width
-    at = first[:, None] + jnp.arange(width, dtype=first.dtype)[None, :]
-    return jnp.where(inside[:, None], at, size)
-
-
-def _run_take(leaf: Any, ids: Any, lo: Any, rows: int, off: int, shape: tuple) -> Any:
-    width = math.prod(shape[1:])
-    at = _elements(ids, lo, rows, off, width, leaf.shape[0])
-    got = jnp.take(leaf, at, mode="fill", fill_value=0)
-    return got.reshape(ids.shape[0], *shape[1:])
-
-
-def _run_put(leaf: Any, ids: Any, new: Any, lo: Any, rows: int, off: int, shape: tuple) -> Any:
-    width = math.prod(shape[1:])
-    at = _elements(ids, lo, rows, off, width, leaf.shape[0])
-    values = new.reshape(ids.shape[0], width).astype(leaf.dtype)
-    return leaf.at[at].set(values, mode="drop")
-
-
-class _InRun(_Where):
-    """``_Where`` for a key's run in a bucket (or in this device's chunk of a split one)."""
-
-    def __init__(self, axis: Any, rows: int, off: int, shape: tuple) -> None:
-        super().__init__(axis, rows)
-        self.off, self.shape = off, shape
-
-    def take_own(self, x: Any, ids: Any) -> Any:
-        return _run_take(x, ids, self.lo(), self.block, self.off, self.shape)
-
-    def take(self, x: Any, ids: Any) -> Any:
-        mine = self.take_own(x, ids)
-        return mine if self.axis is None else jax.lax.psum(mine, self.axis)
-
-    def put(self, x: Any, ids: Any, rows: Any) -> Any:
-        return _run_put(x, ids, rows, self.lo(), self.block, self.off, self.shape)
-
-
-@functools.lru_cache(maxsize=256)
-def _bucket_rows_take(mesh: Any, axis: str, off: int, shape: tuple, split: bool) -> Any:
-    """``(bucket, ids) -> rows`` of a key at ``off`` in its bucket, read in place."""
-    if not split:  # the result named whole on the devices: with no ids, XLA would pick one
-        whole = NamedSharding(mesh, PartitionSpec())
-        take = lambda leaf, ids: _run_take(leaf, ids, 0, shape[0], off, shape)  # noqa: E731
-        return jax.jit(take, out_shardings=whole)
-    parts = mesh.devices.size
-
-    def body(chunk: Any, ids: Any) -> Any:
-        rows = shape[0] // parts
-        lo = jax.lax.axis_index(axis) * rows
-        return jax.lax.psum(_run_take(chunk, ids, lo, rows, off, shape), axis)
-
-    spec = PartitionSpec(axis)
-    return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=PartitionSpec())
-    )
 
 
 def _bucket_push(
@@ -627,66 +365,11 @@ def _bucket_push(
         # one key alone in its group (and its bucket): each family bucket is laid out as the
         # value's, from offset 0
         opt, families = tuple(state._opt_states[n]), tuple(packing.packed_positions())
-    fn = _bucket_pusher(
+    fn = bucket_pusher(
         state.mesh, state.axis, key, off, shape, split, updater, packing, families, donate
     )
     value, opt = _dist.ordered("push_rows", fn, state._leaves[b], opt, ids, rows)
     return state._replace_leaves({b: value}, {} if n is None else {n: opt})
-
-
-@functools.lru_cache(maxsize=256)
-def _bucket_pusher(
-    mesh: Any,
-    axis: str,
-    key: Key,
-    off: int,
-    shape: tuple,
-    split: bool,
-    updater: Any,
-    packing: Any,
-    families: tuple[int, ...],
-    donate: bool,
-) -> Any:
-    """``(bucket, opt_state, ids, rows) -> (bucket, opt_state)`` for a key at ``off``."""
-    parts = mesh.devices.size if split else 1
-    rows_here = shape[0] // parts
-
-    def update(leaf: Any, opt: Any, ids: Any, rows: Any) -> Any:
-        where = _InRun(axis if split else None, rows_here, off, shape)
-        if packing is None:
-            return _update_rows(key, where, leaf, opt, ids, rows, shape[0], updater)
-        # The packed leaves as optax's tree: each family bucket as the key's value (addressed
-        # by the same run), the other leaves as they are.
-        tree = jax.tree_util.tree_unflatten(packing.treedef, list(opt))
-        value, new = _update_rows(key, where, leaf, tree, ids, rows, shape[0], updater)
-        return value, tuple(jax.tree_util.tree_leaves(new))
-
-    if not split:
-        return jax.jit(update, donate_argnums=(0, 1) if donate else ())
-    spec = PartitionSpec(axis)
-
-    def run(leaf: Any, opt: Any, ids: Any, rows: Any) -> Any:
-        if packing is None:
-            opt_spec = _like_table(opt, leaf, spec)
-        else:
-            opt_spec = tuple(spec if j in families else PartitionSpec() for j in range(len(opt)))
-        mapped = jax.shard_map(
-            update,
-            mesh=mesh,
-            in_specs=(spec, opt_spec, PartitionSpec(), PartitionSpec()),
-            out_specs=(spec, opt_spec),
-            check_vma=False,
-        )
-        return mapped(leaf, opt, ids, rows)
-
-    return jax.jit(run, donate_argnums=(0, 1) if donate else ())
-
-
-@functools.lru_cache(maxsize=256)
-def _bucket_take(key: Key, out: NamedSharding | None = None) -> Any:
-    """The rows of a key read through its view of its bucket (``out``: where the result goes;
-    across processes, each device's rows for its own ids, split along axis 0)."""
-    return jax.jit(lambda state, ids: _take(state[key], ids), out_shardings=out)
 
 
 # -- row_sparse_pull --------------------------------------------------------------------------
@@ -715,7 +398,7 @@ def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = No
         block = _block_rows(state, key, value)
         if block is not None:
             lo = jax.lax.axis_index(_axis(state, None, key)) * block
-        return _put(jnp.zeros_like(value), ids, _take(value, ids, lo), lo)
+        return put(jnp.zeros_like(value), ids, take(value, ids, lo), lo)
     ids = _host_ids(key, row_ids, shape[0])
     leaf = _own_leaf(state, i)
     # Whole on the store's devices where the store keeps it so, as a pull gives it (a result
@@ -724,35 +407,12 @@ def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = No
     dev_ids = jax.device_put(ids, replicated)
     if leaf is None:
         out_to = state.sharding_for(shape)  # named for a key of a split bucket too
-        out = _dist.ordered("row_sparse_pull", _bucket_keep(key, out_to), state, dev_ids)
+        out = _dist.ordered("row_sparse_pull", bucket_keep(key, out_to), state, dev_ids)
     else:
         sharded = state.is_sharded(shape)
-        fn = _sharded_keep(state.mesh, state.axis) if sharded else _replicated_keep(replicated)
+        fn = sharded_keep(state.mesh, state.axis) if sharded else replicated_keep(replicated)
         out = _dist.ordered("row_sparse_pull", fn, state._leaves[leaf], dev_ids)
     return out if devices is None else replicate([out], devices_of(devices))[0]
-
-
-def _keep(x: Any, ids: Any, lo: Any = 0) -> Any:
-    return _put(jnp.zeros_like(x), ids, _take(x, ids, lo), lo)
-
-
-@functools.lru_cache(maxsize=64)
-def _replicated_keep(out: NamedSharding) -> Any:
-    return jax.jit(_keep, out_shardings=out)
-
-
-@functools.lru_cache(maxsize=64)
-def _sharded_keep(mesh: Any, axis: str) -> Any:
-    def body(block: Any, ids: Any) -> Any:
-        return _keep(block, ids, jax.lax.axis_index(axis) * block.shape[0])
-
-    spec = PartitionSpec(axis)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=spec))
-
-
-@functools.lru_cache(maxsize=256)
-def _bucket_keep(key: Key, out: NamedSharding | None) -> Any:
-    return jax.jit(lambda state, ids: _keep(state[key], ids), out_shardings=out)
 
 
 # -- push -------------------------------------------------------------------------------------
@@ -969,7 +629,7 @@ def _push(
             elif pull is not None and len({x.size for x in pull[1]}) == 1:
                 args.append(_split_ids(state, pull[0], pull[1]))
                 back = slots(busiest(pull[1], shape[0] // len(state.devices), len(state.devices)))
-            fn = _routed_push(state.mesh, state.axis, key, updater, donate, c, back)
+            fn = routed_push(state.mesh, state.axis, key, updater, donate, c, back)
             opt = None if n is None else state._opt_states[n]
             out = _dist.ordered("push_rows", fn, state._leaves[leaf], opt, *args)
             new = state._replace_leaves({leaf: out[0]}, {} if n is None else {n: out[1]})
@@ -981,13 +641,13 @@ def _push(
     ):
         return _bucket_push(state, key, i, place, n, ids, rows, updater, donate), None
     if leaf is not None and (n is None or state._packings[n] is None):
-        fn = _own_push(
+        fn = own_push(
             state.mesh, state.axis, key, shape[0], state.is_sharded(shape), updater, donate
         )
         opt = None if n is None else state._opt_states[n]
         value, opt = _dist.ordered("push_rows", fn, state._leaves[leaf], opt, ids, rows)
         return state._replace_leaves({leaf: value}, {} if n is None else {n: opt}), None
-    fn = _state_push(key, shape[0], updater, donate)
+    fn = state_push(key, shape[0], updater, donate)
     return _dist.ordered("push_rows", fn, state, ids, rows), None
 
 
@@ -1047,7 +707,7 @@ def _routed(
     """A push of one pair per device of the store, in place there, of as many rows each, into a
     sharded table, with an updater that needs no other device's rows (none, an MXNet-style
     updater on the block, an elementwise optax one): ``C`` and the ``(ids, rows)`` arguments of
-    :func:`_routed_push`, each device's rows going straight to the owners of their ids
+    :func:`_rowmath.routed_push`, each device's rows going straight to the owners of their ids
     (``given``: the row ids as given, used in place where they can be). Else ``None``: every
     device gets every pushed row (:func:`_gathered`)."""
     devices = state.devices
@@ -1165,17 +825,17 @@ def _pull_across(
     n, most = _agreed(key, (max(x.size for x in mine), most))
     n = max(n, 1)  # no ids anywhere: one padded id (XLA may place a zero-size result whole)
     if sharded and leaf is not None:
-        fn = _routed_take(state.mesh, state.axis, slots(most))
+        fn = routed_take(state.mesh, state.axis, slots(most))
         ids = _global(state, [_padded_ids(x, n, -1) for x in mine])
         out = _dist.ordered("pull_rows", fn, state._leaves[leaf], ids)
     elif leaf is not None:
-        fn = _per_device_take(state.mesh, state.axis, False)
+        fn = per_device_take(state.mesh, state.axis, False)
         padded = [_padded_ids(x, n, 0) for x in mine]
         out = _dist.ordered("pull_rows", fn, state._leaves[leaf], _global(state, padded))
     else:  # in a bucket (whole on every device across processes): read from the view
         split = NamedSharding(state.mesh, PartitionSpec(state.axis))
         asked_all = _global(state, [_padded_ids(x, n, 0) for x in mine])
-        out = _dist.ordered("pull_rows", _bucket_take(key, split), state, asked_all)
+        out = _dist.ordered("pull_rows", bucket_take(key, split), state, asked_all)
     rows = [x[: a.size] for x, a in zip(per_device(out), mine)]
     if per:
         targets = devices_of(devices) if devices is not None else tuple(local)
@@ -1230,7 +890,7 @@ def _push_across(
     rows = [_pad_rows(r, n) for _, r in pairs]
     opt = None if n_group is None else state._opt_states[n_group]
     if alone and leaf is not None:
-        fn = _routed_push(state.mesh, state.axis, key, updater, donate, slots(most), None)
+        fn = routed_push(state.mesh, state.axis, key, updater, donate, slots(most), None)
         padded = _global(state, [_padded_ids(x, n, -1) for x, _ in pairs])
         value, opt = _dist.ordered(
             "push_rows", fn, state._leaves[leaf], opt, padded, _global(state, rows)
@@ -1239,10 +899,10 @@ def _push_across(
     stacked_ids = _global(state, [_padded_ids(x, n, -1) for x, _ in pairs])
     stacked = _global(state, rows)
     if leaf is not None and (n_group is None or state._packings[n_group] is None):
-        fn = _own_push(state.mesh, state.axis, key, shape[0], sharded, updater, donate)
+        fn = own_push(state.mesh, state.axis, key, shape[0], sharded, updater, donate)
         value, opt = _dist.ordered("push_rows", fn, state._leaves[leaf], opt, stacked_ids, stacked)
         return state._replace_leaves({leaf: value}, {} if n_group is None else {n_group: opt})
-    fn = _state_push(key, shape[0], updater, donate)
+    fn = state_push(key, shape[0], updater, donate)
     return _dist.ordered("push_rows", fn, state, stacked_ids, stacked)
 
 
@@ -1252,47 +912,6 @@ def _pad_rows(rows: Any, n: int) -> Any:
     device = next(iter(rows.devices()))
     zeros = jax.device_put(np.zeros((n - rows.shape[0], *rows.shape[1:]), rows.dtype), device)
     return jnp.concatenate([rows, zeros])
-
-
-@functools.lru_cache(maxsize=256)
-def _routed_push(
-    mesh: Any, axis: str, key: Key, updater: Any, donate: bool, c: int, back: int | None
-) -> Any:
-    """``(table, opt_state, ids, rows) -> (table, opt_state)``, ids and rows split along axis 0:
-    each device sends each owner its ids and rows for it (one all-to-all of ``parts * c`` slots,
-    see :func:`_plan`), and each owner sums and updates the rows of its block alone.
-
-    With ``back`` (not ``None``), also each device's rows after the update: ``back == 0``, the
-    pushed ids, in their order (one more all-to-all, back along the same routes); ``back > 0``,
-    the ids of one more argument, ``pull_ids`` (routed as a pull with ``C = back``: two more).
-    Then ``(table, opt_state, rows)``."""
-    split = PartitionSpec(axis)
-    parts = mesh.shape[axis]
-
-    def body(block: Any, opt: Any, ids: Any, rows: Any, *pull_ids: Any) -> Any:
-        dest, local = _plan(ids, block.shape[0], parts, c)
-        got_ids, got = _exchange(local, rows, dest, axis)
-        block, opt = _update_rows(key, _Where(), block, opt, got_ids, got, block.shape[0], updater)
-        if back is None:
-            return block, opt
-        if pull_ids:
-            dest, local = _plan(pull_ids[0], block.shape[0], parts, back)
-            got_ids = jax.lax.all_to_all(local, axis, 0, 0, tiled=True)
-        rows = jax.lax.all_to_all(_take(block, got_ids), axis, 0, 0, tiled=True)
-        return block, opt, jnp.take(rows, dest, axis=0, mode="fill", fill_value=0)
-
-    def run(table: Any, opt: Any, ids: Any, rows: Any, *pull_ids: Any) -> Any:
-        opt_spec = _like_table(opt, table, split)
-        mapped = jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(split, opt_spec, split, split, *[split] * len(pull_ids)),
-            out_specs=(split, opt_spec) if back is None else (split, opt_spec, split),
-            check_vma=False,
-        )
-        return mapped(table, opt, ids, rows, *pull_ids)
-
-    return jax.jit(run, donate_argnums=(0, 1) if donate else ())
 
 
 def _gathered(
@@ -1320,82 +939,8 @@ def _gathered(
     if len(host) == 1:
         rows = jax.device_put(host[0][1], replicated)
     else:
-        rows = _concat(tuple(jax.device_put([r for _, r in host], [replicated] * len(host))))
+        rows = concat(tuple(jax.device_put([r for _, r in host], [replicated] * len(host))))
     return jax.device_put(ids, replicated), rows
-
-
-@jax.jit
-def _concat(rows: tuple) -> Any:
-    dtype = jnp.result_type(*rows)
-    return jnp.concatenate([r.astype(dtype) for r in rows])
-
-
-@functools.lru_cache(maxsize=256)
-def _own_push(
-    mesh: Any, axis: str, key: Key, n_rows: int, sharded: bool, updater: Any, donate: bool
-) -> Any:
-    """The eager push of rows into a key kept as an array of its own: ``(table, opt_state,
-    ids, rows) -> (table, opt_state)``, in a ``shard_map`` over the store's mesh for a sharded
-    table (its optimizer state's per-parameter leaves sharded like it)."""
-    donated = (0, 1) if donate else ()
-    if not sharded:
-
-        def whole(table: Any, opt: Any, ids: Any, rows: Any) -> Any:
-            return _update_rows(key, _Where(), table, opt, ids, rows, n_rows, updater)
-
-        return jax.jit(whole, donate_argnums=donated)
-
-    return jax.jit(_sharded_runner(mesh, axis, key, n_rows, updater), donate_argnums=donated)
-
-
-def _sharded_runner(mesh: Any, axis: str, key: Key, n_rows: int, updater: Any) -> Any:
-    """``(table, opt_state, ids, rows) -> (table, opt_state)`` for a table sharded over
-    ``mesh``: the pairs, whether replicated or one block per device, are all-gathered where
-    they are not whole on each device."""
-    split = PartitionSpec(axis)
-
-    def run(table: Any, opt: Any, ids: Any, rows: Any) -> Any:
-        opt_spec = _like_table(opt, table, split)
-
-        def body(block: Any, opt: Any, ids: Any, rows: Any) -> Any:
-            # ids and rows arrive whole (replicated in_specs): XLA gathers stacked pairs once.
-            where = _Where(axis, block.shape[0])
-            return _update_rows(key, where, block, opt, ids, rows, n_rows, updater)
-
-        mapped = jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(split, opt_spec, PartitionSpec(), PartitionSpec()),
-            out_specs=(split, opt_spec),
-            check_vma=False,
-        )
-        return mapped(table, opt, ids, rows)
-
-    return run
-
-
-@functools.lru_cache(maxsize=256)
-def _state_push(key: Key, n_rows: int, updater: Any, donate: bool) -> Any:
-    """The eager push of rows into a key of a bucket (flat layout): the whole state in and
-    out, the key's view read and written inside the one computation."""
-
-    def run(state: KVState, ids: Any, rows: Any) -> KVState:
-        return _push_whole(state, key, n_rows, ids, rows, updater)
-
-    return jax.jit(run, donate_argnums=(0,) if donate else ())
-
-
-def _push_whole(
-    state: KVState, key: Key, n_rows: int, ids: Any, rows: Any, updater: Any
-) -> KVState:
-    stored = state[key]
-    group = state.opt_group(key) if isinstance(updater, optax.GradientTransformation) else None
-    opt = None if group is None else state.opt_states[group]
-    if isinstance(updater, optax.GradientTransformation) and opt is None:
-        opt = updater.init({key: stored})
-        group = (key,)
-    value, opt = _update_rows(key, _Where(), stored, opt, ids, rows, n_rows, updater)
-    return state.replace({key: value}, None if group is None else {group: opt})
 
 
 def _push_traced(
@@ -1431,7 +976,7 @@ def _push_traced(
             ids = jax.lax.all_gather(ids, axis, tiled=True)
             rows = jax.lax.all_gather(rows, axis, tiled=True)
     if block is None:
-        return _push_whole(state, key, shape[0], ids, rows, updater)
+        return push_whole(state, key, shape[0], ids, rows, updater)
     opt = None if group is None else state.opt_states[group]
     if isinstance(updater, optax.GradientTransformation) and opt is None:
         raise KVStoreError(
@@ -1439,6 +984,6 @@ def _push_traced(
             "device's block inside shard_map; call jaxkv.init_optimizer(state, optimizer, "
             f"[{key!r}]) before it"
         )
-    where = _Where(axis, block)
-    value, opt = _update_rows(key, where, stored, opt, ids, rows, shape[0], updater)
+    where = Where(axis, block)
+    value, opt = update_rows(key, where, stored, opt, ids, rows, shape[0], updater)
     return state.replace({key: value}, None if group is None else {group: opt})
