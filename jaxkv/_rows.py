@@ -582,14 +582,9 @@ def _push(
     pulled rows (else ``None``). ``pull``: ``None`` (no pull), ``_SAME`` (the pushed ids), or
     ``(given, checked)``, the ids to pull per device as given and checked on the host.
     ``checked``: the pairs' ids, already checked on the host (:func:`check_push`)."""
-    key, i, shape = _table(state, key, "push_rows")
+    key, i, shape, pairs, group = _opened(state, key, row_ids, rows, updater)
     dtype = state._stored_types()[i].dtype
-    with _checking(state, key):
-        pairs = [(ids, _unwrapped(r)) for ids, r in _pairs(key, row_ids, rows)]
     optax_push = isinstance(updater, optax.GradientTransformation)
-    group = None
-    if optax_push:
-        group, _ = optimizer_group(state, (key,), unpack=False)
     traced = (
         _traced_leaves(state)
         or any(is_traced(x) for x in jax.tree_util.tree_leaves(state._opt_states))
@@ -665,15 +660,29 @@ def _host_pairs(
     return host
 
 
+def _opened(
+    state: KVState, key: Any, row_ids: Any, rows: Any, updater: Any
+) -> tuple[Key, int, tuple[int, ...], list[tuple[Any, Any]], tuple[Key, ...] | None]:
+    """The first checks of a push of rows, traced or eager: the table, the pairs (one, or one
+    per device) and, for an optax updater, the optimizer group it updates. Returns ``(key,
+    position, shape, pairs, group)``."""
+    key, i, shape = _table(state, key, "push_rows")
+    with _checking(state, key):
+        pairs = [(ids, _unwrapped(r)) for ids, r in _pairs(key, row_ids, rows)]
+    group = None
+    if isinstance(updater, optax.GradientTransformation):
+        group, _ = optimizer_group(state, (key,), unpack=False)
+    return key, i, shape, pairs, group
+
+
 def check_push(state: KVState, key: Any, row_ids: Any, rows: Any, updater: Any) -> list[np.ndarray]:
     """Every refusal of an eager ``push_rows(state, key, row_ids, rows, updater=updater)``,
     raised now, for a push that runs later (the imperative store's held push); returns the
     checked ids on the host, one array per pair, for :func:`pushpull_checked`."""
-    key, i, shape = _table(state, key, "push_rows")
-    pairs = [(ids, _unwrapped(r)) for ids, r in _pairs(key, row_ids, rows)]
-    if isinstance(updater, optax.GradientTransformation):
-        optimizer_group(state, (key,), unpack=False)
-    return [x for x, _ in _host_pairs(key, shape, state._stored_types()[i].dtype, pairs)]
+    key, i, shape, pairs, _ = _opened(state, key, row_ids, rows, updater)
+    with _checking(state, key):
+        host = _host_pairs(key, shape, state._stored_types()[i].dtype, pairs)
+    return [x for x, _ in host]
 
 
 def pushpull_checked(
