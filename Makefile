@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test test-deep test-oldest test-newest _test-newest wheel-check demo lint format bench \
+.PHONY: test test-layouts test-deep test-oldest test-newest _test-newest wheel-check demo lint format bench \
 	conformance mutation clean docs
 
 $(STAMP): pyproject.toml
@@ -19,6 +19,10 @@ test: $(STAMP)
 	$(BIN)/coverage run -m pytest -q
 	$(BIN)/coverage combine -q
 	$(BIN)/coverage report
+
+# The suite again in the layouts the default run seldom makes, and with the public fallbacks:
+# CI runs it after make test.
+test-layouts: $(STAMP)
 	@echo "== the suite again with every private JAX name off (JAXKV_NO_FAST_PATHS=1), and every"
 	@echo "   store in the per-key layout (JAXKV_LAYOUT=keys; the default, auto, makes the tests'"
 	@echo "   small values flat on CPU). Not the launcher's own tests: the two-host ones need the"
@@ -31,7 +35,7 @@ test: $(STAMP)
 	@echo "   own tests and tutorials with every store flat (JAXKV_LAYOUT=flat), big values too"
 	JAXKV_LAYOUT=flat $(BIN)/python -m pytest -q -p no:cacheprovider $(FLAT_TESTS)
 
-# What make test runs again with JAXKV_LAYOUT=flat.
+# What make test-layouts runs again with JAXKV_LAYOUT=flat.
 FLAT_TESTS := tests/test_stateful.py tests/test_in_trace.py tests/test_in_trace_mixed.py \
 	tests/test_training.py tests/test_block_updaters.py tests/test_checkpoint.py \
 	tests/test_checkpoint_dist.py tests/test_mxnet_unittests.py tests/test_seeds.py \
