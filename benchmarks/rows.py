@@ -263,51 +263,89 @@ def main() -> None:
 # -- the section of `make bench` (benchmarks/bench.py runs it) ---------------------------------
 SIZES = (1_000_000, 10_000_000)
 STEPS = 31
+ROUNDS = 3  # jaxkv and MXNet in turn
 
 
 def run_section(steps: int, mxnet_venv: str, log=log) -> dict:
-    """Every row for each table size, jaxkv's in a process of its own (on JAX's CPU backend),
-    MXNet's with its venv's python ("not run" where that venv is absent)."""
+    """Every row for each table size, in ROUNDS interleaved rounds: jaxkv's in a process of its
+    own (on JAX's CPU backend), then MXNet's with its venv's python ("not run" where that venv
+    is absent), then jaxkv's again, ... (the dense row in the first round only). A noisy
+    machine slows a stretch of minutes, not one row: paired rounds keep the ratios honest."""
     import os
     import subprocess
 
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    results: list[dict] = []
-    log(f"[rows] jaxkv, tables of {', '.join(f'{r:,}' for r in SIZES)} x {WIDTH} ...")
     # A step is milliseconds: at least 31 of them, or their median moves by 10-20% between runs.
     steps = max(steps, STEPS)
-    cmd = [sys.executable, os.path.join(here, "rows.py"), "--steps", str(steps), "--rows"]
-    out = subprocess.run(
-        cmd + [str(r) for r in SIZES], capture_output=True, text=True, env=env, check=False
-    )
-    for line in out.stdout.splitlines():
-        if line.startswith("{"):
-            results.append(json.loads(line))
-            log(f"  {line}")
-    if out.returncode:
-        log(f"  rows.py failed: {out.stderr[-2000:]}")
     python = os.path.join(mxnet_venv, "bin", "python")
-    if os.path.exists(os.path.join(mxnet_venv, ".ok")):
-        log("[rows] MXNet 1.9.1 row_sparse ...")
-        mx_out = subprocess.run(
-            [python, os.path.join(here, "mxnet_rows.py"), *map(str, SIZES)],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout
-        for line in mx_out.splitlines():
-            if line.startswith("mxnet-rows "):
-                fields = dict(f.split("=") for f in line.split()[1:])
-                results.append(
-                    {
-                        "row": "mxnet",
-                        "rows": int(fields["R"]),
-                        "median_ms": float(fields["median_ms"]),
-                    }
-                )
+    has_mxnet = os.path.exists(os.path.join(mxnet_venv, ".ok"))
+    rounds: list[list[dict]] = []
+    for k in range(ROUNDS):
+        results: list[dict] = []
+        only = ["functional", "fused", "imperative"] + (["dense"] if k == 0 else [])
+        log(
+            f"[rows] round {k + 1}/{ROUNDS}: jaxkv ({', '.join(only)}), tables of "
+            f"{', '.join(f'{r:,}' for r in SIZES)} x {WIDTH} ..."
+        )
+        cmd = [sys.executable, os.path.join(here, "rows.py"), "--steps", str(steps), "--rows"]
+        cmd += [str(r) for r in SIZES] + ["--only", *only]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        for line in out.stdout.splitlines():
+            if line.startswith("{"):
+                results.append(json.loads(line))
                 log(f"  {line}")
-    return {"results": results}
+        if out.returncode:
+            log(f"  rows.py failed: {out.stderr[-2000:]}")
+        if has_mxnet:
+            log(f"[rows] round {k + 1}/{ROUNDS}: MXNet 1.9.1 row_sparse ...")
+            mx_out = subprocess.run(
+                [python, os.path.join(here, "mxnet_rows.py"), *map(str, SIZES)],
+                capture_output=True,
+                text=True,
+                check=False,
+            ).stdout
+            for line in mx_out.splitlines():
+                if line.startswith("mxnet-rows "):
+                    fields = dict(f.split("=") for f in line.split()[1:])
+                    results.append(
+                        {
+                            "row": "mxnet",
+                            "rows": int(fields["R"]),
+                            "median_ms": float(fields["median_ms"]),
+                        }
+                    )
+                    log(f"  {line}")
+        rounds.append(results)
+    return {"results": _merged(rounds), "rounds": rounds}
+
+
+def _merged(rounds: list[list[dict]]) -> list[dict]:
+    """One result per (row, R): the first round's fields, its ``median_ms`` the median over
+    the rounds, with each round's in ``per_round`` (the rounds in order)."""
+    merged: dict[tuple, dict] = {}
+    for results in rounds:
+        for r in results:
+            slot = merged.setdefault((r["row"], r["rows"]), dict(r, per_round=[]))
+            if "median_ms" in r:
+                slot["per_round"].append(r["median_ms"])
+    for r in merged.values():
+        if r["per_round"]:
+            r["median_ms"] = float(np.median(r["per_round"]))
+    return list(merged.values())
+
+
+def _paired_ratio(res: dict, row: str, rows: int) -> tuple[float, float, float] | None:
+    """MXNet's time over ``row``'s, round by round: (median, lowest, highest), or None."""
+    ratios = []
+    for results in res.get("rounds", [res["results"]]):
+        mine = [r for r in results if r["row"] == row and r["rows"] == rows and "median_ms" in r]
+        theirs = [r for r in results if r["row"] == "mxnet" and r["rows"] == rows]
+        if mine and theirs:
+            ratios.append(theirs[0]["median_ms"] / mine[0]["median_ms"])
+    if not ratios:
+        return None
+    return float(np.median(ratios)), min(ratios), max(ratios)
 
 
 def _get(res: dict, row: str, rows: int, field: str = "median_ms"):
@@ -326,14 +364,15 @@ def report(res: dict) -> list[str]:
         f"{N:,} random rows of its own with SGD (lazy: only those rows change) and pulls its own "
         f"{N:,} rows back (benchmarks/rows.py; MXNet 1.9.1: benchmarks/mxnet_rows.py, "
         "`kv.init` of a row_sparse table of ones, `SGD(lazy_update=True)`, `row_sparse_pull` to "
-        f"each device). Median of {STEPS} steps (or `--steps`, if more) after warm-up; values "
-        "checked against a NumPy model.",
+        f"each device). Median of {STEPS} steps (or `--steps`, if more) after warm-up, in "
+        f"{ROUNDS} rounds that take turns with MXNet's: ms/step is the median over the rounds, "
+        "MXNet / this the median of the rounds' ratios (lowest-highest). Values checked against "
+        "a NumPy model.",
         "",
         "| R | path | ms/step | MXNet / this | dense / this |",
         "|---|---|---|---|---|",
     ]
     for rows in SIZES:
-        mxnet = _get(res, "mxnet", rows)
         dense = _get(res, "dense", rows)
         for row in ("functional", "fused", "imperative", "dense", "mxnet"):
             ms = _get(res, row, rows)
@@ -354,17 +393,22 @@ def report(res: dict) -> list[str]:
                     f" (push {_get(res, row, rows, 'push_ms'):.0f}, "
                     f"pull {_get(res, row, rows, 'pull_ms'):.0f})"
                 )
-            ratio_mx = "—" if mxnet is None or row == "mxnet" else f"{mxnet / ms:.2f}x"
+            paired = None if row == "mxnet" else _paired_ratio(res, row, rows)
+            ratio_mx = "—"
+            if paired is not None:
+                mid, lo, hi = paired
+                ratio_mx = f"{mid:.2f}x ({lo:.2f}-{hi:.2f})" if hi > lo else f"{mid:.2f}x"
             ratio_dense = "—" if dense is None or row == "dense" else f"{dense / ms:.0f}x"
             lines.append(f"| {rows:,} | {name} | {ms:.2f}{extra} | {ratio_mx} | {ratio_dense} |")
     lines += ["", "| goal | measured | met |", "|---|---|---|"]
     small, big = SIZES
     for row in ("functional", "fused", "imperative"):
-        ms, mx_ms = _get(res, row, small), _get(res, "mxnet", small)
-        if ms is not None and mx_ms is not None:
+        ms, paired = _get(res, row, small), _paired_ratio(res, row, small)
+        if paired is not None:
+            mid, lo, hi = paired
             lines.append(
                 f"| {row}: >= 2x faster than MXNet's row_sparse path (R={small:,}) | "
-                f"{mx_ms / ms:.2f}x | {'yes' if mx_ms / ms >= 2 else 'no'} |"
+                f"{mid:.2f}x (rounds {lo:.2f}-{hi:.2f}) | {'yes' if mid >= 2 else 'no'} |"
             )
         dense = _get(res, "dense", small)
         if row == "imperative" and ms is not None and dense is not None:
