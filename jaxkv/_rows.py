@@ -27,6 +27,7 @@ value of the table's shape, zero elsewhere, and the stored value (this device's 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -94,9 +95,11 @@ def _host_ids(key: Key, row_ids: Any, n_rows: int) -> np.ndarray:
         row_ids = row_ids.asnumpy()
     ids = np.asarray(jax.device_get(row_ids) if isinstance(row_ids, jax.Array) else row_ids)
     ids = ids.ravel()
+    whole = np.issubdtype(ids.dtype, np.integer)
     if ids.size and (
-        not (np.issubdtype(ids.dtype, np.integer) or np.issubdtype(ids.dtype, np.floating))
-        or np.any(ids != np.round(ids))
+        not (whole or np.issubdtype(ids.dtype, np.floating))
+        or not whole
+        and np.any(ids != np.round(ids))
         or ids.min() < 0
         or ids.max() >= n_rows
     ):
@@ -748,10 +751,26 @@ def _owners_alone(
     if not isinstance(updater, optax.GradientTransformation):
         return True
     opt = state._opt_states[n]  # type: ignore[index]
+    name = np.dtype(state._stored_types()[state.index(key)].dtype).name
+    leaves, treedef = jax.tree_util.tree_flatten(opt)
+    sig = (treedef, tuple((tuple(np.shape(x)), np.dtype(x.dtype).name) for x in leaves))
+    try:
+        return _elementwise_rows(updater, key, tuple(shape), name, sig)
+    except TypeError:  # an updater that cannot be hashed: checked each push
+        return _elementwise_rows.__wrapped__(updater, key, tuple(shape), name, sig)
+
+
+@functools.lru_cache(maxsize=256)
+def _elementwise_rows(updater: Any, key: Key, shape: tuple, name: str, sig: tuple) -> bool:
+    """Whether ``updater`` updates one row of a table of ``shape`` (its state's structure
+    ``sig``) from that row alone (``tree_map_params`` traces ``updater.init``: 0.3 ms a push)."""
+    treedef, leaves = sig
+    opt = jax.tree_util.tree_unflatten(
+        treedef, [jax.ShapeDtypeStruct(s, np.dtype(d)) for s, d in leaves]
+    )
     rows_state = optax.tree_utils.tree_map_params(
         updater, lambda x: jax.ShapeDtypeStruct((1, *shape[1:]), x.dtype), opt
     )
-    name = np.dtype(state._stored_types()[state.index(key)].dtype).name
     return _elementwise(updater, (key,), ((1, *shape[1:]),), name, rows_state)
 
 
