@@ -134,14 +134,24 @@ def _template(updater: Any, size: int, name: str) -> tuple[Any, list] | None:
     return treedef, leaves
 
 
+def structure(tree: Any) -> tuple:
+    """``tree``'s treedef and each leaf's shape and dtype: a hashable key for what depends on
+    a tree's structure alone (:func:`abstract` gives the tree back, of ``ShapeDtypeStruct``)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(np.shape(x)), np.dtype(x.dtype)) for x in leaves)
+
+
+def abstract(sig: tuple) -> Any:
+    """The tree of ``ShapeDtypeStruct`` whose :func:`structure` is ``sig``."""
+    return jax.tree_util.tree_unflatten(sig[0], [jax.ShapeDtypeStruct(s, d) for s, d in sig[1]])
+
+
 @functools.lru_cache(maxsize=256)
 def _elementwise_cached(
     updater: Any, keys: tuple, shapes: tuple, name: str, opt_sig: Any, reduce: bool
 ) -> bool:
     # Keyed on the updater object: jaxkv caches pushes per updater object the same way.
-    opt_state = jax.tree_util.tree_unflatten(
-        opt_sig[0], [jax.ShapeDtypeStruct(s, d) for s, d in opt_sig[1]]
-    )
+    opt_state = abstract(opt_sig)
     tree = {k: jax.ShapeDtypeStruct(s, name) for k, s in zip(keys, shapes)}
     try:
         closed = jax.make_jaxpr(updater.update)(tree, opt_state, tree)
@@ -170,8 +180,7 @@ def elementwise(
     """Whether every step ``updater.update`` takes on a key's arrays is elementwise, with no
     other key's arrays and only scalars beside them, or (with ``reduce``) a sum, maximum or
     minimum over the whole group (see the module doc)."""
-    leaves, treedef = jax.tree_util.tree_flatten(opt_state)
-    sig = (treedef, tuple((tuple(np.shape(x)), np.dtype(x.dtype)) for x in leaves))
+    sig = structure(opt_state)
     try:
         return _elementwise_cached(updater, keys, shapes, name, sig, reduce)
     except TypeError:  # an updater that cannot be hashed: not cached, checked each trace
