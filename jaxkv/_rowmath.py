@@ -233,15 +233,23 @@ def replicated_take(sharding: NamedSharding) -> Any:
     return jax.jit(take, out_shardings=sharding)
 
 
-@functools.lru_cache(maxsize=64)
-def sharded_take(mesh: Any, axis: str) -> Any:
+def _blockwise(fn: Any, mesh: Any, axis: str, out: PartitionSpec) -> Any:
+    """``(table, ids) -> fn(block, ids, lo)`` jitted over each device's block of a table
+    split along ``axis`` (``lo``: the block's first row), the ids whole on every device."""
+
     def body(block: Any, ids: Any) -> Any:
-        return jax.lax.psum(take(block, ids, jax.lax.axis_index(axis) * block.shape[0]), axis)
+        return fn(block, ids, jax.lax.axis_index(axis) * block.shape[0])
 
     spec = PartitionSpec(axis)
-    return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=PartitionSpec())
-    )
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=out))
+
+
+@functools.lru_cache(maxsize=64)
+def sharded_take(mesh: Any, axis: str) -> Any:
+    def summed(block: Any, ids: Any, lo: Any) -> Any:
+        return jax.lax.psum(take(block, ids, lo), axis)
+
+    return _blockwise(summed, mesh, axis, PartitionSpec())
 
 
 def elements(ids: Any, lo: Any, rows: int, off: int, width: int, size: int) -> Any:
@@ -373,11 +381,7 @@ def replicated_keep(out: NamedSharding) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def sharded_keep(mesh: Any, axis: str) -> Any:
-    def body(block: Any, ids: Any) -> Any:
-        return keep(block, ids, jax.lax.axis_index(axis) * block.shape[0])
-
-    spec = PartitionSpec(axis)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=spec))
+    return _blockwise(keep, mesh, axis, PartitionSpec(axis))
 
 
 @functools.lru_cache(maxsize=256)
