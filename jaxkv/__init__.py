@@ -33,6 +33,7 @@ from ._ops import row_sparse_pull as row_sparse_pull
 from ._ops import specs as specs
 from ._state import KVState as KVState
 from ._state import empty as empty
+from ._update import pure_updater as pure_updater
 
 
 def _version() -> str:
@@ -80,6 +81,7 @@ __all__ = [
     "push",
     "push_rows",
     "pushpull",
+    "pure_updater",
     "pushpull_rows",
     "row_sparse_pull",
     "save_state",

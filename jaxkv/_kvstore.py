@@ -21,12 +21,26 @@ import jax
 import numpy as np
 import optax
 
-from . import _args, _arrays, _checkpoint, _compression, _dispatch, _dist, _fast, _kvsparse, _ops
-from ._errors import KVStoreError, ShapeError
+from . import (
+    _args,
+    _arrays,
+    _checkpoint,
+    _compression,
+    _dispatch,
+    _dist,
+    _fast,
+    _kvsparse,
+    _ops,
+    _perkey,
+    _queue,
+)
+from ._errors import DuplicateKeyError, KeyTypeError, KVStoreError, ShapeError
 from ._mxopt import Optimizer as MXNetOptimizer
 from ._nd import NDArray, _unwrap
 from ._push import KEEP_VALUES
-from ._state import BIGARRAY_BOUND, Key, KVState, _spans_processes, empty
+from ._state import BIGARRAY_BOUND, Key, KVState, _spans_processes, check_compressible, empty
+from ._state import key_kind as _state_key_kind
+from ._update import is_pure_updater
 
 __all__ = ["KVStore", "create"]
 
@@ -97,6 +111,10 @@ def _from_mxnet_updater(updater: Any) -> Any:
     return pure
 
 
+def _name(updater: Any) -> str:
+    return getattr(updater, "__qualname__", None) or repr(updater)
+
+
 def _unwrap_values(values: Any) -> Any:
     if type(values) is NDArray:
         return values._data
@@ -152,8 +170,13 @@ class KVStore:
         # row_sparse_pull of its key then runs both in one computation (pushpull_rows); any
         # other use of the state runs it first (see _state).
         self._deferred: _kvsparse.Held | None = None
+        # Per-key inits, pushes and pulls into outs, held until something reads (_queue).
+        self._held: _queue.Held | None = None
         self._stored: KVState = empty(devices, bigarray_bound=bound, layout=layout)
         self._updater: Any = None
+        # An updater that runs as Python on every push (set_updater of a function not marked
+        # pure), or None.
+        self._python_updater: Any = None
         self._mxnet_optimizer: MXNetOptimizer | None = None  # where set_optimizer got one
         self._wrappers: dict[int, tuple[Any, Any]] = {}  # id(updater) -> (updater, wrapper)
         # Arrays handed out through `state`: never donated while the store still holds them.
@@ -166,15 +189,19 @@ class KVStore:
     # -- properties ------------------------------------------------------------------------
     @property
     def _state(self) -> KVState:
-        """The store's state, with a held row-sparse push applied first."""
+        """The store's state, with a held row-sparse push and the held calls applied first."""
         if self._deferred is not None:
             self._settle()
+        if self._held is not None:
+            self._run_held()
         return self._stored
 
     @_state.setter
     def _state(self, state: KVState) -> None:
         if self._deferred is not None:  # the held push came first: it runs, then is replaced
             self._settle()
+        if self._held is not None:
+            self._run_held()
         self._stored = state
 
     def _settle(self) -> None:
@@ -228,38 +255,200 @@ class KVStore:
 
     # -- init / push / pull ----------------------------------------------------------------
     def init(self, key: Any, value: Any) -> None:
-        """Add ``key`` (or a list of keys) with an initial value each."""
+        """Add ``key`` (or a list of keys) with an initial value each.
+
+        Checked at once; held until something reads, with the store's other held calls."""
         with self._lock:
             values = _unwrap_values(value)
-            if self._type in _DIST_TYPES and jax.process_count() > 1:
-                values = _dist.from_rank_zero(jax.tree_util.tree_map(np.asarray, values))
-            self._state = _ops.init(self._state, key, values)
+            pairs = _args.pairs(key, values, "values")
+            if not self._may_hold(values):
+                self._init_now(key, values)
+                return
+            held = self._held if self._held is not None else _queue.Held()
+            state = self._stored
+            kind = state.key_kind or next(
+                (_state_key_kind(k) for k in held.inits), None
+            )
+            new: dict[Key, Any] = {}
+            for k, vs in pairs:
+                given = _state_key_kind(k)
+                if kind is not None and given != kind:
+                    raise KeyTypeError(
+                        f"key {k!r}: expected {kind} keys, given a {given} key (one store "
+                        "holds one kind of key, as in MXNet)"
+                    )
+                kind = kind or given
+                if k in state or k in held.inits or k in new:
+                    raise DuplicateKeyError(
+                        f"duplicate init of key {k!r}: expected a key not yet in the store, "
+                        f"given {k!r}, which is already there"
+                        + (" (init takes one value per key)" if len(vs) > 1 else "")
+                    )
+                if len(vs) != 1:
+                    raise ShapeError(
+                        f"key {k!r}: init expects one value, given a list of {len(vs)} values"
+                    )
+                x = _args.as_array(vs[0])
+                check_compressible(state.compression, k, x.dtype)
+                new[k] = x
+            held.inits.update(new)
+            self._hold(held)
+
+    def _init_now(self, key: Any, values: Any) -> None:
+        if self._type in _DIST_TYPES and jax.process_count() > 1:
+            values = _dist.from_rank_zero(jax.tree_util.tree_map(np.asarray, values))
+        self._state = _ops.init(self._state, key, values)
 
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
-        """Push values: each key's values (one per device) are summed, then the updater runs."""
+        """Push values: each key's values (one per device) are summed, then the updater runs.
+
+        Checked at once; held until something reads (see :mod:`jaxkv._queue`), except under
+        an updater that runs as Python on every push (``set_updater`` of a function not
+        marked with :func:`jaxkv.pure_updater`)."""
         with self._lock:
             if _holds_row_sparse(value):
                 self._push_row_sparse(key, value)
                 return
-            self._update(key, _unwrap_values(value))
+            values = _unwrap_values(value)
+            if not self._may_hold(values) or self._python_updater is not None or (
+                isinstance(key, list | tuple) and self._plain_optax()
+            ):
+                self._update(key, values)
+                return
+            grouped = self._checked_push(key, values)
+            held = self._held
+            if held is not None and any(k in held.pushes for k in grouped):
+                self._run_held()  # a second push of a held key: the first runs first
+                held = None
+            held = held if held is not None else _queue.Held()
+            held.pushes.update(grouped)
+            self._hold(held)
 
     def pull(
         self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True
     ) -> jax.Array | list[jax.Array] | None:
         """Pull values into ``out`` (``NDArray`` handles, each filled on its own device).
 
-        With ``out=None``, returns the value(s) as ``jax.Array`` objects instead.
-        """
+        With ``out=None``, returns the value(s) as ``jax.Array`` objects instead. A pull into
+        outs is checked at once and held until something reads (an out, ``nd.waitall``, any
+        other call of the store but a push, init or pull); the outs then get exactly what
+        MXNet's ordering gives them."""
         with self._lock:
             if out is None:
                 return self._values(key)
-            fill = _dispatch.prepare_fill(self._state, key, out, NDArray)
-            if fill is not None and fill(self._state, self._keeps_values()):
-                return None
             pairs = _args.pairs(key, out, "outs")
-            self._check_outs(pairs)
-            self._fill(_sparse_outs(pairs, ignore_sparse))
+            if all(type(o) is NDArray for _, outs in pairs for o in outs):
+                held = self._held
+                known = self._stored
+                if held is not None and any(
+                    o._owed is not None for _, outs in pairs for o in outs
+                ):
+                    self._run_held()  # an out owed a pull already: that one lands first
+                    held = None
+                for k, outs in pairs:
+                    shape = known.shapes[k] if k in known else (
+                        held.inits[k].shape if held is not None and k in held.inits else None
+                    )
+                    if shape is None:
+                        known.index(k)  # raises: unknown key
+                    for o in outs:
+                        if tuple(o._value.shape) != tuple(shape):
+                            raise ShapeError(
+                                f"key {k!r}: out has shape {tuple(o._value.shape)}, expected "
+                                f"the stored shape {tuple(shape)}"
+                            )
+                held = held if held is not None else _queue.Held()
+                for k, outs in pairs:
+                    held.hold_pull(k, outs, self)
+                self._hold(held)
+                return None
+            self._pull_now(key, out, ignore_sparse)
             return None
+
+    def _pull_now(self, key: Any, out: Any, ignore_sparse: bool = True) -> None:
+        fill = _dispatch.prepare_fill(self._state, key, out, NDArray)
+        if fill is not None and fill(self._state, self._keeps_values()):
+            return
+        pairs = _args.pairs(key, out, "outs")
+        self._check_outs(pairs)
+        self._fill(_sparse_outs(pairs, ignore_sparse))
+
+    # -- held calls ------------------------------------------------------------------------
+    def _may_hold(self, values: Any) -> bool:
+        """Whether calls with these values may be held: eager arrays only (a traced value
+        cannot outlive its trace)."""
+        if isinstance(values, list | tuple):
+            return all(self._may_hold(v) for v in values)
+        return not _args.is_traced(values)
+
+    def _hold(self, held: _queue.Held) -> None:
+        self._held = held
+        _queue.holding(self)
+
+    def _checked_push(self, key: Any, values: Any) -> dict[Key, list]:
+        """Each pushed key's arrays (in call order), checked as a push checks them, against
+        the store and the held inits; nothing changes on a refusal."""
+        state = self._stored
+        types = state._stored_types()
+        inits = self._held.inits if self._held is not None else {}
+        grouped: dict[Key, list] = {}
+        for k, vs in _args.pairs(key, values, "values"):
+            if k in inits:
+                stored, whole = inits[k], inits[k].shape
+            else:
+                i = state.index(k)
+                stored, whole = types[i], state._shapes[i]
+            arrays = []
+            for n, v in enumerate(vs):
+                x = _args.as_array(v)
+                what = "the pushed value" if len(vs) == 1 else f"pushed value {n}"
+                _args.check_value(k, x, stored, what, whole)
+                arrays.append(x)
+            grouped.setdefault(k, []).extend(arrays)
+        return grouped
+
+    def _run_held(self) -> None:
+        """Run every held call (see :mod:`jaxkv._queue`): the inits, the pulls before their
+        key's push, every push at once, the pulls after it."""
+        with self._lock:
+            held, self._held = self._held, None
+            if not held:
+                if held is not None:
+                    held.release()
+                return
+            held.release()  # the outs are filled below, or keep what they hold
+            try:
+                _queue.agree(held)
+                if held.inits:
+                    self._init_now(list(held.inits), list(held.inits.values()))
+                if held.before:
+                    self._pull_now([k for k, _ in held.before], [o for _, o in held.before])
+                if held.pushes:
+                    self._push_held(list(held.pushes), list(held.pushes.values()))
+                if held.after:
+                    self._pull_now([k for k, _ in held.after], [o for _, o in held.after])
+            except KVStoreError:
+                raise
+            except Exception as e:
+                names = held.keys()
+                raise KVStoreError(
+                    f"keys {names[:8]}{' ...' if len(names) > 8 else ''}: the held calls "
+                    f"failed when run ({type(e).__name__}: {e})"
+                ) from e
+
+    def _push_held(self, keys: list[Key], values: list[list]) -> None:
+        """The held pushes, as one push: each key updated alone, as MXNet updates it."""
+        if self._mxnet_optimizer is not None or self._plain_optax():
+            self._push_per_key(keys, values, self._updater)
+        else:
+            self._update(keys, values)
+
+    def _plain_optax(self) -> bool:
+        """Whether the updater is an optax transformation given to set_optimizer (whose list
+        pushes update the list as one tree)."""
+        return self._mxnet_optimizer is None and isinstance(
+            self._updater, optax.GradientTransformation
+        )
 
     def pushpull(
         self, key: Any, value: Any, out: Any = None, priority: int = 0
@@ -370,14 +559,41 @@ class KVStore:
 
     # -- updaters and optimizers ---------------------------------------------------------------
     def set_updater(self, updater: Any) -> None:
-        """Use ``updater(key, input, stored)`` on every push; pure or MXNet's in-place style."""
+        """Use ``updater(key, input, stored)`` on every push, for every key, as MXNet does.
+
+        The function runs as Python at each push, once per distinct key in key order, on
+        ``NDArray`` handles: ``input`` holds the devices' sum, ``stored`` the stored value;
+        the new value is what it returns, or else ``stored``'s final value (MXNet's in-place
+        style, ``stored += input * 2``). Its side effects and Python state behave as in
+        MXNet. A function marked with :func:`jaxkv.pure_updater` (it computes only from its
+        arguments) is traced instead: compiled once, with the pushes held and run together
+        like those of an optimizer. An exception raised in either is a ``KVStoreError``
+        naming the key, the original as its ``__cause__``.
+        """
         with self._lock:
-            # The same updater set again reuses its wrapper, and so its compiled pushes.
-            known = self._wrappers.get(id(updater))
-            if known is None or known[0] is not updater:
-                known = self._wrappers[id(updater)] = (updater, _from_mxnet_updater(updater))
-            self._updater = known[1]
+            if self._held is not None:
+                self._run_held()
+            if (
+                updater is not None
+                and not isinstance(updater, optax.GradientTransformation)
+                and callable(updater)
+                and not is_pure_updater(updater)
+            ):
+                self._updater = None
+                self._python_updater = updater
+                self._mxnet_optimizer = None
+                return
+            self._updater = self._traced(updater)
+            self._python_updater = None
             self._mxnet_optimizer = None
+
+    def _traced(self, updater: Any) -> Any:
+        """``updater`` as the pure core runs it (the same updater set again reuses its
+        wrapper, and so its compiled pushes)."""
+        known = self._wrappers.get(id(updater))
+        if known is None or known[0] is not updater:
+            known = self._wrappers[id(updater)] = (updater, _from_mxnet_updater(updater))
+        return known[1]
 
     _set_updater = set_updater
 
@@ -400,6 +616,9 @@ class KVStore:
                 f"{type(optimizer).__name__}"
             )
         with self._lock:
+            if self._held is not None:
+                self._run_held()
+            self._python_updater = None
             if optimizer is not self._updater:  # states made for another optimizer go
                 self._state = self._state.replace(
                     opt_states={g: None for g in self._state.opt_states}
@@ -448,9 +667,8 @@ class KVStore:
         """Load optimizer states saved by :meth:`save_optimizer_states` (integrity checked)."""
         with self._lock:
             self._require_optimizer("load_optimizer_states")
-            self._state = _checkpoint.load(
-                fname, self._state, values=False, optimizer=self._updater
-            )
+            state = self._state
+            self._state = _checkpoint.load(fname, state, values=False, optimizer=self._saved_as())
 
     def save(self, fname: str) -> None:
         """Save the whole store (values, optimizer states, residuals) to ``fname``.
@@ -473,10 +691,16 @@ class KVStore:
         is unchanged.
         """
         with self._lock:
-            optimizer = self._updater
-            if not isinstance(optimizer, optax.GradientTransformation):
-                optimizer = None
-            self._state = _checkpoint.load(fname, self._state, values=True, optimizer=optimizer)
+            state = self._state
+            self._state = _checkpoint.load(fname, state, values=True, optimizer=self._saved_as())
+
+    def _saved_as(self) -> Any:
+        """The transformation whose state the store keeps: its optimizer, run per key (a group
+        of keys pushed one at a time, or under MXNet's optimizers, keeps a state per key; a
+        list pushed under an optax transformation, one tree: the checkpoint says which)."""
+        if not isinstance(self._updater, optax.GradientTransformation):
+            return None
+        return _perkey.per_key(self._updater)
 
     def _require_optimizer(self, what: str) -> None:
         if not isinstance(self._updater, optax.GradientTransformation):
@@ -531,17 +755,45 @@ class KVStore:
                 )
             if any(id(leaf) in self._shared for leaf in leaves):
                 donate = False
-        if self._mxnet_optimizer is not None:  # MXNet's optimizers update key by key
-            self._state = self._push_key_by_key(state, key, values, self._updater)
+        if self._python_updater is not None:
+            self._state = self._push_python(state, key, values)
             return
+        updater = self._updater
+        if self._mxnet_optimizer is not None:  # MXNet's optimizers update each key alone
+            grouped = _grouped(state, key, values)
+            keys = list(grouped)
+            regrouped = _perkey.regroup(state, keys, updater)
+            if regrouped is None:
+                self._state = self._push_key_by_key(state, key, values, updater)
+                return
+            if regrouped is not state:
+                state, donate = regrouped, False
+            key, values, updater = keys, list(grouped.values()), _perkey.per_key(updater)
         # KEEP_VALUES is jaxkv's own third answer, beside the public True and False.
         self._state = _ops.push(
             state,
             key,
             values,
-            updater=self._updater,
+            updater=updater,
             donate=donate,  # type: ignore[arg-type]
         )
+
+    def _push_per_key(self, keys: list[Key], values: list[list], inner: Any) -> None:
+        """One push of ``keys``, each key updated alone by the optax transformation ``inner``
+        with its own state, as MXNet updates keys pushed one at a time (the keys become one
+        optimizer group of per-key states, :mod:`jaxkv._perkey`)."""
+        state = self._state
+        regrouped = _perkey.regroup(state, keys, inner)
+        if regrouped is None:  # a key shares one tree of state with others: as before
+            self._state = self._push_key_by_key(state, keys, values, inner)
+            return
+        self._stored = regrouped
+        saved, self._updater = self._updater, _perkey.per_key(inner)
+        mxnet, self._mxnet_optimizer = self._mxnet_optimizer, None
+        try:
+            self._update(keys, values)
+        finally:
+            self._updater, self._mxnet_optimizer = saved, mxnet
 
     def _push_key_by_key(self, state: KVState, key: Any, values: Any, updater: Any) -> KVState:
         """A push updated key by key, each key its own optimizer group, as MXNet's optimizers
@@ -552,6 +804,38 @@ class KVStore:
             state = _ops.push(state, k, vs, updater=updater, donate=False)
         return state
 
+    def _push_python(self, state: KVState, key: Any, values: Any) -> KVState:
+        """A push under a Python updater, as MXNet runs one: the devices' values summed (and
+        compressed, across processes too) as an assigning push sums them, then
+        ``updater(key, recv, stored)`` called here, once per distinct key in key order, on
+        ``NDArray`` handles; the new value is what it returns, or else the ``stored`` handle's
+        final value. An exception raised in it is a ``KVStoreError`` naming the key, and the
+        store is unchanged."""
+        summed = _ops.push(state, key, values, updater=None, donate=False)
+        keys = sorted(_grouped(state, key, values))
+        updater = self._python_updater
+        new = {}
+        for k in keys:
+            handle = NDArray(state[k])
+            try:
+                out = updater(k, NDArray(summed[k]), handle)
+            except Exception as e:
+                raise KVStoreError(
+                    f"key {k!r}: the updater {_name(updater)} raised {type(e).__name__}: {e}"
+                ) from e
+            value = _args.as_array(handle._data if out is None else _unwrap(out))
+            if tuple(value.shape) != tuple(state.shapes[k]):
+                raise ShapeError(
+                    f"key {k!r}: the updater {_name(updater)} gave shape "
+                    f"{tuple(value.shape)}, expected the stored shape {tuple(state.shapes[k])}"
+                )
+            stored = state[k]
+            value = value.astype(stored.dtype)
+            if value.sharding != stored.sharding:
+                value = jax.device_put(value, stored.sharding)
+            new[k] = value
+        return summed.replace(values=new)
+
     def _push_row_sparse(self, key: Any, value: Any) -> None:
         """A push where some values are row-sparse: each key with one is pushed by rows
         (``_kvsparse.push``), the others as one dense push; the store changes only once every
@@ -560,6 +844,8 @@ class KVStore:
         sparse = [k for k, vs in grouped.items() if any(map(_kvsparse.is_row_sparse, vs))]
         dense = [k for k in grouped if k not in sparse]
         updater, lazy = self._updater, True
+        if self._python_updater is not None:  # it sees the rows summed into a dense value
+            updater = self._traced(self._python_updater)
         if self._mxnet_optimizer is not None:
             updater = self._mxnet_optimizer.transformation(row_sparse=True)
             lazy = self._mxnet_optimizer.lazy_update

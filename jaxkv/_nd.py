@@ -65,38 +65,56 @@ class NDArray:
       0.0
     """
 
-    __slots__ = ("_data", "_where", "_dtype", "__weakref__")
+    __slots__ = ("_value", "_owed", "_where", "_dtype", "__weakref__")
     __array_priority__ = 1000.0  # numpy defers to our reflected operators
 
     def __init__(self, data: jax.Array, dtype: npt.DTypeLike | None = None) -> None:
-        self._data = data
+        self._value = data
+        # The store that owes this array a pulled value (a pull held until something reads,
+        # ``_queue``), or ``None``. Reading the value makes that store run what it holds.
+        self._owed: Any = None
         self._where: tuple[Any, Any] = (None, None)  # (array, its device), see _device
         # The dtype to report when it is not the one held: int64 asked for, int32 held (x64
         # off). It counts only while the held array has that dtype's JAX form (see dtype).
         self._dtype: np.dtype | None = _declared(dtype)
 
+    @property
+    def _data(self) -> jax.Array:
+        """The held array, once any pull held for it has run (see ``_owed``)."""
+        if self._owed is not None:
+            self._owed._run_held()
+        return self._value
+
+    @_data.setter
+    def _data(self, value: jax.Array) -> None:
+        if self._owed is not None:  # a write after a held pull lands after it
+            self._owed._run_held()
+        self._value = value
+
     def _device(self) -> jax.Device:
-        """The device of the held array; cached per array, since pulls ask for it each time."""
+        """The device of the held array; cached per array, since pulls ask for it each time.
+        A pull held for this array lands on the same device, so it need not run first."""
         data, device = self._where
-        if data is not self._data:
-            device = min(self._data.devices(), key=lambda d: d.id)
-            self._where = (self._data, device)
+        if data is not self._value:
+            device = min(self._value.devices(), key=lambda d: d.id)
+            self._where = (self._value, device)
         return device
 
     def _set(self, data: jax.Array, device: jax.Device) -> None:
         """Hold ``data``, known to live on ``device``."""
-        self._data = data
+        self._value = data
+        self._owed = None
         self._where = (data, device)
 
     # -- properties ------------------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self._data.shape)
+        return tuple(self._value.shape)  # a held pull keeps it: no need to run it
 
     @property
     def dtype(self) -> np.dtype:
         """The dtype as MXNet reports it (``int64`` for an array asked for as ``int64``)."""
-        held = np.dtype(self._data.dtype)
+        held = np.dtype(self._value.dtype)  # a held pull keeps it too
         declared = self._dtype
         return declared if declared is not None and _dtype(declared) == held else held
 
@@ -495,5 +513,9 @@ def arange(
 
 
 def waitall() -> None:
-    """Wait until every computation issued so far has finished."""
+    """Wait until every computation issued so far has finished (a store's held calls run
+    first)."""
+    from . import _queue  # (the stores import this module)
+
+    _queue.run_everything_held()
     jax.block_until_ready(jax.live_arrays())

@@ -267,6 +267,7 @@ class RowSparseNDArray(NDArray):
         self._shape = tuple(int(s) for s in shape)
         self._where: tuple[Any, Any] = (None, None)  # (rows, their device), see _device
         self._dtype = _declared(dtype)
+        self._owed = None  # a store never holds a pull for a row-sparse array
 
     # -- what the KVStore uses ---------------------------------------------------------------
     @property

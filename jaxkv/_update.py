@@ -14,7 +14,50 @@ from ._args import as_array
 from ._errors import KVStoreError, ShapeError
 from ._state import Key, KVState
 
-__all__ = ["Updater", "apply_updater", "optimizer_group"]
+__all__ = ["Updater", "apply_updater", "is_pure_updater", "optimizer_group", "pure_updater"]
+
+_PURE = "__jaxkv_pure_updater__"
+
+
+def pure_updater(updater: Any) -> Any:
+    """Mark ``updater(key, input, stored)`` as pure: it computes its result from its arguments
+    only (no Python state, no side effects), so the imperative ``KVStore`` may trace it once
+    and compile it, instead of calling it as Python on every push as MXNet does.
+
+    Returns ``updater`` itself; usable as a decorator.
+
+    Examples:
+      >>> import jaxkv
+      >>> @jaxkv.pure_updater
+      ... def update(key, input, stored):
+      ...     return stored + 2 * input
+      >>> jaxkv.create("local").set_updater(update)
+    """
+    if not callable(updater):
+        raise KVStoreError(
+            f"pure_updater: expected a callable updater(key, input, stored), given {updater!r}"
+        )
+    try:
+        setattr(updater, _PURE, True)
+    except (AttributeError, TypeError):  # a builtin or a bound method: wrap it
+        fn = updater
+
+        def pure(key: Key, pushed: Any, stored: Any) -> Any:
+            return fn(key, pushed, stored)
+
+        pure.__qualname__ = getattr(fn, "__qualname__", repr(fn))
+        setattr(pure, _PURE, True)
+        return pure
+    return updater
+
+
+def is_pure_updater(updater: Any) -> bool:
+    """Whether ``updater`` was marked with :func:`pure_updater`."""
+    return bool(getattr(updater, _PURE, False))
+
+
+def _named(updater: Any) -> str:
+    return getattr(updater, "__qualname__", None) or type(updater).__name__
 
 
 class Updater(Protocol):
@@ -87,15 +130,29 @@ def apply_updater(
         new = list(pushed)
     elif isinstance(updater, optax.GradientTransformation):
         params = dict(zip(keys, stored))
-        if opt_state is None:
-            opt_state = updater.init(params)
-        updates, opt_state = updater.update(dict(zip(keys, pushed)), opt_state, params)
+        try:
+            if opt_state is None:
+                opt_state = updater.init(params)
+            updates, opt_state = updater.update(dict(zip(keys, pushed)), opt_state, params)
+        except KVStoreError:
+            raise
+        except Exception as e:
+            raise KVStoreError(
+                f"keys {_group_names(keys)}: the optimizer raised {type(e).__name__}: {e}"
+            ) from e
         result = optax.apply_updates(params, updates)
         new = [result[k] for k in keys]
     else:
         new = []
         for key, p, s in zip(keys, pushed, stored):
-            value = updater(key, p, s)
+            try:
+                value = updater(key, p, s)
+            except KVStoreError:
+                raise
+            except Exception as e:
+                raise KVStoreError(
+                    f"key {key!r}: the updater {_named(updater)} raised {type(e).__name__}: {e}"
+                ) from e
             if value is None:
                 raise KVStoreError(
                     f"key {key!r}: the updater returned None, expected the new stored value. "

@@ -1,0 +1,145 @@
+"""An optax transformation run on each key alone, so one push updates many keys with MXNet's
+per-key optimizer state (one state, one update count, per key).
+
+MXNet's KVStore updates every key with its own optimizer state, whether the keys were pushed
+one at a time or as a list. :func:`per_key` gives that inside one jaxkv optimizer group: its
+state for a group of several keys is a :class:`PerKeyState` mapping each key to what
+``inner.init({key: value})`` makes, and its update runs ``inner`` on each key alone. For a group
+of one key it is ``inner`` itself, state and all, so a store's one-key groups mean the same
+under both. Since each key's state stands alone, groups can be cut and joined without changing
+a number (:func:`regroup`): the imperative store joins the keys it pushes together into one
+group, so that they run as one computation.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import optax
+
+from ._state import Key, KVState
+
+__all__ = ["PerKeyState", "inner_of", "per_key", "regroup"]
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class PerKeyState:
+    """The optimizer state of a group of several keys under :func:`per_key`: each key's own
+    state, by key (in key order)."""
+
+    __slots__ = ("states",)
+
+    def __init__(self, states: dict[Key, Any]) -> None:
+        self.states = {k: states[k] for k in sorted(states)}
+
+    def tree_flatten_with_keys(self) -> tuple[list, tuple]:
+        keys = tuple(self.states)
+        return [(jax.tree_util.DictKey(k), self.states[k]) for k in keys], keys
+
+    def tree_flatten(self) -> tuple[list, tuple]:
+        keys = tuple(self.states)
+        return [self.states[k] for k in keys], keys
+
+    @classmethod
+    def tree_unflatten(cls, keys: tuple, children: Sequence[Any]) -> PerKeyState:
+        new = object.__new__(cls)
+        new.states = dict(zip(keys, children))
+        return new
+
+    def __repr__(self) -> str:
+        return f"PerKeyState({self.states!r})"
+
+
+# Each inner transformation's wrapper, and each wrapper's inner one, by id (both held, so an
+# id is not reused while it is known).
+_WRAPPED: dict[int, tuple[Any, Any]] = {}
+_INNER: dict[int, tuple[Any, Any]] = {}
+
+
+def per_key(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``inner`` run on each key of a tree alone, one state per key (the same object for the
+    same ``inner``, so its compiled pushes are reused)."""
+    known = _WRAPPED.get(id(inner))
+    if known is not None and known[0] is inner:
+        return known[1]
+
+    def init(params: dict) -> Any:
+        if len(params) == 1:
+            return inner.init(params)
+        return PerKeyState({k: inner.init({k: v}) for k, v in params.items()})
+
+    def update(grads: dict, state: Any, params: Any = None) -> tuple[dict, Any]:
+        if len(grads) == 1:
+            return inner.update(grads, state, params)
+        updates, states = {}, {}
+        for k in grads:
+            u, states[k] = inner.update(
+                {k: grads[k]}, state.states[k], None if params is None else {k: params[k]}
+            )
+            updates[k] = u[k]
+        return updates, PerKeyState(states)
+
+    wrapped = optax.GradientTransformation(init, update)
+    _WRAPPED[id(inner)] = (inner, wrapped)
+    _INNER[id(wrapped)] = (wrapped, inner)
+    return wrapped
+
+
+def inner_of(updater: Any) -> optax.GradientTransformation | None:
+    """The transformation ``updater`` runs on each key, if it is a :func:`per_key` one."""
+    known = _INNER.get(id(updater))
+    return known[1] if known is not None and known[0] is updater else None
+
+
+def _states_of(group: tuple[Key, ...], state: Any) -> dict[Key, Any] | None:
+    """Each key's own state in a ``per_key`` group's ``state``, or ``None`` where the group's
+    state is one tree over several keys (a list pushed under a plain optax transformation)."""
+    if len(group) == 1:
+        return {group[0]: state}
+    if isinstance(state, PerKeyState) and tuple(state.states) == group:
+        return dict(state.states)
+    return None
+
+
+def regroup(
+    state: KVState, keys: Sequence[Key], inner: optax.GradientTransformation
+) -> KVState | None:
+    """``state`` with ``keys`` made one optimizer group of :func:`per_key` ``inner`` (each key
+    keeping its own state; keys without one get ``inner``'s fresh state), and the other keys
+    of the groups they leave kept as groups of their own. ``None`` where a group touched holds
+    one state over several keys (not per key): it cannot be cut. ``state`` itself where
+    ``keys`` already are one group, or none of them has state yet."""
+    keys = tuple(sorted(keys))
+    touched = sorted({g for k in keys if (g := state.opt_group(k)) is not None})
+    if not touched or touched == [keys]:
+        return state
+    own: dict[Key, Any] = {}
+    new: dict[tuple[Key, ...], Any] = {}
+    for g in touched:
+        states = _states_of(g, state.opt_states[g])
+        if states is None:
+            return None
+        own.update({k: s for k, s in states.items() if k in keys})
+        rest = tuple(k for k in g if k not in keys)
+        if rest:
+            new[rest] = states[rest[0]] if len(rest) == 1 else PerKeyState(
+                {k: states[k] for k in rest}
+            )
+        new.setdefault(g, None)  # the old group goes (replaced by the new ones below)
+    fresh = [k for k in keys if k not in own]
+    if fresh:
+        own.update(_fresh(inner, tuple(fresh))({k: state[k] for k in fresh}))
+    new[keys] = own[keys[0]] if len(keys) == 1 else PerKeyState(own)
+    # Groups given as None go first: replace() drops every group sharing a key with a given one.
+    dropped = {g: None for g, s in new.items() if s is None}
+    kept = {g: s for g, s in new.items() if s is not None}
+    return state.replace(opt_states={**dropped, **kept})
+
+
+@functools.lru_cache(maxsize=64)
+def _fresh(inner: optax.GradientTransformation, keys: tuple[Key, ...]) -> Any:
+    """One computation making ``inner``'s fresh state for each of ``keys`` alone."""
+    return jax.jit(lambda values: {k: inner.init({k: values[k]}) for k in keys})

@@ -1,0 +1,135 @@
+"""What the imperative store holds until something reads: per-key inits, pushes and pulls into
+outs, run together as list calls (MXNet's asynchronous engine, which queues work and runs it
+when a result is read).
+
+MXNet code goes one key at a time: Gluon's ``Trainer`` and the Module API ``init`` each
+parameter alone, then at every step ``push(i)`` and ``pull(i, out)`` each. Run one by one, every
+key is a computation of its own (and a compile of its own). Held, a step's calls run as one
+init, one push and at most two pulls, whatever their number, in a fixed order that gives every
+read exactly what MXNet's ordering gives it: each key's calls are
+``[init] [pull ...] [push] [pull ...]`` (a second push of a held key, a second init, or a pull
+into an out a held pull already owes, runs what is held first), so the inits run first, then
+the pulls that came before their key's push, then every push at once, then the pulls after.
+
+Across processes (``dist_sync``) the keys each process holds are compared first (one host
+all-gather of a digest): held pushes are summed in key order, so processes that pushed the
+same keys in their own orders get the same sums; processes that hold different keys all raise
+``KVStoreError`` naming each process's keys, before anything changes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import weakref
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _dist
+from ._errors import KVStoreError
+from ._state import Key
+
+__all__ = ["Held", "agree", "holding", "run_everything_held"]
+
+logger = logging.getLogger("jaxkv")
+
+
+class Held:
+    """The calls a store holds, by phase (see the module doc)."""
+
+    __slots__ = ("inits", "before", "pushes", "after", "outs")
+
+    def __init__(self) -> None:
+        self.inits: dict[Key, Any] = {}  # key -> its value (a jax.Array), in call order
+        self.before: list[tuple[Key, list]] = []  # pulls before their key's push
+        self.pushes: dict[Key, list] = {}  # key -> its pushed arrays, in call order
+        self.after: list[tuple[Key, list]] = []  # pulls after their key's push
+        self.outs: list[Any] = []  # every out owed a value
+
+    def __bool__(self) -> bool:
+        return bool(self.inits or self.pushes or self.before or self.after)
+
+    def hold_pull(self, key: Key, outs: list, owner: Any) -> None:
+        """Hold a pull of ``key`` into ``outs`` (checked), each out now owed by ``owner``."""
+        (self.after if key in self.pushes else self.before).append((key, outs))
+        for o in outs:
+            o._owed = owner
+        self.outs.extend(outs)
+
+    def release(self) -> None:
+        """No out is owed anything any more (each keeps the value it holds)."""
+        for o in self.outs:
+            o._owed = None
+
+    def keys(self) -> list[Key]:
+        """Every key a held call names."""
+        seen = dict.fromkeys(self.inits)
+        seen.update(dict.fromkeys(k for k, _ in self.before))
+        seen.update(dict.fromkeys(self.pushes))
+        seen.update(dict.fromkeys(k for k, _ in self.after))
+        return list(seen)
+
+
+def agree(held: Held) -> None:
+    """Across processes: check that every process holds inits and pushes of the same keys
+    (pulls are each process's own), so that their collectives match; else every process raises
+    ``KVStoreError`` naming the keys each one holds. One host all-gather of a digest, and two
+    more only where they differ. A single process returns at once."""
+    if jax.process_count() == 1:
+        return
+    mine = {"init": sorted(map(repr, held.inits)), "push": sorted(map(repr, held.pushes))}
+    text = json.dumps(mine, sort_keys=True).encode()
+    digest = np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
+    every = _dist.all_gather(digest, "agreement on the held keys")
+    if (every == digest).all():
+        return
+    sizes = _dist.all_gather(np.array([len(text)], np.int64), "sizes of the held keys")
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: len(text)] = np.frombuffer(text, np.uint8)
+    texts = _dist.all_gather(padded, "the held keys")
+    described = []
+    for rank, (row, n) in enumerate(zip(texts, sizes[:, 0])):
+        theirs = json.loads(bytes(row[: int(n)]).decode())
+        described.append(
+            f"process {rank}: init {_names(theirs['init'])}, push {_names(theirs['push'])}"
+        )
+    raise KVStoreError(
+        "dist_sync: expected every process to push (and init) the same keys between two reads, "
+        "given different ones: " + "; ".join(described) + ". Nothing was pushed. Each process "
+        "may push in its own order, but all must push the same keys before any of them reads "
+        "a pulled value (asnumpy, waitall, a barrier, or the next push of a pushed key)"
+    )
+
+
+def _names(keys: list[str]) -> str:
+    return "[" + ", ".join(keys) + "]"
+
+
+# Stores that hold calls, for nd.waitall() and the end of the process.
+_HOLDING: weakref.WeakSet = weakref.WeakSet()
+
+
+def holding(store: Any) -> None:
+    """Note that ``store`` holds calls (until it runs them)."""
+    _HOLDING.add(store)
+
+
+def run_everything_held() -> None:
+    """Run what every store holds (``nd.waitall``)."""
+    for store in list(_HOLDING):
+        store._run_held()
+
+
+@atexit.register
+def _at_exit() -> None:
+    """Held pushes run before the process ends, as MXNet's engine finishes its queue: nothing
+    pushed is lost (and across processes, every process's collectives still match)."""
+    for store in list(_HOLDING):
+        try:
+            store._run_held()
+        except Exception:  # pragma: no cover - reported, the process is ending anyway
+            logger.exception("jaxkv: a held push failed as the process ended")
