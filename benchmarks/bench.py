@@ -50,8 +50,21 @@ rows per device per step pushed from 8 CPU devices with lazy SGD and pulled back
 functional and imperative beside MXNet 1.9.1's row_sparse path and jaxkv's dense path:
   rows      run in a process of its own, MXNet's in its venv
 
-Usage: python benchmarks/bench.py [--steps 7] [--quick] [--only in-jit|dist|proxy|gpu|step|rows]
-         [--eager-steps 200] [--step-steps 200]
+The Gluon/Module loop (benchmarks/gluon.py): MXNet training code's own store calls, the
+optimizer on the store (SGD with momentum and weight decay), ResNet-50's 193 tensors at full size
+on 8 CPU devices, jaxkv (JAXKV_LAYOUT=auto and keys) beside MXNet 1.9.1 (benchmarks/mxnet_gluon.py):
+  gluon     a `device` store: kv.init key by key, then per step and key kv.push(i, grads,
+            priority=-i) and kv.pull(i, out=weights, priority=-i); the start-up (seconds, XLA
+            compiles, peak RSS beside the data held) and the steady step; then dist_sync in 2
+            processes; values checked against a NumPy model and between the sides. Each side in
+            a process of its own, stopped (and reported so) past --gluon-timeout seconds of
+            start-up or --gluon-mem-gb GB; --gluon-scale K divides every dimension by K and
+            --gluon-keys N takes the first N keys, to try it quickly
+
+Usage: python benchmarks/bench.py [--steps 7] [--quick]
+         [--only in-jit|dist|proxy|gpu|step|rows|gluon] [--eager-steps 200] [--step-steps 200]
+         [--gluon-scale 1] [--gluon-keys N] [--gluon-timeout 900] [--gluon-mem-gb G]
+         [--gluon-dist-devices 1 [2]]
 --only proxy / --only gpu / --only step exit 1 where a hand-written or jaxkv row fails or its
 values differ (a missed goal is reported, not an error); the full run does so after writing its
 report.
@@ -75,6 +88,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import dist  # noqa: E402  (benchmarks/dist.py)
 import eager  # noqa: E402  (benchmarks/eager.py)
+import gluon  # noqa: E402  (benchmarks/gluon.py)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import rows as sparse_rows  # noqa: E402  (benchmarks/rows.py)
@@ -360,7 +374,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip the slow baselines")
     parser.add_argument(
         "--only",
-        choices=["in-jit", "dist", "no-fast-paths", "proxy", "gpu", "step", "rows"],
+        choices=["in-jit", "dist", "no-fast-paths", "proxy", "gpu", "step", "rows", "gluon"],
         help="run only this section; print it, write no report",
     )
     parser.add_argument(
@@ -375,8 +389,46 @@ def main() -> None:
         help=f"timed steps per round of the step section's proxy and accelerator sets (default "
         f"{step.STEPS[step.PROXY]}; the full-size CPU set times {step.STEPS[step.FULL]})",
     )
+    parser.add_argument(
+        "--gluon-scale",
+        type=int,
+        default=1,
+        help="the gluon section: divide every dimension of ResNet-50's tensors by K (at least 1)",
+    )
+    parser.add_argument("--gluon-keys", type=int, help="the gluon section: the first N keys only")
+    parser.add_argument(
+        "--gluon-timeout",
+        type=float,
+        default=gluon.TIMEOUT,
+        help=f"the gluon section: seconds one side's start-up may take (default {gluon.TIMEOUT}, "
+        f"or ${gluon.TIMEOUT_ENV})",
+    )
+    parser.add_argument(
+        "--gluon-mem-gb",
+        type=float,
+        help="the gluon section: GB one side's processes may hold (default 80%% of the memory "
+        "available)",
+    )
+    parser.add_argument(
+        "--gluon-dist-devices",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="the gluon section: devices per process of its dist_sync rows (default 1)",
+    )
     args = parser.parse_args()
     steps = max(args.steps, 7)
+
+    def gluon_section() -> dict:
+        return gluon.run_section(
+            args.gluon_scale,
+            args.gluon_keys,
+            steps,
+            args.gluon_timeout,
+            args.gluon_mem_gb,
+            tuple(args.gluon_dist_devices),
+            log=log,
+        )
 
     log(f"jaxkv benchmark: {where()}")
     if args.only in ("proxy", "gpu"):
@@ -392,6 +444,9 @@ def main() -> None:
         return
     if args.only == "rows":
         log("\n".join(sparse_rows.report(sparse_rows.run_section(steps, MXNET_VENV, log=log))))
+        return
+    if args.only == "gluon":
+        log("\n".join(gluon.report(gluon_section())))
         return
     if args.only == "dist":
         with cpu_children():
@@ -462,10 +517,11 @@ def main() -> None:
     with cpu_children():
         dist_rows = dist.run(steps, log=log) + dist.run(steps, log=log, compression="2bit")
     rows_res = sparse_rows.run_section(steps, MXNET_VENV, log=log)
+    gluon_res = gluon_section()
     log("[memory] peak RSS of the imperative resnet50 loop ...")
     mem = memory()
     log(f"  {mem}")
-    write_report(rows, jit_rows, bw, mem, slow, dist_rows, eager_res, step_res, rows_res)
+    write_report(rows, jit_rows, bw, mem, slow, dist_rows, eager_res, step_res, rows_res, gluon_res)
     return 1 if any(eager.failed(r) for r in eager_res) or step.failed(step_res) else 0
 
 
@@ -477,7 +533,9 @@ def _ratio(a, b):
     return "—" if a is None or b is None else f"{a / b:.2f}x"
 
 
-def write_report(rows, jit_rows, bw, mem, slow, dist_rows, eager_res, step_res, rows_res) -> None:
+def write_report(
+    rows, jit_rows, bw, mem, slow, dist_rows, eager_res, step_res, rows_res, gluon_res
+) -> None:
     lines = [
         "# jaxkv benchmark results",
         "",
@@ -549,6 +607,7 @@ def write_report(rows, jit_rows, bw, mem, slow, dist_rows, eager_res, step_res, 
         lines += ["", *eager.report(res)]
     lines += ["", *step.report(step_res)]
     lines += ["", *sparse_rows.report(rows_res)]
+    lines += ["", *gluon.report(gluon_res)]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(HERE, "results.md"), "w") as f:
         f.write(text)
