@@ -505,7 +505,8 @@ def run_mxnet(kv: str, devices: int, opts: dict, log=log) -> dict | None:
     argv = [os.path.join(HERE, "mxnet_gluon.py")]
     argv += _child_args(kv, devices, opts["scale"], opts["keys"], opts["steps"])
     if kv == "device":
-        return watch([python, *argv], dict(os.environ), f"mxnet {kv}", opts["timeout"], opts["mem"])
+        label, env = f"mxnet {kv}", dict(os.environ)
+        return watch([python, *argv], env, label, opts["timeout"], opts["mem"], log=log)
     import dist
 
     out: dict = {"startup": None, "result": None, "last": None, "stopped": None, "error": None}
@@ -515,7 +516,7 @@ def run_mxnet(kv: str, devices: int, opts: dict, log=log) -> dict | None:
         servers=SERVERS,
         workers=PROCESSES,
         env={"OMP_NUM_THREADS": "1"},  # MXNet's faster setting here (benchmarks/dist.py)
-        timeout=int(opts["timeout"]),
+        timeout=int(opts["timeout"] + STEPS_TIMEOUT),
     )
     out["wall_s"] = time.monotonic() - t0
     for role, rc, stdout, stderr in roles:
@@ -525,9 +526,13 @@ def run_mxnet(kv: str, devices: int, opts: dict, log=log) -> dict | None:
                 out["last"] = ev
                 if ev["event"] in ("startup", "result"):
                     out[ev["event"]] = ev
-        if rc and out["error"] is None:
+        if rc == 124 and out["stopped"] is None:  # timeout(1)'s status: mxnet_job stopped it
+            out["stopped"] = f"did not finish in {opts['timeout'] + STEPS_TIMEOUT:.0f} s"
+        elif rc and out["error"] is None:
             out["error"] = f"{role} exit status {rc}: {stderr.strip()[-300:]}"
-    if out["error"]:
+    if out["stopped"]:
+        log(f"  [mxnet {kv}] {out['stopped']}")
+    elif out["error"]:
         log(f"  [mxnet {kv}] failed: {out['error']}")
     elif out["result"]:
         s, r = out["startup"], out["result"]

@@ -418,7 +418,7 @@ class KVStore:
                 return
             held.release()  # the outs are filled below, or keep what they hold
             try:
-                _queue.agree(held)
+                _queue.agree(held, self._stored.devices)
                 if held.inits:
                     self._init_now(list(held.inits), list(held.inits.values()))
                 if held.before:

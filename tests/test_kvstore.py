@@ -247,7 +247,7 @@ def test_a_store_with_split_values_donates_them_and_copies_into_outs():
     big = (64, 512)  # above the big-array bound: split across the 8 devices
     kv = cpu_store("local")
     kv.init([3, 5], [nd.ones(big), nd.zeros(SHAPE)])
-    kv.set_updater(lambda k, i, s: s + i)
+    kv.set_updater(jaxkv.pure_updater(lambda k, i, s: s + i))  # traced: its pushes donate
     out = nd.zeros(SHAPE, jaxkv.cpu(1))
     kv.pull(5, out=out)  # a copy: this store donates its values
     snapshot = kv.state
@@ -255,6 +255,7 @@ def test_a_store_with_split_values_donates_them_and_copies_into_outs():
     assert not snapshot[3].is_deleted() and not out.asjax().is_deleted()
     inner = jax.tree_util.tree_leaves(kv._state)  # the store's own buffers, held by nothing else
     kv.push([3, 5], [nd.ones(big), nd.ones(SHAPE)])
+    nd.waitall()  # a push is held until something reads
     assert all(x.is_deleted() for x in inner)
     np.testing.assert_array_equal(kv.pull(3), np.full(big, 3.0))
     np.testing.assert_array_equal(out.asnumpy(), np.zeros(SHAPE))
