@@ -27,7 +27,7 @@ from . import _orbax
 from ._arrays import host_copy
 from ._compression import residual_layout
 from ._errors import KVStoreError
-from ._perkey import inner_of
+from ._perkey import inner_of, per_key
 from ._state import Key, KVState, check_compressible, compression_config
 
 __all__ = ["load", "load_state", "save", "save_state"]
@@ -398,7 +398,7 @@ def _assemble(
     # a group's state per key; a list pushed under an optax transformation, one tree: either
     # may be in the file.
     inner = inner_of(optimizer)
-    candidates = [optimizer] if inner is None else [optimizer, inner]
+    candidates = [optimizer, per_key(optimizer) if inner is None else inner]
     for n, group in enumerate(groups):
         given = [
             (e["path"], tuple(e["shape"]), str(jnp.dtype(e["dtype"])))

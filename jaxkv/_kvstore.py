@@ -351,6 +351,7 @@ class KVStore:
                     )
                     if shape is None:
                         known.index(k)  # raises: unknown key
+                        continue
                     for o in outs:
                         if tuple(o._value.shape) != tuple(shape):
                             raise ShapeError(
@@ -759,6 +760,14 @@ class KVStore:
             self._state = self._push_python(state, key, values)
             return
         updater = self._updater
+        if (
+            self._mxnet_optimizer is None
+            and isinstance(updater, optax.GradientTransformation)
+            and _perkey.inner_of(updater) is None
+            and _perkey.holds_per_key(state, [k for k, _ in _args.pairs(key, values, "values")])
+        ):  # keys pushed one at a time before, each with its own state: so they stay
+            self._push_per_key(*_listed(_grouped(state, key, values)), updater)
+            return
         if self._mxnet_optimizer is not None:  # MXNet's optimizers update each key alone
             grouped = _grouped(state, key, values)
             keys = list(grouped)
@@ -850,6 +859,12 @@ class KVStore:
             updater = self._mxnet_optimizer.transformation(row_sparse=True)
             lazy = self._mxnet_optimizer.lazy_update
         state = self._state
+        if isinstance(updater, optax.GradientTransformation):
+            inner = self._updater
+            for k in sparse:  # a key pushed with others one at a time before: its state alone
+                if (g := state.opt_group(k)) is not None and len(g) > 1:
+                    state = _perkey.regroup(state, [k], inner) or state
+            self._stored = state  # (no value changes)
         steps = len(sparse) + bool(dense)
         donate = steps == 1 and not len(self._shared) and not self._keeps_values()
         if dense and self._mxnet_optimizer is not None:
@@ -956,6 +971,10 @@ def _set(out: NDArray, x: jax.Array, device: Any) -> None:
         out._set(x, device)
         return
     out._set(x if out._data.dtype == x.dtype else x.astype(out._data.dtype), device)
+
+
+def _listed(grouped: dict[Key, list]) -> tuple[list[Key], list[list]]:
+    return list(grouped), list(grouped.values())
 
 
 def _grouped(state: KVState, key: Any, values: Any) -> dict[Key, list]:

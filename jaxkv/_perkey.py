@@ -22,7 +22,7 @@ import optax
 
 from ._state import Key, KVState
 
-__all__ = ["PerKeyState", "inner_of", "per_key", "regroup"]
+__all__ = ["PerKeyState", "holds_per_key", "inner_of", "per_key", "regroup"]
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -143,3 +143,19 @@ def regroup(
 def _fresh(inner: optax.GradientTransformation, keys: tuple[Key, ...]) -> Any:
     """One computation making ``inner``'s fresh state for each of ``keys`` alone."""
     return jax.jit(lambda values: {k: inner.init({k: values[k]}) for k in keys})
+
+
+def holds_per_key(state: KVState, keys: Sequence[Key]) -> bool:
+    """Whether a key of ``keys`` is in a group of several keys that keeps a state per key
+    (made by pushes of one key at a time): a list push of them updates each alone too."""
+    for g in {g for k in keys if (g := state.opt_group(k)) is not None and len(g) > 1}:
+        n = state._groups.index(g)
+        packing = state._packings[n]
+        if packing is not None:
+            treedef = packing.treedef
+            kept = jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
+        else:
+            kept = state._opt_states[n]
+        if isinstance(kept, PerKeyState):
+            return True
+    return False
