@@ -339,12 +339,12 @@ class KVStore:
             pairs = _args.pairs(key, out, "outs")
             if all(type(o) is NDArray for _, outs in pairs for o in outs):
                 held = self._held
-                known = self._stored
                 if held is not None and any(
                     o._owed is not None for _, outs in pairs for o in outs
                 ):
                     self._run_held()  # an out owed a pull already: that one lands first
                     held = None
+                known = self._stored
                 for k, outs in pairs:
                     shape = known.shapes[k] if k in known else (
                         held.inits[k].shape if held is not None and k in held.inits else None

@@ -1,0 +1,301 @@
+"""MXNet code as it is written: one key at a time, as Gluon's ``Trainer`` and the Module API
+drive a store (each parameter ``init`` alone, then each step ``push(i)`` and ``pull(i, out)``
+per parameter), held and run as lists; and Python updaters called on every push, as MXNet calls
+them (compared with MXNet 1.9.1's own runs, recorded by conformance/record_updaters.py)."""
+
+import json
+import os
+
+import numpy as np
+import optax
+import pytest
+
+import jaxkv
+import jaxkv.mx as mx
+from jaxkv import nd
+
+pytestmark = pytest.mark.standard_promotion  # optax's Adam casts implicitly
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(HERE, "..", "conformance", "data", "mxnet_updaters.json")) as f:
+    MXNET = json.load(f)
+
+# Small and big values (64 x 512 is above the big-array bound: split over the 8 devices).
+BASE = [(3,), (2, 5), (4, 4), (64, 512), (7,), (1,), (3, 3, 2), (8, 8)]
+
+
+def shapes(n, offset):
+    """``n`` shapes of BASE's kinds, their last dimension moved by ``offset`` (so that one
+    test's computations are not another's, compiled already)."""
+    out = []
+    for i in range(n):
+        s = BASE[i % len(BASE)]
+        if s == (64, 512):
+            out.append((64, 512 + 8 * offset))
+        else:
+            out.append((*s[:-1], s[-1] + offset + i // len(BASE)))
+    return out
+
+
+def arrays(shp, n, steps):
+    """A loop's arrays, made ahead (their own compiles are not the store's): each key's
+    initial value, its gradients on ``n`` devices per step, and its outs."""
+    ctx = [jaxkv.cpu(d) for d in range(n)]
+    inits = [nd.array(np.full(s, 0.5 + i, np.float32)) for i, s in enumerate(shp)]
+    grads = [
+        [
+            [
+                nd.array(np.full(s, (i % 5 + 1) * 0.25 * (d + 1) + step, np.float32), ctx[d])
+                for d in range(n)
+            ]
+            for i, s in enumerate(shp)
+        ]
+        for step in range(steps)
+    ]
+    params = [[nd.zeros(s, c) for c in ctx] for s in shp]
+    return inits, grads, params
+
+
+def gluon_loop(kv, data, read_each=False):
+    """Gluon's Trainer on ``kv``: init one key at a time, then per step push and pull each
+    key with ``priority=-i``; ``read_each`` reads an out after every call (nothing held)."""
+    inits, grads, params = data
+    for i, x in enumerate(inits):
+        kv.init(i, x)
+        if read_each:
+            kv.pull(i, out=params[i])
+            params[i][0].asnumpy()
+    for step_grads in grads:
+        for i, g in enumerate(step_grads):
+            kv.push(i, g, priority=-i)
+            if read_each:
+                kv.pull(i, out=params[i])
+                params[i][0].asnumpy()
+            kv.pull(i, out=params[i], priority=-i)
+            if read_each:
+                params[i][0].asnumpy()
+    nd.waitall()
+    return [[p.asnumpy() for p in ps] for ps in params]
+
+
+def optimizers():
+    return {
+        "assign": None,
+        "mx_sgd": mx.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=1e-4),
+        "optax_adam": optax.adam(0.01),
+    }
+
+
+@pytest.mark.parametrize("layout", ["auto", "flat", "keys"])
+@pytest.mark.parametrize("opt", ["assign", "mx_sgd", "optax_adam"])
+def test_one_key_at_a_time_compiles_a_constant_and_no_more_than_a_list(
+    devices, compiles, layout, opt
+):
+    offset = 3 * ["auto", "flat", "keys"].index(layout) + ["assign", "mx_sgd", "optax_adam"].index(
+        opt
+    )
+    counts = {}
+    for n in (6, 24):  # the count does not grow with the keys
+        kv = jaxkv.KVStore("device", devices, layout=layout)
+        if optimizers()[opt] is not None:
+            kv.set_optimizer(optimizers()[opt])
+        data = arrays(shapes(n, 10 * offset + n), len(devices), 3)
+        with compiles() as c:
+            gluon_loop(kv, data)
+        counts[n] = c.count
+    # The same 24 keys (other shapes, compiled afresh) pushed and pulled as lists.
+    kv = jaxkv.KVStore("device", devices, layout=layout)
+    if optimizers()[opt] is not None:
+        kv.set_optimizer(optimizers()[opt])
+    inits, grads, params = arrays(shapes(24, 10 * offset + 300), len(devices), 3)
+    with compiles() as c:
+        keys = list(range(len(inits)))
+        kv.init(keys, inits)
+        for step_grads in grads:
+            kv.push(keys, step_grads)
+            kv.pull(keys, out=params)
+        nd.waitall()
+    assert counts[24] <= counts[6] + 1, counts
+    assert counts[24] <= c.count + 1, (counts, c.count)
+    assert counts[24] <= 16, counts
+
+
+@pytest.mark.parametrize("layout", ["auto", "keys"])
+@pytest.mark.parametrize("opt", ["assign", "mx_sgd", "optax_adam"])
+def test_held_calls_give_what_calls_run_one_by_one_give(devices, layout, opt):
+    """The same loop, every call read at once (one computation per call) and held: the same
+    bits, and MXNet's ordering (a pull sees every push before it)."""
+    shp = shapes(10, 50)
+    runs = []
+    for read_each in (True, False):
+        kv = jaxkv.KVStore("device", devices[:4], layout=layout)
+        if optimizers()[opt] is not None:
+            kv.set_optimizer(optimizers()[opt])
+        runs.append(gluon_loop(kv, arrays(shp, 4, 3), read_each=read_each))
+    for a, b in zip(*runs):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_mxnet_sgd_one_key_at_a_time_against_numpy(devices):
+    """MXNet's SGD (momentum, weight decay), each key its own state: a NumPy model."""
+    shp = shapes(5, 70)
+    kv = jaxkv.KVStore("device", devices[:2])
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.5, momentum=0.5, wd=0.0))
+    got = gluon_loop(kv, arrays(shp, 2, 3))
+    for i, s in enumerate(shp):
+        w, mom = np.full(s, 0.5 + i, np.float32), np.zeros(s, np.float32)
+        for step in range(3):
+            g = sum(np.full(s, (i % 5 + 1) * 0.25 * (d + 1) + step, np.float32) for d in range(2))
+            mom = 0.5 * mom - 0.5 * g
+            w = w + mom
+        for x in got[i]:
+            np.testing.assert_allclose(x, w, rtol=1e-6)
+
+
+def test_held_pulls_follow_mxnets_order(devices):
+    kv = jaxkv.KVStore("device", devices[:2])
+    kv.init("a", nd.ones((2,)))
+    before, after, written = nd.zeros((2,)), nd.zeros((2,)), nd.zeros((2,))
+    kv.pull("a", out=before)  # before the push: the old value
+    kv.push("a", [nd.ones((2,), jaxkv.cpu(0)) * 3, nd.ones((2,), jaxkv.cpu(1)) * 4])
+    kv.pull("a", out=after)
+    kv.pull("a", out=written)
+    assert before._owed is kv and after._owed is kv and written._owed is kv
+    written[:] = 9  # a write after the held pull lands after it (and runs what is held)
+    assert before._owed is None and after._owed is None
+    np.testing.assert_array_equal(before.asnumpy(), [1, 1])
+    np.testing.assert_array_equal(after.asnumpy(), [7, 7])
+    np.testing.assert_array_equal(written.asnumpy(), [9, 9])
+    # An out owed a pull, pushed: it pushes the pulled value.
+    kv.pull("a", out=after)
+    kv.push("a", after)
+    kv.push("a", after)  # a second push of a held key runs the first
+    np.testing.assert_array_equal(kv.pull("a"), [7, 7])
+    # A second init of a held key, a push of an unknown key or of the wrong shape, a pull into
+    # an out of the wrong shape: refused at the call, nothing held changes.
+    kv.init("b", nd.zeros((3,)))
+    kv.push("b", nd.ones((3,)))
+    with pytest.raises(jaxkv.DuplicateKeyError, match="'b'"):
+        kv.init("b", nd.zeros((3,)))
+    with pytest.raises(jaxkv.UnknownKeyError, match="'c'"):
+        kv.push("c", nd.ones((3,)))
+    with pytest.raises(jaxkv.ShapeError, match="'b'"):
+        kv.push("b", nd.ones((4,)))
+    with pytest.raises(jaxkv.ShapeError, match="'b'"):
+        kv.pull("b", out=nd.zeros((4,)))
+    with pytest.raises(jaxkv.KeyTypeError):
+        kv.init(5, nd.zeros((3,)))
+    out = nd.zeros((3,))
+    kv.pull("b", out=out)
+    nd.waitall()
+    np.testing.assert_array_equal(out.asnumpy(), [1, 1, 1])
+
+
+def test_a_python_updater_runs_on_every_push_as_in_mxnet(devices):
+    for run, n in (("shrinking", 1), ("per_device", 4)):
+        calls = []
+
+        def shrinking(key, recv, stored, calls=calls):
+            calls.append([key, recv.asnumpy().tolist()])
+            stored -= recv / len(calls)
+
+        kv = mx.kv.create("local")
+        kv.init(0, mx.nd.zeros((2,)))
+        kv._set_updater(shrinking)
+        out = mx.nd.zeros((2,))
+        pulls = []
+        for _ in range(4):
+            kv.push(0, [mx.nd.ones((2,), mx.cpu(d)) for d in range(n)])
+            kv.pull(0, out=out)
+            pulls.append(out.asnumpy().tolist())
+        assert pulls == MXNET[run]["pulls"], run
+        assert calls == MXNET[run]["calls"], run
+
+
+def test_the_tutorials_printing_updater_prints_on_every_push(capsys):
+    kv = mx.kv.create("local")
+    kv.init(3, mx.nd.ones((2, 3)) * 2)
+
+    def update(key, input, stored):
+        print("update on key: %d" % key)  # noqa: UP031  (the tutorial's line)
+        stored += input * 2
+
+    kv._set_updater(update)
+    for _ in range(3):
+        kv.push(3, mx.nd.ones((2, 3)))
+    kv.init([5, 7, 9], [mx.nd.ones((2, 3))] * 3)
+    kv.push([5, 7, 9], [mx.nd.ones((2, 3))] * 3)
+    assert capsys.readouterr().out.splitlines() == MXNET["printing"]["printed"]
+    a, b = mx.nd.zeros((2, 3)), mx.nd.zeros((2, 3))
+    kv.pull(3, out=a)
+    kv.pull(7, out=b)
+    assert a.asnumpy().tolist() == MXNET["printing"]["key3"]
+    assert b.asnumpy().tolist() == MXNET["printing"]["key7"]
+
+
+def test_an_updater_that_raises_names_the_key(devices):
+    def broken(key, recv, stored):
+        raise ZeroDivisionError("boom")
+
+    kv = jaxkv.KVStore("local", devices[:2])
+    kv.init(3, nd.ones((2,)))
+    kv.set_updater(broken)
+    with pytest.raises(jaxkv.KVStoreError, match="key 3.*broken.*ZeroDivisionError") as e:
+        kv.push(3, nd.ones((2,)))
+    assert isinstance(e.value.__cause__, ZeroDivisionError)
+    np.testing.assert_array_equal(kv.pull(3), [1, 1])  # unchanged
+    # Traced (marked pure): the push is held, the error comes at the first read.
+    kv.set_updater(jaxkv.pure_updater(broken))
+    kv.push(3, nd.ones((2,)))
+    out = nd.zeros((2,))
+    kv.pull(3, out=out)
+    with pytest.raises(jaxkv.KVStoreError, match="key 3.*ZeroDivisionError") as e:
+        out.asnumpy()
+    assert isinstance(e.value.__cause__, ZeroDivisionError)
+    np.testing.assert_array_equal(kv.pull(3), [1, 1])  # unchanged
+    np.testing.assert_array_equal(out.asnumpy(), [0, 0])  # keeps what it held
+
+
+def test_a_pure_updater_is_traced_once(devices, compiles):
+    calls = []
+
+    @jaxkv.pure_updater
+    def update(key, recv, stored):
+        calls.append(key)
+        return stored + 2 * recv
+
+    kv = jaxkv.KVStore("local", devices[:2])
+    kv.init(list(range(4)), [nd.zeros((5,))] * 4)
+    kv.set_updater(update)
+    out = nd.zeros((5,))
+    for _ in range(3):
+        for k in range(4):
+            kv.push(k, nd.ones((5,)))
+        kv.pull(0, out=out)
+        out.asnumpy()
+    np.testing.assert_array_equal(out.asnumpy(), np.full(5, 6.0))
+    assert len(calls) == 4  # traced once per key, for the one computation of the 4 pushes
+
+
+def test_per_key_state_survives_a_save_and_load(devices, tmp_path):
+    shp = shapes(4, 90)
+    kv = jaxkv.KVStore("device", devices[:2])
+    kv.set_optimizer(optax.adam(0.1))
+    gluon_loop(kv, arrays(shp, 2, 2))
+    kv.save(str(tmp_path / "s.npz"))
+    state = jaxkv.load_state(
+        str(tmp_path / "s.npz"), jaxkv.empty(devices[:2]), optimizer=optax.adam(0.1)
+    )
+    for k in range(4):
+        np.testing.assert_array_equal(state[k], kv.pull(k))
+    other = jaxkv.KVStore("device", devices[:2])
+    other.set_optimizer(optax.adam(0.1))
+    for i, s in enumerate(shp):
+        other.init(i, nd.zeros(s))
+    other.load(str(tmp_path / "s.npz"))
+    for kv_ in (kv, other):  # one more step each: the same
+        for i, s in enumerate(shp):
+            kv_.push(i, [nd.ones(s, jaxkv.cpu(d)) for d in range(2)])
+    for k in range(4):
+        np.testing.assert_array_equal(other.pull(k), kv.pull(k))
