@@ -422,10 +422,11 @@ def watch(cmd: list[str], env: dict, label: str, timeout: float, mem: int, log=l
                 if kind == "startup":
                     out["startup"] = ev
                     deadline = time.monotonic() + STEPS_TIMEOUT
+                    compiles = ev.get("startup_compiles")
                     log(
                         f"  [{label}] start-up {ev['init_s'] + ev['first_step_s']:.1f} s (init "
                         f"{ev['init_s']:.1f} s, first step {ev['first_step_s']:.1f} s)"
-                        + _compiles_text(ev)
+                        + ("" if compiles is None else f", {compiles} compiles")
                     )
                 elif kind == "result":
                     out["result"] = ev
@@ -469,7 +470,7 @@ def watch(cmd: list[str], env: dict, label: str, timeout: float, mem: int, log=l
 
 
 def _compiles_text(ev: dict) -> str:
-    return "" if ev.get("compiles") is None else f", {ev['compiles']} compiles"
+    return "" if ev.get("compiles") is None else f", {ev['compiles']} compiles since it started"
 
 
 def _child_args(kv: str, devices: int, scale: int, keys: int | None, steps: int) -> list[str]:
@@ -680,15 +681,23 @@ def _compiles(s: dict | None, r: dict | None) -> str:
     return out
 
 
-def _peak(row: dict, held: int) -> tuple[str, str]:
+def held_bytes(row: dict, one: int) -> int:
+    """The bytes a row's process must hold, ``one`` the bytes of one set of weights: the
+    stored weights and momentum (but in MXNet's dist_sync workers: its servers hold them), and
+    an out and a gradient of every key per device."""
+    store = 0 if row["kv"] == "dist_sync" and row["name"].startswith("MXNet") else 2
+    return (store + 2 * row["devices"]) * one
+
+
+def _peak(row: dict, one: int) -> tuple[str, str]:
     """The peak-RSS cells: (start-up, end in MB; above the start over the data held)."""
     res = row["res"] or {}
     s, r, last = res.get("startup"), res.get("result"), res.get("last")
     if not s:
         return (f"{last['maxrss'] / 1e6:.0f} (so far)" if last else "—"), ""
     end = (r or last or s)["maxrss"]
-    above = f"{(end - s['base_rss']) / held:.2f}x" if row["kv"] == "device" else ""
-    return f"{s['maxrss'] / 1e6:.0f}, {end / 1e6:.0f}", above
+    held = held_bytes(row, one)
+    return f"{s['maxrss'] / 1e6:.0f}, {end / 1e6:.0f}", f"{(end - s['base_rss']) / held:.2f}x"
 
 
 def report(sec: dict) -> list[str]:
@@ -721,7 +730,9 @@ def report(sec: dict) -> list[str]:
         f"{_mb(data['outs'] + data['grads'])} MB). Peak RSS: the process's "
         "`ru_maxrss` after start-up and at the end; 'above start / data': the end's peak less "
         "the resident set once the runtime had started (before any array existed), over the "
-        "data.",
+        "data the process must hold (in dist_sync: per worker, its devices' outs and "
+        "gradients, and the stored weights and momentum but in MXNet's workers, whose servers "
+        "hold them).",
         "",
         "| store | side | start-up s | init s | first step s | compiles | steady ms/step | "
         "MXNet / this | peak RSS MB (start-up, end) | above start / data | values vs model | "
@@ -746,7 +757,7 @@ def report(sec: dict) -> list[str]:
         mx_r = row["mxnet"] and row["mxnet"].get("result")
         mine = not row["name"].startswith("MXNet")
         ratio = f"{mx_r['step_ms'] / r['step_ms']:.2f}x" if r and mx_r and mine else ""
-        peak, above = _peak(row, held)
+        peak, above = _peak(row, data["set"])
         chk = row["check"]
         model_cell = "—"
         if chk["model"] is not None:
