@@ -420,12 +420,14 @@ class KVStore:
             held.release()  # the outs are filled below, or keep what they hold
             try:
                 _queue.agree(held, self._stored.devices)
-                if held.inits:
-                    self._init_now(list(held.inits), list(held.inits.values()))
+                if held.inits:  # in key order: the same in every process
+                    keys = sorted(held.inits)
+                    self._init_now(keys, [held.inits[k] for k in keys])
                 if held.before:
                     self._pull_now([k for k, _ in held.before], [o for _, o in held.before])
-                if held.pushes:
-                    self._push_held(list(held.pushes), list(held.pushes.values()))
+                if held.pushes:  # in key order too
+                    keys = sorted(held.pushes)
+                    self._push_held(keys, [held.pushes[k] for k in keys])
                 if held.after:
                     self._pull_now([k for k, _ in held.after], [o for _, o in held.after])
             except KVStoreError:

@@ -87,3 +87,22 @@ def test_rows_across_processes(bound):
         ):
             assert f"rank {rank} ok {tag} {check}" in run.stdout, run.stdout + run.stderr
         assert f"rank {rank} done" in run.stdout
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_dist_sync_matches_pushes_by_key(n):
+    """Processes push the same keys one at a time, each in its own shuffled order: every
+    process gets the sums MXNet's servers give (keys of one shape, and of several), and keys
+    that differ between processes are refused on every process, naming each one's keys."""
+    run = launch(n, "order_job.py")
+    assert run.returncode == 0, run.stdout + run.stderr
+    for rank in range(n):
+        for check in (
+            "one shape step 2 key c",
+            "shapes step 2 key f",
+            "different keys refused",
+            "unchanged after the refusal",
+            "out keeps its value",
+        ):
+            assert f"rank {rank} ok {check}" in run.stdout, run.stdout + run.stderr
+        assert f"rank {rank} done" in run.stdout
