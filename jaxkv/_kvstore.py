@@ -266,9 +266,7 @@ class KVStore:
                 return
             held = self._held if self._held is not None else _queue.Held()
             state = self._stored
-            kind = state.key_kind or next(
-                (_state_key_kind(k) for k in held.inits), None
-            )
+            kind = state.key_kind or next((_state_key_kind(k) for k in held.inits), None)
             new: dict[Key, Any] = {}
             for k, vs in pairs:
                 given = _state_key_kind(k)
@@ -310,8 +308,10 @@ class KVStore:
                 self._push_row_sparse(key, value)
                 return
             values = _unwrap_values(value)
-            if not self._may_hold(values) or self._python_updater is not None or (
-                isinstance(key, list | tuple) and self._plain_optax()
+            if (
+                not self._may_hold(values)
+                or self._python_updater is not None
+                or (isinstance(key, list | tuple) and self._plain_optax())
             ):
                 self._update(key, values)
                 return
@@ -339,15 +339,15 @@ class KVStore:
             pairs = _args.pairs(key, out, "outs")
             if all(type(o) is NDArray for _, outs in pairs for o in outs):
                 held = self._held
-                if held is not None and any(
-                    o._owed is not None for _, outs in pairs for o in outs
-                ):
+                if held is not None and any(o._owed is not None for _, outs in pairs for o in outs):
                     self._run_held()  # an out owed a pull already: that one lands first
                     held = None
                 known = self._stored
                 for k, outs in pairs:
-                    shape = known.shapes[k] if k in known else (
-                        held.inits[k].shape if held is not None and k in held.inits else None
+                    shape = (
+                        known.shapes[k]
+                        if k in known
+                        else (held.inits[k].shape if held is not None and k in held.inits else None)
                     )
                     if shape is None:
                         known.index(k)  # raises: unknown key

@@ -125,8 +125,8 @@ def regroup(
         own.update({k: s for k, s in states.items() if k in keys})
         rest = tuple(k for k in g if k not in keys)
         if rest:
-            new[rest] = states[rest[0]] if len(rest) == 1 else PerKeyState(
-                {k: states[k] for k in rest}
+            new[rest] = (
+                states[rest[0]] if len(rest) == 1 else PerKeyState({k: states[k] for k in rest})
             )
         new.setdefault(g, None)  # the old group goes (replaced by the new ones below)
     fresh = [k for k in keys if k not in own]
