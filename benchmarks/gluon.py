@@ -43,6 +43,7 @@ steps in ``STEPS_TIMEOUT`` more, or whose processes hold more than ``--gluon-mem
 with how far it got and its compiles so far; the section goes on.
 
     python benchmarks/gluon.py [--scale K] [--keys N] [--steps 7] [--timeout S] [--mem-gb G]
+        [--dist-devices 1 [2]]
     python benchmarks/bench.py --only gluon [--gluon-scale K] [--gluon-keys N] ...
 
 ``--scale K`` divides every dimension by K (at least 1); ``--keys N`` takes the first N keys.
