@@ -317,11 +317,16 @@ class KVStore:
                 return
             grouped = self._checked_push(key, values)
             held = self._held
-            if held is not None and any(k in held.pushes for k in grouped):
-                self._run_held()  # a second push of a held key: the first runs first
+            if (
+                held is not None
+                and len(held.pushes) >= _HELD_PUSHES
+                and not _spans_processes(self._stored.devices)
+            ):  # a bound on what one process holds (across processes: held to the next read)
+                self._run_held()
                 held = None
             held = held if held is not None else _queue.Held()
-            held.pushes.update(grouped)
+            for k, arrays in grouped.items():
+                held.hold_push(k, arrays)
             self._hold(held)
 
     def pull(
@@ -423,13 +428,13 @@ class KVStore:
                 if held.inits:  # in key order: the same in every process
                     keys = sorted(held.inits)
                     self._init_now(keys, [held.inits[k] for k in keys])
-                if held.before:
-                    self._pull_now([k for k, _ in held.before], [o for _, o in held.before])
-                if held.pushes:  # in key order too
-                    keys = sorted(held.pushes)
-                    self._push_held(keys, [held.pushes[k] for k in keys])
-                if held.after:
-                    self._pull_now([k for k, _ in held.after], [o for _, o in held.after])
+                for n, pulls in enumerate(held.pulls):
+                    if n:  # the n-th push of every key pushed n times, in key order
+                        gen = held.pushes[n - 1]
+                        keys = sorted(gen)
+                        self._push_held(keys, [gen[k] for k in keys])
+                    if pulls:
+                        self._pull_now([k for k, _ in pulls], [o for _, o in pulls])
             except KVStoreError:
                 raise
             except Exception as e:
@@ -1032,6 +1037,9 @@ def _row_ids_per_out(key: Any, pairs: list[tuple[Key, list]], row_ids: Any) -> l
     it = iter(row_ids)
     return [[next(it) for _ in outs] for _, outs in pairs]
 
+
+# How many pushes of one key a single-process store holds before it runs what it holds.
+_HELD_PUSHES = 4
 
 # How many bytes of sharded values a pull all-gathers before handing them out.
 _GATHER_CHUNK_BYTES = 64 << 20

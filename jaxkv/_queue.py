@@ -7,9 +7,11 @@ parameter alone, then at every step ``push(i)`` and ``pull(i, out)`` each. Run o
 key is a computation of its own (and a compile of its own). Held, a step's calls run as one
 init, one push and at most two pulls, whatever their number, in a fixed order that gives every
 read exactly what MXNet's ordering gives it: each key's calls are
-``[init] [pull ...] [push] [pull ...]`` (a second push of a held key, a second init, or a pull
-into an out a held pull already owes, runs what is held first), so the inits run first, then
-the pulls that came before their key's push, then every push at once, then the pulls after.
+``[init] [pull ...] [push] [pull ...] [push] ...``: the inits run first, then the pulls that
+came before their key's first push, then every key's first push at once, then the pulls that
+came after it, then every key's second push, and so on (a second init is refused; a pull into
+an out a held pull already owes runs what is held first). What runs together does not depend
+on the order of the calls of different keys.
 
 Across processes (``dist_sync``) the keys each process holds are compared first (one host
 all-gather of a digest): held pushes are summed in key order, so processes that pushed the
@@ -41,21 +43,33 @@ logger = logging.getLogger("jaxkv")
 class Held:
     """The calls a store holds, by phase (see the module doc)."""
 
-    __slots__ = ("inits", "before", "pushes", "after", "outs")
+    __slots__ = ("inits", "pushes", "pulls", "count", "outs")
 
     def __init__(self) -> None:
         self.inits: dict[Key, Any] = {}  # key -> its value (a jax.Array), in call order
-        self.before: list[tuple[Key, list]] = []  # pulls before their key's push
-        self.pushes: dict[Key, list] = {}  # key -> its pushed arrays, in call order
-        self.after: list[tuple[Key, list]] = []  # pulls after their key's push
+        # Pushes by generation: a key's n-th held push is in pushes[n] (key -> its arrays).
+        self.pushes: list[dict[Key, list]] = []
+        # Pulls by how many pushes of their key came before: pulls[n] runs after pushes[n-1].
+        self.pulls: list[list[tuple[Key, list]]] = [[]]
+        self.count: dict[Key, int] = {}  # key -> its held pushes
         self.outs: list[Any] = []  # every out owed a value
 
     def __bool__(self) -> bool:
-        return bool(self.inits or self.pushes or self.before or self.after)
+        return bool(self.inits or self.pushes or any(self.pulls))
+
+    def hold_push(self, key: Key, arrays: list) -> None:
+        """Hold a (checked) push of ``key``: its generation is how many are held before it,
+        whatever the order of the other keys' pushes."""
+        n = self.count.get(key, 0)
+        while len(self.pushes) <= n:
+            self.pushes.append({})
+            self.pulls.append([])
+        self.pushes[n][key] = arrays
+        self.count[key] = n + 1
 
     def hold_pull(self, key: Key, outs: list, owner: Any) -> None:
         """Hold a pull of ``key`` into ``outs`` (checked), each out now owed by ``owner``."""
-        (self.after if key in self.pushes else self.before).append((key, outs))
+        self.pulls[self.count.get(key, 0)].append((key, outs))
         for o in outs:
             o._owed = owner
         self.outs.extend(outs)
@@ -68,9 +82,9 @@ class Held:
     def keys(self) -> list[Key]:
         """Every key a held call names."""
         seen = dict.fromkeys(self.inits)
-        seen.update(dict.fromkeys(k for k, _ in self.before))
-        seen.update(dict.fromkeys(self.pushes))
-        seen.update(dict.fromkeys(k for k, _ in self.after))
+        for gen, pulls in zip([{}, *self.pushes], self.pulls):
+            seen.update(dict.fromkeys(gen))
+            seen.update(dict.fromkeys(k for k, _ in pulls))
         return list(seen)
 
 
@@ -82,7 +96,10 @@ def agree(held: Held, devices: tuple) -> None:
     me = jax.process_index()
     if all(d.process_index == me for d in devices):
         return
-    mine = {"init": sorted(map(repr, held.inits)), "push": sorted(map(repr, held.pushes))}
+    mine = {
+        "init": sorted(map(repr, held.inits)),
+        "push": [sorted(map(repr, gen)) for gen in held.pushes],
+    }
     text = json.dumps(mine, sort_keys=True).encode()
     digest = np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
     every = _dist.all_gather(digest, "agreement on the held keys")
@@ -95,9 +112,8 @@ def agree(held: Held, devices: tuple) -> None:
     described = []
     for rank, (row, n) in enumerate(zip(texts, sizes[:, 0])):
         theirs = json.loads(bytes(row[: int(n)]).decode())
-        described.append(
-            f"process {rank}: init {_names(theirs['init'])}, push {_names(theirs['push'])}"
-        )
+        pushed = " then ".join(_names(gen) for gen in theirs["push"]) or "[]"
+        described.append(f"process {rank}: init {_names(theirs['init'])}, push {pushed}")
     raise KVStoreError(
         "dist_sync: expected every process to push (and init) the same keys between two reads, "
         "given different ones: " + "; ".join(described) + ". Nothing was pushed. Each process "

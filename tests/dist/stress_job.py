@@ -4,7 +4,8 @@ them, and checks every value it reads against a NumPy model of the store.
 
     stress_job.py SEED OPS DIR [BOUND]
 
-The calls: ``init``, ``push``, ``pull``, ``pushpull``, ``set_optimizer`` (and back to the
+The calls: ``init``, ``push``, ``push_each`` (one key at a time, push then pull into outs, in
+each process's own shuffled order), ``pull``, ``pushpull``, ``set_optimizer`` (and back to the
 default assign), ``save``, ``load``, ``barrier``, ``row_sparse_pull`` (into dense and into
 row-sparse outs), a push of row-sparse values (``row_push``), and a refused push (a
 wrong shape), drawn from ``random.Random(SEED)``, the same in every process. Values are small
@@ -42,6 +43,7 @@ OPTIMIZER = optax.sgd(1.0, momentum=1.0)  # integer updates: exact in float32
 WEIGHTS = {
     "init": 3,
     "push": 6,
+    "push_each": 4,
     "pull": 3,
     "pushpull": 3,
     "set_optimizer": 1,
@@ -100,6 +102,7 @@ def pushable(model, keys):
 
 def main():
     rng = random.Random(SEED)
+    mine = random.Random(f"{SEED} {jax.process_index()}")  # this process's own push orders
     kv = mx.kv.create("dist_sync")
     rank, processes, local = kv.rank, kv.num_workers, jax.local_devices()
     # Each step's values: the same draw in every process, scaled per process and device.
@@ -155,6 +158,10 @@ def main():
             subsets = [s for s in subsets if pushable(model, s)]
             if not subsets:
                 op = "pull"
+        if op == "push_each":  # one key at a time: each key its own optimizer group
+            subsets = [s for s in subsets if all(pushable(model, (k,)) for k in s)]
+            if not subsets:
+                op = "pull"
         seen.append(op)
         if VERBOSE:
             os.write(2, f"rank {rank} op {len(seen)} {op}\n".encode())
@@ -176,6 +183,22 @@ def main():
                 for k, o in zip(keys, got):
                     for x in o:
                         check("pushpull", k, x.asnumpy(), model.values[k])
+        elif op == "push_each":
+            # As Gluon's Trainer: push(i) then pull(i, out) per key, in this process's own order
+            # (held, then matched by key across the processes).
+            keys = list(rng.choice(subsets))
+            pushes, total = draw(keys)
+            for k in keys:
+                model.push([k], total)
+            got = dict(zip(keys, outs(keys)))
+            order = list(keys)
+            mine.shuffle(order)
+            for k in order:
+                kv.push(k, pushes[k], priority=-keys.index(k))
+                kv.pull(k, out=got[k], priority=-keys.index(k))
+            for k in keys:
+                for x in got[k]:
+                    check("push one key at a time", k, x.asnumpy(), model.values[k])
         elif op == "pull":
             keys = list(rng.choice(subsets))
             if rng.random() < 0.5:
