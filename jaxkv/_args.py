@@ -79,18 +79,25 @@ def check_value(key: Key, x: jax.Array, stored: Any, what: str, whole: Any = Non
         )
 
 
-def group(state: KVState, keys: Any, values: Any) -> dict[Key, list[jax.Array]]:
-    """Validated contributions per distinct key, in a canonical (sorted) key order."""
+def group(
+    state: KVState, keys: Any, values: Any, pending: Mapping[Key, Any] | None = None
+) -> dict[Key, list[jax.Array]]:
+    """Validated contributions per distinct key, in a canonical (sorted) key order; a key of
+    ``pending`` (inits not yet run: key -> value) is checked against that value."""
     grouped: dict[Key, list[jax.Array]] = {}
     types = state._stored_types()
     for key, vs in pairs(keys, values, "values"):
-        i = state.index(key)
-        stored = types[i]
+        if pending and key in pending:
+            stored = pending[key]
+            whole = stored.shape
+        else:
+            i = state.index(key)
+            stored, whole = types[i], state._shapes[i]
         arrays = []
         for n, v in enumerate(vs):
             x = as_array(v)
             what = "the pushed value" if len(vs) == 1 else f"pushed value {n}"
-            check_value(key, x, stored, what, state._shapes[i])
+            check_value(key, x, stored, what, whole)
             arrays.append(x)
         grouped.setdefault(key, []).extend(arrays)
     return {k: grouped[k] for k in sorted(grouped)}

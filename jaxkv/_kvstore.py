@@ -34,13 +34,12 @@ from . import (
     _perkey,
     _queue,
 )
-from ._errors import DuplicateKeyError, KeyTypeError, KVStoreError, ShapeError
+from ._errors import KVStoreError, ShapeError
 from ._mxopt import Optimizer as MXNetOptimizer
 from ._nd import NDArray, _unwrap
 from ._push import KEEP_VALUES
-from ._state import BIGARRAY_BOUND, Key, KVState, _spans_processes, check_compressible, empty
-from ._state import key_kind as _state_key_kind
-from ._update import is_pure_updater
+from ._state import BIGARRAY_BOUND, Key, KVState, _spans_processes, empty
+from ._update import is_pure_updater, updater_name
 
 __all__ = ["KVStore", "create"]
 
@@ -109,10 +108,6 @@ def _from_mxnet_updater(updater: Any) -> Any:
         return handle._data if out is None else _unwrap(out)
 
     return pure
-
-
-def _name(updater: Any) -> str:
-    return getattr(updater, "__qualname__", None) or repr(updater)
 
 
 def _unwrap_values(values: Any) -> Any:
@@ -260,36 +255,11 @@ class KVStore:
         Checked at once; held until something reads, with the store's other held calls."""
         with self._lock:
             values = _unwrap_values(value)
-            pairs = _args.pairs(key, values, "values")
             if not self._may_hold(values):
                 self._init_now(key, values)
                 return
             held = self._held if self._held is not None else _queue.Held()
-            state = self._stored
-            kind = state.key_kind or next((_state_key_kind(k) for k in held.inits), None)
-            new: dict[Key, Any] = {}
-            for k, vs in pairs:
-                given = _state_key_kind(k)
-                if kind is not None and given != kind:
-                    raise KeyTypeError(
-                        f"key {k!r}: expected {kind} keys, given a {given} key (one store "
-                        "holds one kind of key, as in MXNet)"
-                    )
-                kind = kind or given
-                if k in state or k in held.inits or k in new:
-                    raise DuplicateKeyError(
-                        f"duplicate init of key {k!r}: expected a key not yet in the store, "
-                        f"given {k!r}, which is already there"
-                        + (" (init takes one value per key)" if len(vs) > 1 else "")
-                    )
-                if len(vs) != 1:
-                    raise ShapeError(
-                        f"key {k!r}: init expects one value, given a list of {len(vs)} values"
-                    )
-                x = _args.as_array(vs[0])
-                check_compressible(state.compression, k, x.dtype)
-                new[k] = x
-            held.inits.update(new)
+            held.inits.update(_ops.checked_inits(self._stored, key, values, held.inits))
             self._hold(held)
 
     def _init_now(self, key: Any, values: Any) -> None:
@@ -315,7 +285,8 @@ class KVStore:
             ):
                 self._update(key, values)
                 return
-            grouped = self._checked_push(key, values)
+            inits = self._held.inits if self._held is not None else None
+            grouped = _args.group(self._stored, key, values, inits)
             held = self._held
             if (
                 held is not None
@@ -343,27 +314,12 @@ class KVStore:
                 return self._values(key)
             pairs = _args.pairs(key, out, "outs")
             if all(type(o) is NDArray for _, outs in pairs for o in outs):
-                held = self._held
-                if held is not None and any(o._owed is not None for _, outs in pairs for o in outs):
+                if self._held is not None and any(
+                    o._owed is self for _, outs in pairs for o in outs
+                ):
                     self._run_held()  # an out owed a pull already: that one lands first
-                    held = None
-                known = self._stored
-                for k, outs in pairs:
-                    shape = (
-                        known.shapes[k]
-                        if k in known
-                        else (held.inits[k].shape if held is not None and k in held.inits else None)
-                    )
-                    if shape is None:
-                        known.index(k)  # raises: unknown key
-                        continue
-                    for o in outs:
-                        if tuple(o._value.shape) != tuple(shape):
-                            raise ShapeError(
-                                f"key {k!r}: out has shape {tuple(o._value.shape)}, expected "
-                                f"the stored shape {tuple(shape)}"
-                            )
-                held = held if held is not None else _queue.Held()
+                held = self._held if self._held is not None else _queue.Held()
+                self._check_outs(pairs, self._held_shape)
                 for k, outs in pairs:
                     held.hold_pull(k, outs, self)
                 self._hold(held)
@@ -391,36 +347,19 @@ class KVStore:
         self._held = held
         _queue.holding(self)
 
-    def _checked_push(self, key: Any, values: Any) -> dict[Key, list]:
-        """Each pushed key's arrays (in call order), checked as a push checks them, against
-        the store and the held inits; nothing changes on a refusal."""
+    def _held_shape(self, key: Key) -> tuple[int, ...]:
+        """``key``'s shape, from a held init or the store (whose held calls need not run)."""
+        if self._held is not None and key in self._held.inits:
+            return tuple(self._held.inits[key].shape)
         state = self._stored
-        types = state._stored_types()
-        inits = self._held.inits if self._held is not None else {}
-        grouped: dict[Key, list] = {}
-        for k, vs in _args.pairs(key, values, "values"):
-            if k in inits:
-                stored, whole = inits[k], inits[k].shape
-            else:
-                i = state.index(k)
-                stored, whole = types[i], state._shapes[i]
-            arrays = []
-            for n, v in enumerate(vs):
-                x = _args.as_array(v)
-                what = "the pushed value" if len(vs) == 1 else f"pushed value {n}"
-                _args.check_value(k, x, stored, what, whole)
-                arrays.append(x)
-            grouped.setdefault(k, []).extend(arrays)
-        return grouped
+        return state._shapes[state.index(key)]
 
     def _run_held(self) -> None:
         """Run every held call (see :mod:`jaxkv._queue`): the inits, the pulls before their
         key's push, every push at once, the pulls after it."""
         with self._lock:
             held, self._held = self._held, None
-            if not held:
-                if held is not None:
-                    held.release()
+            if not held:  # (nothing held: no out is owed either)
                 return
             held.release()  # the outs are filled below, or keep what they hold
             try:
@@ -446,10 +385,7 @@ class KVStore:
 
     def _push_held(self, keys: list[Key], values: list[list]) -> None:
         """The held pushes, as one push: each key updated alone, as MXNet updates it."""
-        if self._mxnet_optimizer is not None or self._plain_optax():
-            self._push_per_key(keys, values, self._updater)
-        else:
-            self._update(keys, values)
+        self._update(keys, values, per_key=self._plain_optax())
 
     def _plain_optax(self) -> bool:
         """Whether the updater is an optax transformation given to set_optimizer (whose list
@@ -744,8 +680,42 @@ class KVStore:
         for leaf in jax.tree_util.tree_leaves(state):
             self._shared[id(leaf)] = leaf
 
-    def _update(self, key: Any, values: Any) -> None:
+    def _update(self, key: Any, values: Any, per_key: bool = False) -> None:
+        """Push ``values`` to ``key`` with the store's updater; ``per_key``: an optax
+        optimizer updates each key alone (keys pushed one at a time)."""
         state = self._state
+        if self._python_updater is not None:
+            self._state = self._push_python(state, key, values)
+            return
+        updater = self._updater
+        if isinstance(updater, optax.GradientTransformation) and (
+            per_key
+            or self._mxnet_optimizer is not None  # MXNet's optimizers update each key alone
+            or (  # keys pushed one at a time before, each with its own state: so they stay
+                _perkey.inner_of(updater) is None
+                and _perkey.holds_per_key(state, [k for k, _ in _args.pairs(key, values, "values")])
+            )
+        ):
+            grouped = _grouped(state, key, values)
+            regrouped = _perkey.regroup(state, list(grouped), updater)
+            if regrouped is None:  # a key shares one tree of state with others: as before
+                self._state = self._push_key_by_key(state, key, values, updater)
+                return
+            state, key, values = regrouped, list(grouped), list(grouped.values())
+            updater = _perkey.per_key(updater)
+        # KEEP_VALUES is jaxkv's own third answer, beside the public True and False.
+        self._state = _ops.push(
+            state,
+            key,
+            values,
+            updater=updater,
+            donate=self._donation(state, key, values),  # type: ignore[arg-type]
+        )
+
+    def _donation(self, state: KVState, key: Any, values: Any) -> bool | str:
+        """What a push of ``values`` to ``key`` into the store's ``state`` may donate: its
+        values and the rest, or all but the values (``_keeps_values``), or nothing while
+        something handed out through ``state`` is held."""
         donate: bool | str = KEEP_VALUES if self._keeps_values() else True
         if len(self._shared):
             # Forget what the store no longer holds: those arrays it can never donate.
@@ -763,53 +733,7 @@ class KVStore:
                 )
             if any(id(leaf) in self._shared for leaf in leaves):
                 donate = False
-        if self._python_updater is not None:
-            self._state = self._push_python(state, key, values)
-            return
-        updater = self._updater
-        if (
-            self._mxnet_optimizer is None
-            and isinstance(updater, optax.GradientTransformation)
-            and _perkey.inner_of(updater) is None
-            and _perkey.holds_per_key(state, [k for k, _ in _args.pairs(key, values, "values")])
-        ):  # keys pushed one at a time before, each with its own state: so they stay
-            self._push_per_key(*_listed(_grouped(state, key, values)), updater)
-            return
-        if self._mxnet_optimizer is not None:  # MXNet's optimizers update each key alone
-            grouped = _grouped(state, key, values)
-            keys = list(grouped)
-            regrouped = _perkey.regroup(state, keys, updater)
-            if regrouped is None:
-                self._state = self._push_key_by_key(state, key, values, updater)
-                return
-            if regrouped is not state:
-                state, donate = regrouped, False
-            key, values, updater = keys, list(grouped.values()), _perkey.per_key(updater)
-        # KEEP_VALUES is jaxkv's own third answer, beside the public True and False.
-        self._state = _ops.push(
-            state,
-            key,
-            values,
-            updater=updater,
-            donate=donate,  # type: ignore[arg-type]
-        )
-
-    def _push_per_key(self, keys: list[Key], values: list[list], inner: Any) -> None:
-        """One push of ``keys``, each key updated alone by the optax transformation ``inner``
-        with its own state, as MXNet updates keys pushed one at a time (the keys become one
-        optimizer group of per-key states, :mod:`jaxkv._perkey`)."""
-        state = self._state
-        regrouped = _perkey.regroup(state, keys, inner)
-        if regrouped is None:  # a key shares one tree of state with others: as before
-            self._state = self._push_key_by_key(state, keys, values, inner)
-            return
-        self._stored = regrouped
-        saved, self._updater = self._updater, _perkey.per_key(inner)
-        mxnet, self._mxnet_optimizer = self._mxnet_optimizer, None
-        try:
-            self._update(keys, values)
-        finally:
-            self._updater, self._mxnet_optimizer = saved, mxnet
+        return donate
 
     def _push_key_by_key(self, state: KVState, key: Any, values: Any, updater: Any) -> KVState:
         """A push updated key by key, each key its own optimizer group, as MXNet's optimizers
@@ -828,7 +752,7 @@ class KVStore:
         final value. An exception raised in it is a ``KVStoreError`` naming the key, and the
         store is unchanged."""
         summed = _ops.push(state, key, values, updater=None, donate=False)
-        keys = sorted(_grouped(state, key, values))
+        keys = sorted({k for k, _ in _args.pairs(key, values, "values")})
         updater = self._python_updater
         new = {}
         for k in keys:
@@ -837,12 +761,12 @@ class KVStore:
                 out = updater(k, NDArray(summed[k]), handle)
             except Exception as e:
                 raise KVStoreError(
-                    f"key {k!r}: the updater {_name(updater)} raised {type(e).__name__}: {e}"
+                    f"key {k!r}: the updater {updater_name(updater)} raised {type(e).__name__}: {e}"
                 ) from e
             value = _args.as_array(handle._data if out is None else _unwrap(out))
             if tuple(value.shape) != tuple(state.shapes[k]):
                 raise ShapeError(
-                    f"key {k!r}: the updater {_name(updater)} gave shape "
+                    f"key {k!r}: the updater {updater_name(updater)} gave shape "
                     f"{tuple(value.shape)}, expected the stored shape {tuple(state.shapes[k])}"
                 )
             stored = state[k]
@@ -907,11 +831,14 @@ class KVStore:
         values = _arrays.replicated_copies(self._state, [key] if single else list(key))
         return values[0] if single else values
 
-    def _check_outs(self, pairs: list[tuple[Key, list]]) -> None:
+    def _check_outs(self, pairs: list[tuple[Key, list]], shape_of: Any = None) -> None:
+        """Refuse outs that are not ``NDArray``s of their key's shape (``shape_of(key)``,
+        default the stored value's). Reading each out first lands any pull another store holds
+        for it, so that this one lands after it."""
         for k, outs in pairs:
-            stored = self._state[k]
+            shape = tuple(self._state[k].shape) if shape_of is None else shape_of(k)
             for o in outs:
-                if type(o) is NDArray and o._data.shape == stored.shape:
+                if type(o) is NDArray and o._data.shape == shape:
                     continue  # the common case, checked cheaply
                 if not isinstance(o, NDArray):
                     raise KVStoreError(
@@ -919,10 +846,9 @@ class KVStore:
                         f"{type(o).__name__}; a jax.Array cannot be filled in place, so use "
                         f"the return value instead: value = kv.pull({k!r})"
                     )
-                if o.shape != tuple(stored.shape):
+                if o.shape != shape:
                     raise ShapeError(
-                        f"key {k!r}: out has shape {o.shape}, expected the stored shape "
-                        f"{tuple(stored.shape)}"
+                        f"key {k!r}: out has shape {o.shape}, expected the stored shape {shape}"
                     )
 
     def _fill(self, pairs: list[tuple[Key, list]]) -> None:
@@ -978,10 +904,6 @@ def _set(out: NDArray, x: jax.Array, device: Any) -> None:
         out._set(x, device)
         return
     out._set(x if out._data.dtype == x.dtype else x.astype(out._data.dtype), device)
-
-
-def _listed(grouped: dict[Key, list]) -> tuple[list[Key], list[list]]:
-    return list(grouped), list(grouped.values())
 
 
 def _grouped(state: KVState, key: Any, values: Any) -> dict[Key, list]:

@@ -36,6 +36,7 @@ from ._update import Updater, optimizer_group
 
 __all__ = [
     "Updater",
+    "checked_inits",
     "gather",
     "init",
     "init_optimizer",
@@ -71,27 +72,7 @@ def init(state: KVState, keys: Any, values: Any = MISSING) -> KVState:
       >>> s.keys()
       (3, 5)
     """
-    new: dict[Key, jax.Array] = {}
-    kind = state.key_kind
-    for key, vs in pairs(keys, values, "values"):
-        kind = kind or key_kind(key)
-        if key_kind(key) != kind:
-            raise KeyTypeError(
-                f"key {key!r}: expected {kind} keys, given a {key_kind(key)} key (one store "
-                "holds one kind of key, as in MXNet)"
-            )
-        if key in state or key in new:
-            raise DuplicateKeyError(
-                f"duplicate init of key {key!r}: expected a key not yet in the store, given "
-                f"{key!r}, which is already there"
-                + (" (init takes one value per key)" if len(vs) > 1 else "")
-            )
-        if len(vs) != 1:
-            raise ShapeError(
-                f"key {key!r}: init expects one value, given a list of {len(vs)} values"
-            )
-        new[key] = as_array(vs[0])
-        check_compressible(state.compression, key, new[key].dtype)
+    new = checked_inits(state, keys, values)
     eager = [k for k, x in new.items() if not is_traced(x)]
     if eager:
         xs = [new[k] for k in eager]
@@ -106,6 +87,38 @@ def init(state: KVState, keys: Any, values: Any = MISSING) -> KVState:
             )
         residuals = {k: residual_zeros(state, x) for k, x in new.items()}
     return state.replace(values=new, residuals=residuals)
+
+
+def checked_inits(
+    state: KVState, keys: Any, values: Any = MISSING, pending: Mapping[Key, Any] | None = None
+) -> dict[Key, jax.Array]:
+    """The values an ``init`` of ``keys`` adds, by key in call order, once every check has
+    passed: one kind of key (the store's, or that of the keys in ``pending``, inits not yet
+    run), no key already there or in ``pending`` or twice, one value per key, a dtype the
+    store's compression takes."""
+    pending = pending or {}
+    new: dict[Key, jax.Array] = {}
+    kind = state.key_kind or next((key_kind(k) for k in pending), None)
+    for key, vs in pairs(keys, values, "values"):
+        kind = kind or key_kind(key)
+        if key_kind(key) != kind:
+            raise KeyTypeError(
+                f"key {key!r}: expected {kind} keys, given a {key_kind(key)} key (one store "
+                "holds one kind of key, as in MXNet)"
+            )
+        if key in state or key in pending or key in new:
+            raise DuplicateKeyError(
+                f"duplicate init of key {key!r}: expected a key not yet in the store, given "
+                f"{key!r}, which is already there"
+                + (" (init takes one value per key)" if len(vs) > 1 else "")
+            )
+        if len(vs) != 1:
+            raise ShapeError(
+                f"key {key!r}: init expects one value, given a list of {len(vs)} values"
+            )
+        new[key] = as_array(vs[0])
+        check_compressible(state.compression, key, new[key].dtype)
+    return new
 
 
 def push(

@@ -67,9 +67,7 @@ def per_key(inner: optax.GradientTransformation) -> optax.GradientTransformation
         return known[1]
 
     def init(params: dict) -> Any:
-        if len(params) == 1:
-            return inner.init(params)
-        return PerKeyState({k: inner.init({k: v}) for k, v in params.items()})
+        return _joined({k: inner.init({k: v}) for k, v in params.items()})
 
     def update(grads: dict, state: Any, params: Any = None) -> tuple[dict, Any]:
         if len(grads) == 1:
@@ -116,8 +114,9 @@ def regroup(
     touched = sorted({g for k in keys if (g := state.opt_group(k)) is not None})
     if not touched or touched == [keys]:
         return state
+    # The old groups go first: replace() drops every group sharing a key with a given one.
+    opt_states: dict[tuple[Key, ...], Any] = dict.fromkeys(touched)
     own: dict[Key, Any] = {}
-    new: dict[tuple[Key, ...], Any] = {}
     for g in touched:
         states = _states_of(g, state.opt_states[g])
         if states is None:
@@ -125,18 +124,18 @@ def regroup(
         own.update({k: s for k, s in states.items() if k in keys})
         rest = tuple(k for k in g if k not in keys)
         if rest:
-            new[rest] = (
-                states[rest[0]] if len(rest) == 1 else PerKeyState({k: states[k] for k in rest})
-            )
-        new.setdefault(g, None)  # the old group goes (replaced by the new ones below)
+            opt_states[rest] = _joined({k: states[k] for k in rest})
     fresh = [k for k in keys if k not in own]
     if fresh:
         own.update(_fresh(inner, tuple(fresh))({k: state[k] for k in fresh}))
-    new[keys] = own[keys[0]] if len(keys) == 1 else PerKeyState(own)
-    # Groups given as None go first: replace() drops every group sharing a key with a given one.
-    dropped = {g: None for g, s in new.items() if s is None}
-    kept = {g: s for g, s in new.items() if s is not None}
-    return state.replace(opt_states={**dropped, **kept})
+    opt_states[keys] = _joined(own)
+    return state.replace(opt_states=opt_states)
+
+
+def _joined(states: dict[Key, Any]) -> Any:
+    """The state of a group of ``states``' keys: a key's own state alone (``inner``'s), a
+    :class:`PerKeyState` for several."""
+    return next(iter(states.values())) if len(states) == 1 else PerKeyState(states)
 
 
 @functools.lru_cache(maxsize=64)

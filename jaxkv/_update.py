@@ -14,7 +14,14 @@ from ._args import as_array
 from ._errors import KVStoreError, ShapeError
 from ._state import Key, KVState
 
-__all__ = ["Updater", "apply_updater", "is_pure_updater", "optimizer_group", "pure_updater"]
+__all__ = [
+    "Updater",
+    "apply_updater",
+    "is_pure_updater",
+    "optimizer_group",
+    "pure_updater",
+    "updater_name",
+]
 
 _PURE = "__jaxkv_pure_updater__"
 
@@ -56,7 +63,8 @@ def is_pure_updater(updater: Any) -> bool:
     return bool(getattr(updater, _PURE, False))
 
 
-def _named(updater: Any) -> str:
+def updater_name(updater: Any) -> str:
+    """How a message names ``updater``: its qualified name, else its type's."""
     return getattr(updater, "__qualname__", None) or type(updater).__name__
 
 
@@ -150,8 +158,9 @@ def apply_updater(
             except KVStoreError:
                 raise
             except Exception as e:
+                name = updater_name(updater)
                 raise KVStoreError(
-                    f"key {key!r}: the updater {_named(updater)} raised {type(e).__name__}: {e}"
+                    f"key {key!r}: the updater {name} raised {type(e).__name__}: {e}"
                 ) from e
             if value is None:
                 raise KVStoreError(

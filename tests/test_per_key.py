@@ -302,3 +302,18 @@ def test_per_key_state_survives_a_save_and_load(devices, tmp_path):
             kv_.push(i, [nd.ones(s, jaxkv.cpu(d)) for d in range(2)])
     for k in range(4):
         np.testing.assert_array_equal(other.pull(k), kv.pull(k))
+
+
+def test_an_out_owed_by_another_store_gets_the_later_pull(devices):
+    """Two stores pull into one out: the later call's value is what the out keeps, whichever
+    store runs what it holds first."""
+    a, b = (jaxkv.KVStore("local", devices[:2]) for _ in range(2))
+    a.init(0, nd.ones((2,)))
+    b.init(0, nd.ones((2,)) * 2)
+    out, other = nd.zeros((2,)), nd.zeros((2,))
+    a.pull(0, out=out)
+    b.pull(0, out=out)  # a's pull into it lands first
+    b.pull(0, out=other)
+    np.testing.assert_array_equal(other.asnumpy(), [2, 2])  # runs b's held calls only
+    nd.waitall()  # and then anything a still holds
+    np.testing.assert_array_equal(out.asnumpy(), [2, 2])
