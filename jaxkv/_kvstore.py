@@ -347,10 +347,12 @@ class KVStore:
         self._held = held
         _queue.holding(self)
 
-    def _held_shape(self, key: Key) -> tuple[int, ...]:
-        """``key``'s shape, from a held init or the store (whose held calls need not run)."""
-        if self._held is not None and key in self._held.inits:
-            return tuple(self._held.inits[key].shape)
+    def _held_shape(self, key: Key, held: _queue.Held | None = None) -> tuple[int, ...]:
+        """``key``'s shape, from a held init (of ``held``, default the store's) or the store
+        (whose held calls need not run)."""
+        held = self._held if held is None else held
+        if held is not None and key in held.inits:
+            return tuple(held.inits[key].shape)
         state = self._stored
         return state._shapes[state.index(key)]
 
@@ -363,7 +365,13 @@ class KVStore:
                 return
             held.release()  # the outs are filled below, or keep what they hold
             try:
-                _queue.agree(held, self._stored.devices)
+                state = self._stored
+                # A pull of a value split across processes gathers it: a collective too.
+                gathered = [
+                    sorted({k for k, _ in pulls if state.is_sharded(self._held_shape(k, held))})
+                    for pulls in held.pulls
+                ]
+                _queue.agree(held, state.devices, gathered)
                 if held.inits:  # in key order: the same in every process
                     keys = sorted(held.inits)
                     self._init_now(keys, [held.inits[k] for k in keys])
@@ -372,7 +380,8 @@ class KVStore:
                         gen = held.pushes[n - 1]
                         keys = sorted(gen)
                         self._push_held(keys, [gen[k] for k in keys])
-                    if pulls:
+                    if pulls:  # in key order too (a key's own pulls in call order)
+                        pulls = sorted(pulls, key=lambda pull: pull[0])
                         self._pull_now([k for k, _ in pulls], [o for _, o in pulls])
             except KVStoreError:
                 raise

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import itertools
 import json
 import logging
 import weakref
@@ -88,17 +89,20 @@ class Held:
         return list(seen)
 
 
-def agree(held: Held, devices: tuple) -> None:
-    """Across processes: check that every process holds inits and pushes of the same keys
-    (pulls are each process's own), so that their collectives match; else every process raises
-    ``KVStoreError`` naming the keys each one holds. One host all-gather of a digest, and two
-    more only where they differ. A store on this process's devices only returns at once."""
+def agree(held: Held, devices: tuple, gathered: list[list[Key]]) -> None:
+    """Across processes: check that every process holds inits and pushes of the same keys, and
+    pulls of the same values split across processes (``gathered``: those keys, per phase of
+    pulls; other pulls are each process's own), so that their collectives match; else every
+    process raises ``KVStoreError`` naming the keys each one holds. One host all-gather of a
+    digest, and two more only where they differ. A store on this process's devices only
+    returns at once."""
     me = jax.process_index()
     if all(d.process_index == me for d in devices):
         return
     mine = {
         "init": sorted(map(repr, held.inits)),
         "push": [sorted(map(repr, gen)) for gen in held.pushes],
+        "gathered": [list(map(repr, keys)) for keys in gathered if keys],
     }
     text = json.dumps(mine, sort_keys=True).encode()
     digest = np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
@@ -113,12 +117,17 @@ def agree(held: Held, devices: tuple) -> None:
     for rank, (row, n) in enumerate(zip(texts, sizes[:, 0])):
         theirs = json.loads(bytes(row[: int(n)]).decode())
         pushed = " then ".join(_names(gen) for gen in theirs["push"]) or "[]"
-        described.append(f"process {rank}: init {_names(theirs['init'])}, push {pushed}")
+        pulled = " then ".join(_names(keys) for keys in theirs["gathered"]) or "[]"
+        described.append(
+            f"process {rank}: init {_names(theirs['init'])}, push {pushed}, "
+            f"pull of split values {pulled}"
+        )
     raise KVStoreError(
-        "dist_sync: expected every process to push (and init) the same keys between two reads, "
+        "dist_sync: expected every process to push (and init, and pull values split across "
+        "processes) the same keys between two reads, "
         "given different ones: " + "; ".join(described) + ". Nothing was pushed. Each process "
         "may push in its own order, but all must push the same keys before any of them reads "
-        "a pulled value (asnumpy, waitall, a barrier, or the next push of a pushed key)"
+        "a pulled value (asnumpy or any use of an out, nd.waitall, or another call of the store)"
     )
 
 
@@ -126,18 +135,26 @@ def _names(keys: list[str]) -> str:
     return "[" + ", ".join(keys) + "]"
 
 
-# Stores that hold calls, for nd.waitall() and the end of the process.
-_HOLDING: weakref.WeakSet = weakref.WeakSet()
+# Stores that hold calls, for nd.waitall() and the end of the process, each with the number
+# of its first hold: they run in that order, the program's own, so that across processes their
+# collectives come in the same order in every process.
+_HOLDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SERIAL = itertools.count()
 
 
 def holding(store: Any) -> None:
     """Note that ``store`` holds calls (until it runs them)."""
-    _HOLDING.add(store)
+    if store not in _HOLDING:
+        _HOLDING[store] = next(_SERIAL)
+
+
+def _in_order() -> list[Any]:
+    return sorted(_HOLDING.keys(), key=lambda store: _HOLDING.get(store, -1))
 
 
 def run_everything_held() -> None:
-    """Run what every store holds (``nd.waitall``)."""
-    for store in list(_HOLDING):
+    """Run what every store holds (``nd.waitall``), in the order the stores first held."""
+    for store in _in_order():
         store._run_held()
 
 
@@ -145,7 +162,7 @@ def run_everything_held() -> None:
 def _at_exit() -> None:
     """Held pushes run before the process ends, as MXNet's engine finishes its queue: nothing
     pushed is lost (and across processes, every process's collectives still match)."""
-    for store in list(_HOLDING):
+    for store in _in_order():
         try:
             store._run_held()
         except Exception:  # pragma: no cover - reported, the process is ending anyway

@@ -103,6 +103,8 @@ def test_dist_sync_matches_pushes_by_key(n):
             "different keys refused",
             "unchanged after the refusal",
             "out keeps its value",
+            "different pulls of split values refused",
+            "split value t pulled in each process's order",
         ):
             assert f"rank {rank} ok {check}" in run.stdout, run.stdout + run.stderr
         assert f"rank {rank} done" in run.stdout

@@ -5,6 +5,7 @@ set of str keys does), then keys that differ between processes.
 Each check prints ``rank R ok <name>``; any failure raises, so the worker exits non-zero.
 """
 
+import os
 import random
 
 import jax
@@ -70,6 +71,32 @@ def main():
         raise AssertionError("different keys were pushed without an error")
     check("unchanged after the refusal", kv.pull("a"), np.full((2, 3), ranks * local))
     check("out keeps its value", out.asnumpy(), np.zeros((2, 3)))
+    # Values split across the processes: a pull gathers them, so processes that pull
+    # different ones are refused too (a pull of a whole value is each process's own).
+    os.environ["MXNET_KVSTORE_BIGARRAY_BOUND"] = "12"
+    split = mx.kv.create("dist_sync")
+    split.init(["s", "t"], [mx.nd.zeros((96, 8)), mx.nd.zeros((96, 8))])
+    mx.nd.waitall()
+    split.push("s", mx.nd.ones((96, 8)))
+    got = mx.nd.zeros((96, 8))
+    if rank == 0:
+        split.pull("s", out=got)
+    try:
+        mx.nd.waitall()
+    except jaxkv.KVStoreError as e:
+        assert "process 0: init [], push ['s'], pull of split values ['s']" in str(e), e
+        assert "process 1: init [], push ['s'], pull of split values []" in str(e), e
+        print(f"rank {rank} ok different pulls of split values refused", flush=True)
+    else:
+        raise AssertionError("different pulls of a split value passed without an error")
+    # The same pulls, each process in its own order: they gather in key order in every one.
+    outs = {k: mx.nd.ones((96, 8)) for k in ("s", "t")}
+    for k in ("t", "s") if rank % 2 else ("s", "t"):
+        split.pull(k, out=outs[k])
+    for k in ("s", "t"):  # the refused push changed nothing
+        check(
+            f"split value {k} pulled in each process's order", outs[k].asnumpy(), np.zeros((96, 8))
+        )
     kv.barrier()
     print(f"rank {rank} done", flush=True)
 
