@@ -27,7 +27,6 @@ from . import _orbax
 from ._arrays import host_copy
 from ._compression import residual_layout
 from ._errors import KVStoreError
-from ._perkey import inner_of, per_key
 from ._state import Key, KVState, check_compressible, compression_config
 
 __all__ = ["load", "load_state", "save", "save_state"]
@@ -394,23 +393,15 @@ def _assemble(
         targets.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
 
     treedefs = []
-    # A store that updates each key alone (MXNet's optimizers, keys pushed one at a time) keeps
-    # a group's state per key; a list pushed under an optax transformation, one tree: either
-    # may be in the file.
-    inner = inner_of(optimizer)
-    candidates = [optimizer, per_key(optimizer) if inner is None else inner]
     for n, group in enumerate(groups):
+        template = jax.eval_shape(optimizer.init, {k: like[k] for k in group})
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
+        want = [(jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype)) for p, x in leaves]
         given = [
             (e["path"], tuple(e["shape"]), str(jnp.dtype(e["dtype"])))
             for e in entries
             if e["part"] == "opt" and e["group"] == n
         ]
-        for candidate in candidates:
-            template = jax.eval_shape(candidate.init, {k: like[k] for k in group})
-            leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
-            want = [(jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype)) for p, x in leaves]
-            if want == given:
-                break
         if want != given:
             raise KVStoreError(
                 f"{fname}: optimizer group {list(group)}: optimizer state expected {want}, "

@@ -153,6 +153,19 @@ def _pack(codes: jax.Array) -> jax.Array:
     return jnp.sum(shifted, axis=1, dtype=jnp.uint32)
 
 
+def on_one_device(key: Key, x: jax.Array) -> jax.Device:
+    """The one device of the value ``x`` pushed to ``key`` in a compressed store (whose
+    error-feedback residual it uses); one on several devices is refused."""
+    device = single_device(x)
+    if device is None:
+        raise KVStoreError(
+            f"key {key!r}: a compressed push expects each value on one device (whose "
+            f"error-feedback residual it uses), given one on several devices "
+            f"{sorted(x.devices(), key=str)}; push one array per device"
+        )
+    return device
+
+
 def layout_compressed(
     state: KVState, key: Key, stored: jax.Array, xs: list[jax.Array]
 ) -> tuple[tuple[str, tuple[bool, ...]], jax.Array]:
@@ -175,16 +188,7 @@ def layout_compressed(
     """
     positions = state.local_positions
     home = list(positions)
-    devices = []
-    for x in xs:
-        device = single_device(x)
-        if device is None:
-            raise KVStoreError(
-                f"key {key!r}: a compressed push expects each value on one device (whose "
-                f"error-feedback residual it uses), given one on several devices "
-                f"{sorted(x.devices(), key=str)}; push one array per device"
-            )
-        devices.append(device)
+    devices = [on_one_device(key, x) for x in xs]
     away = [i for i, d in enumerate(devices) if d not in positions]
     if away:  # copied in one call, each to the store device at its position
         targets = [home[i % len(home)] for i in away]

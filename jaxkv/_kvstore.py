@@ -37,9 +37,9 @@ from . import (
 from ._errors import KVStoreError, ShapeError
 from ._mxopt import Optimizer as MXNetOptimizer
 from ._nd import NDArray, _unwrap
-from ._push import KEEP_VALUES
+from ._push import KEEP_VALUES, check_laid_out
 from ._state import BIGARRAY_BOUND, Key, KVState, _spans_processes, empty
-from ._update import is_pure_updater, updater_name
+from ._update import is_pure_updater, optimizer_group, updater_name
 
 __all__ = ["KVStore", "create"]
 
@@ -227,8 +227,9 @@ class KVStore:
         Later updates of this store never invalidate it.
         """
         with self._lock:
-            self._share(self._state)
-            return self._state
+            state = _perkey.alone(self._state)  # each key pushed alone, a group of its own
+            self._share(state)
+            return state
 
     @state.setter
     def state(self, state: KVState) -> None:
@@ -287,6 +288,11 @@ class KVStore:
                 return
             inits = self._held.inits if self._held is not None else None
             grouped = _args.group(self._stored, key, values, inits)
+            check_laid_out(self._stored, grouped)
+            if self._plain_optax():
+                for k in grouped:  # refused now, as the push would refuse it when run
+                    if k in self._stored:  # (a held init's key has no state yet)
+                        _alone(self._stored, k)
             held = self._held
             if (
                 held is not None
@@ -614,14 +620,15 @@ class KVStore:
             )
         with self._lock:
             self._require_optimizer("save_optimizer_states")
-            _checkpoint.save(fname, self._state, values=False)
+            _checkpoint.save(fname, _perkey.alone(self._state), values=False)
 
     def load_optimizer_states(self, fname: str) -> None:
         """Load optimizer states saved by :meth:`save_optimizer_states` (integrity checked)."""
         with self._lock:
             self._require_optimizer("load_optimizer_states")
-            state = self._state
-            self._state = _checkpoint.load(fname, state, values=False, optimizer=self._saved_as())
+            self._state = _checkpoint.load(
+                fname, self._state, values=False, optimizer=self._updater
+            )
 
     def save(self, fname: str) -> None:
         """Save the whole store (values, optimizer states, residuals) to ``fname``.
@@ -633,7 +640,7 @@ class KVStore:
         is written in that format by one process too.
         """
         with self._lock:
-            _checkpoint.save(fname, self._state, values=True)
+            _checkpoint.save(fname, _perkey.alone(self._state), values=True)
 
     def load(self, fname: str) -> None:
         """Replace the store's contents with those saved by :meth:`save`.
@@ -644,16 +651,10 @@ class KVStore:
         is unchanged.
         """
         with self._lock:
-            state = self._state
-            self._state = _checkpoint.load(fname, state, values=True, optimizer=self._saved_as())
-
-    def _saved_as(self) -> Any:
-        """The transformation whose state the store keeps: its optimizer, run per key (a group
-        of keys pushed one at a time, or under MXNet's optimizers, keeps a state per key; a
-        list pushed under an optax transformation, one tree: the checkpoint says which)."""
-        if not isinstance(self._updater, optax.GradientTransformation):
-            return None
-        return _perkey.per_key(self._updater)
+            optimizer = self._updater
+            if not isinstance(optimizer, optax.GradientTransformation):
+                optimizer = None
+            self._state = _checkpoint.load(fname, self._state, values=True, optimizer=optimizer)
 
     def _require_optimizer(self, what: str) -> None:
         if not isinstance(self._updater, optax.GradientTransformation):
@@ -697,13 +698,19 @@ class KVStore:
             self._state = self._push_python(state, key, values)
             return
         updater = self._updater
+        if self._plain_optax() and not per_key:
+            keys = sorted(_grouped(state, key, values))  # (checked first: one kind of key)
+            if _perkey.holds_per_key(state, keys):  # keys pushed one at a time before
+                if len(keys) > 1:
+                    raise KVStoreError(
+                        f"keys {keys}: an optax push updates one optimizer group as one tree, "
+                        f"expected the keys of one group, given keys that were pushed one at a "
+                        "time, each a group of its own (kv.state shows the groups); push them "
+                        "one at a time"
+                    )
+                per_key = True
         if isinstance(updater, optax.GradientTransformation) and (
-            per_key
-            or self._mxnet_optimizer is not None  # MXNet's optimizers update each key alone
-            or (  # keys pushed one at a time before, each with its own state: so they stay
-                _perkey.inner_of(updater) is None
-                and _perkey.holds_per_key(state, [k for k, _ in _args.pairs(key, values, "values")])
-            )
+            per_key or self._mxnet_optimizer is not None  # MXNet's optimizers: each key alone
         ):
             grouped = _grouped(state, key, values)
             regrouped = _perkey.regroup(state, list(grouped), updater)
@@ -913,6 +920,15 @@ def _set(out: NDArray, x: jax.Array, device: Any) -> None:
         out._set(x, device)
         return
     out._set(x if out._data.dtype == x.dtype else x.astype(out._data.dtype), device)
+
+
+def _alone(state: KVState, key: Key) -> None:
+    """Refuse an optax push of ``key`` alone where its optimizer group is a tree over several
+    keys (a list pushed together): part of a group (keys pushed one at a time keep a state
+    each, and may be pushed alone)."""
+    group = state.opt_group(key)
+    if group is not None and len(group) > 1 and not _perkey.holds_per_key(state, [key]):
+        optimizer_group(state, (key,), unpack=False)  # raises, naming the group
 
 
 def _grouped(state: KVState, key: Any, values: Any) -> dict[Key, list]:

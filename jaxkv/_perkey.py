@@ -8,7 +8,9 @@ state for a group of several keys is a :class:`PerKeyState` mapping each key to 
 of one key it is ``inner`` itself, state and all, so a store's one-key groups mean the same
 under both. Since each key's state stands alone, groups can be cut and joined without changing
 a number (:func:`regroup`): the imperative store joins the keys it pushes together into one
-group, so that they run as one computation.
+group, so that they run as one computation. Such groups never leave the store: what it hands
+out (``kv.state``) and saves has each of their keys as a group of its own (:func:`alone`), the
+groups an optax push of one key at a time makes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import optax
 
 from ._state import Key, KVState
 
-__all__ = ["PerKeyState", "holds_per_key", "inner_of", "per_key", "regroup"]
+__all__ = ["PerKeyState", "alone", "holds_per_key", "per_key", "regroup"]
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -53,10 +55,9 @@ class PerKeyState:
         return f"PerKeyState({self.states!r})"
 
 
-# Each inner transformation's wrapper, and each wrapper's inner one, by id (both held, so an
-# id is not reused while it is known).
+# Each inner transformation's wrapper, by the inner one's id (both held, so that the id is not
+# reused while it is known).
 _WRAPPED: dict[int, tuple[Any, Any]] = {}
-_INNER: dict[int, tuple[Any, Any]] = {}
 
 
 def per_key(inner: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -82,14 +83,7 @@ def per_key(inner: optax.GradientTransformation) -> optax.GradientTransformation
 
     wrapped = optax.GradientTransformation(init, update)
     _WRAPPED[id(inner)] = (inner, wrapped)
-    _INNER[id(wrapped)] = (wrapped, inner)
     return wrapped
-
-
-def inner_of(updater: Any) -> optax.GradientTransformation | None:
-    """The transformation ``updater`` runs on each key, if it is a :func:`per_key` one."""
-    known = _INNER.get(id(updater))
-    return known[1] if known is not None and known[0] is updater else None
 
 
 def _states_of(group: tuple[Key, ...], state: Any) -> dict[Key, Any] | None:
@@ -146,15 +140,38 @@ def _fresh(inner: optax.GradientTransformation, keys: tuple[Key, ...]) -> Any:
 
 def holds_per_key(state: KVState, keys: Sequence[Key]) -> bool:
     """Whether a key of ``keys`` is in a group of several keys that keeps a state per key
-    (made by pushes of one key at a time): a list push of them updates each alone too."""
-    for g in {g for k in keys if (g := state.opt_group(k)) is not None and len(g) > 1}:
-        n = state._groups.index(g)
-        packing = state._packings[n]
-        if packing is not None:
-            treedef = packing.treedef
-            kept = jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
-        else:
-            kept = state._opt_states[n]
-        if isinstance(kept, PerKeyState):
-            return True
-    return False
+    (made by pushes of one key at a time)."""
+    groups = {g for k in keys if (g := state.opt_group(k)) is not None and len(g) > 1}
+    return any(_is_per_key(state, state._groups.index(g)) for g in groups)
+
+
+def alone(state: KVState) -> KVState:
+    """``state`` with every key of a group kept per key made a group of its own, holding its
+    own state: the groups pushes of one key at a time make, as optax and the functional core
+    know them (``state`` itself where there is no such group)."""
+    per = {g: st.states for g, st in _per_key_groups(state)}
+    if not per:
+        return state
+    opt_states: dict[tuple[Key, ...], Any] = dict.fromkeys(per)
+    for states in per.values():
+        opt_states.update({(k,): s for k, s in states.items()})
+    return state.replace(opt_states=opt_states)
+
+
+def _per_key_groups(state: KVState) -> list[tuple[tuple[Key, ...], PerKeyState]]:
+    """The groups of several keys whose state is kept per key, with that state."""
+    out = []
+    for n, g in enumerate(state._groups):
+        if len(g) > 1 and _is_per_key(state, n):
+            out.append((g, state.opt_states[g]))
+    return out
+
+
+def _is_per_key(state: KVState, n: int) -> bool:
+    packing = state._packings[n]
+    if packing is not None:  # packed: the kind of tree tells, without unpacking it
+        treedef = packing.treedef
+        return isinstance(
+            jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves), PerKeyState
+        )
+    return isinstance(state._opt_states[n], PerKeyState)

@@ -22,14 +22,14 @@ from . import _dist
 from ._arrays import host_empty, place, stacked
 from ._bucket import update_bucket
 from ._collectives import scatters, sum_over_devices
-from ._compression import compress, exchange, layout_compressed
+from ._compression import compress, exchange, layout_compressed, on_one_device
 from ._errors import KVStoreError
 from ._fast import single_device
 from ._flat import as_blocks, block, from_blocks
 from ._state import Key, KVState
 from ._update import apply_updater
 
-__all__ = ["KEEP_VALUES", "init_opt_states", "push_eager", "push_eager_flat"]
+__all__ = ["KEEP_VALUES", "check_laid_out", "init_opt_states", "push_eager", "push_eager_flat"]
 
 logger = logging.getLogger("jaxkv")
 
@@ -122,13 +122,7 @@ def local_sums(
     (home,) = state.local_positions
     for key, xs in zip(keys, xss):
         for x in xs:
-            if not x.is_fully_addressable:
-                devices: set[jax.Device] = x.sharding.device_set
-                raise KVStoreError(
-                    f"key {key!r}: a multi-process push expects this process's own values "
-                    f"(arrays on its devices), given an array over several processes' devices "
-                    f"{sorted(d.id for d in devices)}; push each process's part"
-                )
+            _own(key, x)
     out: list[Any] = [None] * len(xss)
     rest = []
     on_host = {}
@@ -156,6 +150,30 @@ def local_sums(
         for i, x in zip(several, _add_up([xss[i] for i in several], dtypes)):
             out[i] = x
     return out
+
+
+def _own(key: Key, x: jax.Array) -> None:
+    """Refuse a value pushed to ``key`` in a multi-process push that is not this process's
+    own (an array over other processes' devices too)."""
+    if not x.is_fully_addressable:
+        devices: set[jax.Device] = x.sharding.device_set
+        raise KVStoreError(
+            f"key {key!r}: a multi-process push expects this process's own values "
+            f"(arrays on its devices), given an array over several processes' devices "
+            f"{sorted(d.id for d in devices)}; push each process's part"
+        )
+
+
+def check_laid_out(state: KVState, grouped: dict[Key, list[jax.Array]]) -> None:
+    """The refusals an eager push makes as it lays its values out (``_layout``,
+    ``layout_compressed``, ``local_sums``), made without laying them out: for a push checked
+    now and run later."""
+    for key, xs in grouped.items():
+        for x in xs:
+            if state.compression is not None:
+                on_one_device(key, x)
+            if one_device_per_process(state):
+                _own(key, x)
 
 
 def _host_addable(xs: list[jax.Array], dtype: Any) -> bool:

@@ -106,7 +106,10 @@ def agree(held: Held, devices: tuple, gathered: list[list[Key]]) -> None:
     }
     text = json.dumps(mine, sort_keys=True).encode()
     digest = np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
-    every = _dist.all_gather(digest, "agreement on the held keys")
+    # The watchdog names the turn by the held call a process waits in (its keys compared first).
+    every = _dist.all_gather(
+        digest, "push" if held.pushes else "held init" if held.inits else "held pull"
+    )
     if (every == digest).all():
         return
     sizes = _dist.all_gather(np.array([len(text)], np.int64), "sizes of the held keys")

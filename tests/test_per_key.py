@@ -6,6 +6,7 @@ them (compared with MXNet 1.9.1's own runs, recorded by conformance/record_updat
 import json
 import os
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -317,3 +318,28 @@ def test_an_out_owed_by_another_store_gets_the_later_pull(devices):
     np.testing.assert_array_equal(other.asnumpy(), [2, 2])  # runs b's held calls only
     nd.waitall()  # and then anything a still holds
     np.testing.assert_array_equal(out.asnumpy(), [2, 2])
+
+
+def test_held_pushes_are_refused_at_the_call(devices):
+    """What a push would refuse when run is refused at the call, the store unchanged."""
+    kv = jaxkv.KVStore("device", devices[:2])
+    kv.init(["a", "b", "c", "d"], [nd.ones((2,))] * 4)
+    kv.set_optimizer(optax.sgd(0.5))
+    kv.push(["a", "b"], [nd.ones((2,))] * 2)  # a list: one tree, one group
+    with pytest.raises(jaxkv.KVStoreError, match=r"\['a', 'b'\]"):
+        kv.push("a", nd.ones((2,)))  # part of that group
+    kv.push("c", nd.ones((2,)))  # one key at a time: a group each
+    kv.push("d", nd.ones((2,)))
+    assert sorted(kv.state.opt_states) == [("a", "b"), ("c",), ("d",)]
+    with pytest.raises(jaxkv.KVStoreError, match=r"\['c', 'd'\].*one at a time"):
+        kv.push(["c", "d"], [nd.ones((2,))] * 2)  # two groups
+    for k, want in (("a", 0.5), ("b", 0.5), ("c", 0.5), ("d", 0.5)):
+        np.testing.assert_array_equal(kv.pull(k), [want, want])
+    # A compressed store: a value on several devices has no one residual.
+    kv = jaxkv.KVStore("device", devices[:2])
+    kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    kv.init(0, nd.zeros((2,)))
+    spread = jax.device_put(np.ones(2, np.float32), kv.state.sharding)
+    with pytest.raises(jaxkv.KVStoreError, match="key 0.*one device"):
+        kv.push(0, spread)
+    np.testing.assert_array_equal(kv.pull(0), [0, 0])

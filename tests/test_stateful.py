@@ -675,6 +675,8 @@ class KVStoreMachine(RuleBasedStateMachine):
         self.note_push(push)
         with self.updating():
             self.kv.push(push.keys, push.values)
+            if self.m.updater == "adam":  # a held push runs at the next read: for Adam, here,
+                nd.waitall()  # where its implicit cast may run (see updating)
         self.apply_push(push)
         self.check_parts(push, "the push")
 
