@@ -158,10 +158,10 @@ def main():
             subsets = [s for s in subsets if pushable(model, s)]
             if not subsets:
                 op = "pull"
-        if op == "push_each":  # one key at a time: each key its own optimizer group
-            subsets = [s for s in subsets if all(pushable(model, (k,)) for k in s)]
-            if not subsets:
-                op = "pull"
+        # One key at a time: each key its own optimizer group.
+        each = [s for s in subsets if all(pushable(model, (k,)) for k in s)]
+        if op == "push_each" and not each:
+            op = "pull"
         seen.append(op)
         if VERBOSE:
             os.write(2, f"rank {rank} op {len(seen)} {op}\n".encode())
@@ -186,7 +186,7 @@ def main():
         elif op == "push_each":
             # As Gluon's Trainer: push(i) then pull(i, out) per key, in this process's own order
             # (held, then matched by key across the processes).
-            keys = list(rng.choice(subsets))
+            keys = list(rng.choice(each))
             pushes, total = draw(keys)
             for k in keys:
                 model.push([k], total)
