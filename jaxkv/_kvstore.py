@@ -372,12 +372,13 @@ class KVStore:
             held.release()  # the outs are filled below, or keep what they hold
             try:
                 state = self._stored
-                # A pull of a value split across processes gathers it: a collective too.
-                gathered = [
-                    sorted({k for k, _ in pulls if state.is_sharded(self._held_shape(k, held))})
-                    for pulls in held.pulls
-                ]
-                _queue.agree(held, state.devices, gathered)
+                if _spans_processes(state.devices):
+                    # A pull of a value split across processes gathers it: a collective too.
+                    gathered = [
+                        sorted({k for k, _ in pulls if state.is_sharded(self._held_shape(k, held))})
+                        for pulls in held.pulls
+                    ]
+                    _queue.agree(held, gathered)
                 if held.inits:  # in key order: the same in every process
                     keys = sorted(held.inits)
                     self._init_now(keys, [held.inits[k] for k in keys])

@@ -55,17 +55,10 @@ class PerKeyState:
         return f"PerKeyState({self.states!r})"
 
 
-# Each inner transformation's wrapper, by the inner one's id (both held, so that the id is not
-# reused while it is known).
-_WRAPPED: dict[int, tuple[Any, Any]] = {}
-
-
+@functools.lru_cache(maxsize=256)
 def per_key(inner: optax.GradientTransformation) -> optax.GradientTransformation:
     """``inner`` run on each key of a tree alone, one state per key (the same object for the
-    same ``inner``, so its compiled pushes are reused)."""
-    known = _WRAPPED.get(id(inner))
-    if known is not None and known[0] is inner:
-        return known[1]
+    same ``inner`` while it is among the last 256, so its compiled pushes are reused)."""
 
     def init(params: dict) -> Any:
         return _joined({k: inner.init({k: v}) for k, v in params.items()})
@@ -81,9 +74,7 @@ def per_key(inner: optax.GradientTransformation) -> optax.GradientTransformation
             updates[k] = u[k]
         return updates, PerKeyState(states)
 
-    wrapped = optax.GradientTransformation(init, update)
-    _WRAPPED[id(inner)] = (inner, wrapped)
-    return wrapped
+    return optax.GradientTransformation(init, update)
 
 
 def _states_of(group: tuple[Key, ...], state: Any) -> dict[Key, Any] | None:

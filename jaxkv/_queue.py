@@ -29,7 +29,6 @@ import logging
 import weakref
 from typing import Any
 
-import jax
 import numpy as np
 
 from . import _dist
@@ -89,16 +88,12 @@ class Held:
         return list(seen)
 
 
-def agree(held: Held, devices: tuple, gathered: list[list[Key]]) -> None:
+def agree(held: Held, gathered: list[list[Key]]) -> None:
     """Across processes: check that every process holds inits and pushes of the same keys, and
     pulls of the same values split across processes (``gathered``: those keys, per phase of
     pulls; other pulls are each process's own), so that their collectives match; else every
     process raises ``KVStoreError`` naming the keys each one holds. One host all-gather of a
-    digest, and two more only where they differ. A store on this process's devices only
-    returns at once."""
-    me = jax.process_index()
-    if all(d.process_index == me for d in devices):
-        return
+    digest, and two more only where they differ. For a store over several processes."""
     mine = {
         "init": sorted(map(repr, held.inits)),
         "push": [sorted(map(repr, gen)) for gen in held.pushes],
