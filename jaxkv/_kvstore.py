@@ -271,7 +271,8 @@ class KVStore:
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
         """Push values: each key's values (one per device) are summed, then the updater runs.
 
-        Checked at once; held until something reads (see :mod:`jaxkv._queue`), except under
+        Checked at once; held until something reads (docs/design.md, "MXNet code as it is
+        written"), except under
         an updater that runs as Python on every push (``set_updater`` of a function not
         marked with :func:`jaxkv.pure_updater`)."""
         with self._lock:
