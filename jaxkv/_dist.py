@@ -18,6 +18,7 @@ when it is set, else to the local address of the route toward the coordinator
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import hashlib
@@ -250,6 +251,7 @@ class _Watchdog:
         self._pending: dict[int, tuple[str, float, float, Callable[[], bool]]] = {}
         self._count = 0
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     def watch(self, what: str, done: Callable[[], bool]) -> int | None:
         """Watch an operation that is finished once ``done()`` is true; returns its handle, or
@@ -260,20 +262,35 @@ class _Watchdog:
         with self._lock:
             self._count += 1
             self._pending[self._count] = (what, time.monotonic(), timeout, done)
-            if self._thread is None:
+            if self._thread is None and not self._stopping.is_set():
                 self._thread = threading.Thread(target=self._run, name="jaxkv-watchdog")
                 self._thread.daemon = True
                 self._thread.start()
+                # Registered after JAX's own clean-up (at its import), so it runs before it.
+                atexit.register(self.stop)
             return self._count
 
     def forget(self, handle: int | None) -> None:
         with self._lock:
             self._pending.pop(handle or 0, None)
 
+    def stop(self) -> None:
+        """End the thread as the process ends (an ``atexit`` handler), before JAX shuts down.
+
+        A daemon thread still running at the interpreter's end is ended where it next takes
+        the GIL, and one asking jaxlib whether an array is ready while JAX clears its backends
+        (its own ``atexit`` clean-up) fails inside jaxlib: either way the whole process aborted
+        ("FATAL: exception not rethrown", SIGABRT) after the job had succeeded (seen once in
+        CI, in tests/test_dist_stress.py).
+        """
+        self._stopping.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+
     def _run(self) -> None:
         period = 1.0
-        while True:
-            time.sleep(period)
+        while not self._stopping.wait(period):
             with self._lock:
                 pending = list(self._pending.items())
             now = time.monotonic()

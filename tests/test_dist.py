@@ -108,3 +108,4 @@ def test_dist_sync_matches_pushes_by_key(n):
         ):
             assert f"rank {rank} ok {check}" in run.stdout, run.stdout + run.stderr
         assert f"rank {rank} done" in run.stdout
+    assert "held push failed" not in run.stdout + run.stderr, run.stdout + run.stderr

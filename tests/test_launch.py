@@ -370,3 +370,22 @@ def test_a_slurm_step_joins_through_jax_detection():
         assert p.returncode == 0, out + err
         assert f"rank {rank} ok push sums over workers" in out
         assert f"rank {rank} done" in out
+
+
+def test_the_watchdog_thread_ends_before_jaxs_clean_up(monkeypatch):
+    """The watchdog's daemon thread is stopped by an ``atexit`` handler registered after JAX's
+    own clean-up (so run before it): a thread left in jaxlib as the backends are cleared
+    aborted a job that had succeeded."""
+    import atexit
+
+    registered = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setattr(_dist.jax, "process_count", lambda: 2)
+    dog = _dist._Watchdog()
+    handle = dog.watch("push", lambda: False)
+    assert handle is not None and dog._thread is not None and dog._thread.is_alive()
+    assert registered == [dog.stop]
+    dog.stop()
+    assert not dog._thread.is_alive()
+    dog.watch("push", lambda: False)  # a collective after the stop starts no thread again
+    assert registered == [dog.stop]
