@@ -21,6 +21,7 @@ from ._state import Key, KVState, _mesh
 
 __all__ = [
     "copies",
+    "put",
     "host_copy",
     "host_empty",
     "place",
@@ -38,6 +39,27 @@ def copies(values: list[jax.Array]) -> list[jax.Array]:
     value that aliased a user's array (or another key's value) would break donation.
     """
     return _dist.ordered("copy", _copies, values)
+
+
+def put(values: Sequence[Any], shardings: Sequence[Any], agreed: bool = False) -> list[jax.Array]:
+    """``jax.device_put`` of each value with its sharding. ``agreed``: every process holds the
+    same values (:func:`jaxkv._dist.from_rank_zero`'s), so one put on the devices of several
+    processes is made from this process's copy, without JAX's check that every process holds
+    the same bytes (an all-gather of the whole value: most of an ``init``'s time across
+    processes)."""
+    out: list[Any] = [None] * len(values)
+    rest = []
+    for i, (x, sharding) in enumerate(zip(values, shardings)):
+        if agreed and not sharding.is_fully_addressable:
+            host: np.ndarray = np.asarray(x)
+            out[i] = jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
+        else:
+            rest.append(i)
+    if rest:
+        placed = jax.device_put([values[i] for i in rest], [shardings[i] for i in rest])
+        for i, x in zip(rest, placed):
+            out[i] = x
+    return out
 
 
 @jax.jit

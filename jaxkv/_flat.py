@@ -235,10 +235,27 @@ def eager_values(layout: FlatLayout, leaves: Sequence[Any]) -> list[Any]:
     out = [leaves[nb + j] if b < 0 else None for b, j, _ in layout.where]
     positions = in_buckets(layout)
     if positions:
-        views = run("flat views", eager_views(layout, positions), list(leaves[:nb]))
+        # One computation per set of buckets, whatever keys of their own lie between theirs.
+        views = run("flat views", eager_views(bucket_layout(layout)), list(leaves[:nb]))
         for i, x in zip(positions, views):
             out[i] = x
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def bucket_layout(layout: FlatLayout) -> FlatLayout:
+    """``layout`` without its keys kept as arrays of their own: the keys in its buckets, in
+    the same places (so that keys added on their own do not make their views anew)."""
+    positions = in_buckets(layout)
+    if len(positions) == len(layout.where):
+        return layout
+    return FlatLayout(
+        layout.buckets,
+        tuple(layout.where[i] for i in positions),
+        tuple(layout.shapes[i] for i in positions),
+        tuple(layout.dtypes[i] for i in positions),
+        layout.parts,
+    )
 
 
 @functools.lru_cache(maxsize=256)

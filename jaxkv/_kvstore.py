@@ -227,7 +227,8 @@ class KVStore:
         Later updates of this store never invalidate it.
         """
         with self._lock:
-            state = _perkey.alone(self._state)  # each key pushed alone, a group of its own
+            # Each key pushed alone, a group of its own; keys inited one at a time laid out.
+            state = _perkey.alone(self._state).settled()
             self._share(state)
             return state
 
@@ -264,9 +265,10 @@ class KVStore:
             self._hold(held)
 
     def _init_now(self, key: Any, values: Any) -> None:
-        if self._type in _DIST_TYPES and jax.process_count() > 1:
+        agreed = self._type in _DIST_TYPES and jax.process_count() > 1
+        if agreed:  # rank 0's values, as MXNet's servers keep the first init
             values = _dist.from_rank_zero(jax.tree_util.tree_map(np.asarray, values))
-        self._state = _ops.init(self._state, key, values)
+        self._state = _ops._init(self._state, key, values, defer=True, agreed=agreed)
 
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
         """Push values: each key's values (one per device) are summed, then the updater runs.

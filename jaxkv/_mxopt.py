@@ -1,4 +1,5 @@
-"""MXNet's optimizers (SGD, Adam) as optax transformations, for the drop-in's kv.set_optimizer.
+"""MXNet's optimizers (SGD, Adam, and the ``'test'`` of its own tests) as optax
+transformations, for the drop-in's kv.set_optimizer.
 
 ``jaxkv.mx.optimizer.SGD`` and ``Adam`` take MXNet 1.9.1's arguments and defaults, and
 :meth:`Optimizer.transformation` turns one into an :class:`optax.GradientTransformation` whose
@@ -66,6 +67,8 @@ __all__ = [
     "Optimizer",
     "OptimizerArgumentError",
     "SGDState",
+    "Test",
+    "TestState",
     "UnknownOptimizerError",
     "ccSGD",
     "create",
@@ -111,7 +114,6 @@ MXNET_MISSING_NAMES = (
     "RMSProp",
     "SGLD",
     "Signum",
-    "Test",
     "Updater",
     "contrib",
     "get_updater",
@@ -147,7 +149,7 @@ def missing(name: str) -> MissingOptimizerError:
     """
     return MissingOptimizerError(
         f"mx.optimizer.{name}: MXNet 1.9.1 has it, jaxkv does not. jaxkv's MXNet optimizers "
-        f"are SGD and Adam (create names: {_available()}); or pass any optax "
+        f"are SGD, Adam and Test (create names: {_available()}); or pass any optax "
         "GradientTransformation to kv.set_optimizer"
     )
 
@@ -766,4 +768,60 @@ def _bias_corrected_lr(
     return _mul(_pair(lr), _div(_sqrt(c2, z), c1, z), z)[0]
 
 
-_REGISTRY: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam, "ccsgd": ccSGD}
+class TestState(NamedTuple):
+    """The state of :class:`Test`: the key's update count (MXNet keeps a copy of the weight,
+    which nothing reads)."""
+
+    count: jax.Array  # type: ignore[assignment]  # int32 scalar: updates of this key so far
+
+
+class Test(Optimizer):
+    """MXNet's ``'test'`` optimizer (``mx.optimizer.Test``), which its own KVStore tests set:
+    ``weight += grad * rescale_grad``, ignoring the learning rate, weight decay and clipping.
+
+    A row-sparse gradient adds its rows only (as MXNet's ``weight[:] += grad`` of a row-sparse
+    gradient does).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxkv.mx import optimizer
+      >>> tx = optimizer.create("test", rescale_grad=2).transformation()
+      >>> w = jnp.ones(2)
+      >>> updates, _ = tx.update(jnp.array([1.0, -1.0]), tx.init(w), w)
+      >>> optax.apply_updates(w, updates)
+      Array([ 3., -1.], dtype=float32)
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.lazy_update = True
+
+    def _build(self, row_sparse: bool) -> optax.GradientTransformation:
+        rescale, begin = self.rescale_grad, self.begin_num_update
+
+        def init(params: optax.Params) -> optax.OptState:
+            _check_dtypes(params, "Test")
+            return TestState(count=jnp.asarray(begin, jnp.int32))
+
+        def update(
+            updates: optax.Updates, state: optax.OptState, params: optax.Params | None = None
+        ) -> tuple[optax.Updates, optax.OptState]:
+            params = _require_params(params, "Test")
+            z = _opaque_zero(state.count)
+            # MXNet's grad * rescale_grad, rounded on its own, then weight += it.
+            new = jax.tree.map(
+                lambda g, w: _rounded(g.astype(w.dtype) * _constant(rescale, w.dtype), z),
+                updates,
+                params,
+            )
+            return new, TestState(count=_next_count(state.count))
+
+        return optax.GradientTransformation(init, update)
+
+
+_REGISTRY: dict[str, type[Optimizer]] = {
+    "sgd": SGD,
+    "adam": Adam,
+    "ccsgd": ccSGD,
+    "test": Test,
+}

@@ -25,7 +25,7 @@ import optax
 
 from . import _dispatch
 from ._args import MISSING, as_array, devices_of, group, is_traced, pairs
-from ._arrays import copies, replicate
+from ._arrays import copies, put, replicate
 from ._compression import residual_zeros
 from ._errors import DuplicateKeyError, KeyTypeError, KVStoreError, ShapeError
 from ._push import init_opt_states, push_eager, push_eager_flat
@@ -72,11 +72,20 @@ def init(state: KVState, keys: Any, values: Any = MISSING) -> KVState:
       >>> s.keys()
       (3, 5)
     """
+    return _init(state, keys, values, defer=False)
+
+
+def _init(
+    state: KVState, keys: Any, values: Any = MISSING, *, defer: bool, agreed: bool = False
+) -> KVState:
+    """:func:`init`; ``defer``: the new keys keep arrays of their own until the state is
+    settled (``KVState.replace``'s ``defer``: the imperative store's ``init`` one key at a
+    time); ``agreed``: every process gives the same values (``_arrays.put``)."""
     new = checked_inits(state, keys, values)
     eager = [k for k, x in new.items() if not is_traced(x)]
     if eager:
         xs = [new[k] for k in eager]
-        placed = jax.device_put(xs, [state.sharding_for(x.shape) for x in xs])
+        placed = put(xs, [state.sharding_for(x.shape) for x in xs], agreed)
         new.update(zip(eager, copies(placed)))
     residuals = {}
     if state.compression is not None and state.compression[0] == "2bit":
@@ -86,7 +95,7 @@ def init(state: KVState, keys: Any, values: Any = MISSING) -> KVState:
                 "eager values, given traced ones"
             )
         residuals = {k: residual_zeros(state, x) for k, x in new.items()}
-    return state.replace(values=new, residuals=residuals)
+    return state.replace(values=new, residuals=residuals, defer=defer)
 
 
 def checked_inits(
@@ -160,6 +169,7 @@ def push(
       >>> jaxkv.pull(s, "w").tolist()
       [2.0, 2.0]
     """
+    state = state.settled()  # keys added one at a time are laid out now, once
     if axis_name is None and values is not MISSING:
         fast = _dispatch.push(state, keys, values, updater, donate)
         if fast is not None:

@@ -152,6 +152,7 @@ class KVState:
         "_flat",
         "_packings",
         "_views",
+        "_deferral",
     )
     # The slots' types (annotations only: a class-level value would clash with the slot).
     _keys: tuple[Key, ...]
@@ -169,6 +170,7 @@ class KVState:
     _flat: _fl.FlatLayout | None
     _packings: tuple[_fl.Packing | None, ...]
     _views: tuple[Any, ...] | None
+    _deferral: bool | None
 
     def __init__(
         self,
@@ -209,6 +211,7 @@ class KVState:
         # its packed leaves (_fl.pack_opt); None where its optax state is kept as it is.
         object.__setattr__(self, "_packings", tuple(packings) or (None,) * len(self._groups))
         object.__setattr__(self, "_views", None)  # each key's value under a flat layout, cached
+        object.__setattr__(self, "_deferral", None)  # `deferred`, once asked
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("KVState is immutable: operations return a new state")
@@ -555,6 +558,7 @@ class KVState:
         opt_states: Mapping[tuple[Key, ...], Any] | None = None,
         residuals: Mapping[Key, Any] | None = None,
         compression: Any = _KEEP,
+        defer: bool = False,
     ) -> KVState:
         """A new state with some keys' leaves replaced or added (and maybe the compression).
 
@@ -563,6 +567,11 @@ class KVState:
         Keys keep their recorded shapes; new keys take their value's shape. Under a flat
         layout the new values are written into their buckets (in place, where the key set and
         groups stay), or the buckets are made anew.
+
+        ``defer``: the buckets stay as they are, and the keys not in one (the new keys among
+        them) keep arrays of their own until a state is :meth:`settled` (an eager push settles
+        it): keys added one at a time, each read at once (MXNet's ``init`` then ``pull``),
+        cost no computation over the other keys.
         """
         values = dict(values or {})
         compression = self._compression if compression is _KEEP else compression
@@ -585,9 +594,18 @@ class KVState:
         position = {k: i for i, k in enumerate(keys)}
         order = sorted(groups, key=lambda g: position[g[0]])
         flat = self._plan(
-            keys, [shapes[k] for k in keys], [types[k] for k in keys], order, compression
+            keys,
+            [shapes[k] for k in keys],
+            [types[k] for k in keys],
+            order,
+            compression,
+            self._in_buckets() if defer else None,
         )
-        leaves = self._new_leaves(keys, values, flat)
+        kept = self._same_buckets(keys, flat)
+        leaves = self._kept_buckets(keys, values, flat) if kept and flat is not None else None
+        if leaves is None:
+            kept = False
+            leaves = self._new_leaves(keys, values, flat)
         old_n = {g: n for n, g in enumerate(self._groups)}
         opts, packings = [], []
         for g in order:
@@ -631,7 +649,7 @@ class KVState:
         # values laid out anew (from a flat layout to one array per key, say, when compression
         # is set) where their layout keeps them, not where XLA put their views.
         relaid = flat is not self._flat and (flat is not None or self._flat is not None)
-        if relaid or (flat is not None and flat.split):
+        if (relaid and not kept) or (flat is not None and flat.split):
             new = new._placed()
         return new
 
@@ -657,21 +675,21 @@ class KVState:
         types: list[Any],
         groups: list[tuple[Key, ...]],
         compression: tuple | None,
+        inside: frozenset[Key] | None = None,
     ) -> _fl.FlatLayout | None:
         """The flat layout of a state of ``keys`` under this state's policy, or ``None`` (one
         array per key): no value is bucketed in a compressed store (each key keeps its own
         error-feedback residuals) or in a store across processes. Where the policy splits
         buckets, a bucket of at least the big-array bound is split over the devices; where it
-        does not, a value the store shards keeps an array of its own."""
+        does not, a value the store shards keeps an array of its own. ``inside``: only these
+        keys may be in buckets (:meth:`replace`'s ``defer``)."""
         _, below, split = self._policy
         if below is None or compression is not None or not keys:
             return None
-        # Across processes values stay whole in each (as per key: a split would cost an
-        # all-gather at each pull and save nothing in the push).
+        bucketed = self._bucketed(shapes, compression)
+        if inside is not None:
+            bucketed = [b and k in inside for k, b in zip(keys, bucketed)]
         split = split and not _spans_processes(self._devices)
-        bucketed = [
-            math.prod(shape) < below and (split or not self.is_sharded(shape)) for shape in shapes
-        ]
         if not any(bucketed):
             return None
         flat = _fl.plan(
@@ -686,6 +704,85 @@ class KVState:
         if self._flat is not None and flat == self._flat:
             return self._flat  # the same object: cached computations key on it
         return flat
+
+    def _bucketed(self, shapes: Sequence[tuple[int, ...]], compression: Any = _KEEP) -> list[bool]:
+        """Whether this state's policy puts a value of each shape in a bucket (with this
+        state's compression, or ``compression``)."""
+        _, below, split = self._policy
+        compression = self._compression if compression is _KEEP else compression
+        if below is None or compression is not None:
+            return [False] * len(shapes)
+        # Across processes values stay whole in each (as per key: a split would cost an
+        # all-gather at each pull and save nothing in the push).
+        split = split and not _spans_processes(self._devices)
+        return [
+            math.prod(shape) < below and (split or not self.is_sharded(shape)) for shape in shapes
+        ]
+
+    def _in_buckets(self) -> frozenset[Key]:
+        """The keys that live in buckets."""
+        flat = self._flat
+        if flat is None:
+            return frozenset()
+        return frozenset(self._keys[i] for i in _fl.in_buckets(flat))
+
+    @property
+    def deferred(self) -> bool:
+        """Whether some keys keep arrays of their own that this state's policy would put in
+        buckets (added with :meth:`replace`'s ``defer``): :meth:`settled` lays them out."""
+        if self._deferral is None:
+            flat = self._flat
+            inside = set(_fl.in_buckets(flat)) if flat is not None else set()
+            deferral = any(
+                b and i not in inside for i, b in enumerate(self._bucketed(self._shapes))
+            )
+            object.__setattr__(self, "_deferral", deferral)
+        return bool(self._deferral)
+
+    def settled(self) -> KVState:
+        """This state with every key where its policy puts it (see :meth:`replace`'s
+        ``defer``): the same state where nothing was deferred, or where it is traced."""
+        if not self.deferred:
+            return self
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(self)):
+            return self
+        return self.replace()
+
+    def _same_buckets(self, keys: tuple[Key, ...], flat: _fl.FlatLayout | None) -> bool:
+        """Whether ``flat`` has this state's buckets, each holding the same keys in the same
+        places (only keys of their own added, removed or moved)."""
+        old = self._flat
+        if flat is None or old is None or flat is old:
+            return False
+        if flat.buckets != old.buckets or flat.parts != old.parts:
+            return False
+        mine = {self._keys[i]: old.where[i] for i in _fl.in_buckets(old)}
+        theirs = _fl.in_buckets(flat)
+        return len(theirs) == len(mine) and all(mine.get(keys[i]) == flat.where[i] for i in theirs)
+
+    def _kept_buckets(
+        self, keys: tuple[Key, ...], values: dict[Key, Any], flat: _fl.FlatLayout
+    ) -> list[Any] | None:
+        """The leaves of a state of ``keys`` in ``flat``, which has this state's buckets
+        (:meth:`_same_buckets`): the buckets as they are, and each key of its own's array; or
+        ``None`` where a value for a key in a bucket is given (it is written in place)."""
+        inside = self._in_buckets()
+        if any(k in inside for k in values):
+            return None
+        old = self._flat
+        assert old is not None  # _same_buckets says so
+        nb = len(old.buckets)
+        index = self._index
+        own = []
+        for k, (b, _, _) in zip(keys, flat.where):
+            if b >= 0:
+                continue
+            if k in values:
+                own.append(values[k])
+            else:
+                _, j, _ = old.where[index[k]]
+                own.append(self._leaves[nb + j])
+        return list(self._leaves[:nb]) + own
 
     def _new_leaves(
         self, keys: tuple[Key, ...], values: dict[Key, Any], flat: _fl.FlatLayout | None

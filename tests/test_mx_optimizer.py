@@ -316,7 +316,7 @@ def test_other_mxnet_names_on_the_module_refused(name):
 
 def test_every_registry_name_is_created_or_refused():
     for name in DATA["registry"]:
-        if name in ("sgd", "adam", "ccsgd"):
+        if name in ("sgd", "adam", "ccsgd", "test"):
             assert isinstance(optimizer.create(name), optimizer.Optimizer)
         else:
             with pytest.raises(jaxkv.KVStoreError, match=name):
@@ -435,3 +435,39 @@ def test_float16_weights_keep_their_dtype():
         updates, state = tx.update(jnp.ones(4, jnp.float16), tx.init(w), w)
         assert updates.dtype == jnp.float16
         assert all(x.dtype == jnp.float16 for x in state_arrays(tx, state))
+
+
+# -- 'test': the optimizer MXNet's own KVStore tests set -------------------------------------
+def test_the_test_optimizer_adds_the_rescaled_gradient(call):
+    """MXNet's ``Test.update``: ``weight[:] += grad * rescale_grad`` (two float32 roundings:
+    the product, then the sum), whatever the learning rate, weight decay or clipping."""
+    rng = np.random.default_rng(5)
+    opt = optimizer.create("test", rescale_grad=0.37, learning_rate=9.0, wd=0.5, clip_gradient=0.1)
+    tx = opt.transformation()
+    step_fn = make_step(tx)
+    w = f32(rng.uniform(-1, 1, (3, 5)))
+    want = w.copy()
+    state = tx.init(jnp.asarray(w))
+    got = jnp.asarray(w)
+    for _ in range(4):
+        g = f32(rng.uniform(-2, 2, (3, 5)))
+        want = f32(want + f32(g * np.float32(0.37)))
+        got, state = call(step_fn, got, jnp.asarray(g), state)
+        assert_bits(got, want, "test optimizer")
+    assert int(state.count) == 4
+
+
+def test_the_test_optimizer_in_a_store_as_mxnets_nightly_tests_use_it():
+    """MXNet's nightly dist_device_sync test, one process: keys pushed one at a time from each
+    device under ``create('test', rescale_grad=2)`` pull ``1 + 2 * devices * (i + 1)``."""
+    kv = mx.kv.create("local")
+    kv.set_optimizer(optimizer.create("test", rescale_grad=2))
+    for k in ("9", "99"):
+        kv.init(k, mx.nd.ones((2, 3)))
+    devices = [mx.cpu(d) for d in range(2)]
+    for i in range(3):
+        for k in ("9", "99"):
+            kv.push(k, [mx.nd.ones((2, 3), ctx) for ctx in devices])
+            out = mx.nd.zeros((2, 3))
+            kv.pull(k, out=out)
+            np.testing.assert_array_equal(out.asnumpy(), np.full((2, 3), 1 + 2 * 2 * (i + 1)))

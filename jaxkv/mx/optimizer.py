@@ -1,4 +1,5 @@
-"""``mx.optimizer``: MXNet 1.9.1's ``SGD`` and ``Adam`` (and ``create``), for ``kv.set_optimizer``.
+"""``mx.optimizer``: MXNet 1.9.1's ``SGD``, ``Adam`` and ``Test`` (and ``create``), for
+``kv.set_optimizer``.
 
 They give MXNet's numbers (see :mod:`jaxkv._mxopt` for the formulas and what ``lazy_update``
 means for row-sparse gradients). MXNet's other optimizers (``RMSProp``, ``NAG``, ...) are not
@@ -16,6 +17,8 @@ from .._mxopt import MissingOptimizerError as MissingOptimizerError
 from .._mxopt import Optimizer as Optimizer
 from .._mxopt import OptimizerArgumentError as OptimizerArgumentError
 from .._mxopt import SGDState as SGDState
+from .._mxopt import Test as Test
+from .._mxopt import TestState as TestState
 from .._mxopt import UnknownOptimizerError as UnknownOptimizerError
 from .._mxopt import ccSGD as ccSGD
 from .._mxopt import create as create
@@ -29,6 +32,8 @@ __all__ = [
     "Optimizer",
     "OptimizerArgumentError",
     "SGDState",
+    "Test",
+    "TestState",
     "UnknownOptimizerError",
     "ccSGD",
     "create",

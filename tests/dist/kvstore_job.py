@@ -29,12 +29,13 @@ def main():
     # Only rank 0's init value counts.
     kv.init([3, 5], [mx.nd.ones(SHAPE) * (rank + 1), mx.nd.zeros((64, 512))])
     check("init from rank 0", kv.pull(3), np.ones(SHAPE))
-    # Under the flat layouts the small key lives in a bucket, across processes too (never split).
+    # Every worker pushes one value per local device: summed over all devices of all workers.
+    kv.push(3, [mx.nd.ones(SHAPE, mx.cpu(i)) * (rank + 1) for i in range(len(local))])
+    # Under the flat layouts the small key lives in a bucket from the first push on (inits
+    # keep arrays of their own until then), across processes too (never split).
     state = kv._state
     assert state.buckets == (0 if state.layout == "keys" else 1), (state.layout, state.buckets)
     assert state._flat is None or not state._flat.split
-    # Every worker pushes one value per local device: summed over all devices of all workers.
-    kv.push(3, [mx.nd.ones(SHAPE, mx.cpu(i)) * (rank + 1) for i in range(len(local))])
     total = len(local) * sum(r + 1 for r in range(workers))
     outs = [mx.nd.zeros(SHAPE, mx.cpu(i)) for i in range(len(local))]
     kv.pull(3, out=outs)
