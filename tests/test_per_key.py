@@ -124,6 +124,55 @@ def test_one_key_at_a_time_compiles_a_constant_and_no_more_than_a_list(
     assert counts[15] <= 20, counts
 
 
+@pytest.mark.parametrize("layout", ["auto", "flat", "keys"])
+def test_init_then_read_one_key_at_a_time_compiles_once_per_shape(devices, compiles, layout):
+    """MXNet's nightly KVStore tests: ``init(k)``, ``pull(k, out)`` and a read, key after key.
+    Each init used to lay out every key anew (one concatenation and one set of views over all
+    keys: two compiles per key, 410 for 200 keys, and minutes). Now a new key keeps an array
+    of its own until the next push, so the count is per shape, not per key; the push lays the
+    keys out in buckets once, with the same numbers."""
+    offset = 20 + ["auto", "flat", "keys"].index(layout)
+    small, big = (2, 3 + offset), (64, 512 + 8 * offset)  # big: above the big-array bound
+    kv = jaxkv.KVStore("device", devices, layout=layout)
+    counts = []
+    for n in (4, 24):
+        with compiles() as c:
+            for i in range(len(kv.keys()), n):
+                shape = small if i % 3 else big
+                kv.init(i, nd.array(np.full(shape, i, np.float32)))
+                out = nd.zeros(shape)
+                kv.pull(i, out=out)
+                np.testing.assert_array_equal(out.asnumpy(), np.full(shape, i, np.float32))
+        counts.append(c.count)
+    assert counts[1] <= 1, counts  # 20 more keys of the same shapes: nothing new to compile
+    # The first push lays the keys out, as a list init would have: the same buckets.
+    keys = list(range(24))
+    kv.push(keys, [nd.ones(kv._state.shapes[k]) for k in keys])
+    listed = jaxkv.KVStore("device", devices, layout=layout)
+    listed.init(keys, [nd.array(np.full(kv._state.shapes[k], k, np.float32)) for k in keys])
+    listed.push(keys, [nd.ones(kv._state.shapes[k]) for k in keys])
+    assert kv._state.buckets == listed._state.buckets and not kv._state.deferred
+    assert (layout == "keys") is (kv._state.buckets == 0)
+    for k in keys:
+        np.testing.assert_array_equal(kv.pull(k), listed.pull(k))
+        np.testing.assert_array_equal(np.asarray(kv.pull(k)), np.ones(kv._state.shapes[k]))
+
+
+def test_a_deferred_key_leaves_the_store_laid_out(devices):
+    """``kv.state`` (for the functional core) and saves see every key where the layout puts
+    it, even before a push: a jitted step on it keeps its tree from the first call on."""
+    kv = jaxkv.KVStore("device", devices, layout="flat")
+    kv.init("a", nd.ones((3,)))
+    kv.init("b", nd.ones((2, 2)))
+    assert kv._state.deferred and kv._state.buckets == 0
+    state = kv.state
+    assert not state.deferred and state.buckets == 1
+    pushed = jax.jit(lambda s: jaxkv.push(s, "a", [jax.numpy.ones(3)]))(state)
+    assert jax.tree_util.tree_structure(pushed) == jax.tree_util.tree_structure(state)
+    np.testing.assert_array_equal(jaxkv.pull(pushed, "a"), np.ones(3))
+    np.testing.assert_array_equal(jaxkv.pull(pushed, "b"), np.ones((2, 2)))
+
+
 @pytest.mark.parametrize("layout", ["auto", "keys"])
 @pytest.mark.parametrize("opt", ["assign", "mx_sgd", "optax_adam"])
 def test_held_calls_give_what_calls_run_one_by_one_give(devices, layout, opt):
