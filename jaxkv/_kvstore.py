@@ -227,8 +227,10 @@ class KVStore:
         Later updates of this store never invalidate it.
         """
         with self._lock:
-            # Each key pushed alone, a group of its own; keys inited one at a time laid out.
-            state = _perkey.alone(self._state).settled()
+            # Keys inited one at a time laid out (kept so: the same state until a change),
+            # and each key pushed alone a group of its own.
+            self._stored = self._state.settled()
+            state = _perkey.alone(self._stored)
             self._share(state)
             return state
 
