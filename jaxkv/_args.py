@@ -85,14 +85,13 @@ def group(
     """Validated contributions per distinct key, in a canonical (sorted) key order; a key of
     ``pending`` (inits not yet run: key -> value) is checked against that value."""
     grouped: dict[Key, list[jax.Array]] = {}
-    types = state._stored_types()
     for key, vs in pairs(keys, values, "values"):
         if pending and key in pending:
             stored = pending[key]
             whole = stored.shape
         else:
             i = state.index(key)
-            stored, whole = types[i], state._shapes[i]
+            stored, whole = state._stored_type(i), state._shapes[i]
         arrays = []
         for n, v in enumerate(vs):
             x = as_array(v)

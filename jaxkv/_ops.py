@@ -178,8 +178,7 @@ def push(
     index = [state.index(k) for k in grouped]
     flat = state._flat is not None
     if flat:  # its views are slices of the buckets: made inside the push's computation
-        types = state._stored_types()
-        stored = [types[i] for i in index]
+        stored = [state._stored_type(i) for i in index]
         traced = any(is_traced(x) for x in jax.tree_util.tree_leaves(state))
     else:
         stored = [state._values[i] for i in index]

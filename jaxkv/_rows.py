@@ -588,7 +588,7 @@ def _push(
     ``(given, checked)``, the ids to pull per device as given and checked on the host.
     ``checked``: the pairs' ids, already checked on the host (:func:`check_push`)."""
     key, i, shape, pairs, group = _opened(state, key, row_ids, rows, updater)
-    dtype = state._stored_types()[i].dtype
+    dtype = state._stored_type(i).dtype
     optax_push = isinstance(updater, optax.GradientTransformation)
     traced = (
         _traced_leaves(state)
@@ -686,7 +686,7 @@ def check_push(state: KVState, key: Any, row_ids: Any, rows: Any, updater: Any) 
     checked ids on the host, one array per pair, for :func:`pushpull_checked`."""
     key, i, shape, pairs, _ = _opened(state, key, row_ids, rows, updater)
     with _checking(state, key):
-        host = _host_pairs(key, shape, state._stored_types()[i].dtype, pairs)
+        host = _host_pairs(key, shape, state._stored_type(i).dtype, pairs)
     return [x for x, _ in host]
 
 
@@ -753,7 +753,7 @@ def _owners_alone(
     if not isinstance(updater, optax.GradientTransformation):
         return True
     opt = state._opt_states[n]  # type: ignore[index]
-    name = np.dtype(state._stored_types()[state.index(key)].dtype).name
+    name = np.dtype(state._stored_type(state.index(key)).dtype).name
     sig = _structure(opt)
     try:
         return _elementwise_rows(updater, key, tuple(shape), name, sig)
@@ -876,7 +876,7 @@ def _across_pairs(
     process and the busiest route of a sharded table, agreed (:func:`_agreed`)."""
     local = _local_devices(state)
     placed = [next(iter(r.devices())) if len(r.devices()) == 1 else None for _, r in host]
-    dtype = state._stored_types()[state.index(key)].dtype
+    dtype = state._stored_type(state.index(key)).dtype
     if len(host) == len(local) and placed == local:
         pairs = [(ids, r.astype(dtype)) for ids, r in host]
     else:
@@ -978,7 +978,7 @@ def _push_traced(
     group: tuple[Key, ...] | None,
 ) -> KVState:
     """``push_rows`` inside the caller's trace (``jit``, ``pmap`` or ``shard_map``)."""
-    dtype = state._stored_types()[state.index(key)].dtype
+    dtype = state._stored_type(state.index(key)).dtype
     ids_list, rows_list = [], []
     for n, (ids, r) in enumerate(pairs):
         ids = _traced_ids(ids)

@@ -350,20 +350,21 @@ class KVState:
         """Each key's stored value, or under a flat layout, for a key in a bucket, a
         ``jax.ShapeDtypeStruct`` of it: what a check of shapes and dtypes needs, with no
         computation."""
+        if self._flat is None:
+            return self._leaves
+        return tuple(self._stored_type(i) for i in range(len(self._keys)))
+
+    def _stored_type(self, i: int) -> Any:
+        """:meth:`_stored_types` of the key at position ``i`` alone."""
         flat = self._flat
         if flat is None:
-            return self._leaves
-        nb = len(flat.buckets)
-        out = []
-        for i, ((b, j, _), shape, name) in enumerate(zip(flat.where, flat.shapes, flat.dtypes)):
-            if b < 0:
-                out.append(self._leaves[nb + j])
-            elif self._chunked(i):  # inside shard_map: its block of the split bucket
-                block = _fl.block_shape(shape, flat.parts_of(b))
-                out.append(jax.ShapeDtypeStruct(block, np.dtype(name)))
-            else:
-                out.append(jax.ShapeDtypeStruct(shape, np.dtype(name)))
-        return tuple(out)
+            return self._leaves[i]
+        (b, j, _), shape, name = flat.where[i], flat.shapes[i], flat.dtypes[i]
+        if b < 0:
+            return self._leaves[len(flat.buckets) + j]
+        if self._chunked(i):  # inside shard_map: its block of the split bucket
+            return jax.ShapeDtypeStruct(_fl.block_shape(shape, flat.parts_of(b)), np.dtype(name))
+        return jax.ShapeDtypeStruct(shape, np.dtype(name))
 
     def _leaf_specs(self, axis_name: Any) -> KVState:
         """This state with each leaf's ``PartitionSpec`` in its place (see ``jaxkv.specs``):
