@@ -796,6 +796,9 @@ class Test(Optimizer):
         super().__init__(**kwargs)
         self.lazy_update = True
 
+    def _repr_args(self) -> dict[str, object]:
+        return {}  # it uses none of the learning rate, wd and clipping
+
     def _build(self, row_sparse: bool) -> optax.GradientTransformation:
         rescale, begin = self.rescale_grad, self.begin_num_update
 
