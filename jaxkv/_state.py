@@ -72,6 +72,43 @@ def _is_sharded(shape: tuple[int, ...], n: int, bound: int | None) -> bool:
     )
 
 
+@functools.lru_cache(maxsize=256)
+def _bucketed(
+    policy: Policy,
+    compression: tuple | None,
+    bound: int | None,
+    devices: tuple[jax.Device, ...],
+    shapes: tuple[tuple[int, ...], ...],
+) -> tuple[bool, ...]:
+    """Whether ``policy`` puts a value of each shape in a bucket (``KVState._bucketed``)."""
+    _, below, split = policy
+    if below is None or compression is not None:
+        return (False,) * len(shapes)
+    # Across processes values stay whole in each (as per key: a split would cost an
+    # all-gather at each pull and save nothing in the push).
+    split = split and not _spans_processes(devices)
+    n = len(devices)
+    return tuple(
+        math.prod(shape) < below and (split or not _is_sharded(shape, n, bound)) for shape in shapes
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _deferred(
+    policy: Policy,
+    compression: tuple | None,
+    bound: int | None,
+    devices: tuple[jax.Device, ...],
+    shapes: tuple[tuple[int, ...], ...],
+    flat: _fl.FlatLayout | None,
+) -> bool:
+    """``KVState.deferred``: whether a key that ``policy`` puts in a bucket lies outside
+    ``flat``'s buckets. Cached: a push's state shares its layout with the state pushed."""
+    inside = set(_fl.in_buckets(flat)) if flat is not None else set()
+    bucketed = _bucketed(policy, compression, bound, devices, shapes)
+    return any(b and i not in inside for i, b in enumerate(bucketed))
+
+
 @functools.lru_cache(maxsize=64)
 def _mesh(devices: tuple[jax.Device, ...]) -> Mesh:
     return Mesh(np.array(devices, dtype=object), (AXIS,))
@@ -602,10 +639,9 @@ class KVState:
             compression,
             self._in_buckets() if defer else None,
         )
-        kept = self._same_buckets(keys, flat)
-        leaves = self._kept_buckets(keys, values, flat) if kept and flat is not None else None
+        leaves = self._kept_buckets(keys, values, flat)
+        kept = leaves is not None
         if leaves is None:
-            kept = False
             leaves = self._new_leaves(keys, values, flat)
         old_n = {g: n for n, g in enumerate(self._groups)}
         opts, packings = [], []
@@ -709,16 +745,8 @@ class KVState:
     def _bucketed(self, shapes: Sequence[tuple[int, ...]], compression: Any = _KEEP) -> list[bool]:
         """Whether this state's policy puts a value of each shape in a bucket (with this
         state's compression, or ``compression``)."""
-        _, below, split = self._policy
         compression = self._compression if compression is _KEEP else compression
-        if below is None or compression is not None:
-            return [False] * len(shapes)
-        # Across processes values stay whole in each (as per key: a split would cost an
-        # all-gather at each pull and save nothing in the push).
-        split = split and not _spans_processes(self._devices)
-        return [
-            math.prod(shape) < below and (split or not self.is_sharded(shape)) for shape in shapes
-        ]
+        return list(_bucketed(self._policy, compression, self._bound, self._devices, tuple(shapes)))
 
     def _in_buckets(self) -> frozenset[Key]:
         """The keys that live in buckets."""
@@ -731,11 +759,14 @@ class KVState:
     def deferred(self) -> bool:
         """Whether some keys keep arrays of their own that this state's policy would put in
         buckets (added with :meth:`replace`'s ``defer``): :meth:`settled` lays them out."""
-        if self._deferral is None:
-            flat = self._flat
-            inside = set(_fl.in_buckets(flat)) if flat is not None else set()
-            deferral = any(
-                b and i not in inside for i, b in enumerate(self._bucketed(self._shapes))
+        if self._deferral is None:  # asked at every push: cached by layout, not per state
+            deferral = _deferred(
+                self._policy,
+                self._compression,
+                self._bound,
+                self._devices,
+                self._shapes,
+                self._flat,
             )
             object.__setattr__(self, "_deferral", deferral)
         return bool(self._deferral)
@@ -749,29 +780,24 @@ class KVState:
             return self
         return self.replace()
 
-    def _same_buckets(self, keys: tuple[Key, ...], flat: _fl.FlatLayout | None) -> bool:
-        """Whether ``flat`` has this state's buckets, each holding the same keys in the same
-        places (only keys of their own added, removed or moved)."""
+    def _kept_buckets(
+        self, keys: tuple[Key, ...], values: dict[Key, Any], flat: _fl.FlatLayout | None
+    ) -> list[Any] | None:
+        """The leaves of a state of ``keys`` in ``flat`` where ``flat`` has this state's
+        buckets, each holding the same keys in the same places (only keys of their own added,
+        removed or moved) and no key in a bucket gets a value: the buckets as they are, and
+        each key of its own's array. ``None`` otherwise (:meth:`_new_leaves` makes them)."""
         old = self._flat
         if flat is None or old is None or flat is old:
-            return False
+            return None
         if flat.buckets != old.buckets or flat.parts != old.parts:
-            return False
+            return None
         mine = {self._keys[i]: old.where[i] for i in _fl.in_buckets(old)}
         theirs = _fl.in_buckets(flat)
-        return len(theirs) == len(mine) and all(mine.get(keys[i]) == flat.where[i] for i in theirs)
-
-    def _kept_buckets(
-        self, keys: tuple[Key, ...], values: dict[Key, Any], flat: _fl.FlatLayout
-    ) -> list[Any] | None:
-        """The leaves of a state of ``keys`` in ``flat``, which has this state's buckets
-        (:meth:`_same_buckets`): the buckets as they are, and each key of its own's array; or
-        ``None`` where a value for a key in a bucket is given (it is written in place)."""
-        inside = self._in_buckets()
-        if any(k in inside for k in values):
+        if len(theirs) != len(mine) or any(mine.get(keys[i]) != flat.where[i] for i in theirs):
             return None
-        old = self._flat
-        assert old is not None  # _same_buckets says so
+        if any(k in mine for k in values):  # written into its bucket in place
+            return None
         nb = len(old.buckets)
         index = self._index
         own = []
