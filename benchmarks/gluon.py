@@ -180,6 +180,27 @@ def maxrss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def reset_peak() -> bool:
+    """Start the process's peak resident set afresh from now (Linux's ``clear_refs``: 5 resets
+    ``VmHWM``, and ``ru_maxrss`` with it: read the start-up's peak first); False where that is
+    not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_since_reset() -> int:
+    """The peak resident set since :func:`reset_peak` (``VmHWM``), bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmHWM in /proc/self/status")
+
+
 def rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -251,6 +272,7 @@ def loop(mx, kvtype: str, devices: int, work: list, steps: int, events: Events) 
         workers=kv.num_workers,
     )
     events.phase = "steps"
+    steady = reset_peak()  # the steps' own peak from here, beside the whole run's
     before = events.compiles()
     step()  # warm-up
     warmup_compiles = since(before)
@@ -282,6 +304,7 @@ def loop(mx, kvtype: str, devices: int, work: list, steps: int, events: Events) 
         outs_agree=bool(same and first_same),
         grads_kept=kept,
         workers=kv.num_workers,
+        steps_peak=peak_since_reset() if steady else None,
     )
     events.stop()
 
@@ -691,14 +714,20 @@ def held_bytes(row: dict, one: int) -> int:
 
 
 def _peak(row: dict, one: int) -> tuple[str, str]:
-    """The peak-RSS cells: (start-up, end in MB; above the start over the data held)."""
+    """The peak-RSS cells: (start-up, steps in MB; each above the start over the data held).
+    The steps' peak is their own (``steps_peak``: reset once the start-up was over)."""
     res = row["res"] or {}
     s, r, last = res.get("startup"), res.get("result"), res.get("last")
     if not s:
         return (f"{last['maxrss'] / 1e6:.0f} (so far)" if last else "—"), ""
-    end = (r or last or s)["maxrss"]
     held = held_bytes(row, one)
-    return f"{s['maxrss'] / 1e6:.0f}, {end / 1e6:.0f}", f"{(end - s['base_rss']) / held:.2f}x"
+    start = s["maxrss"]
+    steps = r and (r.get("steps_peak") or r["maxrss"])
+    mb = f"{start / 1e6:.0f}, " + (f"{steps / 1e6:.0f}" if steps else "—")
+    above = f"{(start - s['base_rss']) / held:.2f}x, " + (
+        f"{(steps - s['base_rss']) / held:.2f}x" if steps else "—"
+    )
+    return mb, above
 
 
 def report(sec: dict) -> list[str]:
@@ -728,16 +757,17 @@ def report(sec: dict) -> list[str]:
         "",
         f"Data the `device` loop must hold: {_mb(held)} MB (stored weights and momentum "
         f"{_mb(data['store'])} MB, {D} outs and {D} gradients of every key "
-        f"{_mb(data['outs'] + data['grads'])} MB). Peak RSS: the process's "
-        "`ru_maxrss` after start-up and at the end; 'above start / data': the end's peak less "
-        "the resident set once the runtime had started (before any array existed), over the "
+        f"{_mb(data['outs'] + data['grads'])} MB). Peak RSS: the process's peak resident set "
+        "during start-up (`ru_maxrss`) and during the steps alone (`VmHWM`, reset once the "
+        "start-up was over); 'above start / data': each peak less the resident set once the "
+        "runtime had started (before any array existed), over the "
         "data the process must hold (in dist_sync: per worker, its devices' outs and "
         "gradients, and the stored weights and momentum but in MXNet's workers, whose servers "
         "hold them).",
         "",
         "| store | side | start-up s | init s | first step s | compiles | steady ms/step | "
-        "MXNet / this | peak RSS MB (start-up, end) | above start / data | values vs model | "
-        "vs MXNet | outs agree |",
+        "MXNet / this | peak RSS MB (start-up, steps) | above start / data (start-up, steps) | "
+        "values vs model | vs MXNet | outs agree |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in sec["rows"]:
