@@ -680,16 +680,15 @@ class KVStore:
     # -- internals -------------------------------------------------------------------------
     def _keeps_values(self) -> bool:
         """Whether this store keeps its values at each push and lends them to outs, decided at
-        its first push or pull: yes where no value is split across devices (a pull into outs
-        can then hand out the stored arrays as they are, MXNet's usual push-then-pull loop
-        copies nothing, and a push holds the old and new values as a donating push followed by
-        a copying pull would); no otherwise (split values are gathered into fresh copies at
-        each pull anyway, and donating them saves their memory)."""
+        its first push or pull: yes where no value is split across devices, in one process or
+        several (a pull into outs can then hand out the stored arrays as they are, MXNet's
+        usual push-then-pull loop copies nothing, and a push holds the old and new values as a
+        donating push followed by a copying pull would); no otherwise (split values are
+        gathered into fresh copies at each pull anyway, and donating them saves their
+        memory)."""
         if self._keep_values is None:
             state = self._state
-            self._keep_values = jax.process_count() == 1 and not any(
-                state._is_split(i) for i in range(len(state._shapes))
-            )
+            self._keep_values = not any(state._is_split(i) for i in range(len(state._shapes)))
         return self._keep_values
 
     def _share(self, state: KVState) -> None:
@@ -876,9 +875,11 @@ class KVStore:
     def _fill(self, pairs: list[tuple[Key, list]]) -> None:
         """Give each (checked) out the value of its key, on the out's own device.
 
-        Replicated values are copied in one computation. Sharded values are all-gathered a
-        few at a time and handed out at once, so the outs' previous arrays are released as the
-        new ones arrive, and a pull never holds two full sets of outs.
+        Replicated values are handed out as they are where the store lends them (and a key
+        read through a view of its bucket always: a fresh array), else copied in one
+        computation. Sharded values are all-gathered a few at a time and handed out at once,
+        so the outs' previous arrays are released as the new ones arrive, and a pull never
+        holds two full sets of outs.
         """
         state = self._state
         outs_of: dict[Any, list[NDArray]] = {}
@@ -909,7 +910,7 @@ class KVStore:
         # One copy computation for all replicated values, then the sharded ones in chunks:
         # chunking everything together measured ~30% slower on ResNet-50.
         if small:
-            hand_out(small, _arrays.replicated_copies(state, small))
+            hand_out(small, self._handed(state, small))
         chunk, size = [], 0
         for i, key in enumerate(big):
             chunk.append(key)
@@ -917,6 +918,23 @@ class KVStore:
             if size >= _GATHER_CHUNK_BYTES or i == len(big) - 1:
                 hand_out(chunk, _arrays.replicated_copies(state, chunk))
                 chunk, size = [], 0
+
+    def _handed(self, state: KVState, keys: list[Key]) -> list[jax.Array]:
+        """What the outs of ``keys`` (none split across devices) receive: a key read through a
+        view of its bucket, that view (a fresh array no push donates); a key kept as an array
+        of its own, the stored array itself where the store lends its values, else a copy (one
+        computation for all of them)."""
+        values = [state[k] for k in keys]
+        if self._keeps_values():
+            return values
+        layout = state._flat
+        own = [
+            j for j, k in enumerate(keys) if layout is None or layout.where[state.index(k)][0] < 0
+        ]
+        if own:
+            for j, x in zip(own, _arrays.copies([values[j] for j in own])):
+                values[j] = x
+        return values
 
 
 def _set(out: NDArray, x: jax.Array, device: Any) -> None:

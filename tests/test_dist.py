@@ -17,6 +17,7 @@ def test_dist_sync_job(n):
             "init from rank 0",
             "push sums over workers",
             "sharded value with sgd",
+            "outs lent and kept",
             "broadcast f",
             "broadcast b",
             "broadcast i",

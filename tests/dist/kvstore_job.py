@@ -45,6 +45,20 @@ def main():
     kv.set_optimizer(optax.sgd(0.5))
     kv.push(5, mx.nd.ones((64, 512)))
     check("sharded value with sgd", kv.pull(5), np.full((64, 512), -0.5 * workers))
+    # No value is split across the processes' devices, so the store lends its values to the
+    # outs of a pull (a key of its own: the stored buffer itself, no copy), and a push keeps
+    # them: the outs stay as they were.
+    out = mx.nd.zeros((64, 512))
+    kv.pull(5, out=out)
+    before = out.asnumpy()
+    state = kv._state
+    if state._flat is None or state._flat.where[state.index(5)][0] < 0:
+        stored = state[5].addressable_shards[0].data
+        assert out.asjax().unsafe_buffer_pointer() == stored.unsafe_buffer_pointer()
+    kv.push(5, mx.nd.ones((64, 512)))
+    mx.nd.waitall()
+    assert not out.asjax().is_deleted()
+    check("outs lent and kept", out.asnumpy(), before)
     # Host-side collectives: rank 0's values bit for bit (-0.0, a NaN's payload, bools, ints,
     # a scalar, an empty array), every process's values gathered in order, and barriers of
     # different names refused on every process (they run different code).
