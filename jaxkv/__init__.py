@@ -4,36 +4,36 @@ A functional core (:class:`KVState`, :func:`init`, :func:`push`, :func:`pull`, .
 training loops, and an imperative :class:`KVStore` with MXNet's API (:func:`create`).
 """
 
-from . import _dist  # noqa: F401  (first: joins a jaxkv.launch job before JAX starts)
-from . import nd as nd
-from ._checkpoint import load_state as load_state
-from ._checkpoint import save_state as save_state
-from ._context import Context as Context
-from ._context import cpu as cpu
-from ._context import current_context as current_context
-from ._context import gpu as gpu
-from ._errors import DuplicateKeyError as DuplicateKeyError
-from ._errors import KeyTypeError as KeyTypeError
-from ._errors import KVStoreError as KVStoreError
-from ._errors import ShapeError as ShapeError
-from ._errors import UnknownKeyError as UnknownKeyError
-from ._kvstore import KVStore as KVStore
-from ._kvstore import create as create
-from ._ops import Updater as Updater
-from ._ops import gather as gather
-from ._ops import init as init
-from ._ops import init_optimizer as init_optimizer
-from ._ops import pull as pull
-from ._ops import pull_rows as pull_rows
-from ._ops import push as push
-from ._ops import push_rows as push_rows
-from ._ops import pushpull as pushpull
-from ._ops import pushpull_rows as pushpull_rows
-from ._ops import row_sparse_pull as row_sparse_pull
-from ._ops import specs as specs
-from ._state import KVState as KVState
-from ._state import empty as empty
-from ._update import pure_updater as pure_updater
+from jaxkv import _dist  # noqa: F401  (first: joins a jaxkv.launch job before JAX starts)
+from jaxkv import nd as nd
+from jaxkv._checkpoint import load_state as load_state
+from jaxkv._checkpoint import save_state as save_state
+from jaxkv._context import Context as Context
+from jaxkv._context import cpu as cpu
+from jaxkv._context import current_context as current_context
+from jaxkv._context import gpu as gpu
+from jaxkv._errors import DuplicateKeyError as DuplicateKeyError
+from jaxkv._errors import KeyTypeError as KeyTypeError
+from jaxkv._errors import KVStoreError as KVStoreError
+from jaxkv._errors import ShapeError as ShapeError
+from jaxkv._errors import UnknownKeyError as UnknownKeyError
+from jaxkv._kvstore import KVStore as KVStore
+from jaxkv._kvstore import create as create
+from jaxkv._ops import Updater as Updater
+from jaxkv._ops import gather as gather
+from jaxkv._ops import init as init
+from jaxkv._ops import init_optimizer as init_optimizer
+from jaxkv._ops import pull as pull
+from jaxkv._ops import pull_rows as pull_rows
+from jaxkv._ops import push as push
+from jaxkv._ops import push_rows as push_rows
+from jaxkv._ops import pushpull as pushpull
+from jaxkv._ops import pushpull_rows as pushpull_rows
+from jaxkv._ops import row_sparse_pull as row_sparse_pull
+from jaxkv._ops import specs as specs
+from jaxkv._state import KVState as KVState
+from jaxkv._state import empty as empty
+from jaxkv._update import pure_updater as pure_updater
 
 
 def _version() -> str:

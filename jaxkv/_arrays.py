@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from . import _dist
-from ._args import is_traced
-from ._errors import KVStoreError
-from ._fast import assemble, per_device, single_device
-from ._state import Key, KVState, _mesh
+from jaxkv import _dist
+from jaxkv._args import is_traced
+from jaxkv._errors import KVStoreError
+from jaxkv._fast import assemble, per_device, single_device
+from jaxkv._state import Key, KVState, _mesh
 
 __all__ = [
     "copies",

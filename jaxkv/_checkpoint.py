@@ -23,11 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _orbax
-from ._arrays import host_copy
-from ._compression import residual_layout
-from ._errors import KVStoreError
-from ._state import Key, KVState, check_compressible, compression_config
+from jaxkv import _orbax
+from jaxkv._arrays import host_copy
+from jaxkv._compression import residual_layout
+from jaxkv._errors import KVStoreError
+from jaxkv._state import Key, KVState, check_compressible, compression_config
 
 __all__ = ["load", "load_state", "save", "save_state"]
 

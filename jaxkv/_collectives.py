@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._errors import KVStoreError
-from ._fast import varying_axes
-from ._state import AXIS, BIGARRAY_BOUND, KVState
+from jaxkv._errors import KVStoreError
+from jaxkv._fast import varying_axes
+from jaxkv._state import AXIS, BIGARRAY_BOUND, KVState
 
 __all__ = [
     "axis_arg",

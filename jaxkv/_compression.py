@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from . import _dist
-from ._arrays import stacked, stacked_sharding
-from ._errors import KVStoreError
-from ._fast import single_device
-from ._state import (
+from jaxkv import _dist
+from jaxkv._arrays import stacked, stacked_sharding
+from jaxkv._errors import KVStoreError
+from jaxkv._fast import single_device
+from jaxkv._state import (
     AXIS,
     Key,
     KVState,

@@ -10,7 +10,7 @@ import threading
 
 import jax
 
-from ._errors import KVStoreError
+from jaxkv._errors import KVStoreError
 
 __all__ = ["Context", "cpu", "current_context", "gpu"]
 

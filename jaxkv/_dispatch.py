@@ -25,13 +25,13 @@ from typing import Any, cast
 import jax
 import optax
 
-from ._args import devices_of, group
-from ._arrays import copies, stacked_sharding
-from ._errors import KVStoreError
-from ._fast import all_eager, assemble, per_device, single_device
-from ._push import Donate, Kind, flat_push_fn, push_fn
-from ._state import KVState, normalize_key
-from ._update import optimizer_group
+from jaxkv._args import devices_of, group
+from jaxkv._arrays import copies, stacked_sharding
+from jaxkv._errors import KVStoreError
+from jaxkv._fast import all_eager, assemble, per_device, single_device
+from jaxkv._push import Donate, Kind, flat_push_fn, push_fn
+from jaxkv._state import KVState, normalize_key
+from jaxkv._update import optimizer_group
 
 __all__ = ["NO_PLAN", "prepare_fill", "pull", "push"]
 

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _dist
+from jaxkv import _dist
 
 Key = Hashable  # an int or a str (``_state.Key``; this module sits below ``_state.py``)
 

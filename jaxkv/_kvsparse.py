@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ops, _rows
-from ._errors import ShapeError
-from ._nd import NDArray
-from ._rows import _fetched, _host_ids
-from ._sparse import RowSparseNDArray
-from ._state import Key, KVState
+from jaxkv import _ops, _rows
+from jaxkv._errors import ShapeError
+from jaxkv._nd import NDArray
+from jaxkv._rows import _fetched, _host_ids
+from jaxkv._sparse import RowSparseNDArray
+from jaxkv._state import Key, KVState
 
 __all__ = [
     "Held",
@@ -125,7 +125,7 @@ def push(state: KVState, key: Key, values: list, updater: Any, lazy: bool, donat
 
 
 def _as_row_sparse(x: Any) -> RowSparseNDArray:
-    from ._sparse import from_dense
+    from jaxkv._sparse import from_dense
 
     data = x._data if isinstance(x, NDArray) else jnp.asarray(x)
     return from_dense(data)

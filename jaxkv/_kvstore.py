@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import optax
 
-from . import (
+from jaxkv import (
     _args,
     _arrays,
     _checkpoint,
@@ -34,12 +34,12 @@ from . import (
     _perkey,
     _queue,
 )
-from ._errors import KVStoreError, ShapeError
-from ._mxopt import Optimizer as MXNetOptimizer
-from ._nd import NDArray, _unwrap
-from ._push import KEEP_VALUES, check_laid_out
-from ._state import BIGARRAY_BOUND, Key, KVState, _spans_processes, empty
-from ._update import is_pure_updater, optimizer_group, updater_name
+from jaxkv._errors import KVStoreError, ShapeError
+from jaxkv._mxopt import Optimizer as MXNetOptimizer
+from jaxkv._nd import NDArray, _unwrap
+from jaxkv._push import KEEP_VALUES, check_laid_out
+from jaxkv._state import BIGARRAY_BOUND, Key, KVState, _spans_processes, empty
+from jaxkv._update import is_pure_updater, optimizer_group, updater_name
 
 __all__ = ["KVStore", "create"]
 

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._errors import KVStoreError
+from jaxkv._errors import KVStoreError
 
 __all__ = [
     "SGD",

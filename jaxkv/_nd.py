@@ -27,8 +27,8 @@ import numpy as np
 import numpy.typing as npt
 from jax.typing import ArrayLike
 
-from ._context import Context, current_context
-from ._errors import KVStoreError, ShapeError
+from jaxkv._context import Context, current_context
+from jaxkv._errors import KVStoreError, ShapeError
 
 __all__ = ["NDArray", "arange", "array", "empty", "full", "ones", "waitall", "zeros"]
 
@@ -198,7 +198,7 @@ class NDArray:
         if stype == "default":
             return self.copy()
         if stype == "row_sparse":
-            from ._sparse import from_dense
+            from jaxkv._sparse import from_dense
 
             return from_dense(self._data, self._dtype)
         raise stype_error("tostype", stype)
@@ -400,7 +400,7 @@ def zeros(
         if stype != "row_sparse":
             raise stype_error("zeros", stype)
         _check_kwargs("zeros", kwargs)
-        from ._sparse import zeros as sparse_zeros
+        from jaxkv._sparse import zeros as sparse_zeros
 
         return sparse_zeros("row_sparse", shape, ctx, dtype)
     _check_kwargs("zeros", kwargs)
@@ -473,7 +473,7 @@ def array(
       (dtype('int64'), [3, 1])
     """
     if getattr(source, "stype", "default") == "row_sparse":
-        from ._sparse import array as sparse_array
+        from jaxkv._sparse import array as sparse_array
 
         return sparse_array(source, ctx, dtype)
     if isinstance(source, NDArray | jax.Array):
@@ -515,7 +515,7 @@ def arange(
 def waitall() -> None:
     """Wait until every computation issued so far has finished (a store's held calls run
     first)."""
-    from . import _queue  # (the stores import this module)
+    from jaxkv import _queue  # (the stores import this module)
 
     _queue.run_everything_held()
     jax.block_until_ready(jax.live_arrays())

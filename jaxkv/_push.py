@@ -18,16 +18,16 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _dist
-from ._arrays import host_empty, place, stacked
-from ._bucket import update_bucket
-from ._collectives import scatters, sum_over_devices
-from ._compression import compress, exchange, layout_compressed, on_one_device
-from ._errors import KVStoreError
-from ._fast import single_device
-from ._flat import as_blocks, block, from_blocks
-from ._state import Key, KVState
-from ._update import apply_updater
+from jaxkv import _dist
+from jaxkv._arrays import host_empty, place, stacked
+from jaxkv._bucket import update_bucket
+from jaxkv._collectives import scatters, sum_over_devices
+from jaxkv._compression import compress, exchange, layout_compressed, on_one_device
+from jaxkv._errors import KVStoreError
+from jaxkv._fast import single_device
+from jaxkv._flat import as_blocks, block, from_blocks
+from jaxkv._state import Key, KVState
+from jaxkv._update import apply_updater
 
 __all__ = ["KEEP_VALUES", "check_laid_out", "init_opt_states", "push_eager", "push_eager_flat"]
 

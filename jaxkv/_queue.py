@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _dist
-from ._errors import KVStoreError
-from ._state import Key
+from jaxkv import _dist
+from jaxkv._errors import KVStoreError
+from jaxkv._state import Key
 
 __all__ = ["Held", "agree", "holding", "run_everything_held"]
 

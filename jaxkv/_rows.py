@@ -37,16 +37,16 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _dist
-from ._args import as_array, devices_of, is_traced
-from ._arrays import replicate
-from ._bucket import abstract as _abstract
-from ._bucket import elementwise as _elementwise
-from ._bucket import structure as _structure
-from ._collectives import axis_names, unsummed_axes
-from ._errors import KVStoreError, ShapeError
-from ._fast import assemble, per_device
-from ._rowmath import (
+from jaxkv import _dist
+from jaxkv._args import as_array, devices_of, is_traced
+from jaxkv._arrays import replicate
+from jaxkv._bucket import abstract as _abstract
+from jaxkv._bucket import elementwise as _elementwise
+from jaxkv._bucket import structure as _structure
+from jaxkv._collectives import axis_names, unsummed_axes
+from jaxkv._errors import KVStoreError, ShapeError
+from jaxkv._fast import assemble, per_device
+from jaxkv._rowmath import (
     Where,
     bucket_keep,
     bucket_pusher,
@@ -67,9 +67,9 @@ from ._rowmath import (
     take,
     update_rows,
 )
-from ._state import Key, KVState, normalize_key
-from ._state import _spans_processes as _state_spans_processes
-from ._update import optimizer_group
+from jaxkv._state import Key, KVState, normalize_key
+from jaxkv._state import _spans_processes as _state_spans_processes
+from jaxkv._update import optimizer_group
 
 __all__ = ["pull_rows", "push_rows", "pushpull_rows", "row_sparse_pull"]
 
@@ -611,7 +611,7 @@ def _push(
     if _spans_processes(state):  # agreed before anything runs (init_opt_states may compute)
         across = _across_pairs(state, key, shape, host)
     if optax_push and state.opt_group(key) is None:
-        from ._push import init_opt_states
+        from jaxkv._push import init_opt_states
 
         state = init_opt_states(state, updater, (key,))
     leaf = _own_leaf(state, i)

@@ -54,9 +54,9 @@ import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
 
-from ._context import Context
-from ._errors import KVStoreError, ShapeError
-from ._nd import (
+from jaxkv._context import Context
+from jaxkv._errors import KVStoreError, ShapeError
+from jaxkv._nd import (
     NDArray,
     _ctx,
     _declared,
@@ -67,7 +67,7 @@ from ._nd import (
     _unwrap,
     stype_error,
 )
-from ._nd import zeros as _dense_zeros
+from jaxkv._nd import zeros as _dense_zeros
 
 __all__ = [
     "RowSparseNDArray",
@@ -713,7 +713,7 @@ def row_sparse_array(
     if isinstance(arg1, RowSparseNDArray):
         _check_shape(arg1.shape, shape, where)
         return array(arg1, ctx, dtype)
-    from ._nd import array as dense_array
+    from jaxkv._nd import array as dense_array
 
     if dtype is None and isinstance(arg1, NDArray | np.ndarray | jax.Array):
         dtype = arg1.dtype

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._bucket import update_bucket
-from ._collectives import (
+from jaxkv._bucket import update_bucket
+from jaxkv._collectives import (
     _SCATTER_FUSE_LIMIT,
     axis_arg,
     axis_names,
@@ -42,12 +42,12 @@ from ._collectives import (
     fused_psum_scatter,
     unsummed_axes,
 )
-from ._errors import KVStoreError
-from ._fast import all_gather_invariant
-from ._flat import as_blocks, block_shape, from_blocks
-from ._local import is_blockwise, run_on_blocks
-from ._state import Key, KVState
-from ._update import apply_updater
+from jaxkv._errors import KVStoreError
+from jaxkv._fast import all_gather_invariant
+from jaxkv._flat import as_blocks, block_shape, from_blocks
+from jaxkv._local import is_blockwise, run_on_blocks
+from jaxkv._state import Key, KVState
+from jaxkv._update import apply_updater
 
 __all__ = ["gather", "is_block", "push_in_trace"]
 

@@ -10,9 +10,9 @@ from typing import Any, Protocol
 import jax
 import optax
 
-from ._args import as_array
-from ._errors import KVStoreError, ShapeError
-from ._state import Key, KVState
+from jaxkv._args import as_array
+from jaxkv._errors import KVStoreError, ShapeError
+from jaxkv._state import Key, KVState
 
 __all__ = [
     "Updater",

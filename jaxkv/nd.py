@@ -7,15 +7,15 @@
 
 import sys
 
-from . import _sparse as sparse
-from ._nd import NDArray as NDArray
-from ._nd import arange as arange
-from ._nd import array as array
-from ._nd import empty as empty
-from ._nd import full as full
-from ._nd import ones as ones
-from ._nd import waitall as waitall
-from ._nd import zeros as zeros
+from jaxkv import _sparse as sparse
+from jaxkv._nd import NDArray as NDArray
+from jaxkv._nd import arange as arange
+from jaxkv._nd import array as array
+from jaxkv._nd import empty as empty
+from jaxkv._nd import full as full
+from jaxkv._nd import ones as ones
+from jaxkv._nd import waitall as waitall
+from jaxkv._nd import zeros as zeros
 
 sys.modules[__name__ + ".sparse"] = sparse
 

@@ -5,15 +5,15 @@ Provides ``mx.kv.create``, ``mx.nd.*``, ``mx.cpu``, ``mx.gpu``, ``mx.Context``,
 numbers, for ``kv.set_optimizer``).
 """
 
-from .. import nd as nd
-from .._context import Context as Context
-from .._context import cpu as cpu
-from .._context import current_context as current_context
-from .._context import gpu as gpu
-from .._errors import KVStoreError as MXNetError
-from . import context as context
-from . import kv as kv
-from . import optimizer as optimizer
+from jaxkv import nd as nd
+from jaxkv._context import Context as Context
+from jaxkv._context import cpu as cpu
+from jaxkv._context import current_context as current_context
+from jaxkv._context import gpu as gpu
+from jaxkv._errors import KVStoreError as MXNetError
+from jaxkv.mx import context as context
+from jaxkv.mx import kv as kv
+from jaxkv.mx import optimizer as optimizer
 
 kvstore = kv
 ndarray = nd

@@ -9,20 +9,20 @@ here: asking for one raises :class:`MissingOptimizerError`, which is both a
 
 from __future__ import annotations
 
-from .._mxopt import MXNET_MISSING_NAMES as _MXNET_MISSING_NAMES
-from .._mxopt import SGD as SGD
-from .._mxopt import Adam as Adam
-from .._mxopt import AdamState as AdamState
-from .._mxopt import MissingOptimizerError as MissingOptimizerError
-from .._mxopt import Optimizer as Optimizer
-from .._mxopt import OptimizerArgumentError as OptimizerArgumentError
-from .._mxopt import SGDState as SGDState
-from .._mxopt import Test as Test
-from .._mxopt import TestState as TestState
-from .._mxopt import UnknownOptimizerError as UnknownOptimizerError
-from .._mxopt import ccSGD as ccSGD
-from .._mxopt import create as create
-from .._mxopt import missing as _missing
+from jaxkv._mxopt import MXNET_MISSING_NAMES as _MXNET_MISSING_NAMES
+from jaxkv._mxopt import SGD as SGD
+from jaxkv._mxopt import Adam as Adam
+from jaxkv._mxopt import AdamState as AdamState
+from jaxkv._mxopt import MissingOptimizerError as MissingOptimizerError
+from jaxkv._mxopt import Optimizer as Optimizer
+from jaxkv._mxopt import OptimizerArgumentError as OptimizerArgumentError
+from jaxkv._mxopt import SGDState as SGDState
+from jaxkv._mxopt import Test as Test
+from jaxkv._mxopt import TestState as TestState
+from jaxkv._mxopt import UnknownOptimizerError as UnknownOptimizerError
+from jaxkv._mxopt import ccSGD as ccSGD
+from jaxkv._mxopt import create as create
+from jaxkv._mxopt import missing as _missing
 
 __all__ = [
     "SGD",
