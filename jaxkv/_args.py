@@ -8,8 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxkv._errors import KVStoreError, ShapeError
-from jaxkv._fast import ArrayImpl
+from jaxkv._src.errors import KVStoreError, ShapeError
+from jaxkv._src.jax_internals import ArrayImpl
 from jaxkv._state import Key, KVState, normalize_key
 
 __all__ = ["MISSING", "as_array", "check_value", "devices_of", "group", "is_traced", "pairs"]
@@ -104,7 +104,7 @@ def group(
 
 def devices_of(devices: Any) -> tuple[jax.Device, ...]:
     """A device, a context, or a list of them, as a tuple of JAX devices."""
-    from jaxkv._context import Context
+    from jaxkv._src.devices import Context
 
     items = list(devices) if isinstance(devices, list | tuple) else [devices]
     out = tuple(d.device if isinstance(d, Context) else d for d in items)

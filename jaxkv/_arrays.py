@@ -15,8 +15,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from jaxkv import _dist
 from jaxkv._args import is_traced
-from jaxkv._errors import KVStoreError
-from jaxkv._fast import assemble, per_device, single_device
+from jaxkv._src.errors import KVStoreError
+from jaxkv._src.jax_internals import assemble, per_device, single_device
 from jaxkv._state import Key, KVState, _mesh
 
 __all__ = [

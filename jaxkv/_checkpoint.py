@@ -26,7 +26,7 @@ import numpy as np
 from jaxkv import _orbax
 from jaxkv._arrays import host_copy
 from jaxkv._compression import residual_layout
-from jaxkv._errors import KVStoreError
+from jaxkv._src.errors import KVStoreError
 from jaxkv._state import Key, KVState, check_compressible, compression_config
 
 __all__ = ["load", "load_state", "save", "save_state"]

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._errors import KVStoreError
-from jaxkv._fast import varying_axes
+from jaxkv._src.errors import KVStoreError
+from jaxkv._src.jax_internals import varying_axes
 from jaxkv._state import AXIS, BIGARRAY_BOUND, KVState
 
 __all__ = [

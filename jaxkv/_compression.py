@@ -14,8 +14,8 @@ from jax.sharding import NamedSharding
 
 from jaxkv import _dist
 from jaxkv._arrays import stacked, stacked_sharding
-from jaxkv._errors import KVStoreError
-from jaxkv._fast import single_device
+from jaxkv._src.errors import KVStoreError
+from jaxkv._src.jax_internals import single_device
 from jaxkv._state import (
     AXIS,
     Key,

@@ -27,9 +27,9 @@ import optax
 
 from jaxkv._args import devices_of, group
 from jaxkv._arrays import copies, stacked_sharding
-from jaxkv._errors import KVStoreError
-from jaxkv._fast import all_eager, assemble, per_device, single_device
 from jaxkv._push import Donate, Kind, flat_push_fn, push_fn
+from jaxkv._src.errors import KVStoreError
+from jaxkv._src.jax_internals import all_eager, assemble, per_device, single_device
 from jaxkv._state import KVState, normalize_key
 from jaxkv._update import optimizer_group
 

@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxkv import _fast
+from jaxkv._src import jax_internals as _fast
 
 logger = logging.getLogger("jaxkv")
 
@@ -517,7 +517,7 @@ def barrier(name: str) -> None:
     digest = np.frombuffer(hashlib.sha256(name.encode()).digest()[:8], np.uint8)
     every = all_gather(digest, f"barrier ({name})")
     if not (every == digest).all():
-        from jaxkv._errors import KVStoreError
+        from jaxkv._src.errors import KVStoreError
 
         raise KVStoreError(
             f"barrier {name!r}: expected every process at this barrier, given processes at "

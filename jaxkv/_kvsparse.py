@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import _ops, _rows
-from jaxkv._errors import ShapeError
 from jaxkv._nd import NDArray
 from jaxkv._rows import _fetched, _host_ids
 from jaxkv._sparse import RowSparseNDArray
+from jaxkv._src.errors import ShapeError
 from jaxkv._state import Key, KVState
 
 __all__ = [

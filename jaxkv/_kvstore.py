@@ -28,16 +28,16 @@ from jaxkv import (
     _compression,
     _dispatch,
     _dist,
-    _fast,
     _kvsparse,
     _ops,
     _perkey,
     _queue,
 )
-from jaxkv._errors import KVStoreError, ShapeError
 from jaxkv._mxopt import Optimizer as MXNetOptimizer
 from jaxkv._nd import NDArray, _unwrap
 from jaxkv._push import KEEP_VALUES, check_laid_out
+from jaxkv._src import jax_internals as _fast
+from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._state import BIGARRAY_BOUND, Key, KVState, _spans_processes, empty
 from jaxkv._update import is_pure_updater, optimizer_group, updater_name
 

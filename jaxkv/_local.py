@@ -23,7 +23,12 @@ import numpy as np
 from jax.extend import core as jex
 
 from jaxkv._collectives import axis_arg, axis_size
-from jaxkv._fast import CAN_MARK_VARYING, all_gather_invariant, to_varying, varying_axes
+from jaxkv._src.jax_internals import (
+    CAN_MARK_VARYING,
+    all_gather_invariant,
+    to_varying,
+    varying_axes,
+)
 
 __all__ = ["run_on_blocks"]
 

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxkv._errors import KVStoreError
+from jaxkv._src.errors import KVStoreError
 
 __all__ = [
     "SGD",

@@ -27,8 +27,8 @@ import numpy as np
 import numpy.typing as npt
 from jax.typing import ArrayLike
 
-from jaxkv._context import Context, current_context
-from jaxkv._errors import KVStoreError, ShapeError
+from jaxkv._src.devices import Context, current_context
+from jaxkv._src.errors import KVStoreError, ShapeError
 
 __all__ = ["NDArray", "arange", "array", "empty", "full", "ones", "waitall", "zeros"]
 

@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from jaxkv import _dist
-from jaxkv._errors import KVStoreError
+from jaxkv._src.errors import KVStoreError
 
 __all__ = ["MANIFEST", "is_checkpoint", "open_checkpoint", "save"]
 

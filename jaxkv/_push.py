@@ -23,9 +23,9 @@ from jaxkv._arrays import host_empty, place, stacked
 from jaxkv._bucket import update_bucket
 from jaxkv._collectives import scatters, sum_over_devices
 from jaxkv._compression import compress, exchange, layout_compressed, on_one_device
-from jaxkv._errors import KVStoreError
-from jaxkv._fast import single_device
 from jaxkv._flat import as_blocks, block, from_blocks
+from jaxkv._src.errors import KVStoreError
+from jaxkv._src.jax_internals import single_device
 from jaxkv._state import Key, KVState
 from jaxkv._update import apply_updater
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from jaxkv import _dist
-from jaxkv._errors import KVStoreError
+from jaxkv._src.errors import KVStoreError
 from jaxkv._state import Key
 
 __all__ = ["Held", "agree", "holding", "run_everything_held"]

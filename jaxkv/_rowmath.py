@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv._args import as_array
 from jaxkv._bucket import elementwise as _elementwise
-from jaxkv._errors import KVStoreError, ShapeError
+from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._state import Key, KVState
 
 

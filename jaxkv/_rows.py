@@ -44,8 +44,6 @@ from jaxkv._bucket import abstract as _abstract
 from jaxkv._bucket import elementwise as _elementwise
 from jaxkv._bucket import structure as _structure
 from jaxkv._collectives import axis_names, unsummed_axes
-from jaxkv._errors import KVStoreError, ShapeError
-from jaxkv._fast import assemble, per_device
 from jaxkv._rowmath import (
     Where,
     bucket_keep,
@@ -67,6 +65,8 @@ from jaxkv._rowmath import (
     take,
     update_rows,
 )
+from jaxkv._src.errors import KVStoreError, ShapeError
+from jaxkv._src.jax_internals import assemble, per_device
 from jaxkv._state import Key, KVState, normalize_key
 from jaxkv._state import _spans_processes as _state_spans_processes
 from jaxkv._update import optimizer_group

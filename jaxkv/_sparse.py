@@ -54,8 +54,6 @@ import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
 
-from jaxkv._context import Context
-from jaxkv._errors import KVStoreError, ShapeError
 from jaxkv._nd import (
     NDArray,
     _ctx,
@@ -68,6 +66,8 @@ from jaxkv._nd import (
     stype_error,
 )
 from jaxkv._nd import zeros as _dense_zeros
+from jaxkv._src.devices import Context
+from jaxkv._src.errors import KVStoreError, ShapeError
 
 __all__ = [
     "RowSparseNDArray",

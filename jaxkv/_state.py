@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxkv import _flat as _fl
-from jaxkv._errors import KeyTypeError, KVStoreError, unknown_key
+from jaxkv._src.errors import KeyTypeError, KVStoreError, unknown_key
 
 __all__ = ["AXIS", "LAYOUTS", "LAYOUT_ENV", "KVState", "empty"]
 
@@ -923,7 +923,7 @@ def empty(
       >>> len(jaxkv.empty().devices) >= 1
       True
     """
-    from jaxkv._context import Context
+    from jaxkv._src.devices import Context
 
     if mesh is not None and not isinstance(mesh, Mesh):
         raise KVStoreError(f"mesh: expected a jax.sharding.Mesh, given {type(mesh).__name__}")

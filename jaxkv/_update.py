@@ -11,7 +11,7 @@ import jax
 import optax
 
 from jaxkv._args import as_array
-from jaxkv._errors import KVStoreError, ShapeError
+from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._state import Key, KVState
 
 __all__ = [

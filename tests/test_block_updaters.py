@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxkv
-from jaxkv._fast import varying_axes
+from jaxkv._src.jax_internals import varying_axes
 
 D = 8
 AXIS = "kv"  # the store's own mesh axis: state.mesh

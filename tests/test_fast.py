@@ -1,4 +1,4 @@
-"""The private JAX names jaxkv uses for speed (``jaxkv/_fast.py``) each have a public fallback;
+"""The private JAX names jaxkv uses for speed (``jaxkv/_src/jax_internals.py``) each have a public fallback;
 ``JAXKV_NO_FAST_PATHS=1`` turns them all off, and the same tests must then still pass."""
 
 import os
@@ -6,16 +6,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jaxkv._fast
+import jaxkv._src.jax_internals
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_fast_paths_follow_the_environment():
     off = os.environ.get("JAXKV_NO_FAST_PATHS", "") not in ("", "0")
-    assert jaxkv._fast.ENABLED is not off
+    assert jaxkv._src.jax_internals.ENABLED is not off
     if off:
-        assert jaxkv._fast.ArrayImpl is None and jaxkv._fast.ShapedArray is None
+        assert (
+            jaxkv._src.jax_internals.ArrayImpl is None
+            and jaxkv._src.jax_internals.ShapedArray is None
+        )
 
 
 def test_the_public_fallbacks_give_the_same_results():

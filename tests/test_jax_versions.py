@@ -1,5 +1,5 @@
 """The public JAX names that moved between the versions pyproject.toml accepts are feature
-detected in jaxkv/_fast.py, by attribute or signature, never by version: each route gives the
+detected in jaxkv/_src/jax_internals.py, by attribute or signature, never by version: each route gives the
 same types and values on the JAX that runs the tests (`make test-oldest` and `make test-newest`
 run them on the oldest and the newest)."""
 
@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxkv import _fast
+from jaxkv._src import jax_internals as _fast
 
 
 @pytest.fixture(scope="module")

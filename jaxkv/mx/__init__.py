@@ -6,11 +6,11 @@ numbers, for ``kv.set_optimizer``).
 """
 
 from jaxkv import nd as nd
-from jaxkv._context import Context as Context
-from jaxkv._context import cpu as cpu
-from jaxkv._context import current_context as current_context
-from jaxkv._context import gpu as gpu
-from jaxkv._errors import KVStoreError as MXNetError
+from jaxkv._src.devices import Context as Context
+from jaxkv._src.devices import cpu as cpu
+from jaxkv._src.devices import current_context as current_context
+from jaxkv._src.devices import gpu as gpu
+from jaxkv._src.errors import KVStoreError as MXNetError
 from jaxkv.mx import context as context
 from jaxkv.mx import kv as kv
 from jaxkv.mx import optimizer as optimizer

@@ -10,7 +10,7 @@ import threading
 
 import jax
 
-from jaxkv._errors import KVStoreError
+from jaxkv._src.errors import KVStoreError
 
 __all__ = ["Context", "cpu", "current_context", "gpu"]
 

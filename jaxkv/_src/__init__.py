@@ -1,0 +1,1 @@
+"""jaxkv's implementation, a folder per concern (README.md says the layers and the rule)."""
