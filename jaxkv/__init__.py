@@ -4,7 +4,10 @@ A functional core (:class:`KVState`, :func:`init`, :func:`push`, :func:`pull`, .
 training loops, and an imperative :class:`KVStore` with MXNet's API (:func:`create`).
 """
 
-from jaxkv import _dist  # noqa: F401  (first: joins a jaxkv.launch job before JAX starts)
+# First: joins a jaxkv.launch job before JAX starts.
+from jaxkv._src.dist import job as _dist  # noqa: F401
+
+# isort: split
 from jaxkv import nd as nd
 from jaxkv._checkpoint import load_state as load_state
 from jaxkv._checkpoint import save_state as save_state

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from jaxkv import _dist
 from jaxkv._args import is_traced
+from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import assemble, per_device, single_device
 from jaxkv._state import Key, KVState, _mesh
@@ -43,7 +43,7 @@ def copies(values: list[jax.Array]) -> list[jax.Array]:
 
 def put(values: Sequence[Any], shardings: Sequence[Any], agreed: bool = False) -> list[jax.Array]:
     """``jax.device_put`` of each value with its sharding. ``agreed``: every process holds the
-    same values (:func:`jaxkv._dist.from_rank_zero`'s), so one put on the devices of several
+    same values (:func:`jaxkv._src.dist.job.from_rank_zero`'s), so one put on the devices of several
     processes is made from this process's copy, without JAX's check that every process holds
     the same bytes (an all-gather of the whole value: most of an ``init``'s time across
     processes)."""

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxkv import _dist
 from jaxkv._arrays import stacked, stacked_sharding
+from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import single_device
 from jaxkv._state import (

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import _dist
+from jaxkv._src.dist import job as _dist
 
 Key = Hashable  # an int or a str (``_state.Key``; this module sits below ``_state.py``)
 

@@ -27,7 +27,6 @@ from jaxkv import (
     _checkpoint,
     _compression,
     _dispatch,
-    _dist,
     _kvsparse,
     _ops,
     _perkey,
@@ -37,6 +36,7 @@ from jaxkv._mxopt import Optimizer as MXNetOptimizer
 from jaxkv._nd import NDArray, _unwrap
 from jaxkv._push import KEEP_VALUES, check_laid_out
 from jaxkv._src import jax_internals as _fast
+from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._state import BIGARRAY_BOUND, Key, KVState, _spans_processes, empty
 from jaxkv._update import is_pure_updater, optimizer_group, updater_name

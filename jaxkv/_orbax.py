@@ -37,7 +37,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxkv import _dist
+from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError
 
 __all__ = ["MANIFEST", "is_checkpoint", "open_checkpoint", "save"]

@@ -18,12 +18,12 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv import _dist
 from jaxkv._arrays import host_empty, place, stacked
 from jaxkv._bucket import update_bucket
 from jaxkv._collectives import scatters, sum_over_devices
 from jaxkv._compression import compress, exchange, layout_compressed, on_one_device
 from jaxkv._flat import as_blocks, block, from_blocks
+from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import single_device
 from jaxkv._state import Key, KVState

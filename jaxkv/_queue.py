@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxkv import _dist
+from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError
 from jaxkv._state import Key
 

@@ -37,7 +37,6 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv import _dist
 from jaxkv._args import as_array, devices_of, is_traced
 from jaxkv._arrays import replicate
 from jaxkv._bucket import abstract as _abstract
@@ -65,6 +64,7 @@ from jaxkv._rowmath import (
     take,
     update_rows,
 )
+from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.jax_internals import assemble, per_device
 from jaxkv._state import Key, KVState, normalize_key

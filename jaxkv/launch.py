@@ -52,7 +52,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from jaxkv._dist import (
+from jaxkv._src.dist.job import (
     ENV_COORDINATOR,
     ENV_DEVICES_PER_PROCESS,
     ENV_LOCAL_RANK,

@@ -14,7 +14,7 @@ import time
 import pytest
 from _jobs import cpu_env
 
-from jaxkv import _dist
+from jaxkv._src.dist import job as _dist
 from jaxkv.launch import Launcher, main
 
 HERE = os.path.dirname(os.path.abspath(__file__))

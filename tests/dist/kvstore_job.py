@@ -11,7 +11,7 @@ import optax
 
 import jaxkv
 import jaxkv.mx as mx  # importing jaxkv joins the job (importing jax starts no backend)
-from jaxkv import _dist
+from jaxkv._src.dist import job as _dist
 
 SHAPE = (4, 3)
 

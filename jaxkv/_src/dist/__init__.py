@@ -1,0 +1,1 @@
+"""Processes: joining a job, the one order of collectives across processes, and host collectives."""
