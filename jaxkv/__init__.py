@@ -34,8 +34,8 @@ from jaxkv._src.errors import KeyTypeError as KeyTypeError
 from jaxkv._src.errors import KVStoreError as KVStoreError
 from jaxkv._src.errors import ShapeError as ShapeError
 from jaxkv._src.errors import UnknownKeyError as UnknownKeyError
-from jaxkv._state import KVState as KVState
-from jaxkv._state import empty as empty
+from jaxkv._src.state.kvstate import KVState as KVState
+from jaxkv._src.state.kvstate import empty as empty
 from jaxkv._update import pure_updater as pure_updater
 
 

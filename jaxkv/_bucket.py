@@ -33,9 +33,9 @@ import numpy as np
 import optax
 from jax.extend import core as jex
 
-from jaxkv._flat import as_blocks
 from jaxkv._local import _ELEMENTWISE, _sub_jaxpr, keeps_shape
-from jaxkv._state import Key, KVState
+from jaxkv._src.state.buckets import as_blocks
+from jaxkv._src.state.kvstate import Key, KVState
 
 __all__ = ["elementwise", "update_bucket"]
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import varying_axes
-from jaxkv._state import AXIS, BIGARRAY_BOUND, KVState
+from jaxkv._src.state.kvstate import AXIS, BIGARRAY_BOUND, KVState
 
 __all__ = [
     "axis_arg",

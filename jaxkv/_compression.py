@@ -12,11 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxkv._arrays import stacked, stacked_sharding
 from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import single_device
-from jaxkv._state import (
+from jaxkv._src.state.kvstate import (
     AXIS,
     Key,
     KVState,
@@ -24,6 +23,7 @@ from jaxkv._state import (
     check_compression_devices,
     compression_config,
 )
+from jaxkv._src.state.placement import stacked, stacked_sharding
 
 __all__ = [
     "compress",

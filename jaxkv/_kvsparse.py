@@ -28,7 +28,7 @@ from jaxkv._nd import NDArray
 from jaxkv._rows import _fetched, _host_ids
 from jaxkv._sparse import RowSparseNDArray
 from jaxkv._src.errors import ShapeError
-from jaxkv._state import Key, KVState
+from jaxkv._src.state.kvstate import Key, KVState
 
 __all__ = [
     "Held",

@@ -24,13 +24,13 @@ import jax
 import optax
 
 from jaxkv import _dispatch
-from jaxkv._args import MISSING, as_array, devices_of, group, is_traced, pairs
-from jaxkv._arrays import copies, put, replicate
 from jaxkv._compression import residual_zeros
 from jaxkv._push import init_opt_states, push_eager, push_eager_flat
 from jaxkv._rows import pull_rows, push_rows, pushpull_rows, row_sparse_pull
 from jaxkv._src.errors import DuplicateKeyError, KeyTypeError, KVStoreError, ShapeError
-from jaxkv._state import Key, KVState, check_compressible, key_kind
+from jaxkv._src.state.kvstate import Key, KVState, check_compressible, key_kind
+from jaxkv._src.state.pairing import MISSING, as_array, devices_of, group, is_traced, pairs
+from jaxkv._src.state.placement import copies, put, replicate
 from jaxkv._trace import gather, is_block, push_in_trace
 from jaxkv._update import Updater, optimizer_group
 

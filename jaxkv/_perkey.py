@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import optax
 
-from jaxkv._state import Key, KVState
+from jaxkv._src.state.kvstate import Key, KVState
 
 __all__ = ["PerKeyState", "alone", "holds_per_key", "per_key", "regroup"]
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError
-from jaxkv._state import Key
+from jaxkv._src.state.kvstate import Key
 
 __all__ = ["Held", "agree", "holding", "run_everything_held"]
 

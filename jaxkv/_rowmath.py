@@ -20,10 +20,10 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv._args import as_array
 from jaxkv._bucket import elementwise as _elementwise
 from jaxkv._src.errors import KVStoreError, ShapeError
-from jaxkv._state import Key, KVState
+from jaxkv._src.state.kvstate import Key, KVState
+from jaxkv._src.state.pairing import as_array
 
 
 def take(x: Any, ids: Any, lo: Any = 0) -> Any:

@@ -37,8 +37,6 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv._args import as_array, devices_of, is_traced
-from jaxkv._arrays import replicate
 from jaxkv._bucket import abstract as _abstract
 from jaxkv._bucket import elementwise as _elementwise
 from jaxkv._bucket import structure as _structure
@@ -67,8 +65,10 @@ from jaxkv._rowmath import (
 from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.jax_internals import assemble, per_device
-from jaxkv._state import Key, KVState, normalize_key
-from jaxkv._state import _spans_processes as _state_spans_processes
+from jaxkv._src.state.kvstate import Key, KVState, normalize_key
+from jaxkv._src.state.kvstate import _spans_processes as _state_spans_processes
+from jaxkv._src.state.pairing import as_array, devices_of, is_traced
+from jaxkv._src.state.placement import replicate
 from jaxkv._update import optimizer_group
 
 __all__ = ["pull_rows", "push_rows", "pushpull_rows", "row_sparse_pull"]

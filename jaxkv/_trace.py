@@ -42,11 +42,11 @@ from jaxkv._collectives import (
     fused_psum_scatter,
     unsummed_axes,
 )
-from jaxkv._flat import as_blocks, block_shape, from_blocks
 from jaxkv._local import is_blockwise, run_on_blocks
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import all_gather_invariant
-from jaxkv._state import Key, KVState
+from jaxkv._src.state.buckets import as_blocks, block_shape, from_blocks
+from jaxkv._src.state.kvstate import Key, KVState
 from jaxkv._update import apply_updater
 
 __all__ = ["gather", "is_block", "push_in_trace"]

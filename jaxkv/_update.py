@@ -10,9 +10,9 @@ from typing import Any, Protocol
 import jax
 import optax
 
-from jaxkv._args import as_array
 from jaxkv._src.errors import KVStoreError, ShapeError
-from jaxkv._state import Key, KVState
+from jaxkv._src.state.kvstate import Key, KVState
+from jaxkv._src.state.pairing import as_array
 
 __all__ = [
     "Updater",

@@ -1,4 +1,4 @@
-"""The flat layout's bookkeeping (``jaxkv/_flat.py``) against a plain model: buckets per dtype
+"""The flat layout's bookkeeping (``jaxkv/_src/state/buckets.py``) against a plain model: buckets per dtype
 and optimizer group, views, in-place writes, and optimizer states packed by family; a jitted
 training step kept flat gives the per-key step's numbers (to XLA's rounding: the two programs
 fuse differently)."""
@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxkv import _flat
+from jaxkv._src.state import buckets as _flat
 
 SHAPES = [(3,), (2, 2), (), (4, 1, 2), (5,)]
 DTYPES = [np.float32, np.float32, np.float32, np.int32, np.float32]

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxkv import _flat as _fl
 from jaxkv._src.errors import KeyTypeError, KVStoreError, unknown_key
+from jaxkv._src.state import buckets as _fl
 
 __all__ = ["AXIS", "LAYOUTS", "LAYOUT_ENV", "KVState", "empty"]
 

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from jaxkv._args import is_traced
 from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import assemble, per_device, single_device
-from jaxkv._state import Key, KVState, _mesh
+from jaxkv._src.state.kvstate import Key, KVState, _mesh
+from jaxkv._src.state.pairing import is_traced
 
 __all__ = [
     "copies",

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.jax_internals import ArrayImpl
-from jaxkv._state import Key, KVState, normalize_key
+from jaxkv._src.state.kvstate import Key, KVState, normalize_key
 
 __all__ = ["MISSING", "as_array", "check_value", "devices_of", "group", "is_traced", "pairs"]
 
