@@ -13,18 +13,19 @@ from jaxkv._checkpoint import load_state as load_state
 from jaxkv._checkpoint import save_state as save_state
 from jaxkv._kvstore import KVStore as KVStore
 from jaxkv._kvstore import create as create
-from jaxkv._ops import Updater as Updater
-from jaxkv._ops import gather as gather
-from jaxkv._ops import init as init
-from jaxkv._ops import init_optimizer as init_optimizer
-from jaxkv._ops import pull as pull
-from jaxkv._ops import pull_rows as pull_rows
-from jaxkv._ops import push as push
-from jaxkv._ops import push_rows as push_rows
-from jaxkv._ops import pushpull as pushpull
-from jaxkv._ops import pushpull_rows as pushpull_rows
-from jaxkv._ops import row_sparse_pull as row_sparse_pull
-from jaxkv._ops import specs as specs
+from jaxkv._src.core.ops import Updater as Updater
+from jaxkv._src.core.ops import gather as gather
+from jaxkv._src.core.ops import init as init
+from jaxkv._src.core.ops import init_optimizer as init_optimizer
+from jaxkv._src.core.ops import pull as pull
+from jaxkv._src.core.ops import pull_rows as pull_rows
+from jaxkv._src.core.ops import push as push
+from jaxkv._src.core.ops import push_rows as push_rows
+from jaxkv._src.core.ops import pushpull as pushpull
+from jaxkv._src.core.ops import pushpull_rows as pushpull_rows
+from jaxkv._src.core.ops import row_sparse_pull as row_sparse_pull
+from jaxkv._src.core.ops import specs as specs
+from jaxkv._src.core.updater import pure_updater as pure_updater
 from jaxkv._src.devices import Context as Context
 from jaxkv._src.devices import cpu as cpu
 from jaxkv._src.devices import current_context as current_context
@@ -36,7 +37,6 @@ from jaxkv._src.errors import ShapeError as ShapeError
 from jaxkv._src.errors import UnknownKeyError as UnknownKeyError
 from jaxkv._src.state.kvstate import KVState as KVState
 from jaxkv._src.state.kvstate import empty as empty
-from jaxkv._update import pure_updater as pure_updater
 
 
 def _version() -> str:

@@ -21,17 +21,20 @@ import jax
 import numpy as np
 import optax
 
-from jaxkv import _checkpoint, _compression, _dispatch, _kvsparse, _ops, _perkey, _queue
+from jaxkv import _checkpoint, _kvsparse, _perkey, _queue
 from jaxkv._mxopt import Optimizer as MXNetOptimizer
 from jaxkv._nd import NDArray, _unwrap
-from jaxkv._push import KEEP_VALUES, check_laid_out
 from jaxkv._src import jax_internals as _fast
+from jaxkv._src.core import compression as _compression
+from jaxkv._src.core import ops as _ops
+from jaxkv._src.core import plans as _dispatch
+from jaxkv._src.core.eager import KEEP_VALUES, check_laid_out
+from jaxkv._src.core.updater import is_pure_updater, optimizer_group, updater_name
 from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.state import pairing as _args
 from jaxkv._src.state import placement as _arrays
 from jaxkv._src.state.kvstate import BIGARRAY_BOUND, Key, KVState, _spans_processes, empty
-from jaxkv._update import is_pure_updater, optimizer_group, updater_name
 
 __all__ = ["KVStore", "create"]
 

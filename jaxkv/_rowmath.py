@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv._bucket import elementwise as _elementwise
+from jaxkv._src.core.on_buckets import elementwise as _elementwise
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.state.kvstate import Key, KVState
 from jaxkv._src.state.pairing import as_array

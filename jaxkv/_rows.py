@@ -37,10 +37,6 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv._bucket import abstract as _abstract
-from jaxkv._bucket import elementwise as _elementwise
-from jaxkv._bucket import structure as _structure
-from jaxkv._collectives import axis_names, unsummed_axes
 from jaxkv._rowmath import (
     Where,
     bucket_keep,
@@ -62,6 +58,11 @@ from jaxkv._rowmath import (
     take,
     update_rows,
 )
+from jaxkv._src.core.collectives import axis_names, unsummed_axes
+from jaxkv._src.core.on_buckets import abstract as _abstract
+from jaxkv._src.core.on_buckets import elementwise as _elementwise
+from jaxkv._src.core.on_buckets import structure as _structure
+from jaxkv._src.core.updater import optimizer_group
 from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.jax_internals import assemble, per_device
@@ -69,7 +70,6 @@ from jaxkv._src.state.kvstate import Key, KVState, normalize_key
 from jaxkv._src.state.kvstate import _spans_processes as _state_spans_processes
 from jaxkv._src.state.pairing import as_array, devices_of, is_traced
 from jaxkv._src.state.placement import replicate
-from jaxkv._update import optimizer_group
 
 __all__ = ["pull_rows", "push_rows", "pushpull_rows", "row_sparse_pull"]
 
@@ -611,7 +611,7 @@ def _push(
     if _spans_processes(state):  # agreed before anything runs (init_opt_states may compute)
         across = _across_pairs(state, key, shape, host)
     if optax_push and state.opt_group(key) is None:
-        from jaxkv._push import init_opt_states
+        from jaxkv._src.core.eager import init_opt_states
 
         state = init_opt_states(state, updater, (key,))
     leaf = _own_leaf(state, i)

@@ -1,4 +1,4 @@
-"""The eager fast path (``jaxkv/_dispatch.py``): a repeated push or pull replays a plan, with
+"""The eager fast path (``jaxkv/_src/core/plans.py``): a repeated push or pull replays a plan, with
 the general path's results and refusals, and no per-key host work (no ``device_put`` of a value
 already where it belongs; one compiled computation per push)."""
 
@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jaxkv
-import jaxkv._dispatch as dispatch
+import jaxkv._src.core.plans as dispatch
 import jaxkv.mx as mx
 
 SHAPES = [(3,), (2, 2), (), (4, 3)]

@@ -268,7 +268,7 @@ def test_refusals_leave_a_flat_store_as_it_was():
         np.testing.assert_array_equal(x, y)
 
 
-# -- which optax updaters run once over a bucket (jaxkv/_bucket.py) ----------------------------
+# -- which optax updaters run once over a bucket (jaxkv/_src/core/on_buckets.py) ----------------------------
 def _sign_sgd(lr):
     """An elementwise custom transformation: sign of the gradient, then scaled."""
 
@@ -366,7 +366,7 @@ BUCKETED = {
 @pytest.mark.standard_promotion
 @pytest.mark.parametrize("name", list(BUCKETED))
 def test_elementwise_updaters_run_once_over_the_bucket_with_the_per_key_numbers(name, monkeypatch):
-    from jaxkv import _bucket
+    from jaxkv._src.core import on_buckets as _bucket
 
     opt, expected = BUCKETED[name]
     ran = []
@@ -379,7 +379,7 @@ def test_elementwise_updaters_run_once_over_the_bucket_with_the_per_key_numbers(
         return out
 
     monkeypatch.setattr(_bucket, "update_bucket", spy)
-    monkeypatch.setattr(jaxkv._trace, "update_bucket", spy)
+    monkeypatch.setattr(jaxkv._src.core.traced, "update_bucket", spy)
     keys, flat = (jaxkv.init_optimizer(s, opt, FLOAT) for s in _stores())
     step = _sin_step(opt)
 

@@ -108,7 +108,7 @@ def test_eager_pushes_from_every_device_give_the_per_key_numbers(name, devices):
 
 @pytest.mark.standard_promotion
 def test_an_eager_push_reduce_scatters_once_per_bucket(devices):
-    from jaxkv._push import _layout, flat_push_fn
+    from jaxkv._src.core.eager import _layout, flat_push_fn
 
     opt = OPTIMIZERS["adam"]
     s = jaxkv.init_optimizer(_store(devices, "flat"), opt)

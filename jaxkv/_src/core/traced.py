@@ -32,8 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxkv._bucket import update_bucket
-from jaxkv._collectives import (
+from jaxkv._src.core.collectives import (
     _SCATTER_FUSE_LIMIT,
     axis_arg,
     axis_names,
@@ -42,12 +41,13 @@ from jaxkv._collectives import (
     fused_psum_scatter,
     unsummed_axes,
 )
-from jaxkv._local import is_blockwise, run_on_blocks
+from jaxkv._src.core.on_blocks import is_blockwise, run_on_blocks
+from jaxkv._src.core.on_buckets import update_bucket
+from jaxkv._src.core.updater import apply_updater
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import all_gather_invariant
 from jaxkv._src.state.buckets import as_blocks, block_shape, from_blocks
 from jaxkv._src.state.kvstate import Key, KVState
-from jaxkv._update import apply_updater
 
 __all__ = ["gather", "is_block", "push_in_trace"]
 

@@ -33,7 +33,7 @@ import numpy as np
 import optax
 from jax.extend import core as jex
 
-from jaxkv._local import _ELEMENTWISE, _sub_jaxpr, keeps_shape
+from jaxkv._src.core.on_blocks import _ELEMENTWISE, _sub_jaxpr, keeps_shape
 from jaxkv._src.state.buckets import as_blocks
 from jaxkv._src.state.kvstate import Key, KVState
 

@@ -18,16 +18,16 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv._bucket import update_bucket
-from jaxkv._collectives import scatters, sum_over_devices
-from jaxkv._compression import compress, exchange, layout_compressed, on_one_device
+from jaxkv._src.core.collectives import scatters, sum_over_devices
+from jaxkv._src.core.compression import compress, exchange, layout_compressed, on_one_device
+from jaxkv._src.core.on_buckets import update_bucket
+from jaxkv._src.core.updater import apply_updater
 from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import single_device
 from jaxkv._src.state.buckets import as_blocks, block, from_blocks
 from jaxkv._src.state.kvstate import Key, KVState
 from jaxkv._src.state.placement import host_empty, place, stacked
-from jaxkv._update import apply_updater
 
 __all__ = ["KEEP_VALUES", "check_laid_out", "init_opt_states", "push_eager", "push_eager_flat"]
 

@@ -25,13 +25,13 @@ from typing import Any, cast
 import jax
 import optax
 
-from jaxkv._push import Donate, Kind, flat_push_fn, push_fn
+from jaxkv._src.core.eager import Donate, Kind, flat_push_fn, push_fn
+from jaxkv._src.core.updater import optimizer_group
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import all_eager, assemble, per_device, single_device
 from jaxkv._src.state.kvstate import KVState, normalize_key
 from jaxkv._src.state.pairing import devices_of, group
 from jaxkv._src.state.placement import copies, stacked_sharding
-from jaxkv._update import optimizer_group
 
 __all__ = ["NO_PLAN", "prepare_fill", "pull", "push"]
 

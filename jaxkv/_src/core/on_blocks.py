@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.extend import core as jex
 
-from jaxkv._collectives import axis_arg, axis_size
+from jaxkv._src.core.collectives import axis_arg, axis_size
 from jaxkv._src.jax_internals import (
     CAN_MARK_VARYING,
     all_gather_invariant,

@@ -1,0 +1,2 @@
+"""The core operations: init, push and pull eagerly and in traces, updaters, collectives and
+compression."""
