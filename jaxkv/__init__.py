@@ -9,10 +9,10 @@ from jaxkv._src.dist import job as _dist  # noqa: F401
 
 # isort: split
 from jaxkv import nd as nd
-from jaxkv._checkpoint import load_state as load_state
-from jaxkv._checkpoint import save_state as save_state
 from jaxkv._kvstore import KVStore as KVStore
 from jaxkv._kvstore import create as create
+from jaxkv._src.checkpoint.npz import load_state as load_state
+from jaxkv._src.checkpoint.npz import save_state as save_state
 from jaxkv._src.core.ops import Updater as Updater
 from jaxkv._src.core.ops import gather as gather
 from jaxkv._src.core.ops import init as init

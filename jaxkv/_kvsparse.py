@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import _rows
 from jaxkv._nd import NDArray
-from jaxkv._rows import _fetched, _host_ids
 from jaxkv._sparse import RowSparseNDArray
 from jaxkv._src.core import ops as _ops
 from jaxkv._src.errors import ShapeError
+from jaxkv._src.rows import ops as _rows
+from jaxkv._src.rows.ops import _fetched, _host_ids
 from jaxkv._src.state.kvstate import Key, KVState
 
 __all__ = [

@@ -21,10 +21,11 @@ import jax
 import numpy as np
 import optax
 
-from jaxkv import _checkpoint, _kvsparse, _perkey, _queue
+from jaxkv import _kvsparse, _perkey, _queue
 from jaxkv._mxopt import Optimizer as MXNetOptimizer
 from jaxkv._nd import NDArray, _unwrap
 from jaxkv._src import jax_internals as _fast
+from jaxkv._src.checkpoint import npz as _checkpoint
 from jaxkv._src.core import compression as _compression
 from jaxkv._src.core import ops as _ops
 from jaxkv._src.core import plans as _dispatch

@@ -25,7 +25,9 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import jaxkv
-from jaxkv import _checkpoint, _orbax, nd
+from jaxkv import nd
+from jaxkv._src.checkpoint import npz as _checkpoint
+from jaxkv._src.checkpoint import orbax_dirs as _orbax
 
 pytest.importorskip("orbax.checkpoint")
 

@@ -20,8 +20,10 @@ from _devices import cpu_empty, cpu_store
 from _jobs import cpu_env
 
 import jaxkv
-from jaxkv import _checkpoint, _orbax, nd
-from jaxkv._checkpoint import load_state, save_state
+from jaxkv import nd
+from jaxkv._src.checkpoint import npz as _checkpoint
+from jaxkv._src.checkpoint import orbax_dirs as _orbax
+from jaxkv._src.checkpoint.npz import load_state, save_state
 
 ocp = pytest.importorskip("orbax.checkpoint")
 

@@ -19,7 +19,7 @@ import pytest
 
 import jaxkv
 from jaxkv import nd
-from jaxkv._checkpoint import load_state
+from jaxkv._src.checkpoint.npz import load_state
 
 pytest.importorskip("orbax.checkpoint")
 
@@ -115,7 +115,7 @@ def test_a_save_killed_part_way_leaves_the_previous_checkpoint(tmp_path, devices
 def test_a_save_makes_the_missing_parent_directories(tmp_path, directory):
     """``ckpt/step-2`` under a ``ckpt`` that does not exist yet, as the restart pattern of
     docs/distributed.md saves: a one-process job's file and a job's directory alike."""
-    from jaxkv import _checkpoint
+    from jaxkv._src.checkpoint import npz as _checkpoint
 
     state = jaxkv.init(jaxkv.empty(), {"w": jax.numpy.arange(3.0)})
     path = tmp_path / "ckpt" / "more" / "step-2"

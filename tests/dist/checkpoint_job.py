@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils
 
 import jaxkv
 import jaxkv.mx as mx  # importing jaxkv joins the job
-from jaxkv._checkpoint import load_state, save_state
+from jaxkv._src.checkpoint.npz import load_state, save_state
 
 OPT = optax.sgd(0.25, momentum=0.5)
 SHAPES = {3: (4, 3), 5: (64, 512), 8: (0,)}  # replicated, split across processes, empty
@@ -159,7 +159,7 @@ def local_stores(directory, ckpt):
 def killed(directory):
     """Save DIR/killed once, then again with rank 1 killed after writing its shards, before
     the commit: the launcher stops the job, and the first checkpoint must still load."""
-    from jaxkv import _orbax
+    from jaxkv._src.checkpoint import orbax_dirs as _orbax
 
     kv = store()
     kv.init(list(SHAPES), [mx.nd.array(initial(k)) for k in SHAPES])

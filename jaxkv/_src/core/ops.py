@@ -23,13 +23,13 @@ from typing import Any
 import jax
 import optax
 
-from jaxkv._rows import pull_rows, push_rows, pushpull_rows, row_sparse_pull
 from jaxkv._src.core import plans as _dispatch
 from jaxkv._src.core.compression import residual_zeros
 from jaxkv._src.core.eager import init_opt_states, push_eager, push_eager_flat
 from jaxkv._src.core.traced import gather, is_block, push_in_trace
 from jaxkv._src.core.updater import Updater, optimizer_group
 from jaxkv._src.errors import DuplicateKeyError, KeyTypeError, KVStoreError, ShapeError
+from jaxkv._src.rows.ops import pull_rows, push_rows, pushpull_rows, row_sparse_pull
 from jaxkv._src.state.kvstate import Key, KVState, check_compressible, key_kind
 from jaxkv._src.state.pairing import MISSING, as_array, devices_of, group, is_traced, pairs
 from jaxkv._src.state.placement import copies, put, replicate

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import _orbax
+from jaxkv._src.checkpoint import orbax_dirs as _orbax
 from jaxkv._src.core.compression import residual_layout
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.state.kvstate import Key, KVState, check_compressible, compression_config

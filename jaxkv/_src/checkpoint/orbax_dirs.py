@@ -201,7 +201,7 @@ def _commit(path: str, manifest: dict) -> None:
 
 
 def _check_files(manifest: dict) -> None:
-    from jaxkv._checkpoint import _expect
+    from jaxkv._src.checkpoint.npz import _expect
 
     data, processes = manifest.get("data"), manifest.get("processes")
     _expect(isinstance(data, str) and _DATA.fullmatch(data), "'data' a data directory", data)
@@ -230,7 +230,7 @@ def open_checkpoint(path: str) -> tuple[dict[str, Any], Callable[[list], list]]:
     """The checked manifest of the checkpoint directory ``path``, and ``restore(targets)``,
     which verifies every data file and returns the arrays placed as ``targets`` (one
     ``jax.ShapeDtypeStruct`` with a sharding per manifest entry) say."""
-    from jaxkv._checkpoint import _check_manifest, _Malformed
+    from jaxkv._src.checkpoint.npz import _check_manifest, _Malformed
 
     path = os.path.abspath(path)
     try:

@@ -37,7 +37,15 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv._rowmath import (
+from jaxkv._src.core.collectives import axis_names, unsummed_axes
+from jaxkv._src.core.on_buckets import abstract as _abstract
+from jaxkv._src.core.on_buckets import elementwise as _elementwise
+from jaxkv._src.core.on_buckets import structure as _structure
+from jaxkv._src.core.updater import optimizer_group
+from jaxkv._src.dist import job as _dist
+from jaxkv._src.errors import KVStoreError, ShapeError
+from jaxkv._src.jax_internals import assemble, per_device
+from jaxkv._src.rows.kernels import (
     Where,
     bucket_keep,
     bucket_pusher,
@@ -58,14 +66,6 @@ from jaxkv._rowmath import (
     take,
     update_rows,
 )
-from jaxkv._src.core.collectives import axis_names, unsummed_axes
-from jaxkv._src.core.on_buckets import abstract as _abstract
-from jaxkv._src.core.on_buckets import elementwise as _elementwise
-from jaxkv._src.core.on_buckets import structure as _structure
-from jaxkv._src.core.updater import optimizer_group
-from jaxkv._src.dist import job as _dist
-from jaxkv._src.errors import KVStoreError, ShapeError
-from jaxkv._src.jax_internals import assemble, per_device
 from jaxkv._src.state.kvstate import Key, KVState, normalize_key
 from jaxkv._src.state.kvstate import _spans_processes as _state_spans_processes
 from jaxkv._src.state.pairing import as_array, devices_of, is_traced

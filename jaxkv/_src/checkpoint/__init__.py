@@ -1,0 +1,1 @@
+"""Checkpoints: one file per store (npz), and orbax directories across processes."""

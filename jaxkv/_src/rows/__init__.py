@@ -1,0 +1,1 @@
+"""Rows of a table: row-sparse pushes and pulls, and the kernels that route and apply them."""
