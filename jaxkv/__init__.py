@@ -9,8 +9,6 @@ from jaxkv._src.dist import job as _dist  # noqa: F401
 
 # isort: split
 from jaxkv import nd as nd
-from jaxkv._kvstore import KVStore as KVStore
-from jaxkv._kvstore import create as create
 from jaxkv._src.checkpoint.npz import load_state as load_state
 from jaxkv._src.checkpoint.npz import save_state as save_state
 from jaxkv._src.core.ops import Updater as Updater
@@ -35,6 +33,8 @@ from jaxkv._src.errors import KeyTypeError as KeyTypeError
 from jaxkv._src.errors import KVStoreError as KVStoreError
 from jaxkv._src.errors import ShapeError as ShapeError
 from jaxkv._src.errors import UnknownKeyError as UnknownKeyError
+from jaxkv._src.mxnet.kvstore import KVStore as KVStore
+from jaxkv._src.mxnet.kvstore import create as create
 from jaxkv._src.state.kvstate import KVState as KVState
 from jaxkv._src.state.kvstate import empty as empty
 

@@ -7,15 +7,15 @@
 
 import sys
 
-from jaxkv import _sparse as sparse
-from jaxkv._nd import NDArray as NDArray
-from jaxkv._nd import arange as arange
-from jaxkv._nd import array as array
-from jaxkv._nd import empty as empty
-from jaxkv._nd import full as full
-from jaxkv._nd import ones as ones
-from jaxkv._nd import waitall as waitall
-from jaxkv._nd import zeros as zeros
+from jaxkv._src.mxnet import sparse as sparse
+from jaxkv._src.mxnet.ndarray import NDArray as NDArray
+from jaxkv._src.mxnet.ndarray import arange as arange
+from jaxkv._src.mxnet.ndarray import array as array
+from jaxkv._src.mxnet.ndarray import empty as empty
+from jaxkv._src.mxnet.ndarray import full as full
+from jaxkv._src.mxnet.ndarray import ones as ones
+from jaxkv._src.mxnet.ndarray import waitall as waitall
+from jaxkv._src.mxnet.ndarray import zeros as zeros
 
 sys.modules[__name__ + ".sparse"] = sparse
 

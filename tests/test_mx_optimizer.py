@@ -28,7 +28,7 @@ from optax.tree_utils import tree_map_params
 
 import jaxkv
 import jaxkv.mx as mx
-from jaxkv import _mxopt
+from jaxkv._src.mxnet import optimizer as _mxopt
 from jaxkv.mx import optimizer
 
 DATA = json.loads(

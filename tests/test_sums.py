@@ -15,7 +15,7 @@ import pytest
 from _devices import cpu_empty, cpu_store
 
 import jaxkv
-import jaxkv._kvstore
+import jaxkv._src.mxnet.kvstore
 from jaxkv import nd
 
 D = 8
@@ -126,7 +126,7 @@ def test_mixed_dtypes_from_different_devices_are_cast_before_the_sum(devices):
 @pytest.mark.parametrize("chunk_bytes", [1, 64 << 20], ids=["one key per chunk", "one chunk"])
 def test_a_pull_of_many_sharded_keys_fills_every_out(monkeypatch, chunk_bytes):
     monkeypatch.setenv("MXNET_KVSTORE_BIGARRAY_BOUND", "16")
-    monkeypatch.setattr(jaxkv._kvstore, "_GATHER_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(jaxkv._src.mxnet.kvstore, "_GATHER_CHUNK_BYTES", chunk_bytes)
     kv = cpu_store("device")
     shapes = {3: (16, 4), 4: (8, 8), 5: (3,), 6: (32, 2), 7: (24,)}
     rng = np.random.default_rng(1)

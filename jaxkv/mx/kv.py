@@ -1,6 +1,6 @@
 """``mx.kv``: ``create`` and ``KVStore``."""
 
-from jaxkv._kvstore import KVStore as KVStore
-from jaxkv._kvstore import create as create
+from jaxkv._src.mxnet.kvstore import KVStore as KVStore
+from jaxkv._src.mxnet.kvstore import create as create
 
 __all__ = ["KVStore", "create"]

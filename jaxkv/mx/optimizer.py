@@ -1,7 +1,7 @@
 """``mx.optimizer``: MXNet 1.9.1's ``SGD``, ``Adam`` and ``Test`` (and ``create``), for
 ``kv.set_optimizer``.
 
-They give MXNet's numbers (see :mod:`jaxkv._mxopt` for the formulas and what ``lazy_update``
+They give MXNet's numbers (see :mod:`jaxkv._src.mxnet.optimizer` for the formulas and what ``lazy_update``
 means for row-sparse gradients). MXNet's other optimizers (``RMSProp``, ``NAG``, ...) are not
 here: asking for one raises :class:`MissingOptimizerError`, which is both a
 ``jaxkv.KVStoreError`` and an ``AttributeError``.
@@ -9,20 +9,20 @@ here: asking for one raises :class:`MissingOptimizerError`, which is both a
 
 from __future__ import annotations
 
-from jaxkv._mxopt import MXNET_MISSING_NAMES as _MXNET_MISSING_NAMES
-from jaxkv._mxopt import SGD as SGD
-from jaxkv._mxopt import Adam as Adam
-from jaxkv._mxopt import AdamState as AdamState
-from jaxkv._mxopt import MissingOptimizerError as MissingOptimizerError
-from jaxkv._mxopt import Optimizer as Optimizer
-from jaxkv._mxopt import OptimizerArgumentError as OptimizerArgumentError
-from jaxkv._mxopt import SGDState as SGDState
-from jaxkv._mxopt import Test as Test
-from jaxkv._mxopt import TestState as TestState
-from jaxkv._mxopt import UnknownOptimizerError as UnknownOptimizerError
-from jaxkv._mxopt import ccSGD as ccSGD
-from jaxkv._mxopt import create as create
-from jaxkv._mxopt import missing as _missing
+from jaxkv._src.mxnet.optimizer import MXNET_MISSING_NAMES as _MXNET_MISSING_NAMES
+from jaxkv._src.mxnet.optimizer import SGD as SGD
+from jaxkv._src.mxnet.optimizer import Adam as Adam
+from jaxkv._src.mxnet.optimizer import AdamState as AdamState
+from jaxkv._src.mxnet.optimizer import MissingOptimizerError as MissingOptimizerError
+from jaxkv._src.mxnet.optimizer import Optimizer as Optimizer
+from jaxkv._src.mxnet.optimizer import OptimizerArgumentError as OptimizerArgumentError
+from jaxkv._src.mxnet.optimizer import SGDState as SGDState
+from jaxkv._src.mxnet.optimizer import Test as Test
+from jaxkv._src.mxnet.optimizer import TestState as TestState
+from jaxkv._src.mxnet.optimizer import UnknownOptimizerError as UnknownOptimizerError
+from jaxkv._src.mxnet.optimizer import ccSGD as ccSGD
+from jaxkv._src.mxnet.optimizer import create as create
+from jaxkv._src.mxnet.optimizer import missing as _missing
 
 __all__ = [
     "SGD",

@@ -198,7 +198,7 @@ class NDArray:
         if stype == "default":
             return self.copy()
         if stype == "row_sparse":
-            from jaxkv._sparse import from_dense
+            from jaxkv._src.mxnet.sparse import from_dense
 
             return from_dense(self._data, self._dtype)
         raise stype_error("tostype", stype)
@@ -400,7 +400,7 @@ def zeros(
         if stype != "row_sparse":
             raise stype_error("zeros", stype)
         _check_kwargs("zeros", kwargs)
-        from jaxkv._sparse import zeros as sparse_zeros
+        from jaxkv._src.mxnet.sparse import zeros as sparse_zeros
 
         return sparse_zeros("row_sparse", shape, ctx, dtype)
     _check_kwargs("zeros", kwargs)
@@ -473,7 +473,7 @@ def array(
       (dtype('int64'), [3, 1])
     """
     if getattr(source, "stype", "default") == "row_sparse":
-        from jaxkv._sparse import array as sparse_array
+        from jaxkv._src.mxnet.sparse import array as sparse_array
 
         return sparse_array(source, ctx, dtype)
     if isinstance(source, NDArray | jax.Array):
@@ -515,7 +515,7 @@ def arange(
 def waitall() -> None:
     """Wait until every computation issued so far has finished (a store's held calls run
     first)."""
-    from jaxkv import _queue  # (the stores import this module)
+    from jaxkv._src.mxnet import held as _queue  # (the stores import this module)
 
     _queue.run_everything_held()
     jax.block_until_ready(jax.live_arrays())

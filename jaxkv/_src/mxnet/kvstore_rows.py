@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._nd import NDArray
-from jaxkv._sparse import RowSparseNDArray
 from jaxkv._src.core import ops as _ops
 from jaxkv._src.errors import ShapeError
+from jaxkv._src.mxnet.ndarray import NDArray
+from jaxkv._src.mxnet.sparse import RowSparseNDArray
 from jaxkv._src.rows import ops as _rows
 from jaxkv._src.rows.ops import _fetched, _host_ids
 from jaxkv._src.state.kvstate import Key, KVState
@@ -126,7 +126,7 @@ def push(state: KVState, key: Key, values: list, updater: Any, lazy: bool, donat
 
 
 def _as_row_sparse(x: Any) -> RowSparseNDArray:
-    from jaxkv._sparse import from_dense
+    from jaxkv._src.mxnet.sparse import from_dense
 
     data = x._data if isinstance(x, NDArray) else jnp.asarray(x)
     return from_dense(data)

@@ -21,9 +21,6 @@ import jax
 import numpy as np
 import optax
 
-from jaxkv import _kvsparse, _perkey, _queue
-from jaxkv._mxopt import Optimizer as MXNetOptimizer
-from jaxkv._nd import NDArray, _unwrap
 from jaxkv._src import jax_internals as _fast
 from jaxkv._src.checkpoint import npz as _checkpoint
 from jaxkv._src.core import compression as _compression
@@ -33,6 +30,11 @@ from jaxkv._src.core.eager import KEEP_VALUES, check_laid_out
 from jaxkv._src.core.updater import is_pure_updater, optimizer_group, updater_name
 from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError, ShapeError
+from jaxkv._src.mxnet import held as _queue
+from jaxkv._src.mxnet import kvstore_rows as _kvsparse
+from jaxkv._src.mxnet import per_key as _perkey
+from jaxkv._src.mxnet.ndarray import NDArray, _unwrap
+from jaxkv._src.mxnet.optimizer import Optimizer as MXNetOptimizer
 from jaxkv._src.state import pairing as _args
 from jaxkv._src.state import placement as _arrays
 from jaxkv._src.state.kvstate import BIGARRAY_BOUND, Key, KVState, _spans_processes, empty
@@ -364,7 +366,7 @@ class KVStore:
         return state._shapes[state.index(key)]
 
     def _run_held(self) -> None:
-        """Run every held call (see :mod:`jaxkv._queue`): the inits, the pulls before their
+        """Run every held call (see :mod:`jaxkv._src.mxnet.held`): the inits, the pulls before their
         key's push, every push at once, the pulls after it."""
         with self._lock:
             held, self._held = self._held, None

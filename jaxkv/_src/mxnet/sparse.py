@@ -54,7 +54,9 @@ import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
 
-from jaxkv._nd import (
+from jaxkv._src.devices import Context
+from jaxkv._src.errors import KVStoreError, ShapeError
+from jaxkv._src.mxnet.ndarray import (
     NDArray,
     _ctx,
     _declared,
@@ -65,9 +67,7 @@ from jaxkv._nd import (
     _unwrap,
     stype_error,
 )
-from jaxkv._nd import zeros as _dense_zeros
-from jaxkv._src.devices import Context
-from jaxkv._src.errors import KVStoreError, ShapeError
+from jaxkv._src.mxnet.ndarray import zeros as _dense_zeros
 
 __all__ = [
     "RowSparseNDArray",
@@ -713,7 +713,7 @@ def row_sparse_array(
     if isinstance(arg1, RowSparseNDArray):
         _check_shape(arg1.shape, shape, where)
         return array(arg1, ctx, dtype)
-    from jaxkv._nd import array as dense_array
+    from jaxkv._src.mxnet.ndarray import array as dense_array
 
     if dtype is None and isinstance(arg1, NDArray | np.ndarray | jax.Array):
         dtype = arg1.dtype

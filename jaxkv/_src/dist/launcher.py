@@ -1,0 +1,632 @@
+"""The launcher behind ``python -m jaxkv.launch`` (jaxkv/launch.py forwards here): a multi-process
+jaxkv job, on this machine or on several.
+
+    python -m jaxkv.launch -n N [--devices-per-process K] [--max-restarts R] script.py [args...]
+    python -m jaxkv.launch --nnodes M --node-rank R --coordinator HOST:PORT -n N ... script.py
+
+The first form starts N copies of ``script.py`` with a coordinator on 127.0.0.1. The second,
+run once on each of M hosts (node ranks 0 .. M-1), starts N copies on each; process i of node
+R is process R*N + i of the job, and process 0 (on node 0) serves the coordinator at HOST:PORT,
+an address of node 0 that every host can reach. Each process joins the job when it imports
+jaxkv, so ``jaxkv.create('dist_sync')`` spans every process's devices; gloo binds to the
+address on the route toward the coordinator, or to the interface named in JAXKV_IFNAME.
+
+When a process fails, the launcher stops the others and exits with that process's status (128 + n
+for a process killed by signal n); with ``--max-restarts R`` it starts the whole job again
+instead, up to R times, with JAXKV_RESTART_COUNT (0, 1, ...) in the environment. The process it
+names is the first to fail, not a peer whose collective then failed because that one had gone
+(such a peer fails within milliseconds, and may even end first); the others that failed follow
+in its message. To tell them apart, it waits up to :data:`SETTLE` seconds after the first
+failure for the others' statuses. A process that fails in Python (an exception, ``sys.exit(n)``)
+notes when, and which of its peers on this node had begun to exit by then (``/proc/PID/stat``);
+it comes after those. Other failures are ordered by when the launcher saw them end (on Linux, as
+the kernel reports them through one pidfd per process).
+
+Each process runs the script as ``python script.py`` would, except that ``sys.exit(n)``, n not
+0, in a process of a multi-process job exits at once (JAX's shutdown would wait for the other
+processes). SIGTERM, SIGINT and SIGHUP stop every process it started (SIGTERM, then SIGKILL
+after a grace period, to each process's whole process group); the processes also get SIGKILL if
+the launcher itself dies.
+
+Unless GLIBC_TUNABLES is already set, the processes start with
+GLIBC_TUNABLES=glibc.malloc.hugetlb=1: glibc's malloc then takes transparent huge pages, which
+cuts the page faults of XLA's per-run temp buffers on CPU (see docs/distributed.md). Set
+GLIBC_TUNABLES yourself (an empty value too) to keep it off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from jaxkv._src.dist.job import (
+    ENV_COORDINATOR,
+    ENV_DEVICES_PER_PROCESS,
+    ENV_LOCAL_RANK,
+    ENV_NODE_RANK,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    ENV_RESTART_COUNT,
+    heartbeat_timeout,
+    split_address,
+)
+
+logger = logging.getLogger("jaxkv.launch")
+
+#: Set in launched processes unless the user set GLIBC_TUNABLES: huge-page malloc (glibc 2.35+).
+HUGETLB_MALLOC = "glibc.malloc.hugetlb=1"
+
+#: The signals that stop the job.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+#: Seconds between SIGTERM and SIGKILL when the launcher stops its processes (a process that
+#: joined a JAX job catches SIGTERM, for JAX's preemption notices, and does not exit on it).
+GRACE = 2.0
+
+#: Seconds the launcher goes on watching after the first failure, for the other processes'
+#: statuses, before it names the first to fail and stops the rest (a collective that waited for
+#: a failed process fails within milliseconds). A process that is still exiting then, or has
+#: noted its failure, gets up to :data:`GRACE` seconds more.
+SETTLE = 1.0
+
+#: ``PF_EXITING`` in the flags of ``/proc/PID/stat`` (Linux): the process has begun to exit.
+_PF_EXITING = 0x4
+
+
+def process_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``env`` (default: ``os.environ``) with GLIBC_TUNABLES set to
+    :data:`HUGETLB_MALLOC` when it is not set at all; a value the user set is kept as it is."""
+    env = dict(os.environ if env is None else env)
+    env.setdefault("GLIBC_TUNABLES", HUGETLB_MALLOC)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+#: Run by ``python -S -c`` in each new process before the script: asks the kernel for SIGKILL
+#: when the launcher dies (Linux's ``PR_SET_PDEATHSIG``, kept across ``exec``), gives up if the
+#: launcher is already gone, then replaces itself with the command line after the launcher's PID,
+#: ``python -c _RUN_SCRIPT script.py args...`` (same PID).
+#: A ``preexec_fn`` would do it without a second interpreter, but forks from Python, which is
+#: not safe in a process where JAX's threads run (``launch()`` called in-process).
+_DIE_WITH_PARENT = """\
+import ctypes, os, sys
+try:
+    ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+os.execv(sys.executable, sys.argv[2:])
+"""
+
+#: Run by ``python -c`` in each process (after the shim above) instead of ``python script.py
+#: args...`` (``python -c _RUN_SCRIPT NOTES script.py args...``), which it does as Python would
+#: (``__main__``, ``sys.argv``, ``sys.path[0]``, the traceback of an uncaught exception), with
+#: two differences. A process that joined a JAX job and ends with ``sys.exit(n)`` (or ``raise
+#: SystemExit(n)``), n not 0, exits at once with that status, without running its ``atexit``
+#: handlers. JAX's shutdown, an ``atexit`` handler, would otherwise wait, up to 5 minutes, for
+#: every other process to finish, while they wait for it in their next collective (as for an
+#: uncaught exception: ``_dist.py``). And a process that fails so, or by an uncaught exception,
+#: first writes ``NOTES/failed-RANK`` (unless NOTES is empty): ``time.monotonic()`` (the same
+#: clock in every process of a machine), then the ranks of the peers listed in ``NOTES/pids``
+#: that had begun to exit before (``/proc/PID/stat``: ``PF_EXITING``, a zombie, or gone).
+_RUN_SCRIPT = """\
+def _jaxkv_run_script():
+    import importlib.machinery, io, os, runpy, sys, time
+    globals().pop("_jaxkv_run_script")
+    notes = sys.argv[1]
+    path = os.path.abspath(sys.argv[2])  # as Python makes the __main__ module's __file__
+    sys.argv = sys.argv[2:]
+
+    def note_failure():
+        # The peers that had begun to exit first, then the time: the launcher names the first
+        # process to fail, not one whose collective failed because that one had gone.
+        try:
+            if not notes:
+                return
+            ending = []
+            if os.path.exists("/proc/self/stat"):
+                try:
+                    with open(os.path.join(notes, "pids")) as f:
+                        peers = [line.split() for line in f]
+                except FileNotFoundError:  # this process failed before the others started
+                    peers = []
+                for rank, pid in peers:
+                    if int(pid) == os.getpid():
+                        continue
+                    try:
+                        with open(f"/proc/{pid}/stat") as f:
+                            fields = f.read().rsplit(")", 1)[1].split()
+                    except (FileNotFoundError, ProcessLookupError):
+                        ending.append(rank)  # ended, and the launcher has reaped it
+                        continue
+                    if fields[0] in ("Z", "X") or int(fields[6]) & 4:  # PF_EXITING
+                        ending.append(rank)
+            name = os.path.join(notes, "failed-" + os.environ["JAXKV_PROCESS_ID"])
+            with open(name + ".tmp", "w") as f:
+                f.write(" ".join([repr(time.monotonic()), *ending]))
+            os.replace(name + ".tmp", name)
+        except Exception:
+            pass
+
+    try:
+        if os.path.isfile(path):
+            sys.path[0] = os.path.dirname(os.path.realpath(path))
+            with io.open_code(path) as f:
+                code = compile(f.read(), path, "exec", dont_inherit=True)
+            loader = importlib.machinery.SourceFileLoader("__main__", path)
+            globals().update(__file__=path, __cached__=None, __loader__=loader)
+            exec(code, globals())
+        else:  # a directory or zip file with __main__.py
+            sys.path[0] = path
+            runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            note_failure()
+        jax = sys.modules.get("jax")
+        several = int(os.environ.get("JAXKV_NUM_PROCESSES") or 1) > 1
+        if e.code in (None, 0) or not several or not getattr(jax, "distributed", None):
+            raise
+        try:
+            joined = jax.distributed.is_initialized()
+        except Exception:
+            joined = False
+        if not joined:
+            raise
+        status = e.code
+        if not isinstance(status, int):
+            print(status, file=sys.stderr)
+            status = 1
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(status)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:
+        note_failure()
+        # As Python reports it: from the script's own frame.
+        e = e.with_traceback(e.__traceback__.tb_next)
+        sys.excepthook(type(e), e, e.__traceback__)
+        sys.exit(1)
+_jaxkv_run_script()
+"""
+
+
+def _write_atomically(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    """``sig`` to ``p``'s process group (each process leads its own), so that whatever it
+    started goes too."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, sig)
+
+
+def _stop(procs: list[subprocess.Popen], grace: float = GRACE) -> None:
+    """SIGTERM to every process group, then SIGKILL after ``grace`` seconds."""
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:  # the stragglers, a stopped (SIGSTOP) process, and any children left behind
+        _signal_group(p, signal.SIGKILL)
+    for p in procs:
+        p.wait()
+
+
+def _ending(pid: int) -> bool:
+    """Whether process ``pid`` (not yet reaped) has begun to exit; False where ``/proc`` cannot
+    tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0] in ("Z", "X") or bool(int(fields[6]) & _PF_EXITING)
+    except (OSError, IndexError, ValueError):
+        return False
+
+
+def _read_notes(directory: str) -> dict[int, tuple[float, frozenset[int]]]:
+    """The failure notes in ``directory`` (see :data:`_RUN_SCRIPT`): rank -> (the time it
+    failed, the ranks that had begun to exit before)."""
+    notes = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if not name.startswith("failed-") or name.endswith(".tmp"):
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                with open(os.path.join(directory, name)) as f:
+                    when, *ending = f.read().split()
+                notes[int(name[len("failed-") :])] = (float(when), frozenset(map(int, ending)))
+    return notes
+
+
+def _order_failures(
+    ended: dict[int, tuple[int, float]], notes: dict[int, tuple[float, frozenset[int]]]
+) -> list[tuple[int, int]]:
+    """The processes that failed, as ``(rank, status)``, the first to fail first.
+
+    Args:
+      ended: rank -> (exit status, ``time.monotonic()`` when the launcher saw it end).
+      notes: rank -> (when it noted its failure, the ranks that had begun to exit before), for
+        the processes that failed in Python (see :data:`_RUN_SCRIPT`).
+
+    The first is the earliest (noted, else seen) of the failures that came after no other
+    failure; the rest follow in the order they failed.
+
+    Examples:
+      Rank 0 saw rank 1 exiting when its collective failed, and the launcher saw rank 0 end
+      first:
+
+      >>> _order_failures({0: (1, 10.0), 1: (-9, 10.002)}, {0: (9.99, frozenset({1}))})
+      [(1, -9), (0, 1)]
+    """
+    failed = {rank for rank, (status, _) in ended.items() if status != 0}
+
+    def when(rank: int) -> float:
+        seen = ended[rank][1]
+        return min(notes[rank][0], seen) if rank in notes else seen
+
+    def after_another(rank: int) -> bool:
+        return rank in notes and bool(notes[rank][1] & failed)
+
+    order = sorted(failed, key=lambda rank: (when(rank), rank))
+    if order:  # no cycle: a process noted its peers as exiting while it was not
+        first = next((rank for rank in order if not after_another(rank)), order[0])
+        order.remove(first)
+        order.insert(0, first)
+    return [(rank, ended[rank][0]) for rank in order]
+
+
+def _describe(rank: int, status: int) -> str:
+    """``process 1 exited with 3``, ``process 1 was killed by SIGKILL``."""
+    if status >= 0:
+        return f"process {rank} exited with {status}"
+    try:
+        name = signal.Signals(-status).name
+    except ValueError:
+        name = f"signal {-status}"
+    return f"process {rank} was killed by {name}"
+
+
+class _Exits:
+    """The processes' statuses, each with the ``time.monotonic()`` at which the launcher saw
+    it end, as they end.
+
+    On Linux one ``poll`` waits on a pidfd per process, so each exit is timed as soon as the
+    kernel reports it; without ``os.pidfd_open`` a thread per process waits for it (and a
+    thread woken late can time two exits close together in the wrong order).
+    """
+
+    def __init__(self, ranks: list[int], procs: list[subprocess.Popen]) -> None:
+        self.ended: dict[int, tuple[int, float]] = {}
+        self._fds: dict[int, tuple[int, subprocess.Popen]] = {}
+        self._changed = threading.Event()
+        self._poll: select.poll | None = None
+        try:
+            self._poll = select.poll()
+            for rank, p in zip(ranks, procs):
+                fd = os.pidfd_open(p.pid)
+                self._fds[fd] = (rank, p)
+                self._poll.register(fd, select.POLLIN)
+        except (AttributeError, OSError):  # not Linux, or before 5.3
+            self.close()
+            self._poll = None
+            for rank, p in zip(ranks, procs):
+                threading.Thread(target=self._wait_for, args=(rank, p), daemon=True).start()
+
+    def _wait_for(self, rank: int, p: subprocess.Popen) -> None:
+        status = p.wait()
+        self.ended[rank] = (status, time.monotonic())
+        self._changed.set()
+
+    def wait(self, timeout: float) -> dict[int, tuple[int, float]]:
+        """Waits up to ``timeout`` seconds for a process to end; returns :attr:`ended`."""
+        if self._poll is None:
+            self._changed.wait(timeout)
+            self._changed.clear()
+        else:
+            ready = self._poll.poll(timeout * 1000)
+            now = time.monotonic()
+            for fd, _ in ready:
+                rank, p = self._fds.pop(fd)
+                self._poll.unregister(fd)
+                os.close(fd)
+                self.ended[rank] = (p.wait(), now)
+        return dict(self.ended)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+
+# What signal.signal takes and returns: a function, SIG_DFL or SIG_IGN, or None.
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
+class _Signals:
+    """Records the first stop signal; installed only in the main thread."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._saved: dict[int, _Handler] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = signum
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+
+
+class Launcher:
+    """One node's share of a job: ``n`` processes, numbered ``node_rank * n + i``."""
+
+    def __init__(
+        self,
+        n: int,
+        script: list[str],
+        devices_per_process: int | None = None,
+        *,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        coordinator: str | None = None,
+        max_restarts: int = 0,
+        restart_delay: float | None = None,
+    ) -> None:
+        """``restart_delay``: seconds to wait before a restart; by default none on one node,
+        and JAX's heartbeat timeout plus 5 s on several (see :meth:`run`)."""
+        if n < 1:
+            raise ValueError(f"-n: expected at least 1 process, given {n}")
+        if nnodes < 1 or not 0 <= node_rank < nnodes:
+            raise ValueError(f"--node-rank {node_rank} is not in 0 .. {nnodes - 1}")
+        if nnodes > 1 and not coordinator:
+            raise ValueError(
+                "--nnodes above 1 needs --coordinator HOST:PORT (an address of node 0)"
+            )
+        if coordinator:
+            split_address(coordinator)
+        if max_restarts < 0:
+            raise ValueError(f"--max-restarts: expected 0 or more, given {max_restarts}")
+        self.n, self.script, self.devices_per_process = n, script, devices_per_process
+        self.nnodes, self.node_rank = nnodes, node_rank
+        self.coordinator, self.max_restarts = coordinator, max_restarts
+        if restart_delay is None:
+            restart_delay = heartbeat_timeout() + 5.0 if nnodes > 1 else 0.0
+        self.restart_delay = restart_delay
+
+    def run(self) -> int:
+        """Run the job, restarting it up to ``max_restarts`` times; returns its exit status."""
+        with _Signals() as signals:
+            attempt = 0
+            while True:
+                code = self._attempt(attempt, signals)
+                if code == 0 or signals.received is not None or attempt >= self.max_restarts:
+                    return code
+                attempt += 1
+                logger.warning(
+                    "jaxkv.launch: restarting the job (restart %d of %d)",
+                    attempt,
+                    self.max_restarts,
+                )
+                # On several nodes, the other nodes' processes end within JAX's heartbeat
+                # timeout (their launchers restart too); start again once they have, so that no
+                # new process meets the old job's coordinator.
+                self._sleep(self.restart_delay, signals)
+                if signals.received is not None:
+                    return 128 + signals.received
+
+    @staticmethod
+    def _sleep(seconds: float, signals: _Signals) -> None:
+        deadline = time.monotonic() + seconds
+        while signals.received is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def _attempt(self, attempt: int, signals: _Signals) -> int:
+        coordinator = self.coordinator or f"127.0.0.1:{_free_port()}"
+        total = self.nnodes * self.n
+        procs: list[subprocess.Popen] = []
+        ranks: list[int] = []
+        try:  # where the processes note their failures (see _RUN_SCRIPT)
+            notes = tempfile.mkdtemp(prefix="jaxkv-launch-")
+        except OSError:
+            notes = ""
+        try:
+            for i in range(self.n):
+                if signals.received is not None:
+                    break
+                rank = self.node_rank * self.n + i
+                env = process_env()
+                env.update(
+                    {
+                        ENV_COORDINATOR: coordinator,
+                        ENV_NUM_PROCESSES: str(total),
+                        ENV_PROCESS_ID: str(rank),
+                        ENV_LOCAL_RANK: str(i),
+                        ENV_NODE_RANK: str(self.node_rank),
+                        ENV_RESTART_COUNT: str(attempt),
+                    }
+                )
+                if self.devices_per_process:
+                    env[ENV_DEVICES_PER_PROCESS] = str(self.devices_per_process)
+                shim = [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid())]
+                procs.append(
+                    subprocess.Popen(
+                        [*shim, sys.executable, "-c", _RUN_SCRIPT, notes, *self.script],
+                        env=env,
+                        start_new_session=True,
+                    )
+                )
+                ranks.append(rank)
+            logger.info(
+                "jaxkv.launch: processes %d-%d of %d, coordinator %s%s",
+                ranks[0] if ranks else 0,
+                ranks[-1] if ranks else 0,
+                total,
+                coordinator,
+                f", restart {attempt}" if attempt else "",
+            )
+            if notes:
+                _write_atomically(
+                    os.path.join(notes, "pids"),
+                    "".join(f"{rank} {p.pid}\n" for rank, p in zip(ranks, procs)),
+                )
+            return self._watch(ranks, procs, notes, signals)
+        finally:
+            _stop(procs)
+            if notes:
+                shutil.rmtree(notes, ignore_errors=True)
+
+    @staticmethod
+    def _watch(
+        ranks: list[int], procs: list[subprocess.Popen], notes: str, signals: _Signals
+    ) -> int:
+        """Waits for the processes to end, or for a failure or a stop signal; returns the status
+        of the attempt."""
+        exits = _Exits(ranks, procs)
+        ended: dict[int, tuple[int, float]] = {}
+        failed_at: float | None = None  # when the launcher saw the first failure
+        try:
+            while signals.received is None:
+                ended = exits.wait(0.05)
+                if len(ended) == len(procs):
+                    break
+                if failed_at is None:
+                    if any(status for status, _ in ended.values()):
+                        failed_at = time.monotonic()
+                    continue
+                # After SETTLE, only for a process that is ending or has noted its failure.
+                waited = time.monotonic() - failed_at
+                if waited >= SETTLE + GRACE or (
+                    waited >= SETTLE
+                    and not any(
+                        _ending(p.pid) or (notes and os.path.exists(f"{notes}/failed-{rank}"))
+                        for rank, p in zip(ranks, procs)
+                        if rank not in ended
+                    )
+                ):
+                    break
+        finally:
+            exits.close()
+        if signals.received is not None:
+            logger.error(
+                "jaxkv.launch: %s; stopping every process",
+                signal.Signals(signals.received).name,
+            )
+            return 128 + signals.received
+        failures = _order_failures(ended, _read_notes(notes) if notes else {})
+        if not failures:
+            return 0
+        (rank, code), after = failures[0], failures[1:]
+        logger.error(
+            "jaxkv.launch: %s; stopping the others%s",
+            _describe(rank, code),
+            f" (after it, {', '.join(_describe(*f) for f in after)})" if after else "",
+        )
+        return code if code > 0 else 128 - code
+
+
+def launch(
+    n: int,
+    script: list[str],
+    devices_per_process: int | None = None,
+    *,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    coordinator: str | None = None,
+    max_restarts: int = 0,
+) -> int:
+    """Run ``script`` (argv) in ``n`` processes on this node; returns the job's exit status."""
+    return Launcher(
+        n,
+        script,
+        devices_per_process,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        coordinator=coordinator,
+        max_restarts=max_restarts,
+    ).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxkv.launch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-n", type=int, required=True, help="number of processes on this node")
+    parser.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        help="CPU devices each process simulates (default: JAX's)",
+    )
+    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank (default 0)")
+    parser.add_argument(
+        "--coordinator",
+        default=None,
+        help="HOST:PORT of the coordinator on node 0 (default, one node: 127.0.0.1:a free port)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the whole job up to this many times when a process fails (default 0)",
+    )
+    parser.add_argument("script", help="the Python script each process runs")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        launcher = Launcher(
+            args.n,
+            [args.script, *args.args],
+            args.devices_per_process,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            coordinator=args.coordinator,
+            max_restarts=args.max_restarts,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    return launcher.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
