@@ -123,7 +123,8 @@ def data_bytes(shapes: list[tuple[int, ...]], devices: int) -> dict[str, int]:
 
 def model(i: int, shape: tuple[int, ...], pushes: int, steps: int) -> np.ndarray:
     """Key ``i``'s sampled weight after ``steps`` steps of MXNet's SGD, in float32, each step's
-    gradient the sum of ``pushes`` devices' (``jaxkv/_src/mxnet/optimizer.py``'s SGD says the formula)."""
+    gradient the sum of ``pushes`` devices' (``jaxkv/_src/mxnet/optimizer.py``'s SGD says the
+    formula)."""
     f = np.float32
     w = weight(i, shape).ravel()[:: stride(shape)].copy()
     g = f(0)

@@ -1,5 +1,5 @@
-"""The private JAX names jaxkv uses for speed (``jaxkv/_src/jax_internals.py``) each have a public fallback;
-``JAXKV_NO_FAST_PATHS=1`` turns them all off, and the same tests must then still pass."""
+"""The private JAX names jaxkv uses for speed (``jaxkv/_src/jax_internals.py``) each have a public
+fallback; ``JAXKV_NO_FAST_PATHS=1`` turns them all off, and the same tests must then still pass."""
 
 import os
 import subprocess

@@ -1,6 +1,6 @@
-"""The flat layout's bookkeeping (``jaxkv/_src/state/buckets.py``) against a plain model: buckets per dtype
-and optimizer group, views, in-place writes, and optimizer states packed by family; a jitted
-training step kept flat gives the per-key step's numbers (to XLA's rounding: the two programs
+"""The flat layout's bookkeeping (``jaxkv/_src/state/buckets.py``) against a plain model: buckets
+per dtype and optimizer group, views, in-place writes, and optimizer states packed by family; a
+jitted training step kept flat gives the per-key step's numbers (to XLA's rounding: the two programs
 fuse differently)."""
 
 import jax

@@ -268,7 +268,7 @@ def test_refusals_leave_a_flat_store_as_it_was():
         np.testing.assert_array_equal(x, y)
 
 
-# -- which optax updaters run once over a bucket (jaxkv/_src/core/on_buckets.py) ----------------------------
+# -- which optax updaters run once over a bucket (jaxkv/_src/core/on_buckets.py) ----------------
 def _sign_sgd(lr):
     """An elementwise custom transformation: sign of the gradient, then scaled."""
 

@@ -1,7 +1,7 @@
-"""The public JAX names that moved between the versions pyproject.toml accepts are feature
-detected in jaxkv/_src/jax_internals.py, by attribute or signature, never by version: each route gives the
-same types and values on the JAX that runs the tests (`make test-oldest` and `make test-newest`
-run them on the oldest and the newest)."""
+"""The public JAX names that moved between the versions pyproject.toml accepts are feature detected
+in jaxkv/_src/jax_internals.py, by attribute or signature, never by version: each route gives the
+same types and values on the JAX that runs the tests (`make test-oldest` and `make test-newest` run
+them on the oldest and the newest)."""
 
 import inspect
 import types

@@ -1,9 +1,9 @@
 """``mx.optimizer``: MXNet 1.9.1's ``SGD``, ``Adam`` and ``Test`` (and ``create``), for
 ``kv.set_optimizer``.
 
-They give MXNet's numbers (see :mod:`jaxkv._src.mxnet.optimizer` for the formulas and what ``lazy_update``
-means for row-sparse gradients). MXNet's other optimizers (``RMSProp``, ``NAG``, ...) are not
-here: asking for one raises :class:`MissingOptimizerError`, which is both a
+They give MXNet's numbers (see :mod:`jaxkv._src.mxnet.optimizer` for the formulas and what
+``lazy_update`` means for row-sparse gradients). MXNet's other optimizers (``RMSProp``, ``NAG``,
+...) are not here: asking for one raises :class:`MissingOptimizerError`, which is both a
 ``jaxkv.KVStoreError`` and an ``AttributeError``.
 """
 
