@@ -140,7 +140,7 @@ conformance: $(STAMP)
 
 # Mutation tests (Cosmic Ray, in a venv of its own) of the store's arithmetic and checks; not
 # part of `make test`. Takes about 35 minutes on 2 cores: see docs/testing.md.
-# MUTATION_ARGS="--modules _ops,_state" runs only some modules; "--resume" continues a run;
+# MUTATION_ARGS="--modules core/ops,state/kvstate" runs only some modules; "--resume" continues a run;
 # "--retest" runs the survivors again after tests were added.
 MVENV := .venv-mutation
 $(MVENV)/.installed: mutation/requirements.txt

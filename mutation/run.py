@@ -152,7 +152,8 @@ def baseline(command: str, module: str) -> float:
 
 
 def session_path(module: dict) -> Path:
-    return OUT / (Path(module["path"]).stem + ".sqlite")
+    name = module["path"].removeprefix("jaxkv/").removesuffix(".py").replace("/", ".")
+    return OUT / (name + ".sqlite")
 
 
 def run_module(config: dict, module: dict, resume: bool) -> None:
@@ -292,7 +293,10 @@ def report(config: dict, modules: list[dict], minutes: float | None) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modules", help="comma-separated module stems, e.g. _ops,_state")
+    parser.add_argument(
+        "--modules",
+        help="comma-separated modules, each its path's end without .py, e.g. core/ops,kvstate",
+    )
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run")
     parser.add_argument("--retest", action="store_true", help="run the survivors again")
     parser.add_argument("--report", action="store_true", help="only rewrite the report")
@@ -301,7 +305,11 @@ def main() -> int:
     modules = config["module"]
     if args.modules:
         wanted = args.modules.split(",")
-        modules = [m for m in modules if Path(m["path"]).stem in wanted]
+        modules = [
+            m
+            for m in modules
+            if any(("/" + m["path"].removesuffix(".py")).endswith("/" + w) for w in wanted)
+        ]
     OUT.mkdir(exist_ok=True)
     started = time.monotonic()
     if args.retest:
