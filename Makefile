@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/ruff check jaxkv tests examples benchmarks conformance
+	$(BIN)/lint-imports --no-cache  # the layers of jaxkv/_src (pyproject.toml, [tool.importlinter])
 	$(BIN)/mypy jaxkv
 	rm -f .coverage .coverage.*
 	$(BIN)/coverage run -m pytest -q
@@ -120,6 +121,7 @@ docs: $(DOCS_STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check jaxkv tests examples benchmarks conformance
 	$(BIN)/ruff format --check jaxkv tests examples benchmarks conformance
+	$(BIN)/lint-imports --no-cache
 
 format: $(STAMP)
 	$(BIN)/ruff format jaxkv tests examples benchmarks conformance

@@ -16,12 +16,8 @@ from jaxkv._src.core.ops import gather as gather
 from jaxkv._src.core.ops import init as init
 from jaxkv._src.core.ops import init_optimizer as init_optimizer
 from jaxkv._src.core.ops import pull as pull
-from jaxkv._src.core.ops import pull_rows as pull_rows
 from jaxkv._src.core.ops import push as push
-from jaxkv._src.core.ops import push_rows as push_rows
 from jaxkv._src.core.ops import pushpull as pushpull
-from jaxkv._src.core.ops import pushpull_rows as pushpull_rows
-from jaxkv._src.core.ops import row_sparse_pull as row_sparse_pull
 from jaxkv._src.core.ops import specs as specs
 from jaxkv._src.core.updater import pure_updater as pure_updater
 from jaxkv._src.devices import Context as Context
@@ -35,6 +31,10 @@ from jaxkv._src.errors import ShapeError as ShapeError
 from jaxkv._src.errors import UnknownKeyError as UnknownKeyError
 from jaxkv._src.mxnet.kvstore import KVStore as KVStore
 from jaxkv._src.mxnet.kvstore import create as create
+from jaxkv._src.rows.ops import pull_rows as pull_rows
+from jaxkv._src.rows.ops import push_rows as push_rows
+from jaxkv._src.rows.ops import pushpull_rows as pushpull_rows
+from jaxkv._src.rows.ops import row_sparse_pull as row_sparse_pull
 from jaxkv._src.state.kvstate import KVState as KVState
 from jaxkv._src.state.kvstate import empty as empty
 

@@ -24,16 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv._src.checkpoint import orbax_dirs as _orbax
+from jaxkv._src.checkpoint.manifest import FORMAT, VERSION, Malformed, check_manifest
 from jaxkv._src.core.compression import residual_layout
 from jaxkv._src.errors import KVStoreError
-from jaxkv._src.state.kvstate import Key, KVState, check_compressible, compression_config
+from jaxkv._src.state.kvstate import Key, KVState, check_compressible
 from jaxkv._src.state.placement import host_copy
 
 __all__ = ["load", "load_state", "save", "save_state"]
-
-_FORMAT = "jaxkv-store"
-_VERSION = 3  # 2: the manifest has a checksum of its own; 3: optimizer state per group
-_PARTS = ("value", "opt", "residual")
 
 
 def _entries(state: KVState, values: bool) -> Iterator[tuple[dict[str, Key], str, str, jax.Array]]:
@@ -82,8 +79,8 @@ def _together(fname: str, state: KVState) -> None:
 def _header(state: KVState, values: bool) -> dict[str, Any]:
     """The manifest's fields other than the arrays'."""
     return {
-        "format": _FORMAT,
-        "version": _VERSION,
+        "format": FORMAT,
+        "version": VERSION,
         "values": values,
         "keys": list(state.keys()),
         "groups": [list(g) for g in state.opt_states],
@@ -144,118 +141,17 @@ def save(
         raise
 
 
-class _Malformed(Exception):
-    """A manifest field that is not what ``save`` writes (turned into a KVStoreError)."""
-
-
-def _expect(ok: object, what: str, given: Any) -> None:
-    if not ok:
-        raise _Malformed(f"manifest: expected {what}, given {given!r}")
-
-
-def _check_manifest(
-    manifest: Any, files: set[str] | None, fmt: str = _FORMAT, version: int = _VERSION
-) -> None:
-    """Every field ``load`` reads, checked against what ``save`` writes. ``files``: the arrays
-    in the ``.npz`` file, each with its own SHA-256 in the manifest; ``None`` for a checkpoint
-    directory, whose data files are checksummed per process instead."""
-    _expect(isinstance(manifest, dict), "a JSON object", type(manifest).__name__)
-    _expect(
-        manifest.get("format") == fmt and manifest.get("version") == version,
-        f"format {fmt!r} version {version}",
-        (manifest.get("format"), manifest.get("version")),
-    )
-    _expect(type(manifest.get("values")) is bool, "'values' true or false", manifest.get("values"))
-    keys = manifest.get("keys")
-    _expect(isinstance(keys, list), "'keys' a list", keys)
-    kinds = {type(k) for k in keys}
-    _expect(kinds <= {int} or kinds <= {str}, "'keys' all int or all str", keys)
-    _expect(len(set(keys)) == len(keys), "distinct 'keys'", keys)
-    compression = manifest.get("compression")
-    if compression is not None:
-        _expect(isinstance(compression, list) and compression, "'compression' a list", compression)
-        params = {"type": compression[0]}
-        if len(compression) > 1:
-            params["threshold"] = compression[1]
-        try:
-            config = compression_config(params)
-        except KVStoreError as err:
-            raise _Malformed(f"manifest: 'compression' {compression!r}: {err}") from None
-        _expect(list(config or []) == compression, "a valid 'compression'", compression)
-    groups = manifest.get("groups")
-    _expect(
-        isinstance(groups, list)
-        and all(isinstance(g, list) and g and all(k in keys for k in g) for g in groups),
-        "'groups' a list of non-empty lists of keys",
-        groups,
-    )
-    grouped = [k for g in groups for k in g]
-    _expect(len(set(grouped)) == len(grouped), "each key in one group at most", groups)
-    entries = manifest.get("arrays")
-    _expect(isinstance(entries, list), "'arrays' a list", entries)
-    counts: dict[Any, dict[str, int]] = {k: dict.fromkeys(_PARTS, 0) for k in keys}
-    for n, e in enumerate(entries):
-        _expect(isinstance(e, dict), f"arrays[{n}] an object", e)
-        _expect(e.get("part") in _PARTS, f"arrays[{n}] 'part' one of {_PARTS}", e.get("part"))
-        if e["part"] == "opt":
-            g = e.get("group")
-            _expect(
-                type(g) is int and 0 <= g < len(groups) and "key" not in e,
-                f"arrays[{n}] 'group' an index below {len(groups)}",
-                g,
-            )
-        else:
-            _expect(e.get("key") in counts, f"arrays[{n}] 'key' one of {keys}", e.get("key"))
-        _expect(isinstance(e.get("path"), str), f"arrays[{n}] 'path' a str", e.get("path"))
-        shape = e.get("shape")
-        _expect(
-            isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape),
-            f"arrays[{n}] 'shape' a list of sizes",
-            shape,
-        )
-        _expect(_is_dtype_name(e.get("dtype")), f"arrays[{n}] 'dtype' a dtype name", e.get("dtype"))
-        if files is not None:
-            sha256 = e.get("sha256")
-            _expect(isinstance(sha256, str), f"arrays[{n}] 'sha256' a str", sha256)
-            _expect(f"a{n}" in files, f"an array a{n} for arrays[{n}]", sorted(files))
-        if e["part"] != "opt":
-            counts[e["key"]][e["part"]] += 1
-    # A whole-store file holds one value per key (and a residual under 2-bit compression); an
-    # optimizer-state file neither.
-    value = int(manifest["values"])
-    residual = int(manifest["values"] and bool(compression) and compression[0] == "2bit")
-    for key, c in counts.items():
-        _expect(
-            c["value"] == value and c["residual"] == residual,
-            f"key {key!r} with {value} value and {residual} residual entries",
-            f"{c['value']} and {c['residual']}",
-        )
-    if files is not None:  # nothing beside them, as a checkpoint directory holds no stray file
-        listed = {f"a{n}" for n in range(len(entries))} | {"manifest", "manifest_sha256"}
-        _expect(files <= listed, "no arrays but the manifest's", sorted(files - listed))
-
-
-def _is_dtype_name(name: Any) -> bool:
-    if not isinstance(name, str):  # jnp.dtype(None) would be float64
-        return False
-    try:
-        jnp.dtype(name)
-    except TypeError:
-        return False
-    return True
-
-
 def _read(fname: str) -> tuple[dict, list[np.ndarray]]:
     """The manifest and arrays of ``fname``, every checksum and manifest field checked."""
     try:
         with open(fname, "rb") as f:  # ours to close, whatever np.load makes of it
             z = np.load(f, allow_pickle=False)
             if not isinstance(z, np.lib.npyio.NpzFile):
-                raise _Malformed(f"expected an .npz archive, given one {type(z).__name__}")
+                raise Malformed(f"expected an .npz archive, given one {type(z).__name__}")
             files = set(z.files)
             if "manifest_sha256" not in files:
-                raise _Malformed(
-                    f"expected a {_FORMAT} v{_VERSION} file with a checksummed manifest, given "
+                raise Malformed(
+                    f"expected a {FORMAT} v{VERSION} file with a checksummed manifest, given "
                     "one without (saved by another program or an older jaxkv)"
                 )
             text = bytes(z["manifest"])
@@ -265,7 +161,7 @@ def _read(fname: str) -> tuple[dict, list[np.ndarray]]:
                     "different bytes (the file is corrupt or was edited)"
                 )
             manifest = json.loads(text.decode())
-            _check_manifest(manifest, files)
+            check_manifest(manifest, files)
             arrays = []
             for n, entry in enumerate(manifest["arrays"]):
                 raw = z[f"a{n}"].tobytes()
@@ -284,7 +180,7 @@ def _read(fname: str) -> tuple[dict, list[np.ndarray]]:
                 arrays.append(np.frombuffer(raw, dtype).reshape(entry["shape"]))
     except KVStoreError:
         raise
-    except _Malformed as e:
+    except Malformed as e:
         raise KVStoreError(f"{fname}: {e}") from None
     except (
         OSError,

@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxkv._src.checkpoint.manifest import Malformed, check_manifest, expect
 from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError
 
@@ -201,19 +202,15 @@ def _commit(path: str, manifest: dict) -> None:
 
 
 def _check_files(manifest: dict) -> None:
-    from jaxkv._src.checkpoint.npz import _expect
-
     data, processes = manifest.get("data"), manifest.get("processes")
-    _expect(isinstance(data, str) and _DATA.fullmatch(data), "'data' a data directory", data)
-    _expect(type(processes) is int and processes >= 1, "'processes' a count", processes)
+    expect(isinstance(data, str) and _DATA.fullmatch(data), "'data' a data directory", data)
+    expect(type(processes) is int and processes >= 1, "'processes' a count", processes)
     files: Any = manifest.get("files")  # parsed JSON, checked next
-    _expect(isinstance(files, dict), "'files' an object", files)
+    expect(isinstance(files, dict), "'files' an object", files)
     for rel, f in files.items():
         parts = rel.split("/")
-        _expect(
-            all(p not in ("", ".", "..") for p in parts), f"files[{rel!r}] a relative path", rel
-        )
-        _expect(
+        expect(all(p not in ("", ".", "..") for p in parts), f"files[{rel!r}] a relative path", rel)
+        expect(
             isinstance(f, dict)
             and type(f.get("process")) is int
             and 0 <= f["process"] < processes
@@ -230,8 +227,6 @@ def open_checkpoint(path: str) -> tuple[dict[str, Any], Callable[[list], list]]:
     """The checked manifest of the checkpoint directory ``path``, and ``restore(targets)``,
     which verifies every data file and returns the arrays placed as ``targets`` (one
     ``jax.ShapeDtypeStruct`` with a sharding per manifest entry) say."""
-    from jaxkv._src.checkpoint.npz import _check_manifest, _Malformed
-
     path = os.path.abspath(path)
     try:
         with open(os.path.join(path, MANIFEST), "rb") as f:
@@ -250,7 +245,7 @@ def open_checkpoint(path: str) -> tuple[dict[str, Any], Callable[[list], list]]:
             and isinstance(outer.get("manifest"), str)
             and isinstance(outer.get("sha256"), str)
         ):
-            raise _Malformed(f"{MANIFEST}: expected an object with 'manifest' and 'sha256'")
+            raise Malformed(f"{MANIFEST}: expected an object with 'manifest' and 'sha256'")
         text = outer["manifest"]
         if hashlib.sha256(text.encode()).hexdigest() != outer["sha256"]:
             raise KVStoreError(
@@ -258,9 +253,9 @@ def open_checkpoint(path: str) -> tuple[dict[str, Any], Callable[[list], list]]:
                 "different bytes (the file is corrupt or was edited)"
             )
         manifest = json.loads(text)
-        _check_manifest(manifest, None, FORMAT, VERSION)
+        check_manifest(manifest, None, FORMAT, VERSION)
         _check_files(manifest)
-    except _Malformed as e:
+    except Malformed as e:
         raise KVStoreError(f"{path}: {e}") from None
     except (ValueError, UnicodeError, RecursionError) as e:
         raise KVStoreError(

@@ -1,6 +1,5 @@
-"""The public face of the functional core: ``init``, ``push``, ``pull``, ``pushpull``,
-``row_sparse_pull``, ``pull_rows``, ``push_rows``, ``pushpull_rows`` (the last four from
-``_rows.py``).
+"""The functional core's operations: ``init``, ``push``, ``pull``, ``pushpull`` (the row
+operations are in ``jaxkv/_src/rows/ops.py``).
 
 Eagerly, one ``push`` is one jitted computation for all its keys: per-device contributions are
 assembled (without copying) into one array sharded over the store's mesh and summed with a
@@ -29,7 +28,6 @@ from jaxkv._src.core.eager import init_opt_states, push_eager, push_eager_flat
 from jaxkv._src.core.traced import gather, is_block, push_in_trace
 from jaxkv._src.core.updater import Updater, optimizer_group
 from jaxkv._src.errors import DuplicateKeyError, KeyTypeError, KVStoreError, ShapeError
-from jaxkv._src.rows.ops import pull_rows, push_rows, pushpull_rows, row_sparse_pull
 from jaxkv._src.state.kvstate import Key, KVState, check_compressible, key_kind
 from jaxkv._src.state.pairing import MISSING, as_array, devices_of, group, is_traced, pairs
 from jaxkv._src.state.placement import copies, put, replicate
@@ -41,12 +39,8 @@ __all__ = [
     "init",
     "init_optimizer",
     "pull",
-    "pull_rows",
     "push",
-    "push_rows",
     "pushpull",
-    "pushpull_rows",
-    "row_sparse_pull",
     "specs",
 ]
 

@@ -35,6 +35,7 @@ from jaxkv._src.mxnet import kvstore_rows as _kvsparse
 from jaxkv._src.mxnet import per_key as _perkey
 from jaxkv._src.mxnet.ndarray import NDArray, _unwrap
 from jaxkv._src.mxnet.optimizer import Optimizer as MXNetOptimizer
+from jaxkv._src.rows import ops as _rows
 from jaxkv._src.state import pairing as _args
 from jaxkv._src.state import placement as _arrays
 from jaxkv._src.state.kvstate import BIGARRAY_BOUND, Key, KVState, _spans_processes, empty
@@ -490,7 +491,7 @@ class KVStore:
                     raise ShapeError(
                         f"keys {keys!r}: expected {len(keys)} row_ids, given {len(ids)}"
                     )
-                rows = [_ops.row_sparse_pull(state, k, _unwrap(r)) for k, r in zip(keys, ids)]
+                rows = [_rows.row_sparse_pull(state, k, _unwrap(r)) for k, r in zip(keys, ids)]
                 # As pull returns them: whole on the store's devices (split values gathered).
                 rows = [
                     r
@@ -511,7 +512,7 @@ class KVStore:
                 for o, x in zip(outs, ids):
                     if not _kvsparse.is_row_sparse(o):  # beyond MXNet, which refuses dense outs
                         device = o._device()
-                        kept = _ops.row_sparse_pull(state, k, _unwrap(x), devices=[device])
+                        kept = _rows.row_sparse_pull(state, k, _unwrap(x), devices=[device])
                         filled.append(("dense", o, kept, device))
             for how, o, x, where in filled:  # every out filled once all are computed
                 if how == "rows":

@@ -95,7 +95,7 @@ def lazy_push(
     """One ``push_rows`` of each device's ``(row_ids, rows)``: only the rows pushed (and their
     optimizer state) change; with no updater the stored value becomes the merged sum (MXNet)."""
     updater = replace_all if updater is None else updater
-    return _ops.push_rows(state, key, row_ids, rows, updater=updater, donate=donate)
+    return _rows.push_rows(state, key, row_ids, rows, updater=updater, donate=donate)
 
 
 def _row_sparse_values(state: KVState, key: Key, values: list) -> list:
@@ -144,15 +144,15 @@ def pull_into(state: KVState, key: Key, outs: list, row_ids: list) -> list[tuple
         # then each out's rows on its device.
         first = next(d for d in state.devices if d.process_index == jax.process_index())
         every = np.concatenate(asked) if asked else np.zeros(0, np.int32)
-        got = _ops.pull_rows(state, key, every, devices=[first])
+        got = _rows.pull_rows(state, key, every, devices=[first])
         cuts = np.cumsum([x.size for x in asked])[:-1]
         pieces = [got[a:b] for a, b in zip([0, *cuts], [*cuts, every.size])]
         rows = list(jax.device_put(pieces, devices))
         return list(zip(outs, rows, jax.device_put(asked, devices)))
     if tuple(devices) == state.devices and len({x.size for x in asked}) == 1 and len(devices) > 1:
-        rows = _ops.pull_rows(state, key, asked)  # one computation: each device its rows
+        rows = _rows.pull_rows(state, key, asked)  # one computation: each device its rows
     else:
-        rows = [_ops.pull_rows(state, key, x, devices=[d]) for x, d in zip(asked, devices)]
+        rows = [_rows.pull_rows(state, key, x, devices=[d]) for x, d in zip(asked, devices)]
     ids = jax.device_put(asked, devices)  # one call for every out's ids
     return list(zip(outs, rows, ids))
 

@@ -35,6 +35,19 @@ __all__ = ["NDArray", "arange", "array", "empty", "full", "ones", "waitall", "ze
 _DEFAULT_DTYPE = np.float32  # MXNet's mx_real_t
 
 
+# The row-sparse arrays (sparse.py) build on this module, so it never imports them: sparse.py
+# registers its constructors here as it is imported (as every import of jaxkv imports it).
+_ROW_SPARSE: dict[str, Callable[..., Any]] = {}
+
+
+def register_row_sparse(
+    from_dense: Callable[..., Any], zeros: Callable[..., Any], array: Callable[..., Any]
+) -> None:
+    """Give ``tostype('row_sparse')``, ``zeros(stype='row_sparse')`` and ``array`` of a
+    row-sparse source their constructors (called once, by sparse.py)."""
+    _ROW_SPARSE.update(from_dense=from_dense, zeros=zeros, array=array)
+
+
 def stype_error(where: str, stype: object) -> KVStoreError:
     """The refusal of a storage type jaxkv does not have."""
     return KVStoreError(
@@ -198,9 +211,7 @@ class NDArray:
         if stype == "default":
             return self.copy()
         if stype == "row_sparse":
-            from jaxkv._src.mxnet.sparse import from_dense
-
-            return from_dense(self._data, self._dtype)
+            return _ROW_SPARSE["from_dense"](self._data, self._dtype)
         raise stype_error("tostype", stype)
 
     def copyto(self, other: Context | NDArray) -> NDArray:
@@ -400,9 +411,7 @@ def zeros(
         if stype != "row_sparse":
             raise stype_error("zeros", stype)
         _check_kwargs("zeros", kwargs)
-        from jaxkv._src.mxnet.sparse import zeros as sparse_zeros
-
-        return sparse_zeros("row_sparse", shape, ctx, dtype)
+        return _ROW_SPARSE["zeros"]("row_sparse", shape, ctx, dtype)
     _check_kwargs("zeros", kwargs)
     return _fill(shape, 0, ctx, dtype)
 
@@ -473,9 +482,7 @@ def array(
       (dtype('int64'), [3, 1])
     """
     if getattr(source, "stype", "default") == "row_sparse":
-        from jaxkv._src.mxnet.sparse import array as sparse_array
-
-        return sparse_array(source, ctx, dtype)
+        return _ROW_SPARSE["array"](source, ctx, dtype)
     if isinstance(source, NDArray | jax.Array):
         wanted = np.dtype(dtype or source.dtype)
         held = _dtype(wanted)

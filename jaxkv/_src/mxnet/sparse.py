@@ -65,6 +65,7 @@ from jaxkv._src.mxnet.ndarray import (
     _is_traced,
     _shape,
     _unwrap,
+    register_row_sparse,
     stype_error,
 )
 from jaxkv._src.mxnet.ndarray import zeros as _dense_zeros
@@ -912,3 +913,6 @@ def divide(lhs: Any, rhs: Any) -> Any:
     """``lhs / rhs`` with MXNet's storage types (row-sparse divided by a scalar is
     row-sparse; by an array, dense)."""
     return lhs / rhs
+
+
+register_row_sparse(from_dense=from_dense, zeros=zeros, array=array)
