@@ -44,6 +44,12 @@ class ShapeError(KVStoreError, ValueError):
     """A value or ``out`` has the wrong shape, or lists do not pair up."""
 
 
+# Tracebacks and reprs name the classes where users import them from (``jaxkv.KVStoreError``).
+for _cls in (KVStoreError, UnknownKeyError, DuplicateKeyError, KeyTypeError, ShapeError):
+    _cls.__module__ = "jaxkv"
+del _cls
+
+
 def unknown_key(key: object, known: Collection[int | str]) -> UnknownKeyError:
     shown = sorted(known)[:8]
     more = "" if len(known) <= 8 else f" (and {len(known) - 8} more)"

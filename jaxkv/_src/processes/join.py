@@ -1,0 +1,240 @@
+"""Joining a multi-process job: ``python -m jaxkv.launch``, a SLURM or Open MPI job, or an
+earlier ``jax.distributed.initialize()``.
+
+The launcher passes the coordinator address, the number of processes, this process's id and
+the number of CPU devices per process in ``JAXKV_*`` environment variables, and each process it
+starts joins the job (:func:`join_launched_job`) before it runs the script, so before JAX starts
+its backends; importing jaxkv joins nothing. Under SLURM (``srun``) or Open MPI (``mpirun``)
+without the launcher, :func:`join_cluster` (a ``dist_sync`` store calls it) joins through JAX's
+own cluster detection. Collectives run on JAX's own engines: gloo between CPU processes, NCCL
+between GPUs.
+
+Gloo's TCP transport binds to one local address and tells its peers to connect there. JAX
+leaves the choice to gloo, which takes what the machine's host name resolves to (often
+127.0.0.1 or 127.0.1.1 in /etc/hosts, which peers on other hosts cannot reach). So a joined
+process installs JAX's CPU backend with gloo pinned: to the interface named in ``JAXKV_IFNAME``
+when it is set, else to the local address of the route toward the coordinator
+(:func:`local_address`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxkv._src import jax_internals as _fast
+
+logger = logging.getLogger("jaxkv")
+
+
+ENV_COORDINATOR = "JAXKV_COORDINATOR"
+
+
+ENV_NUM_PROCESSES = "JAXKV_NUM_PROCESSES"
+
+
+ENV_PROCESS_ID = "JAXKV_PROCESS_ID"
+
+
+ENV_DEVICES_PER_PROCESS = "JAXKV_DEVICES_PER_PROCESS"
+
+
+ENV_LOCAL_RANK = "JAXKV_LOCAL_RANK"
+
+
+ENV_NODE_RANK = "JAXKV_NODE_RANK"
+
+
+ENV_RESTART_COUNT = "JAXKV_RESTART_COUNT"
+
+
+ENV_IFNAME = "JAXKV_IFNAME"
+
+
+ENV_HEARTBEAT_TIMEOUT = "JAXKV_HEARTBEAT_TIMEOUT"
+
+
+#: Seconds without a heartbeat after which JAX's coordination service declares a process dead
+#: and ends the job (JAX's own default is 100 s). ``JAXKV_HEARTBEAT_TIMEOUT`` overrides it.
+DEFAULT_HEARTBEAT_TIMEOUT = 60
+
+
+def heartbeat_timeout() -> int:
+    """The heartbeat timeout in seconds: ``JAXKV_HEARTBEAT_TIMEOUT``, else the default."""
+    value = os.environ.get(ENV_HEARTBEAT_TIMEOUT, "")
+    return int(value) if value else DEFAULT_HEARTBEAT_TIMEOUT
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[IPV6]:PORT`` as ``(host, port)``."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, given {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def local_address(coordinator: str) -> str:
+    """This machine's address on the route toward ``coordinator`` (``HOST:PORT``).
+
+    A UDP socket "connected" to the coordinator sends nothing; the kernel picks the route and
+    with it the source address, which ``getsockname`` reads back: 127.0.0.1 for a coordinator on
+    this machine, the address of the interface that reaches another host otherwise.
+    """
+    host, port = split_address(coordinator)
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(sockaddr)
+        return s.getsockname()[0]
+
+
+def gloo_binding(coordinator: str) -> dict[str, str]:
+    """How gloo should choose its address: ``{'interface': JAXKV_IFNAME}`` when that is set,
+    else ``{'hostname': local_address(coordinator)}``."""
+    ifname = os.environ.get(ENV_IFNAME)
+    if ifname:
+        return {"interface": ifname}
+    return {"hostname": local_address(coordinator)}
+
+
+def pin_gloo(binding: dict[str, str]) -> bool:
+    """Make JAX's CPU backend create its gloo collectives with ``binding`` (gloo's ``hostname``
+    or ``interface``). Call it after ``jax.distributed.initialize`` and before JAX starts its
+    backends. JAX offers no public setting for this, so it replaces the CPU backend's factory
+    with JAX's own one given gloo collectives made here (private names: ``_fast.py``); where
+    those are missing (another JAX, or ``JAXKV_NO_FAST_PATHS=1``), it logs a warning and leaves
+    gloo's default (the host name's address). Returns whether the pin is in place."""
+    backend = _fast.gloo_cpu_backend(binding)
+    if backend is None:
+        logger.warning(
+            "jaxkv: cannot choose gloo's address (no such hook in this JAX, or "
+            "JAXKV_NO_FAST_PATHS is set); it uses the host name's"
+        )
+        return False
+    from jax.extend.backend import register_backend_factory
+
+    register_backend_factory("cpu", backend, priority=0, fail_quietly=False)
+    return True
+
+
+def _use_gloo() -> None:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def exit_on_uncaught_exception() -> None:
+    """Make an uncaught exception end this process at once, with status 1, after its traceback.
+
+    A process that has joined a JAX job otherwise waits at exit (JAX's shutdown, run by
+    ``atexit``) for every other process to finish, up to 5 minutes, while the others wait for it
+    in their next collective: the job hangs. Exiting at once (``os._exit``: atexit handlers do
+    not run) lets the launcher see the failure and stop or restart the job.
+    """
+    import sys
+
+    previous = sys.excepthook
+
+    def hook(
+        kind: type[BaseException], value: BaseException, traceback: TracebackType | None
+    ) -> None:
+        try:
+            previous(kind, value, traceback)
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):  # exiting anyway
+                    stream.flush()
+            os._exit(1)
+
+    sys.excepthook = hook
+
+
+def join_launched_job() -> None:
+    """Initialise ``jax.distributed`` when this process was started by ``jaxkv.launch``."""
+    coordinator = os.environ.get(ENV_COORDINATOR)
+    if not coordinator or jax.distributed.is_initialized():
+        return
+    _use_gloo()
+    per_process = os.environ.get(ENV_DEVICES_PER_PROCESS)
+    if per_process:
+        jax.config.update("jax_num_cpu_devices", int(per_process))
+    process_id = int(os.environ[ENV_PROCESS_ID])
+    binding = gloo_binding(coordinator)
+    jax.distributed.initialize(
+        coordinator_address=coordinator,
+        num_processes=int(os.environ[ENV_NUM_PROCESSES]),
+        process_id=process_id,
+        heartbeat_timeout_seconds=heartbeat_timeout(),
+    )
+    pin_gloo(binding)
+    exit_on_uncaught_exception()
+    logger.info("jaxkv: joined %s as process %d, gloo on %s", coordinator, process_id, binding)
+
+
+def detected_cluster() -> str | None:
+    """``'slurm'`` or ``'ompi'`` when this process is one task of several in a SLURM step or an
+    Open MPI job (the variables JAX's cluster detection reads), else ``None``."""
+    env = os.environ
+    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
+    if all(name in env for name in slurm) and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return "slurm"
+    if "OMPI_MCA_orte_hnp_uri" in env and int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        return "ompi"
+    return None
+
+
+def join_cluster() -> bool:
+    """Join a SLURM or Open MPI job through JAX's cluster detection
+    (``jax.distributed.initialize()`` with no arguments), unless ``jax.distributed`` is already
+    initialised or no such job is found. Gloo is pinned toward the coordinator JAX picked (the
+    step's first node). Returns whether this process is in a multi-process job.
+
+    Raises ``RuntimeError`` (JAX's) when JAX has already started its backends: a job found this
+    way must be joined before the first JAX computation.
+    """
+    if jax.distributed.is_initialized():
+        return True
+    cluster = detected_cluster()
+    if cluster is None:
+        return False
+    _use_gloo()
+    jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout())
+    state = _fast.distributed_state()
+    coordinator = getattr(state, "coordinator_address", None)
+    if coordinator:
+        pin_gloo(gloo_binding(coordinator))
+    exit_on_uncaught_exception()
+    # (not jax.process_index(): that would start the backends)
+    logger.info(
+        "jaxkv: joined the %s job as process %s", cluster, getattr(state, "process_id", "?")
+    )
+    return True
+
+
+def restart_count() -> int:
+    """How many times ``jaxkv.launch --max-restarts`` has restarted this job (0 at first)."""
+    return int(os.environ.get(ENV_RESTART_COUNT, "0") or 0)
+
+
+def process_devices() -> list[jax.Device]:
+    """The first device of each process, in process order: where a ``dist_sync`` store keeps
+    its values (one copy per process). A push sums the values from a process's devices there
+    first, then across processes, so the bytes between processes do not grow with the devices
+    in each; a pull copies to the devices asked for."""
+    first: dict[int, jax.Device] = {}
+    for d in jax.devices():
+        first.setdefault(d.process_index, d)
+    return [first[i] for i in sorted(first)]
+
+

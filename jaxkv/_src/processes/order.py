@@ -1,0 +1,247 @@
+"""The one order of a process's collectives across processes, and the watchdog that ends a
+process whose collective waits too long for the others.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxkv._src import jax_internals as _fast
+from jaxkv._src.dist import join as job
+
+logger = logging.getLogger("jaxkv")
+
+
+ENV_COLLECTIVE_TIMEOUT = "JAXKV_COLLECTIVE_TIMEOUT"
+
+
+#: Seconds a ``dist_sync`` store's collective may wait for the other processes before this
+#: process ends itself (``JAXKV_COLLECTIVE_TIMEOUT`` overrides it; 0 turns the watch off).
+DEFAULT_COLLECTIVE_TIMEOUT = 90
+
+
+#: The exit status of a process whose collective waited longer than that (as ``timeout``'s).
+EXIT_HUNG = 124
+
+
+def collective_timeout() -> float:
+    """The collective timeout in seconds: ``JAXKV_COLLECTIVE_TIMEOUT``, else the default."""
+    value = os.environ.get(ENV_COLLECTIVE_TIMEOUT, "")
+    return float(value) if value else DEFAULT_COLLECTIVE_TIMEOUT
+
+
+class _Watchdog:
+    """Ends this process when one of its collectives waits too long for the other processes.
+
+    JAX's heartbeats catch a process that stopped (SIGSTOP, a frozen machine), but not one that
+    is alive and never reaches the next collective (a deadlock, an endless loop): the others
+    would wait for it for ever. Each ``dist_sync`` push, barrier and broadcast is watched from a
+    daemon thread; one still unfinished after :func:`collective_timeout` seconds logs why and
+    exits the process with :data:`EXIT_HUNG`, so that ``jaxkv.launch`` stops (or restarts) the
+    whole job, the hung process included.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # handle -> (what, when it started, the timeout it was armed with, whether it is done)
+        self._pending: dict[int, tuple[str, float, float, Callable[[], bool]]] = {}
+        self._count = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    def watch(self, what: str, done: Callable[[], bool]) -> int | None:
+        """Watch an operation that is finished once ``done()`` is true; returns its handle, or
+        ``None`` where nothing is watched (one process, or the timeout set to 0)."""
+        timeout = collective_timeout()
+        if jax.process_count() == 1 or timeout <= 0:
+            return None
+        with self._lock:
+            self._count += 1
+            self._pending[self._count] = (what, time.monotonic(), timeout, done)
+            if self._thread is None and not self._stopping.is_set():
+                self._thread = threading.Thread(target=self._run, name="jaxkv-watchdog")
+                self._thread.daemon = True
+                self._thread.start()
+                # Registered after JAX's own clean-up (at its import), so it runs before it.
+                atexit.register(self.stop)
+            return self._count
+
+    def forget(self, handle: int | None) -> None:
+        with self._lock:
+            self._pending.pop(handle or 0, None)
+
+    def stop(self) -> None:
+        """End the thread as the process ends (an ``atexit`` handler), before JAX shuts down.
+
+        A daemon thread still running at the interpreter's end is ended where it next takes
+        the GIL, and one asking jaxlib whether an array is ready while JAX clears its backends
+        (its own ``atexit`` clean-up) fails inside jaxlib: either way the whole process aborted
+        ("FATAL: exception not rethrown", SIGABRT) after the job had succeeded (seen once in
+        CI, in tests/test_dist_stress.py).
+        """
+        self._stopping.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        period = 1.0
+        while not self._stopping.wait(period):
+            with self._lock:
+                pending = list(self._pending.items())
+            now = time.monotonic()
+            for handle, (what, start, timeout, done) in pending:
+                if done():
+                    self.forget(handle)
+                elif now - start > timeout:
+                    _hung(what, now - start, timeout)
+            period = min([1.0] + [entry[2] / 4 for _, entry in pending])
+
+
+def _hung(what: str, waited: float, timeout: float) -> None:
+    message = (
+        f"jaxkv: process {jax.process_index()}: a {what} has waited {waited:.0f} s for the "
+        f"other processes ({ENV_COLLECTIVE_TIMEOUT}={timeout:g}); one of them is hung or far "
+        "behind. Ending this process (status 124) so that the launcher stops or restarts the "
+        f"job. If some processes legitimately run that much longer between steps (e.g. an "
+        f"evaluation on rank 0 only), raise {ENV_COLLECTIVE_TIMEOUT}; 0 turns this off."
+    )
+    logger.error(message)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # exiting anyway
+            stream.flush()
+    os._exit(EXIT_HUNG)
+
+
+_WATCHDOG = _Watchdog()
+
+
+@jax.jit
+def _first(x: jax.Array) -> jax.Array:
+    """A tiny array of its own that is ready only once ``x`` is."""
+    return x.reshape(-1)[:1]
+
+
+@contextlib.contextmanager
+def watched(what: str) -> Iterator[None]:
+    """Watch a blocking call made in the ``with`` block (see :class:`_Watchdog`)."""
+    finished = threading.Event()
+    handle = _WATCHDOG.watch(what, finished.is_set)
+    try:
+        yield
+    finally:
+        finished.set()
+        _WATCHDOG.forget(handle)
+
+
+class _Turn:
+    """One turn in :data:`_ORDER`: what runs in it, and how to say that it dispatched an
+    asynchronous computation."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.token: jax.Array | None = None
+
+    def issued(self, value: jax.Array) -> None:
+        """The computation of this turn that makes ``value`` runs asynchronously: the next
+        turn waits until ``value`` is ready, and the watchdog watches it meanwhile."""
+        if jax.process_count() == 1:
+            return
+        # A token of our own: ``value`` itself may be donated to the next computation, and
+        # asking a deleted array whether it is ready is not safe.
+        token = _first(value.addressable_shards[0].data)
+        self.token = token
+        if collective_timeout() > 0:
+            _WATCHDOG.watch(self.what, token.is_ready)
+
+
+class _Order:
+    """The one order of this process's collectives.
+
+    XLA:CPU runs computations that do not depend on each other's results in any order, and at
+    the same time, on its threads; two computations with collectives among the same devices
+    may then reach gloo in one order in one process and in the other order in another (a
+    collective mismatch: gloo aborts, "Received data size doesn't match expected size", or
+    both wait for ever), even though every process dispatched them in the same order. So every
+    jaxkv computation that may communicate with other processes, and every host-side
+    collective (barrier, broadcast, all-gather), takes a turn: it starts only once the one
+    before it in this process has finished. Every process calls jaxkv in the same order, so
+    the collectives run in that order everywhere. One lock makes the turns of several threads
+    one sequence too (their order across processes is then the caller's to keep).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._last: _Turn | None = None
+
+    @contextlib.contextmanager
+    def turn(self, what: str, watch: bool) -> Iterator[_Turn]:
+        """Wait until the previous turn's computations have finished, then run the ``with``
+        block as the next turn (watched by the watchdog while it blocks, if ``watch``)."""
+        with self._lock:
+            last, self._last = self._last, None
+            if last is not None and last.token is not None:
+                last.token.block_until_ready()  # watched since it was issued
+            turn = _Turn(what)
+            try:
+                with watched(what) if watch else contextlib.nullcontext():
+                    yield turn
+            finally:
+                self._last = turn
+
+
+_ORDER = _Order()
+
+
+@contextlib.contextmanager
+def collective(what: str, watch: bool = True) -> Iterator[_Turn]:
+    """Run the ``with`` block as this process's next collective turn (see :class:`_Order`):
+    after every earlier jaxkv computation that communicates with other processes has
+    finished. A computation it dispatches that runs on asynchronously is registered with
+    ``turn.issued(result)``. ``watch=False``: the block may legitimately take long (a whole
+    checkpoint save), so only the collectives inside it, each a turn of its own, are watched.
+    In a single-process job it only runs the block."""
+    if jax.process_count() == 1:
+        yield _Turn(what)
+        return
+    with _ORDER.turn(what, watch) as turn:
+        yield turn
+
+
+def ordered(what: str, fn: Callable[..., Any], *args: Any, spans: bool | None = None) -> Any:
+    """``fn(*args)``, a jitted computation; where it runs on other processes' devices too (an
+    argument does, or ``spans`` says so), as this process's next collective turn (see
+    :class:`_Order`): XLA may add collectives to any computation over several processes'
+    devices (resharding an operand, say), not only to those that ask for one."""
+    if jax.process_count() == 1:
+        return fn(*args)
+    if spans is None:
+        spans = any(
+            isinstance(x, jax.Array) and not x.is_fully_addressable
+            for x in jax.tree_util.tree_leaves(args)
+        )
+    if not spans:
+        return fn(*args)
+    with collective(what) as turn:
+        out = fn(*args)
+        results = [x for x in jax.tree_util.tree_leaves(out) if isinstance(x, jax.Array)]
+        if results:
+            turn.issued(results[0])
+    return out
+
+
