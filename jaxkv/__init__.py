@@ -2,10 +2,16 @@
 
 A functional core (:class:`KVState`, :func:`init`, :func:`push`, :func:`pull`, ...) for JAX
 training loops, and an imperative :class:`KVStore` with MXNet's API (:func:`create`).
+
+In a process started by ``python -m jaxkv.launch`` (and only there), importing jaxkv joins the
+launcher's job: ``jax.distributed.initialize`` must run before JAX starts its backends, and
+MXNet code may compute before it creates its store (docs/design.md, "Many processes").
 """
 
-# First: joins a jaxkv.launch job before JAX starts.
-from jaxkv._src.dist import job as _dist  # noqa: F401
+from jaxkv._src.processes import join as _join
+
+# First, before anything that could start JAX's backends (a no-op outside jaxkv.launch).
+_join.join_launched_job()
 
 # isort: split
 from jaxkv import nd as nd

@@ -35,11 +35,11 @@ GLIBC_TUNABLES yourself (an empty value too) to keep it off.
 
 import sys
 
-from jaxkv._src.dist.launcher import HUGETLB_MALLOC as HUGETLB_MALLOC
-from jaxkv._src.dist.launcher import Launcher as Launcher
-from jaxkv._src.dist.launcher import launch as launch
-from jaxkv._src.dist.launcher import main as main
-from jaxkv._src.dist.launcher import process_env as process_env
+from jaxkv._src.processes.launcher import HUGETLB_MALLOC as HUGETLB_MALLOC
+from jaxkv._src.processes.launcher import Launcher as Launcher
+from jaxkv._src.processes.launcher import launch as launch
+from jaxkv._src.processes.launcher import main as main
+from jaxkv._src.processes.launcher import process_env as process_env
 
 __all__ = ["HUGETLB_MALLOC", "Launcher", "launch", "main", "process_env"]
 

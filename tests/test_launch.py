@@ -11,10 +11,12 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 from _jobs import cpu_env
 
-from jaxkv._src.dist import job as _dist
+from jaxkv._src.processes import join as dist_join
+from jaxkv._src.processes import order as collective_order
 from jaxkv.launch import Launcher, main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -142,7 +144,7 @@ def test_killed_and_stopped_ranks_restart_to_the_uninterrupted_values(tmp_path):
     rank ends with exactly the values of an uninterrupted run, momentum included (one restart
     more is allowed, for a failure of the loaded machine's own)."""
     run, output, elapsed = restart_job_run(
-        tmp_path, 3, ["6", "2", "1:kill@3", "0:stop@5"], {_dist.ENV_HEARTBEAT_TIMEOUT: "10"}
+        tmp_path, 3, ["6", "2", "1:kill@3", "0:stop@5"], {dist_join.ENV_HEARTBEAT_TIMEOUT: "10"}
     )
     assert run.returncode == 0, output
     assert "restarting the job (restart 2 of 3)" in run.stderr, output
@@ -167,7 +169,7 @@ def test_a_hung_rank_ends_the_job_after_the_collective_timeout(tmp_path):
     launcher stops rank 1 and restarts the job, which resumes from step-2 and ends with exactly
     the values of an uninterrupted run."""
     run, output, elapsed = restart_job_run(
-        tmp_path, 2, ["4", "2", "1:hang@3"], {_dist.ENV_COLLECTIVE_TIMEOUT: "5"}
+        tmp_path, 2, ["4", "2", "1:hang@3"], {collective_order.ENV_COLLECTIVE_TIMEOUT: "5"}
     )
     assert run.returncode == 0, output
     assert "process 0 exited with 124" in run.stderr, output
@@ -276,29 +278,29 @@ def test_refused_options(args, message, capsys):
 
 
 def test_local_address_is_on_the_route_to_the_coordinator():
-    assert _dist.local_address("127.0.0.1:1234") == "127.0.0.1"
-    assert _dist.local_address("[::1]:1234") == "::1"
+    assert dist_join.local_address("127.0.0.1:1234") == "127.0.0.1"
+    assert dist_join.local_address("[::1]:1234") == "::1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect(("192.0.2.1", 9))  # TEST-NET-1: a route is enough, nothing is sent
         except OSError:
             pytest.skip("no IPv4 route off this machine")
         expected = s.getsockname()[0]
-    assert _dist.local_address("192.0.2.1:1234") == expected
+    assert dist_join.local_address("192.0.2.1:1234") == expected
 
 
 def test_gloo_binding(monkeypatch):
-    monkeypatch.delenv(_dist.ENV_IFNAME, raising=False)
-    assert _dist.gloo_binding("127.0.0.1:5") == {"hostname": "127.0.0.1"}
-    monkeypatch.setenv(_dist.ENV_IFNAME, "eth7")
-    assert _dist.gloo_binding("127.0.0.1:5") == {"interface": "eth7"}
+    monkeypatch.delenv(dist_join.ENV_IFNAME, raising=False)
+    assert dist_join.gloo_binding("127.0.0.1:5") == {"hostname": "127.0.0.1"}
+    monkeypatch.setenv(dist_join.ENV_IFNAME, "eth7")
+    assert dist_join.gloo_binding("127.0.0.1:5") == {"interface": "eth7"}
 
 
 def test_cluster_detection(monkeypatch):
     for name in list(os.environ):
         if name.startswith(("SLURM_", "OMPI_")):
             monkeypatch.delenv(name)
-    assert _dist.detected_cluster() is None
+    assert dist_join.detected_cluster() is None
     slurm = {
         "SLURM_JOB_ID": "7",
         "SLURM_STEP_NODELIST": "n[1-2]",
@@ -308,30 +310,30 @@ def test_cluster_detection(monkeypatch):
     for name, value in slurm.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("SLURM_NTASKS", "1")
-    assert _dist.detected_cluster() is None  # one task: nothing to join
+    assert dist_join.detected_cluster() is None  # one task: nothing to join
     monkeypatch.setenv("SLURM_NTASKS", "4")
-    assert _dist.detected_cluster() == "slurm"
+    assert dist_join.detected_cluster() == "slurm"
     for name in slurm:
         monkeypatch.delenv(name)
     monkeypatch.setenv("OMPI_MCA_orte_hnp_uri", "1531576320.0;tcp://10.96.0.1:34911")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
-    assert _dist.detected_cluster() == "ompi"
+    assert dist_join.detected_cluster() == "ompi"
 
 
 def test_heartbeat_timeout(monkeypatch):
-    monkeypatch.delenv(_dist.ENV_HEARTBEAT_TIMEOUT, raising=False)
-    assert _dist.heartbeat_timeout() == _dist.DEFAULT_HEARTBEAT_TIMEOUT
-    monkeypatch.setenv(_dist.ENV_HEARTBEAT_TIMEOUT, "15")
-    assert _dist.heartbeat_timeout() == 15
-    monkeypatch.setenv(_dist.ENV_RESTART_COUNT, "2")
-    assert _dist.restart_count() == 2
+    monkeypatch.delenv(dist_join.ENV_HEARTBEAT_TIMEOUT, raising=False)
+    assert dist_join.heartbeat_timeout() == dist_join.DEFAULT_HEARTBEAT_TIMEOUT
+    monkeypatch.setenv(dist_join.ENV_HEARTBEAT_TIMEOUT, "15")
+    assert dist_join.heartbeat_timeout() == 15
+    monkeypatch.setenv(dist_join.ENV_RESTART_COUNT, "2")
+    assert dist_join.restart_count() == 2
 
 
 def test_a_slurm_step_joins_through_jax_detection():
     """Two processes with the variables ``srun -n 2`` sets, and no launcher: each joins through
     JAX's SLURM detection (coordinator: the step's first node, here localhost), and
     kvstore_job.py's sums agree on both."""
-    launched = (_dist.ENV_COORDINATOR, _dist.ENV_NUM_PROCESSES, _dist.ENV_PROCESS_ID)
+    launched = (dist_join.ENV_COORDINATOR, dist_join.ENV_NUM_PROCESSES, dist_join.ENV_PROCESS_ID)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", *launched))}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -380,8 +382,8 @@ def test_the_watchdog_thread_ends_before_jaxs_clean_up(monkeypatch):
 
     registered = []
     monkeypatch.setattr(atexit, "register", registered.append)
-    monkeypatch.setattr(_dist.jax, "process_count", lambda: 2)
-    dog = _dist._Watchdog()
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    dog = collective_order._Watchdog()
     handle = dog.watch("push", lambda: False)
     assert handle is not None and dog._thread is not None and dog._thread.is_alive()
     assert registered == [dog.stop]

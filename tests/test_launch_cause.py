@@ -10,7 +10,7 @@ import time
 import pytest
 from _jobs import cpu_env
 
-from jaxkv._src.dist.launcher import _order_failures
+from jaxkv._src.processes.launcher import _order_failures
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCH = [sys.executable, "-m", "jaxkv.launch", "-n", "2"]

@@ -11,7 +11,7 @@ import optax
 
 import jaxkv
 import jaxkv.mx as mx  # importing jaxkv joins the job (importing jax starts no backend)
-from jaxkv._src.dist import job as _dist
+from jaxkv._src.processes import host as host_collectives
 
 SHAPE = (4, 3)
 
@@ -70,16 +70,18 @@ def main():
         "i": np.int64(-(2**40) - rank),
         "e": np.zeros((0, 3), np.float16),
     }
-    got = _dist.from_rank_zero(tree)
+    got = host_collectives.from_rank_zero(tree)
     for name, want in (("f", [-0.0, 1.5]), ("b", [True, False]), ("i", -(2**40))):
         check(f"broadcast {name}", got[name], want)
     assert np.signbit(got["f"][0]) and got["e"].shape == (0, 3), got
     check("broadcast nan bits", got["nan"].view(np.uint32), [0x7FC00123])
     check(
-        "all-gather", _dist.all_gather(np.array([rank, -rank])), [[r, -r] for r in range(workers)]
+        "all-gather",
+        host_collectives.all_gather(np.array([rank, -rank])),
+        [[r, -r] for r in range(workers)],
     )
     try:
-        _dist.barrier(f"rank {rank}")
+        host_collectives.barrier(f"rank {rank}")
     except jaxkv.KVStoreError as e:
         assert "different ones" in str(e), e
         print(f"rank {rank} ok mismatched barriers refused", flush=True)

@@ -38,8 +38,9 @@ import jax
 import numpy as np
 
 from jaxkv._src.checkpoint.manifest import Malformed, check_manifest, expect
-from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError
+from jaxkv._src.processes import host as host_collectives
+from jaxkv._src.processes import order as collective_order
 
 __all__ = ["MANIFEST", "is_checkpoint", "open_checkpoint", "save"]
 
@@ -101,17 +102,17 @@ def _gather(text: str) -> list[str]:
     if jax.process_count() == 1:
         return [text]
     raw = np.frombuffer(text.encode(), np.uint8)
-    sizes = _dist.all_gather(np.array([raw.size], np.int32)).reshape(-1)
+    sizes = host_collectives.all_gather(np.array([raw.size], np.int32)).reshape(-1)
     padded = np.zeros(max(int(sizes.max()), 1), np.uint8)
     padded[: raw.size] = raw
-    every = _dist.all_gather(padded)
+    every = host_collectives.all_gather(padded)
     return [every[p, : int(n)].tobytes().decode() for p, n in enumerate(sizes)]
 
 
 def _token() -> str:
     """A fresh data directory name, the same on every process (rank 0's)."""
     mine = np.frombuffer(secrets.token_hex(8).encode(), np.uint8)
-    return "data-" + np.asarray(_dist.from_rank_zero(mine)).tobytes().decode()
+    return "data-" + np.asarray(host_collectives.from_rank_zero(mine)).tobytes().decode()
 
 
 def save(path: str, manifest: dict, entries: list) -> None:
@@ -126,7 +127,7 @@ def save(path: str, manifest: dict, entries: list) -> None:
             "file; pass a directory path"
         )
     # One collective turn for the whole save: orbax's own barriers are collectives too.
-    with _dist.collective("checkpoint save", watch=False):
+    with collective_order.collective("checkpoint save", watch=False):
         _save(ocp, path, manifest, entries)
 
 
@@ -153,7 +154,7 @@ def _save(ocp: ModuleType, path: str, manifest: dict, entries: list) -> None:
     if tree:
         with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
             checkpointer.save(root, args=ocp.args.StandardSave(tree))
-    _dist.barrier("jaxkv.save: data written")
+    host_collectives.barrier("jaxkv.save: data written")
     me = jax.process_index()
     mine = {}
     if os.path.isdir(root):
@@ -172,7 +173,7 @@ def _save(ocp: ModuleType, path: str, manifest: dict, entries: list) -> None:
                 shutil.rmtree(os.path.join(path, name), ignore_errors=True)
             elif name.startswith(".jaxkv-") and name.endswith(".tmp"):
                 os.unlink(os.path.join(path, name))
-    _dist.barrier("jaxkv.save: committed")
+    host_collectives.barrier("jaxkv.save: committed")
 
 
 def _commit(path: str, manifest: dict) -> None:
@@ -265,7 +266,7 @@ def open_checkpoint(path: str) -> tuple[dict[str, Any], Callable[[list], list]]:
 
     def restore(targets: list) -> list:
         # One collective turn for the whole load: orbax's own barriers are collectives too.
-        with _dist.collective("checkpoint load", watch=False):
+        with collective_order.collective("checkpoint load", watch=False):
             return _restore(targets)
 
     def _restore(targets: list) -> list:

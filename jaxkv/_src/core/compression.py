@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import single_device
+from jaxkv._src.processes import order as collective_order
 from jaxkv._src.state.kvstate import (
     AXIS,
     Key,
@@ -218,6 +218,6 @@ def residual_zeros(state: KVState, stored: jax.Array) -> jax.Array:
     """A zero residual for a value like ``stored``."""
     shape, sharding = residual_layout(state, stored.shape)
     spans = len(state.local_positions) != len(state.devices)
-    return _dist.ordered(
+    return collective_order.ordered(
         "residual", lambda: jnp.zeros(shape, stored.dtype, device=sharding), spans=spans
     )

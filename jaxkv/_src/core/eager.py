@@ -22,9 +22,9 @@ from jaxkv._src.core.collectives import scatters, sum_over_devices
 from jaxkv._src.core.compression import compress, exchange, layout_compressed, on_one_device
 from jaxkv._src.core.on_buckets import update_bucket
 from jaxkv._src.core.updater import apply_updater
-from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import single_device
+from jaxkv._src.processes import order as collective_order
 from jaxkv._src.state.buckets import as_blocks, block, from_blocks
 from jaxkv._src.state.kvstate import Key, KVState
 from jaxkv._src.state.placement import host_empty, place, stacked
@@ -65,7 +65,7 @@ def init_opt_states(state: KVState, optimizer: Any, keys: Sequence[Key]) -> KVSt
         return state
     group = tuple(sorted(set(keys)))
     init = _opt_initialiser(optimizer, state.devices, state.bigarray_bound, state._user_mesh)
-    opt_state = _dist.ordered("optimizer init", init, {k: state[k] for k in group})
+    opt_state = collective_order.ordered("optimizer init", init, {k: state[k] for k in group})
     return state.replace(opt_states={group: opt_state})
 
 
@@ -408,7 +408,7 @@ def push_eager(
     residuals = [state._residuals[i] for i in index]
     fn = push_fn(state, tuple(grouped), kinds, updater, donate)
     # Over other processes' devices too, its collectives run after this process's earlier ones.
-    new_values, new_opt, new_residuals = _dist.ordered(
+    new_values, new_opt, new_residuals = collective_order.ordered(
         "push", fn, stored, opt_state, residuals, list(pushed)
     )
     optax_push = isinstance(updater, optax.GradientTransformation)
@@ -438,7 +438,7 @@ def push_eager_flat(
         layouts = [_layout(state, s, xs) for s, xs in zip(stored, grouped.values())]
     kinds, pushed = zip(*layouts)
     fn = flat_push_fn(state, tuple(grouped), kinds, updater, donate)
-    return _dist.ordered("push", fn, state, list(pushed))
+    return collective_order.ordered("push", fn, state, list(pushed))
 
 
 def flat_push_fn(

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError
+from jaxkv._src.processes import host as host_collectives
 from jaxkv._src.state.kvstate import Key
 
 __all__ = ["Held", "agree", "holding", "run_everything_held"]
@@ -102,15 +102,15 @@ def agree(held: Held, gathered: list[list[Key]]) -> None:
     text = json.dumps(mine, sort_keys=True).encode()
     digest = np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
     # The watchdog names the turn by the held call a process waits in (its keys compared first).
-    every = _dist.all_gather(
+    every = host_collectives.all_gather(
         digest, "push" if held.pushes else "held init" if held.inits else "held pull"
     )
     if (every == digest).all():
         return
-    sizes = _dist.all_gather(np.array([len(text)], np.int64), "sizes of the held keys")
+    sizes = host_collectives.all_gather(np.array([len(text)], np.int64), "sizes of the held keys")
     padded = np.zeros(int(sizes.max()), np.uint8)
     padded[: len(text)] = np.frombuffer(text, np.uint8)
-    texts = _dist.all_gather(padded, "the held keys")
+    texts = host_collectives.all_gather(padded, "the held keys")
     described = []
     for rank, (row, n) in enumerate(zip(texts, sizes[:, 0])):
         theirs = json.loads(bytes(row[: int(n)]).decode())

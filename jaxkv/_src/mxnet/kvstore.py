@@ -28,13 +28,14 @@ from jaxkv._src.core import ops as _ops
 from jaxkv._src.core import plans as _dispatch
 from jaxkv._src.core.eager import KEEP_VALUES, check_laid_out
 from jaxkv._src.core.updater import is_pure_updater, optimizer_group, updater_name
-from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.mxnet import held as _queue
 from jaxkv._src.mxnet import kvstore_rows as _kvsparse
 from jaxkv._src.mxnet import per_key as _perkey
 from jaxkv._src.mxnet.ndarray import NDArray, _unwrap
 from jaxkv._src.mxnet.optimizer import Optimizer as MXNetOptimizer
+from jaxkv._src.processes import host as host_collectives
+from jaxkv._src.processes import join as job
 from jaxkv._src.rows import ops as _rows
 from jaxkv._src.state import pairing as _args
 from jaxkv._src.state import placement as _arrays
@@ -141,7 +142,7 @@ class KVStore:
     ) -> None:
         if devices is None and name in _DIST_TYPES:
             try:  # under SLURM or Open MPI with no launcher: JAX's own cluster detection
-                _dist.join_cluster()
+                job.join_cluster()
             except RuntimeError as e:
                 raise KVStoreError(
                     f"create({name!r}): expected to join the cluster job found in the "
@@ -149,7 +150,7 @@ class KVStore:
                     f"computed ({e}); create the store (or call jax.distributed.initialize()) "
                     "before the first JAX computation"
                 ) from None
-            devices = _dist.process_devices()
+            devices = job.process_devices()
         self._type = name
         self._lock = threading.RLock()
         # MXNet's knob for which arrays are big enough to be split across devices. Across
@@ -268,7 +269,7 @@ class KVStore:
     def _init_now(self, key: Any, values: Any) -> None:
         agreed = self._type in _DIST_TYPES and jax.process_count() > 1
         if agreed:  # rank 0's values, as MXNet's servers keep the first init
-            values = _dist.from_rank_zero(jax.tree_util.tree_map(np.asarray, values))
+            values = host_collectives.from_rank_zero(jax.tree_util.tree_map(np.asarray, values))
         self._state = _ops._init(self._state, key, values, defer=True, agreed=agreed)
 
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
@@ -672,7 +673,7 @@ class KVStore:
     def barrier(self) -> None:
         """Wait until every worker reaches this point (and local work has finished)."""
         jax.block_until_ready(jax.tree_util.tree_leaves(self._state))
-        _dist.barrier("jaxkv.KVStore.barrier")
+        host_collectives.barrier("jaxkv.KVStore.barrier")
 
     _barrier = barrier
 

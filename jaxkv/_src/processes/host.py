@@ -4,26 +4,17 @@ process, barriers. Each runs in its turn among the process's collectives (``orde
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import functools
 import hashlib
 import logging
-import os
-import socket
-import sys
-import threading
-import time
-from collections.abc import Callable, Iterator
-from types import TracebackType
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxkv._src import jax_internals as _fast
-from jaxkv._src.dist import join as job
-from jaxkv._src.dist import order as collective_order
+from jaxkv._src.processes import join as job
+from jaxkv._src.processes import order as collective_order
 
 logger = logging.getLogger("jaxkv")
 
@@ -110,5 +101,3 @@ def barrier(name: str) -> None:
             f"barrier {name!r}: expected every process at this barrier, given processes at "
             "different ones; every process must make the same jaxkv calls in the same order"
         )
-
-

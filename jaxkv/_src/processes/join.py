@@ -1,13 +1,13 @@
 """Joining a multi-process job: ``python -m jaxkv.launch``, a SLURM or Open MPI job, or an
 earlier ``jax.distributed.initialize()``.
 
-The launcher passes the coordinator address, the number of processes, this process's id and
-the number of CPU devices per process in ``JAXKV_*`` environment variables, and each process it
-starts joins the job (:func:`join_launched_job`) before it runs the script, so before JAX starts
-its backends; importing jaxkv joins nothing. Under SLURM (``srun``) or Open MPI (``mpirun``)
-without the launcher, :func:`join_cluster` (a ``dist_sync`` store calls it) joins through JAX's
-own cluster detection. Collectives run on JAX's own engines: gloo between CPU processes, NCCL
-between GPUs.
+The launcher passes the coordinator address, the number of processes, this process's id and the
+number of CPU devices per process in ``JAXKV_*`` environment variables; importing jaxkv in such a
+process joins the job (``jaxkv/__init__.py`` calls :func:`join_launched_job` first), before JAX
+starts its backends. Importing this module joins nothing. Under SLURM (``srun``) or Open MPI
+(``mpirun``) without the launcher, :func:`join_cluster` (a ``dist_sync`` store calls it) joins
+through JAX's own cluster detection. Collectives run on JAX's own engines: gloo between CPU
+processes, NCCL between GPUs.
 
 Gloo's TCP transport binds to one local address and tells its peers to connect there. JAX
 leaves the choice to gloo, which takes what the machine's host name resolves to (often
@@ -19,22 +19,14 @@ when it is set, else to the local address of the route toward the coordinator
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import functools
-import hashlib
 import logging
 import os
 import socket
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Any
 
 import jax
-import numpy as np
 
 from jaxkv._src import jax_internals as _fast
 
@@ -142,7 +134,6 @@ def exit_on_uncaught_exception() -> None:
     in their next collective: the job hangs. Exiting at once (``os._exit``: atexit handlers do
     not run) lets the launcher see the failure and stop or restart the job.
     """
-    import sys
 
     previous = sys.excepthook
 
@@ -203,6 +194,7 @@ def join_cluster() -> bool:
     Raises ``RuntimeError`` (JAX's) when JAX has already started its backends: a job found this
     way must be joined before the first JAX computation.
     """
+    join_launched_job()  # (the launcher joined its processes already: a no-op then)
     if jax.distributed.is_initialized():
         return True
     cluster = detected_cluster()
@@ -236,5 +228,3 @@ def process_devices() -> list[jax.Device]:
     for d in jax.devices():
         first.setdefault(d.process_index, d)
     return [first[i] for i in sorted(first)]
-
-

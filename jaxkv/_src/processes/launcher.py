@@ -53,7 +53,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from jaxkv._src.dist.job import (
+from jaxkv._src.processes.join import (
     ENV_COORDINATOR,
     ENV_DEVICES_PER_PROCESS,
     ENV_LOCAL_RANK,
@@ -125,7 +125,7 @@ os.execv(sys.executable, sys.argv[2:])
 #: SystemExit(n)``), n not 0, exits at once with that status, without running its ``atexit``
 #: handlers. JAX's shutdown, an ``atexit`` handler, would otherwise wait, up to 5 minutes, for
 #: every other process to finish, while they wait for it in their next collective (as for an
-#: uncaught exception: ``_dist.py``). And a process that fails so, or by an uncaught exception,
+#: uncaught exception: ``join.py``). And a process that fails so, or by an uncaught exception,
 #: first writes ``NOTES/failed-RANK`` (unless NOTES is empty): ``time.monotonic()`` (the same
 #: clock in every process of a machine), then the ranks of the peers listed in ``NOTES/pids``
 #: that had begun to exit before (``/proc/PID/stat``: ``PF_EXITING``, a zombie, or gone).

@@ -6,23 +6,15 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
-import hashlib
 import logging
 import os
-import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from types import TracebackType
 from typing import Any
 
 import jax
-import numpy as np
-
-from jaxkv._src import jax_internals as _fast
-from jaxkv._src.dist import join as job
 
 logger = logging.getLogger("jaxkv")
 
@@ -243,5 +235,3 @@ def ordered(what: str, fn: Callable[..., Any], *args: Any, spans: bool | None = 
         if results:
             turn.issued(results[0])
     return out
-
-

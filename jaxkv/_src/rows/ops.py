@@ -42,9 +42,10 @@ from jaxkv._src.core.on_buckets import abstract as _abstract
 from jaxkv._src.core.on_buckets import elementwise as _elementwise
 from jaxkv._src.core.on_buckets import structure as _structure
 from jaxkv._src.core.updater import optimizer_group
-from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.jax_internals import assemble, per_device
+from jaxkv._src.processes import host as host_collectives
+from jaxkv._src.processes import order as collective_order
 from jaxkv._src.rows.kernels import (
     Where,
     bucket_keep,
@@ -248,9 +249,9 @@ def _pull_per_device(
     if state.is_sharded(shape):
         c = slots(busiest(ids, shape[0] // len(targets), len(targets)))
         fn = routed_take(state.mesh, state.axis, c)
-        return per_device(_dist.ordered("pull_rows", fn, state._leaves[leaf], asked))
+        return per_device(collective_order.ordered("pull_rows", fn, state._leaves[leaf], asked))
     fn = per_device_take(state.mesh, state.axis, False)
-    return per_device(_dist.ordered("pull_rows", fn, state._leaves[leaf], asked))
+    return per_device(collective_order.ordered("pull_rows", fn, state._leaves[leaf], asked))
 
 
 def _split_ids(state: KVState, given: Sequence[Any], ids: list[np.ndarray]) -> jax.Array:
@@ -317,13 +318,13 @@ def _eager_take(state: KVState, key: Key, i: int, ids: np.ndarray) -> jax.Array:
     if place is not None:  # its rows read straight from its bucket
         b, off, split = place
         fn = bucket_rows_take(state.mesh, state.axis, off, state._shapes[i], split)
-        return _dist.ordered("pull_rows", fn, state._leaves[b], dev_ids)
+        return collective_order.ordered("pull_rows", fn, state._leaves[b], dev_ids)
     if leaf is None:  # a view of a bucket: sliced and gathered in one computation
-        return _dist.ordered("pull_rows", bucket_take(key, replicated), state, dev_ids)
+        return collective_order.ordered("pull_rows", bucket_take(key, replicated), state, dev_ids)
     table = state._leaves[leaf]
     sharded = state.is_sharded(state._shapes[i])
     fn = sharded_take(state.mesh, state.axis) if sharded else replicated_take(replicated)
-    return _dist.ordered("pull_rows", fn, table, dev_ids)
+    return collective_order.ordered("pull_rows", fn, table, dev_ids)
 
 
 # -- rows of a key in a flat bucket, addressed in place -------------------------------------------
@@ -373,7 +374,7 @@ def _bucket_push(
     fn = bucket_pusher(
         state.mesh, state.axis, key, off, shape, split, updater, packing, families, donate
     )
-    value, opt = _dist.ordered("push_rows", fn, state._leaves[b], opt, ids, rows)
+    value, opt = collective_order.ordered("push_rows", fn, state._leaves[b], opt, ids, rows)
     return state._replace_leaves({b: value}, {} if n is None else {n: opt})
 
 
@@ -412,11 +413,11 @@ def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = No
     dev_ids = jax.device_put(ids, replicated)
     if leaf is None:
         out_to = state.sharding_for(shape)  # named for a key of a split bucket too
-        out = _dist.ordered("row_sparse_pull", bucket_keep(key, out_to), state, dev_ids)
+        out = collective_order.ordered("row_sparse_pull", bucket_keep(key, out_to), state, dev_ids)
     else:
         sharded = state.is_sharded(shape)
         fn = sharded_keep(state.mesh, state.axis) if sharded else replicated_keep(replicated)
-        out = _dist.ordered("row_sparse_pull", fn, state._leaves[leaf], dev_ids)
+        out = collective_order.ordered("row_sparse_pull", fn, state._leaves[leaf], dev_ids)
     return out if devices is None else replicate([out], devices_of(devices))[0]
 
 
@@ -631,7 +632,7 @@ def _push(
                 back = slots(busiest(pull[1], shape[0] // len(state.devices), len(state.devices)))
             fn = routed_push(state.mesh, state.axis, key, updater, donate, c, back)
             opt = None if n is None else state._opt_states[n]
-            out = _dist.ordered("push_rows", fn, state._leaves[leaf], opt, *args)
+            out = collective_order.ordered("push_rows", fn, state._leaves[leaf], opt, *args)
             new = state._replace_leaves({leaf: out[0]}, {} if n is None else {n: out[1]})
             return new, None if back is None else per_device(out[2])
     ids, rows = _gathered(state, key, host, dtype)
@@ -645,10 +646,10 @@ def _push(
             state.mesh, state.axis, key, shape[0], state.is_sharded(shape), updater, donate
         )
         opt = None if n is None else state._opt_states[n]
-        value, opt = _dist.ordered("push_rows", fn, state._leaves[leaf], opt, ids, rows)
+        value, opt = collective_order.ordered("push_rows", fn, state._leaves[leaf], opt, ids, rows)
         return state._replace_leaves({leaf: value}, {} if n is None else {n: opt}), None
     fn = state_push(key, shape[0], updater, donate)
-    return _dist.ordered("push_rows", fn, state, ids, rows), None
+    return collective_order.ordered("push_rows", fn, state, ids, rows), None
 
 
 def _host_pairs(
@@ -786,7 +787,7 @@ def _agreed(key: Key, values: tuple[int, int], refused: bool = False) -> tuple[i
     arguments. Where a process refused them (``refused``: it raises its own error after this),
     every other process raises too, and nothing changes anywhere."""
     sent = np.array([int(refused), *values], np.int64)
-    got = _dist.all_gather(sent, "sizes of a row operation")
+    got = host_collectives.all_gather(sent, "sizes of a row operation")
     refusing = np.flatnonzero(got[:, 0]).tolist()
     if refused:
         return values
@@ -852,15 +853,15 @@ def _pull_across(
     if sharded and leaf is not None:
         fn = routed_take(state.mesh, state.axis, slots(most))
         ids = _global(state, [_padded_ids(x, n, -1) for x in mine])
-        out = _dist.ordered("pull_rows", fn, state._leaves[leaf], ids)
+        out = collective_order.ordered("pull_rows", fn, state._leaves[leaf], ids)
     elif leaf is not None:
         fn = per_device_take(state.mesh, state.axis, False)
         padded = [_padded_ids(x, n, 0) for x in mine]
-        out = _dist.ordered("pull_rows", fn, state._leaves[leaf], _global(state, padded))
+        out = collective_order.ordered("pull_rows", fn, state._leaves[leaf], _global(state, padded))
     else:  # in a bucket (whole on every device across processes): read from the view
         split = NamedSharding(state.mesh, PartitionSpec(state.axis))
         asked_all = _global(state, [_padded_ids(x, n, 0) for x in mine])
-        out = _dist.ordered("pull_rows", bucket_take(key, split), state, asked_all)
+        out = collective_order.ordered("pull_rows", bucket_take(key, split), state, asked_all)
     rows = [x[: a.size] for x, a in zip(per_device(out), mine)]
     if per:
         targets = devices_of(devices) if devices is not None else tuple(local)
@@ -917,7 +918,7 @@ def _push_across(
     if alone and leaf is not None:
         fn = routed_push(state.mesh, state.axis, key, updater, donate, slots(most), None)
         padded = _global(state, [_padded_ids(x, n, -1) for x, _ in pairs])
-        value, opt = _dist.ordered(
+        value, opt = collective_order.ordered(
             "push_rows", fn, state._leaves[leaf], opt, padded, _global(state, rows)
         )
         return state._replace_leaves({leaf: value}, {} if n_group is None else {n_group: opt})
@@ -925,10 +926,12 @@ def _push_across(
     stacked = _global(state, rows)
     if leaf is not None and (n_group is None or state._packings[n_group] is None):
         fn = own_push(state.mesh, state.axis, key, shape[0], sharded, updater, donate)
-        value, opt = _dist.ordered("push_rows", fn, state._leaves[leaf], opt, stacked_ids, stacked)
+        value, opt = collective_order.ordered(
+            "push_rows", fn, state._leaves[leaf], opt, stacked_ids, stacked
+        )
         return state._replace_leaves({leaf: value}, {} if n_group is None else {n_group: opt})
     fn = state_push(key, shape[0], updater, donate)
-    return _dist.ordered("push_rows", fn, state, stacked_ids, stacked)
+    return collective_order.ordered("push_rows", fn, state, stacked_ids, stacked)
 
 
 def _pad_rows(rows: Any, n: int) -> Any:

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._src.dist import job as _dist
+from jaxkv._src.processes import order as collective_order
 
 Key = Hashable  # an int or a str (``_state.Key``; this module sits below ``_state.py``)
 
@@ -266,9 +266,9 @@ def eager_views(layout: FlatLayout, positions: tuple[int, ...] | None = None) ->
 
 def run(what: str, fn: Any, *args: Any) -> Any:
     """``fn(*args)``, one of this module's eager computations: over several processes' devices
-    it takes its turn among their collectives, as every computation there does (``_dist``:
-    XLA may add collectives to any of them)."""
-    return _dist.ordered(what, fn, *args)
+    it takes its turn among their collectives, as every computation there does
+    (``processes/order.py``: XLA may add collectives to any of them)."""
+    return collective_order.ordered(what, fn, *args)
 
 
 def pack(layout: FlatLayout, values: Sequence[Any]) -> list[Any]:

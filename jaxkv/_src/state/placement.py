@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from jaxkv._src.dist import job as _dist
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import assemble, per_device, single_device
+from jaxkv._src.processes import order as collective_order
 from jaxkv._src.state.kvstate import Key, KVState, _mesh
 from jaxkv._src.state.pairing import is_traced
 
@@ -38,13 +38,13 @@ def copies(values: list[jax.Array]) -> list[jax.Array]:
     ``device_put`` may let a shard alias its source even with ``may_alias=False``; a stored
     value that aliased a user's array (or another key's value) would break donation.
     """
-    return _dist.ordered("copy", _copies, values)
+    return collective_order.ordered("copy", _copies, values)
 
 
 def put(values: Sequence[Any], shardings: Sequence[Any], agreed: bool = False) -> list[jax.Array]:
     """``jax.device_put`` of each value with its sharding. ``agreed``: every process holds the
-    same values (:func:`jaxkv._src.dist.job.from_rank_zero`'s), so one put on the devices of several
-    processes is made from this process's copy, without JAX's check that every process holds
+    same values (:func:`jaxkv._src.processes.host.from_rank_zero`'s), so one put on the devices of
+    several processes is made from this process's copy, without JAX's check that every process holds
     the same bytes (an all-gather of the whole value: most of an ``init``'s time across
     processes)."""
     out: list[Any] = [None] * len(values)
@@ -94,8 +94,10 @@ def replicated_copies(state: KVState, keys: Sequence[Key]) -> list[jax.Array]:
 
 def _gathered(values: list[jax.Array], sharding: NamedSharding) -> list[jax.Array]:
     """``values`` (split across processes) replicated by ``sharding``: an all-gather across
-    processes, run after this process's earlier collectives (see ``_dist._Order``)."""
-    return _dist.ordered("all-gather of split values", _all_gather, values, sharding, spans=True)
+    processes, run after this process's earlier collectives (see ``collective_order._Order``)."""
+    return collective_order.ordered(
+        "all-gather of split values", _all_gather, values, sharding, spans=True
+    )
 
 
 @functools.partial(jax.jit, static_argnums=1)
