@@ -12,29 +12,47 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
+# Test runs use WORKERS processes (pytest-xdist; the multi-process tests start their own).
+WORKERS ?= 2
+XDIST   := -n $(WORKERS)
+
 test: $(STAMP)
 	$(BIN)/ruff check jaxkv tests examples benchmarks conformance
 	$(BIN)/lint-imports --no-cache  # the layers of jaxkv/_src (pyproject.toml, [tool.importlinter])
 	$(BIN)/mypy jaxkv
 	rm -f .coverage .coverage.*
-	$(BIN)/coverage run -m pytest -q
+	$(BIN)/coverage run -m pytest -q $(XDIST)
 	$(BIN)/coverage combine -q
 	$(BIN)/coverage report
+
+# The selection that test-layouts, test-oldest and test-newest run: every module of jaxkv/_src
+# exercised (tests/unit mirrors them), without the slowest files, which make test runs (and
+# make test-deep runs on the oldest and newest JAX too): the property state machine, the rows
+# and per-key property tests, the stress test, the launcher's tests, multi-process checkpoints,
+# split buckets, the flat store's own suite (make test-layouts runs flat stores), the demo and
+# the notebook.
+SLOW_TESTS := tests/test_stateful.py tests/test_rows.py tests/test_per_key.py \
+	tests/test_dist_stress.py tests/test_launch.py tests/test_launch_cause.py \
+	tests/test_launch_hosts.py tests/test_launch_env.py tests/test_checkpoint_dist.py \
+	tests/test_split_buckets.py tests/test_flat_store.py tests/test_demo.py tests/test_notebook.py
+SELECTION  := $(foreach f,$(SLOW_TESTS),--ignore $(f))
+# What test-oldest and test-newest run: the selection (make test-deep: everything).
+VERSIONS_SUITE ?= $(SELECTION)
 
 # The suite again in the layouts the default run seldom makes, and with the public fallbacks:
 # CI runs it after make test.
 test-layouts: $(STAMP)
-	@echo "== the suite again with every private JAX name off (JAXKV_NO_FAST_PATHS=1), and every"
-	@echo "   store in the per-key layout (JAXKV_LAYOUT=keys; the default, auto, makes the tests'"
-	@echo "   small values flat on CPU). Not the launcher's own tests: the two-host ones need the"
-	@echo "   private hook that binds gloo toward the coordinator, and the others run no store code"
+	@echo "== the selection (SELECTION) again with every private JAX name off"
+	@echo "   (JAXKV_NO_FAST_PATHS=1), and every store in the per-key layout (JAXKV_LAYOUT=keys;"
+	@echo "   the default, auto, makes the tests' small values flat on CPU). Not the launcher's own"
+	@echo "   tests: the two-host ones need the private hook that binds gloo toward the"
+	@echo "   coordinator, and the others run no store code"
 	JAXKV_NO_FAST_PATHS=1 JAXKV_LAYOUT=keys $(BIN)/python -m pytest -q -p no:cacheprovider \
-	  --deselect tests/test_fast.py::test_the_public_fallbacks_give_the_same_results \
-	  --ignore tests/test_launch_hosts.py --ignore tests/test_launch.py \
-	  --ignore tests/test_launch_env.py
+	  $(XDIST) $(SELECTION) \
+	  --deselect tests/test_fast.py::test_the_public_fallbacks_give_the_same_results
 	@echo "== the property model, the in-trace and training tests, the checkpoints and MXNet's"
 	@echo "   own tests and tutorials with every store flat (JAXKV_LAYOUT=flat), big values too"
-	JAXKV_LAYOUT=flat $(BIN)/python -m pytest -q -p no:cacheprovider $(FLAT_TESTS)
+	JAXKV_LAYOUT=flat $(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) $(FLAT_TESTS)
 
 # What make test-layouts runs again with JAXKV_LAYOUT=flat.
 FLAT_TESTS := tests/test_stateful.py tests/test_in_trace.py tests/test_in_trace_mixed.py \
@@ -55,7 +73,7 @@ $(OVENV)/.installed: pyproject.toml
 
 test-oldest: $(OVENV)/.installed
 	@$(OVENV)/bin/python -c 'import jax; print("== JAX", jax.__version__, "(the oldest claimed)")'
-	$(OVENV)/bin/python -m pytest -q -p no:cacheprovider
+	$(OVENV)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) $(VERSIONS_SUITE)
 
 # The suite with the newest JAX on the index, which needs Python >= 3.12: NEWEST_PYTHON if set,
 # else the first of python3.14 .. python3.12 and python3 on PATH that runs and is >= 3.12, else
@@ -88,7 +106,7 @@ $(NVENV)/.installed: pyproject.toml
 _test-newest: $(NVENV)/.installed
 	$(NVENV)/bin/pip install -q -U jax jaxlib
 	@$(NVENV)/bin/python -c 'import jax, sys; print("== JAX", jax.__version__, "(the newest)")'
-	$(NVENV)/bin/python -m pytest -q -p no:cacheprovider
+	$(NVENV)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) $(VERSIONS_SUITE)
 
 # Builds the sdist and wheel, installs the wheel (not editable) into a fresh venv in a temporary
 # directory and runs the README's examples with it, outside the source tree.
@@ -98,9 +116,11 @@ wheel-check: $(STAMP)
 # The property tests with thousands of examples, and the multi-process stress test with many
 # long sequences of calls: run before a change to the arithmetic or to collectives lands.
 # Each stateful run draws its store's layout (auto, flat or keys), so both layouts are covered.
+# Then the whole suite with the oldest and the newest JAX (CI runs the selection with each).
 test-deep: $(STAMP)
 	HYPOTHESIS_PROFILE=deep JAXKV_STRESS=deep $(BIN)/python -m pytest -q -p no:cacheprovider \
 	  tests/test_stateful.py tests/test_dist_stress.py
+	$(MAKE) --no-print-directory test-oldest test-newest VERSIONS_SUITE=
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
