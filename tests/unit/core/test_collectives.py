@@ -1,0 +1,58 @@
+"""jaxkv/_src/core/collectives.py: fused sums give each block its own sum, whatever the sizes,
+and blocks at the fusion limit are summed alone."""
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxkv._src.core import collectives
+
+N = 2  # devices
+
+
+def _per_device(shapes, seed=0):
+    """For each shape, N per-device blocks of distinct values (float32 sums are exact)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(-50, 50, size=(N, *s)).astype(np.float32) for s in shapes]
+
+
+def _run(fn, stacked):
+    mesh = Mesh(np.array(jax.devices("cpu")[:N]), ("kv",))
+    body = jax.shard_map(
+        lambda *xs: fn([x[0] for x in xs]),
+        mesh=mesh,
+        in_specs=tuple(P("kv") for _ in stacked),
+        out_specs=P("kv"),
+    )
+    return [np.asarray(x) for x in jax.jit(body)(*stacked)]
+
+
+def test_fused_psum_gives_each_block_its_own_sum():
+    shapes = [(3,), (2, 5), (1,), (4, 1, 2)]
+    stacked = _per_device(shapes)
+    got = _run(lambda bs: collectives.fused_psum(bs, "kv"), stacked)
+    for g, x, s in zip(got, stacked, shapes):
+        # every device holds the whole sum: N copies side by side along axis 0
+        np.testing.assert_array_equal(g.reshape(N, *s), np.broadcast_to(x.sum(0), (N, *s)))
+
+
+def test_fused_psum_scatter_leaves_each_device_its_rows_of_each_block():
+    shapes = [(2, 3), (4,), (6, 2)]  # first dimensions divisible by N
+    stacked = _per_device(shapes, seed=1)
+    got = _run(lambda bs: collectives.fused_psum_scatter(bs, N, "kv"), stacked)
+    for g, x in zip(got, stacked):
+        np.testing.assert_array_equal(g, x.sum(0))  # device i's rows, in device order
+
+
+def test_blocks_at_the_scatter_fusion_limit_are_summed_alone_and_the_rest_together():
+    limit = collectives._SCATTER_FUSE_LIMIT
+    shapes = [(limit,), (limit - 2,), (4,), (2, 3)]
+    stacked = _per_device(shapes, seed=2)
+    scatter = [True, True, True, False]
+    got = _run(lambda bs: collectives.sum_over_devices(bs, scatter, "kv"), stacked)
+    for g, x, s, sc in zip(got, stacked, shapes, scatter):
+        want = x.sum(0)
+        np.testing.assert_array_equal(
+            g, want if sc else np.broadcast_to(want, (N, *s)).reshape(-1, *s[1:])
+        )
