@@ -48,3 +48,47 @@ def test_keys_lie_in_key_order_one_bucket_per_dtype_and_group():
     assert flat.buckets == (("float32", 6), ("float16", 3))
     assert flat.where == ((0, 0, 2), (1, 0, 3), (0, 2, 4), (-1, 0, 5))
     assert flat.leaves == 3 and flat.leaf(3) == 2
+
+
+@pytest.mark.parametrize(("size", "parts", "n"), [(8, 4, 2), (9, 4, 3), (7, 4, 2), (1, 4, 1)])
+def test_a_block_is_the_value_padded_to_a_multiple_of_the_parts(size, parts, n):
+    assert buckets.block(size, parts) == n
+    assert buckets.as_blocks(np.arange(size, dtype=np.float32), parts).shape == (parts, n)
+
+
+@pytest.mark.parametrize(
+    ("shape", "parts", "block"), [((8, 3), 4, (2, 3)), ((6, 3), 4, (5,)), ((5,), 4, (2,))]
+)
+def test_a_block_keeps_its_rows_where_they_divide(shape, parts, block):
+    assert buckets.block_shape(shape, parts) == block
+
+
+@pytest.mark.parametrize("shapes", [[(5,), (8, 3), (3,)], [(4,), (4,)], [(7, 2), (1,)]])
+def test_values_written_into_a_split_bucket_read_back_whole_and_per_device(shapes):
+    """Every key written at its offset comes back as it was, from the whole bucket and from
+    each device's chunk, whatever the padding: the off-by-ones of a split bucket."""
+    parts = 4
+    sizes = [int(np.prod(s)) for s in shapes]
+    flat = buckets.plan(
+        list(range(len(shapes))), shapes, [np.float32] * len(shapes), split_from=1, devices=parts
+    )
+    total = flat.buckets[0][1]
+    assert flat.parts_of(0) == parts and total % parts == 0
+    leaf = np.zeros(total, np.float32)
+    values = [
+        np.arange(1, n + 1, dtype=np.float32).reshape(s) * (k + 1)
+        for k, (n, s) in enumerate(zip(sizes, shapes))
+    ]
+    for (_, offset, _), v in zip(flat.where, values):
+        leaf = buckets.split_write(leaf, offset, v, parts, total)
+    chunks = np.asarray(leaf).reshape(parts, -1)
+    for (_, offset, size), v, s in zip(flat.where, values, shapes):
+        np.testing.assert_array_equal(buckets.split_view(leaf, offset, size, s, parts, total), v)
+        whole = np.concatenate(
+            [
+                np.asarray(buckets.split_view(c, offset, size, s, parts, total)).ravel()
+                for c in chunks
+            ]
+        )
+        np.testing.assert_array_equal(whole[:size], v.ravel())
+        assert not whole[size:].any()  # the padding holds zeros
