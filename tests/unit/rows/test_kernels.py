@@ -1,5 +1,6 @@
 """jaxkv/_src/rows/kernels.py: the all-to-all route of each id, edges included."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -30,3 +31,24 @@ def test_a_route_with_room_to_spare(c):
     dest, local = _plan([6, 6], block=4, parts=2, c=c)
     assert dest == [c, c + 1]
     assert local == [4] * c + [2, 2] + [4] * (c - 2)
+
+
+def test_duplicate_ids_are_summed_once_and_ids_outside_the_table_update_nothing():
+    ids = np.array([3, 0, 3, 5, -1, 0, 3, 4], np.int32)  # 5 rows: 5 and -1 lie outside
+    rows = np.arange(16, dtype=np.float32).reshape(8, 2)
+    unique, summed = kernels.dedupe(ids, rows, 5)
+    unique, summed = np.asarray(unique), np.asarray(summed)
+    assert unique.tolist() == [0, 3, 4, 5, 5, 5, 5, 5]  # distinct ids, padded with 5
+    np.testing.assert_array_equal(summed[0], rows[1] + rows[5])
+    np.testing.assert_array_equal(summed[1], rows[0] + rows[2] + rows[6])
+    np.testing.assert_array_equal(summed[2], rows[7])
+    table = np.asarray(kernels.put(jnp.zeros((5, 2), jnp.float32), unique, summed))
+    np.testing.assert_array_equal(table[[1, 2]], 0)  # nothing but ids 0, 3 and 4 changed
+
+
+def test_rows_outside_a_block_read_as_zeros_and_writes_there_are_dropped():
+    block = jnp.arange(6, dtype=jnp.float32).reshape(3, 2) + 1  # rows 4, 5, 6 of a table
+    got = np.asarray(kernels.take(block, np.array([3, 4, 6, 7]), lo=4))
+    np.testing.assert_array_equal(got, [[0, 0], [1, 2], [5, 6], [0, 0]])
+    put = np.asarray(kernels.put(block, np.array([3, 6, 7]), np.full((3, 2), 9.0), lo=4))
+    np.testing.assert_array_equal(put, [[1, 2], [3, 4], [9, 9]])
