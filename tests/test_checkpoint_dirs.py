@@ -161,14 +161,14 @@ KILLED = textwrap.dedent(
     import sys, jax
     jax.config.update("jax_num_cpu_devices", 4)
     import jax.numpy as jnp, jaxkv
-    from jaxkv import _checkpoint
+    from jaxkv._src.checkpoint import npz
     path = sys.argv[1]
     state = jaxkv.init(jaxkv.empty(), {"w": jnp.zeros((1024, 1024))})
-    _checkpoint.save(path, state, values=True, directory=True)
+    npz.save(path, state, values=True, directory=True)
     print("saved 0", flush=True)
     for i in range(1, 1000):
         state = jaxkv.init(jaxkv.empty(), {"w": jnp.full((1024, 1024), float(i))})
-        _checkpoint.save(path, state, values=True)
+        npz.save(path, state, values=True)
         print(f"saved {i}", flush=True)
     """
 )
