@@ -182,6 +182,7 @@ class KVState:
         "_residuals",
         "_compression",
         "_lookup",
+        "_grouping",
         "_shapes",
         "_groups",
         "_user_mesh",
@@ -200,6 +201,7 @@ class KVState:
     _residuals: tuple[Any, ...]
     _compression: tuple | None
     _lookup: dict[Key, int] | None
+    _grouping: dict[Key, tuple[Key, ...]] | None
     _shapes: tuple[tuple[int, ...], ...]
     _groups: tuple[tuple[Key, ...], ...]
     _user_mesh: Mesh | None
@@ -241,6 +243,7 @@ class KVState:
         object.__setattr__(self, "_residuals", residuals)
         object.__setattr__(self, "_compression", compression)  # e.g. ("2bit", 0.5), or None
         object.__setattr__(self, "_lookup", None)  # key -> position, built on first use
+        object.__setattr__(self, "_grouping", None)  # key -> its optimizer group, the same
         object.__setattr__(self, "_user_mesh", mesh)  # the user's one-axis mesh, or None
         object.__setattr__(self, "_policy", policy)
         object.__setattr__(self, "_flat", flat)
@@ -536,11 +539,11 @@ class KVState:
 
     def opt_group(self, key: Any) -> tuple[Key, ...] | None:
         """The optimizer group ``key`` belongs to, or ``None`` if it has no optimizer state."""
-        key = self._keys[self.index(key)]
-        for group in self._groups:
-            if key in group:
-                return group
-        return None
+        grouping = self._grouping
+        if grouping is None:  # asked per key at every push: built once per state
+            grouping = {k: g for g in self._groups for k in g}
+            object.__setattr__(self, "_grouping", grouping)
+        return grouping.get(self._keys[self.index(key)])
 
     @property
     def key_kind(self) -> str | None:
