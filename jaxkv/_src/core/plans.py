@@ -31,7 +31,7 @@ from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import all_eager, assemble, per_device, single_device
 from jaxkv._src.state.kvstate import KVState, normalize_key
 from jaxkv._src.state.pairing import devices_of, group
-from jaxkv._src.state.placement import copies, stacked_sharding
+from jaxkv._src.state.placement import for_outs, stacked_sharding
 
 __all__ = ["NO_PLAN", "prepare_fill", "pull", "push"]
 
@@ -425,18 +425,7 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
     def go(now: KVState, lend: bool) -> bool:
         if not (now._keys is plan.keys and now._shapes is plan.shapes_of):
             return False
-        held = now._values
-        fresh = [held[i] for i in plan.unique]
-        if not lend:
-            layout = now._flat  # keys in buckets are read through fresh views: no copy
-            todo = [
-                j for j, i in enumerate(plan.unique) if layout is None or layout.where[i][0] < 0
-            ]
-            if len(todo) == len(fresh):
-                fresh = copies(fresh)
-            elif todo:
-                for j, x in zip(todo, copies([fresh[j] for j in todo])):
-                    fresh[j] = x
+        fresh = for_outs(now, plan.unique, lend)
         if len(now._devices) == 1:
             for o, j, d in zip(flat, plan.of, devices):
                 o._set(fresh[j], d)

@@ -910,7 +910,8 @@ class KVStore:
         # One copy computation for all replicated values, then the sharded ones in chunks:
         # chunking everything together measured ~30% slower on ResNet-50.
         if small:
-            hand_out(small, self._handed(state, small))
+            index = [state.index(k) for k in small]
+            hand_out(small, _arrays.for_outs(state, index, self._keeps_values()))
         chunk, size = [], 0
         for i, key in enumerate(big):
             chunk.append(key)
@@ -918,23 +919,6 @@ class KVStore:
             if size >= _GATHER_CHUNK_BYTES or i == len(big) - 1:
                 hand_out(chunk, _arrays.replicated_copies(state, chunk))
                 chunk, size = [], 0
-
-    def _handed(self, state: KVState, keys: list[Key]) -> list[jax.Array]:
-        """What the outs of ``keys`` (none split across devices) receive: a key read through a
-        view of its bucket, that view (a fresh array no push donates); a key kept as an array
-        of its own, the stored array itself where the store lends its values, else a copy (one
-        computation for all of them)."""
-        values = [state[k] for k in keys]
-        if self._keeps_values():
-            return values
-        layout = state._flat
-        own = [
-            j for j, k in enumerate(keys) if layout is None or layout.where[state.index(k)][0] < 0
-        ]
-        if own:
-            for j, x in zip(own, _arrays.copies([values[j] for j in own])):
-                values[j] = x
-        return values
 
 
 def _set(out: NDArray, x: jax.Array, device: Any) -> None:

@@ -1,5 +1,4 @@
-"""The launcher behind ``python -m jaxkv.launch`` (jaxkv/launch.py forwards here): a multi-process
-jaxkv job, on this machine or on several.
+"""Start a multi-process jaxkv job, on this machine or on several.
 
     python -m jaxkv.launch -n N [--devices-per-process K] [--max-restarts R] script.py [args...]
     python -m jaxkv.launch --nnodes M --node-rank R --coordinator HOST:PORT -n N ... script.py

@@ -21,6 +21,7 @@ from jaxkv._src.state.pairing import is_traced
 
 __all__ = [
     "copies",
+    "for_outs",
     "put",
     "host_copy",
     "host_empty",
@@ -39,6 +40,23 @@ def copies(values: list[jax.Array]) -> list[jax.Array]:
     value that aliased a user's array (or another key's value) would break donation.
     """
     return collective_order.ordered("copy", _copies, values)
+
+
+def for_outs(state: KVState, index: Sequence[int], lend: bool) -> list[jax.Array]:
+    """The values at positions ``index`` of ``state`` (none split across devices) to give to a
+    pull's outs: with ``lend``, the stored arrays themselves (the store keeps its values);
+    else a key read through a view of its bucket gets that view (a fresh array no push
+    donates) and a key kept as an array of its own a copy (one computation for all)."""
+    held = state._values
+    values = [held[i] for i in index]
+    if lend:
+        return values
+    layout = state._flat
+    own = [j for j, i in enumerate(index) if layout is None or layout.where[i][0] < 0]
+    if own:
+        for j, x in zip(own, copies([values[j] for j in own])):
+            values[j] = x
+    return values
 
 
 def put(values: Sequence[Any], shardings: Sequence[Any], agreed: bool = False) -> list[jax.Array]:
