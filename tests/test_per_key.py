@@ -369,6 +369,29 @@ def test_an_out_owed_by_another_store_gets_the_later_pull(devices):
     np.testing.assert_array_equal(out.asnumpy(), [2, 2])
 
 
+def test_a_list_pull_with_nothing_held_runs_at_once(devices):
+    """The list path (push a list, pull a list into outs) holds nothing: the list is the batch
+    already. After a held call, a list pull is held behind it, in MXNet's order."""
+    kv = jaxkv.KVStore("device", devices[:2])
+    kv.init([0, 1], [nd.ones((2,)), nd.ones((3,))])
+    nd.waitall()
+    outs = [nd.zeros((2,)), nd.zeros((3,))]
+    kv.pull([0, 1], out=outs)
+    assert kv._held is None and all(o._owed is None for o in outs)
+    np.testing.assert_array_equal(outs[1]._value, [1, 1, 1])  # filled, no read needed
+    kv.push(0, nd.ones((2,)) * 5)  # held: the next list pull waits behind it
+    kv.pull([0, 1], out=outs)
+    assert outs[0]._owed is kv
+    np.testing.assert_array_equal(outs[0].asnumpy(), [5, 5])
+    # An out owed a pull by another store, pulled into by a list pull run at once: the later
+    # pull's value is what it keeps.
+    other = jaxkv.KVStore("device", devices[:2])
+    other.init(0, nd.ones((2,)) * 7)
+    other.pull(0, out=outs[0])
+    kv.pull([0, 1], out=outs)
+    np.testing.assert_array_equal(outs[0].asnumpy(), [5, 5])
+
+
 def test_held_pushes_are_refused_at_the_call(devices):
     """What a push would refuse when run is refused at the call, the store unchanged."""
     kv = jaxkv.KVStore("device", devices[:2])

@@ -315,10 +315,9 @@ class _PullPlan:
 
 def pull(state: KVState, keys: Any, devices: Any) -> Any:
     """``jaxkv.pull`` of eager values that stay where the store keeps them (``devices`` is
-    ``None`` or the store's own devices, and no pulled value is sharded), by a plan; or
-    ``_NO_PLAN`` where the general path must run."""
-    if state._flat is not None:
-        return _NO_PLAN
+    ``None`` or the store's own devices, and no pulled value is sharded or in a split bucket),
+    by a plan (under a flat layout, the state's views of its buckets); or ``_NO_PLAN`` where
+    the general path must run."""
     single = not isinstance(keys, list | tuple)
     ckeys = (keys,) if single else tuple(keys)
     if not ckeys or not set(map(type, ckeys)) <= _KEY_TYPES:

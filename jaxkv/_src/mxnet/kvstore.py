@@ -319,10 +319,19 @@ class KVStore:
         With ``out=None``, returns the value(s) as ``jax.Array`` objects instead. A pull into
         outs is checked at once and held until something reads (an out, ``nd.waitall``, any
         other call of the store but a push, init or pull); the outs then get exactly what
-        MXNet's ordering gives them."""
+        MXNet's ordering gives them. A pull of a list with no call held before it runs at
+        once."""
         with self._lock:
             if out is None:
                 return self._values(key)
+            if (
+                self._held is None
+                and isinstance(key, list | tuple)
+                and not _spans_processes(self._stored.devices)
+            ):  # A list pull with nothing held before it runs now, by its fill plan: the list
+                # is the batch already. (Across processes it is held: its gathers are agreed.)
+                self._pull_now(key, out, ignore_sparse)
+                return None
             pairs = _args.pairs(key, out, "outs")
             if all(type(o) is NDArray for _, outs in pairs for o in outs):
                 if self._held is not None and any(
@@ -350,8 +359,8 @@ class KVStore:
     def _may_hold(self, values: Any) -> bool:
         """Whether calls with these values may be held: eager arrays only (a traced value
         cannot outlive its trace)."""
-        if isinstance(values, list | tuple):
-            return all(self._may_hold(v) for v in values)
+        if isinstance(values, list | tuple):  # (the first test is the cheap one)
+            return all(type(v) is _fast.ArrayImpl or self._may_hold(v) for v in values)
         return not _args.is_traced(values)
 
     def _hold(self, held: _queue.Held) -> None:
@@ -703,7 +712,7 @@ class KVStore:
             self._state = self._push_python(state, key, values)
             return
         updater = self._updater
-        if self._plain_optax() and not per_key:
+        if self._plain_optax() and not per_key and _perkey.any_per_key(state):
             keys = sorted(_grouped(state, key, values))  # (checked first: one kind of key)
             if _perkey.holds_per_key(state, keys):  # keys pushed one at a time before
                 if len(keys) > 1:
@@ -950,8 +959,8 @@ def _grouped(state: KVState, key: Any, values: Any) -> dict[Key, list]:
 
 
 def _holds_row_sparse(x: Any) -> bool:
-    if isinstance(x, list | tuple):
-        return any(_holds_row_sparse(v) for v in x)
+    if isinstance(x, list | tuple):  # (a dense NDArray, the usual value, tested first)
+        return any(type(v) is not NDArray and _holds_row_sparse(v) for v in x)
     return _kvsparse.is_row_sparse(x)
 
 

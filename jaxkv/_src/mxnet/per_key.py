@@ -129,11 +129,17 @@ def _fresh(inner: optax.GradientTransformation, keys: tuple[Key, ...]) -> Any:
     return jax.jit(lambda values: {k: inner.init({k: values[k]}) for k in keys})
 
 
+def any_per_key(state: KVState) -> bool:
+    """Whether ``state`` has a group of several keys that keeps a state per key (asked at
+    every push: no look-up per key)."""
+    return any(len(g) > 1 and _is_per_key(state, n) for n, g in enumerate(state._groups))
+
+
 def holds_per_key(state: KVState, keys: Sequence[Key]) -> bool:
     """Whether a key of ``keys`` is in a group of several keys that keeps a state per key
     (made by pushes of one key at a time)."""
-    groups = {g for k in keys if (g := state.opt_group(k)) is not None and len(g) > 1}
-    return any(_is_per_key(state, state._groups.index(g)) for g in groups)
+    per = [g for n, g in enumerate(state._groups) if len(g) > 1 and _is_per_key(state, n)]
+    return bool(per) and any(state.opt_group(k) in per for k in keys)
 
 
 def alone(state: KVState) -> KVState:
