@@ -27,7 +27,7 @@ def held_per_device(state, key):
     the flat layout its share of its bucket (all of it in a bucket kept whole on every device,
     its block in a bucket split over the devices)."""
     i = state.keys().index(key)
-    flat = state._flat
+    flat = state.flat_layout
     if flat is None or flat.where[i][0] < 0:
         leaf = state[key]
         per = {}
@@ -36,11 +36,11 @@ def held_per_device(state, key):
         return per
     b, _, size = flat.where[i]
     parts = flat.parts_of(b)
-    itemsize = state._leaves[b].dtype.itemsize
+    itemsize = state.leaves[b].dtype.itemsize
     count = -(-size // parts) if parts > 1 else size
-    return {s.device: count * itemsize for s in state._leaves[b].addressable_shards}
+    return {s.device: count * itemsize for s in state.leaves[b].addressable_shards}
 
 
 def split_buckets(state):
     """Whether ``state`` keeps some of its values in buckets split over the devices."""
-    return state._flat is not None and state._flat.split
+    return state.flat_layout is not None and state.flat_layout.split

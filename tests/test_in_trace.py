@@ -221,7 +221,7 @@ def test_data_parallel_training_with_a_sharded_store_matches_optax(name, form, c
         per_device = state[key].nbytes if whole else state[key].nbytes // D
         assert held_per_device(state, key)[devices[0]] == per_device
     if split:
-        (packed,) = state._opt_states
+        (packed,) = state.group_states
         moments = [x for x in jax.tree_util.tree_leaves(packed) if x.ndim == 1 and x.size > 1]
         assert moments and all(device_bytes(x, devices[0]) == x.nbytes // D for x in moments)
         return

@@ -97,7 +97,7 @@ def test_optimizer_state_is_sharded_too(state, devices):
     opt = optax.adam(0.1)
     new = jaxkv.push(state, ["big", "small"], [jnp.ones(BIG), jnp.ones(SMALL)], updater=opt)
     if split_buckets(new):  # the group's bucket and its moments' buckets: split
-        (packed,) = [o for g, o in zip(new._groups, new._opt_states) if g == ("big", "small")]
+        (packed,) = [o for g, o in zip(new.groups, new.group_states) if g == ("big", "small")]
         mus = [x for x in packed if x.ndim == 1 and x.size > 1]
         assert len(mus) == 2  # mu and nu, one bucket each
         assert all(b == x.nbytes // 8 for x in mus for b in device_bytes(x).values())

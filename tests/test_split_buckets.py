@@ -45,8 +45,8 @@ def _close(a, b, tol=2e-6):
 
 def test_a_big_bucket_is_split_and_each_key_held_one_dth_per_device(devices):
     s = _store(devices, "flat")
-    assert s.buckets == 1 and s._flat.parts == (D,)
-    (bucket,) = s._leaves
+    assert s.buckets == 1 and s.flat_layout.parts == (D,)
+    (bucket,) = s.leaves
     blocks = {"w": 12, "odd": 14, "e": 17, "b": 1, "s": 1}  # each key's padded 1/D
     assert bucket.shape == (D * sum(blocks.values()),)
     assert bucket.sharding.spec == P("kv")
@@ -64,7 +64,7 @@ def test_auto_on_cpu_splits_no_bucket(devices):
     s = jaxkv.init(
         jaxkv.empty(devices, layout="auto"), {"w": jnp.ones((8, 4096)), "b": jnp.ones(3)}
     )
-    assert s.buckets == 1 and not s._flat.split
+    assert s.buckets == 1 and not s.flat_layout.split
     (big,) = [x for x in jax.tree_util.tree_leaves(s) if x.shape == (8, 4096)]
     assert big.sharding.spec == P("kv")
     sp = jaxkv.specs(s, "d")
@@ -78,10 +78,10 @@ def test_specs_split_the_bucket_and_its_moments(devices):
     ((adam, _),) = sp.opt_states.values()
     assert adam.count == P() and set(adam.mu.values()) == {P("d")}
     # The moments' buckets are split as the values' bucket is.
-    (packed,) = s._opt_states
+    (packed,) = s.group_states
     moments = [x for x in jax.tree_util.tree_leaves(packed) if x.ndim == 1]
     assert len(moments) == 2
-    assert all(x.shape == s._leaves[0].shape and x.sharding.spec == P("kv") for x in moments)
+    assert all(x.shape == s.leaves[0].shape and x.sharding.spec == P("kv") for x in moments)
 
 
 @pytest.mark.standard_promotion
@@ -103,7 +103,7 @@ def test_eager_pushes_from_every_device_give_the_per_key_numbers(name, devices):
         jax.tree_util.tree_leaves(list(flat.opt_states.values())),
     ):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-6, atol=2e-6)
-    assert flat._leaves[0].sharding.spec == P("kv")
+    assert flat.leaves[0].sharding.spec == P("kv")
 
 
 @pytest.mark.standard_promotion
@@ -148,7 +148,7 @@ def test_a_jitted_step_gives_the_per_key_numbers_and_compiles_once(name, devices
         assert counted.count == 0, layout
         out[layout] = s
     _close(out["keys"], out["flat"])
-    assert out["flat"]._leaves[0].sharding.spec == P("kv")
+    assert out["flat"].leaves[0].sharding.spec == P("kv")
 
 
 def _loss(params, x):
@@ -203,7 +203,7 @@ def test_a_shard_map_step_matches_one_device_optax(name, form, devices, compiles
             s = step(s, x)
     assert counted.count == 0
     _close(s, _reference(opt, 3), tol=2e-5)
-    assert s._leaves[0].sharding.spec == P("kv")
+    assert s.leaves[0].sharding.spec == P("kv")
 
 
 def test_a_whole_shape_push_in_shard_map_is_one_reduce_scatter(devices):
@@ -280,7 +280,7 @@ def test_a_checkpoint_of_split_buckets_loads_into_the_per_key_layout_and_back(de
     _close(keys, flat, tol=0)
     jaxkv.save_state(tmp_path / "keys", keys)
     back = jaxkv.load_state(tmp_path / "keys", flat, optimizer=opt)
-    assert back._flat == flat._flat and back._leaves[0].sharding.spec == P("kv")
+    assert back.flat_layout == flat.flat_layout and back.leaves[0].sharding.spec == P("kv")
     _close(back, flat, tol=0)
     for x, y in zip(
         jax.tree_util.tree_leaves(list(back.opt_states.values())),
@@ -296,7 +296,7 @@ def test_split_buckets_hold_at_most_the_per_key_bytes_per_device_plus_padding(de
     values = {f"k{i}": jnp.ones(s) for i, s in enumerate(shapes)}
     flat = jaxkv.init(jaxkv.empty(devices, layout="flat"), values)
     total = sum(v.nbytes for v in values.values())
-    on_one = sum(sh.data.nbytes for x in flat._leaves for sh in x.addressable_shards[:1])
+    on_one = sum(sh.data.nbytes for x in flat.leaves for sh in x.addressable_shards[:1])
     assert on_one <= 1.05 * total / D
 
 
@@ -308,7 +308,7 @@ def test_the_imperative_store_with_split_buckets(devices, monkeypatch):
     kv.push(
         list(SHAPES), [[jaxkv.nd.ones(SHAPES[k], jaxkv.cpu(i)) for i in range(D)] for k in SHAPES]
     )
-    assert kv._state._flat.split
+    assert kv._state.flat_layout.split
     outs = [jaxkv.nd.zeros(SHAPES["odd"], jaxkv.cpu(i)) for i in range(D)]
     kv.pull("odd", out=outs)
     for i, o in enumerate(outs):
@@ -372,7 +372,7 @@ def test_compression_set_over_split_buckets_lays_each_key_out_where_it_belongs(d
     values = [np.arange(np.prod(s), dtype=np.float32).reshape(s) for s in shapes]
     kv.init([0, 1, 2], [jaxkv.nd.array(v) for v in values])
     kv.state  # noqa: B018 - lays the new keys out (an init leaves that to the next push)
-    assert kv._state._flat.split
+    assert kv._state.flat_layout.split
     kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
     state = kv._state
     assert state.buckets == 0

@@ -35,7 +35,7 @@ def main():
     # keep arrays of their own until then), across processes too (never split).
     state = kv._state
     assert state.buckets == (0 if state.layout == "keys" else 1), (state.layout, state.buckets)
-    assert state._flat is None or not state._flat.split
+    assert state.flat_layout is None or not state.flat_layout.split
     total = len(local) * sum(r + 1 for r in range(workers))
     outs = [mx.nd.zeros(SHAPE, mx.cpu(i)) for i in range(len(local))]
     kv.pull(3, out=outs)
@@ -52,7 +52,7 @@ def main():
     kv.pull(5, out=out)
     before = out.asnumpy()
     state = kv._state
-    if state._flat is None or state._flat.where[state.index(5)][0] < 0:
+    if state.flat_layout is None or state.flat_layout.where[state.index(5)][0] < 0:
         stored = state[5].addressable_shards[0].data
         assert out.asjax().unsafe_buffer_pointer() == stored.unsafe_buffer_pointer()
     kv.push(5, mx.nd.ones((64, 512)))

@@ -247,8 +247,8 @@ def _assemble(
             tuple(compression or ()) or None,
             (),
             (),
-            state._user_mesh,
-            state._policy,
+            state.user_mesh,
+            state.policy,
         )
         like = {
             e["key"]: jax.ShapeDtypeStruct(tuple(e["shape"]), jnp.dtype(e["dtype"]))

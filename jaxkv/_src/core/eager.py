@@ -64,7 +64,7 @@ def init_opt_states(state: KVState, optimizer: Any, keys: Sequence[Key]) -> KVSt
     if not keys:
         return state
     group = tuple(sorted(set(keys)))
-    init = _opt_initialiser(optimizer, state.devices, state.bigarray_bound, state._user_mesh)
+    init = _opt_initialiser(optimizer, state.devices, state.bigarray_bound, state.user_mesh)
     opt_state = collective_order.ordered("optimizer init", init, {k: state[k] for k in group})
     return state.replace(opt_states={group: opt_state})
 
@@ -235,7 +235,7 @@ def push_fn(
     sig = (
         "keys",
         state.devices,
-        state._user_mesh,
+        state.user_mesh,
         state.bigarray_bound,
         state.compression,
         keys,
@@ -274,7 +274,7 @@ def _sum_split(
     side, so each device gets its chunk of the sum); ``pushed`` gets each key's whole sum, and
     the result maps each bucket whose every key was pushed to its summed gradient, laid out as
     the bucket (``_bucket.update_bucket`` takes it as it is)."""
-    flat = state._flat
+    flat = state.flat_layout
     assert flat is not None  # split buckets exist only in a flat state
     n = len(placement.devices)
     axis = placement.axis
@@ -321,7 +321,7 @@ def _build_push(
 ) -> Callable:
     """The jitted push for one signature. ``state`` supplies only static facts (mesh, bound,
     compression); the cached computation keeps none of its arrays."""
-    state = state._placement()
+    state = state.emptied()
     axis = state.axis
     masks = {
         i: kind[1]
@@ -405,7 +405,7 @@ def push_eager(
             layout_compressed(state, k, s, xs) for (k, xs), s in zip(grouped.items(), stored)
         ]
     kinds, pushed = zip(*layouts)
-    residuals = [state._residuals[i] for i in index]
+    residuals = [state.residual_leaves[i] for i in index]
     fn = push_fn(state, tuple(grouped), kinds, updater, donate)
     # Over other processes' devices too, its collectives run after this process's earlier ones.
     new_values, new_opt, new_residuals = collective_order.ordered(
@@ -446,7 +446,7 @@ def flat_push_fn(
 ) -> Callable:
     """The cached flat push computation ``fn(state, pushed) -> new state`` of this signature
     (the state's layout is part of the computation's own cache key: its tree structure)."""
-    sig = ("flat", state.devices, state._user_mesh, state.bigarray_bound, keys, kinds, donate)
+    sig = ("flat", state.devices, state.user_mesh, state.bigarray_bound, keys, kinds, donate)
 
     def build() -> Callable:
         logger.debug("jaxkv: new flat push signature (%d keys, donate=%s)", len(keys), donate)
@@ -461,7 +461,7 @@ def _build_push_flat(
     """The jitted push of ``keys`` into a flat state: sums as :func:`_build_push`'s, the
     updater on each key's view (the same numbers as one array per key), the new values
     written into the buckets, every leaf placed where the store keeps it."""
-    placement = state._placement()
+    placement = state.emptied()
     axis = placement.axis
     stacked = [i for i, kind in enumerate(kinds) if kind != "one"]
     optax_push = isinstance(updater, optax.GradientTransformation)
@@ -469,11 +469,11 @@ def _build_push_flat(
     def run(state: KVState, pushed: list[jax.Array]) -> KVState:
         inputs = {id(x) for x in pushed}
         index = [state.index(k) for k in keys]
-        held = state._values
+        held = state.stored_values
         stored = [held[i] for i in index]
         pushed = [x.astype(s.dtype) for x, s in zip(pushed, stored)]
         inputs.update(id(x) for x in pushed)
-        split = [i for i in stacked if state._split_parts(index[i]) > 1]
+        split = [i for i in stacked if state.split_parts(index[i]) > 1]
         grids = _sum_split(placement, state, keys, split, pushed) if split else {}
         rest = [i for i in stacked if i not in split]
         if rest:
@@ -487,7 +487,7 @@ def _build_push_flat(
         mesh = placement.mesh
         return jax.tree_util.tree_map(
             lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),
-            new._leaf_specs(axis),
+            new.leaf_specs(axis),
             new,
         )
 
@@ -503,8 +503,8 @@ def _build_push_flat(
 
     def call(state: KVState, pushed: list[jax.Array]) -> KVState:
         leaves, treedef = jax.tree_util.tree_flatten(state)
-        nb = 0 if state._flat is None else len(state._flat.buckets)
-        nv = len(state._leaves)
+        nb = 0 if state.flat_layout is None else len(state.flat_layout.buckets)
+        nv = len(state.leaves)
         return jitted(treedef, leaves[:nb] + leaves[nv:], leaves[nb:nv], pushed, nb)
 
     return call

@@ -58,22 +58,22 @@ def update_bucket(
 
     A split bucket is updated where it lies: whole (inside ``jit``, sharded over the mesh) or,
     inside ``shard_map``, this device's chunk, from the keys' blocks of the sum."""
-    flat = state._flat
+    flat = state.flat_layout
     keys = tuple(keys)
     if flat is None or not isinstance(updater, optax.GradientTransformation):
         return None
-    if keys not in state._groups:
+    if keys not in state.groups:
         return None
-    n = state._groups.index(keys)
-    packing = state._packings[n]
-    index = state._index
+    n = state.groups.index(keys)
+    packing = state.packings[n]
+    index = state.key_positions
     positions = [index[k] for k in keys]
     buckets = {flat.where[i][0] for i in positions}
     if packing is None or len(buckets) != 1:
         return None
     (b,) = buckets
-    chunked = state._chunked(positions[0])
-    if not packing.families and state._devices[0].platform == "cpu" and flat.parts_of(b) == 1:
+    chunked = state.chunked(positions[0])
+    if not packing.families and state.devices[0].platform == "cpu" and flat.parts_of(b) == 1:
         # No per-key state (sgd): on CPU, writing each key's new value into the bucket in
         # place measured faster than gathering the gradients into one buffer first (ResNet-50's
         # 193 tensors cut small, in-jit step: 0.09 against 0.19 ms); with per-key state (adam:
@@ -82,8 +82,8 @@ def update_bucket(
     name, _ = flat.buckets[b]
     if b < 0 or sum(1 for w in flat.where if w[0] == b) != len(keys):
         return None  # the bucket holds other keys too (it cannot: one per group and dtype)
-    leaf = state._leaves[b]
-    packed = state._opt_states[n]
+    leaf = state.leaves[b]
+    packed = state.group_states[n]
     template = _template(updater, int(np.shape(leaf)[0]), name)
     if template is None or len(template[1]) != len(packed):
         return None
@@ -98,7 +98,7 @@ def update_bucket(
         whole = {k: jax.ShapeDtypeStruct(s, name) for k, s in zip(keys, shapes)}
         opt_state = jax.eval_shape(updater.init, whole)
     else:
-        opt_state = state._opt_state(n)
+        opt_state = state.group_state(n)
     # A sum, maximum or minimum over the group runs as one over the bucket where the bucket
     # is the group's values and nothing else: not a chunk (a reduction there would need
     # completing across devices), not padded (padding would enter a maximum or a minimum, and
@@ -120,7 +120,7 @@ def update_bucket(
     opt_state = jax.tree_util.tree_unflatten(treedef, list(packed))
     updates, opt_state = updater.update({_BUCKET: summed}, opt_state, params)
     new = optax.apply_updates(params, updates)[_BUCKET].astype(dtype)
-    return state._replace_leaves({b: new}, {n: tuple(jax.tree_util.tree_leaves(opt_state))})
+    return state.with_leaves({b: new}, {n: tuple(jax.tree_util.tree_leaves(opt_state))})
 
 
 def _template(updater: Any, size: int, name: str) -> tuple[Any, list] | None:

@@ -170,12 +170,12 @@ def push(
             return fast
     grouped = group(state, keys, values)
     index = [state.index(k) for k in grouped]
-    flat = state._flat is not None
+    flat = state.flat_layout is not None
     if flat:  # its views are slices of the buckets: made inside the push's computation
-        stored = [state._stored_type(i) for i in index]
+        stored = [state.stored_type(i) for i in index]
         traced = any(is_traced(x) for x in jax.tree_util.tree_leaves(state))
     else:
-        stored = [state._values[i] for i in index]
+        stored = [state.stored_values[i] for i in index]
         traced = any(is_traced(x) for x in stored)
     traced = traced or any(is_traced(x) for xs in grouped.values() for x in xs)
     opt_state = None
@@ -187,7 +187,7 @@ def push(
             opt_state = True if flat else state.opt_states[group_keys]
     if traced:
         if flat:
-            stored = [state._values[i] for i in index]
+            stored = [state.stored_values[i] for i in index]
         return push_in_trace(state, grouped, stored, opt_state, updater, axis_name)
     if axis_name is not None:
         raise KVStoreError(
@@ -240,7 +240,7 @@ def pull(
         values = [whole[state.keys()[state.index(k)]] for k in keys]
     if devices is not None:
         target = devices_of(devices)
-        if target != state.devices or any(state._is_split(state.index(k)) for k in keys):
+        if target != state.devices or any(state.is_split(state.index(k)) for k in keys):
             values = replicate(values, target)
     return values[0] if single else values
 
@@ -262,7 +262,7 @@ def specs(state: KVState, axis_name: Any) -> KVState:
       >>> tuple(sp.values["b"]), tuple(sp.values["w"])
       ((), ('d',))
     """
-    return state._leaf_specs(axis_name)
+    return state.leaf_specs(axis_name)
 
 
 def init_optimizer(state: KVState, optimizer: Any, keys: Any = None) -> KVState:

@@ -79,9 +79,9 @@ def _anchored(plan: Any, state: KVState) -> bool:
     """Whether ``plan`` was made for ``state``'s key set, shapes and optimizer groups (the
     very objects: a plan keeps them alive, so their ids in the signature cannot be reused)."""
     return (
-        plan.keys is state._keys
-        and plan.shapes_of is state._shapes
-        and plan.groups is state._groups
+        plan.keys is state.keys()
+        and plan.shapes_of is state.key_shapes
+        and plan.groups is state.groups
     )
 
 
@@ -138,7 +138,7 @@ def _call(keys: Any, values: Any) -> tuple[tuple, Sequence[Any], int, Sequence[A
 def push(state: KVState, keys: Any, values: Any, updater: Any, donate: Donate) -> KVState | None:
     """``jaxkv.push`` of eager values by a plan, or ``None`` where the general path must run
     (see the module doc)."""
-    if state._compression is not None or jax.process_count() > 1:
+    if state.compression is not None or jax.process_count() > 1:
         return None
     call = _call(keys, values)
     if call is None:
@@ -147,12 +147,12 @@ def push(state: KVState, keys: Any, values: Any, updater: Any, donate: Donate) -
     if not all_eager(flat):
         return None
     sig = (
-        id(state._keys),
-        id(state._shapes),
-        id(state._groups),
-        state._devices,
-        state._user_mesh,
-        state._bound,
+        id(state.keys()),
+        id(state.key_shapes),
+        id(state.groups),
+        state.devices,
+        state.user_mesh,
+        state.bigarray_bound,
         ckeys,
         per,
         id(updater),
@@ -194,7 +194,7 @@ def _push_plan(
     if len(order) != len(ckeys):  # a key repeats: the general path sums its values
         return _NO_PLAN
     devices = tuple(map(single_device, flat))
-    n_devices = len(state._devices)
+    n_devices = len(state.devices)
     if per > 1 and (per != n_devices or n_devices == 1):
         return _NO_PLAN
     if None in devices:
@@ -205,7 +205,7 @@ def _push_plan(
     index = [state.index(k) for k in order]
     shapes = []
     for k in call:
-        shapes += [state._shapes[state.index(k)]] * per
+        shapes += [state.key_shapes[state.index(k)]] * per
     if tuple(map(_SHAPE, flat)) != tuple(shapes):  # a block's shape, accepted in shard_map
         return _NOT_NOW
     kinds: list[Kind] = []
@@ -215,13 +215,13 @@ def _push_plan(
         mine = flat[perm[p] * per : (perm[p] + 1) * per]
         if len({x.dtype for x in mine}) != 1:
             return _NOT_NOW
-        shape = state._shapes[i]
+        shape = state.key_shapes[i]
         if per == 1:
             kinds.append("one")
-            if not (n_devices == 1 and devices[perm[p]] == state._devices[0]):
+            if not (n_devices == 1 and devices[perm[p]] == state.devices[0]):
                 puts.append((p, state.sharding_for(shape)))
             continue
-        if devices[perm[p] * per : (perm[p] + 1) * per] != state._devices:
+        if devices[perm[p] * per : (perm[p] + 1) * per] != state.devices:
             return _NOT_NOW
         if not shape:  # scalars travel as shape (1,): the general path reshapes them
             return _NO_PLAN
@@ -230,21 +230,21 @@ def _push_plan(
         stacks.append((p, (block[0] * n_devices, *block[1:]), stacked_sharding(state.mesh)))
     group_at = None
     if isinstance(updater, optax.GradientTransformation):
-        group_keys, opt_state = optimizer_group(state, order, unpack=state._flat is None)
+        group_keys, opt_state = optimizer_group(state, order, unpack=state.flat_layout is None)
         if opt_state is None:  # made by the general path's first push; then a new signature
             return _NO_PLAN
-        group_at = state._groups.index(group_keys)
-    if state._flat is None:
+        group_at = state.groups.index(group_keys)
+    if state.flat_layout is None:
         fn = push_fn(state, order, tuple(kinds), updater, donate)
     else:
         fn = flat_push_fn(state, order, tuple(kinds), updater, donate)
     return _PushPlan(
-        keys=state._keys,
-        shapes_of=state._shapes,
-        groups=state._groups,
+        keys=state.keys(),
+        shapes_of=state.key_shapes,
+        groups=state.groups,
         updater=updater,
         index=index,
-        whole=index == list(range(len(state._keys))),
+        whole=index == list(range(len(state.keys()))),
         perm=None if perm == list(range(len(perm))) else perm,
         per=per,
         shapes=tuple(shapes),
@@ -255,7 +255,7 @@ def _push_plan(
         group=group_at,
         residuals=[None] * len(order),
         fn=fn,
-        flat=state._flat is not None,
+        flat=state.flat_layout is not None,
     )
 
 
@@ -277,9 +277,9 @@ def _run_push(plan: _PushPlan, state: KVState, flat: Sequence[jax.Array]) -> KVS
             pushed[p] = x
     if plan.flat:
         return cast(KVState, plan.fn(state, pushed))
-    held = state._values
+    held = state.stored_values
     stored = list(held) if plan.whole else [held[i] for i in plan.index]
-    opts = state._opt_states
+    opts = state.group_states
     opt_state = None if plan.group is None else opts[plan.group]
     new, new_opt, _ = plan.fn(stored, opt_state, plan.residuals, pushed)
     if plan.whole:
@@ -291,17 +291,17 @@ def _run_push(plan: _PushPlan, state: KVState, flat: Sequence[jax.Array]) -> KVS
     if plan.group is not None:
         opts = (*opts[: plan.group], new_opt, *opts[plan.group + 1 :])
     return KVState(
-        state._keys,
-        state._devices,
+        state.keys(),
+        state.devices,
         values,
         opts,
-        state._bound,
-        state._residuals,
-        state._compression,
-        state._shapes,
-        state._groups,
-        state._user_mesh,
-        state._policy,  # a per-key state (no flat layout, no packings) under its policy
+        state.bigarray_bound,
+        state.residual_leaves,
+        state.compression,
+        state.key_shapes,
+        state.groups,
+        state.user_mesh,
+        state.policy,  # a per-key state (no flat layout, no packings) under its policy
     )
 
 
@@ -329,11 +329,11 @@ def pull(state: KVState, keys: Any, devices: Any) -> Any:
     else:
         where = (devices,)
     sig = (
-        id(state._keys),
-        id(state._shapes),
-        state._devices,
-        state._user_mesh,
-        state._bound,
+        id(state.keys()),
+        id(state.key_shapes),
+        state.devices,
+        state.user_mesh,
+        state.bigarray_bound,
         ckeys,
         where,
     )
@@ -343,7 +343,7 @@ def pull(state: KVState, keys: Any, devices: Any) -> Any:
         _PULLS.put(sig, plan)
     if plan is _NO_PLAN:
         return _NO_PLAN
-    held = state._values
+    held = state.stored_values
     values = [held[i] for i in plan.index]
     if not all_eager(values):
         return _NO_PLAN
@@ -353,11 +353,11 @@ def pull(state: KVState, keys: Any, devices: Any) -> Any:
 def _pull_plan(state: KVState, ckeys: tuple, devices: Any) -> Any:
     index = [state.index(k) for k in ckeys]  # refuses what the general path refuses
     if devices is not None:
-        if devices_of(devices) != state._devices:
+        if devices_of(devices) != state.devices:
             return _NO_PLAN
-        if any(state._is_split(i) for i in index):
+        if any(state.is_split(i) for i in index):
             return _NO_PLAN
-    return _PullPlan(state._keys, state._shapes, state._groups, index)
+    return _PullPlan(state.keys(), state.key_shapes, state.groups, index)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -396,11 +396,11 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
     if set(map(type, flat)) != {handle}:
         return None
     sig = (
-        id(state._keys),
-        id(state._shapes),
-        state._devices,
-        state._user_mesh,
-        state._bound,
+        id(state.keys()),
+        id(state.key_shapes),
+        state.devices,
+        state.user_mesh,
+        state.bigarray_bound,
         ckeys,
         per,
     )
@@ -422,10 +422,10 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
         at = plan.at[devices] = [positions[d] for d in devices]
 
     def go(now: KVState, lend: bool) -> bool:
-        if not (now._keys is plan.keys and now._shapes is plan.shapes_of):
+        if not (now.keys() is plan.keys and now.key_shapes is plan.shapes_of):
             return False
         fresh = for_outs(now, plan.unique, lend)
-        if len(now._devices) == 1:
+        if len(now.devices) == 1:
             for o, j, d in zip(flat, plan.of, devices):
                 o._set(fresh[j], d)
         else:
@@ -444,24 +444,24 @@ def _fill_plan(state: KVState, ckeys: tuple, per: int) -> Any:
         index = [state.index(k) for k in ckeys]
     except KVStoreError:  # the general path refuses it
         return _NO_PLAN
-    if any(state._is_split(i) for i in index):
+    if any(state.is_split(i) for i in index):
         return _NO_PLAN
-    held = state._values
+    held = state.stored_values
     if not all_eager([held[i] for i in index]):
         return _NO_PLAN
-    if len(state._devices) > 1:  # the copies' shards must come in the store's device order
+    if len(state.devices) > 1:  # the copies' shards must come in the store's device order
         first = per_device(held[index[0]])
-        if tuple(map(single_device, first)) != state._devices:
+        if tuple(map(single_device, first)) != state.devices:
             return _NO_PLAN
     unique = sorted(set(index))
     slot = {i: j for j, i in enumerate(unique)}
     return _FillPlan(
-        keys=state._keys,
-        shapes_of=state._shapes,
-        groups=state._groups,
+        keys=state.keys(),
+        shapes_of=state.key_shapes,
+        groups=state.groups,
         unique=unique,
         of=[slot[i] for i in index for _ in range(per)],
-        shapes=tuple(state._shapes[i] for i in index for _ in range(per)),
+        shapes=tuple(state.key_shapes[i] for i in index for _ in range(per)),
         dtypes=tuple(held[i].dtype for i in index for _ in range(per)),
         at={},
     )

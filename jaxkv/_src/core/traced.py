@@ -55,8 +55,8 @@ __all__ = ["gather", "is_block", "push_in_trace"]
 def is_block(state: KVState, key: Key, leaf: Any) -> bool:
     """Whether ``leaf`` (the stored value of ``key``) is only this device's block."""
     i = state.index(key)
-    if state._split_parts(i) > 1:  # in a split bucket: a block where the bucket is a chunk
-        return state._chunked(i)
+    if state.split_parts(i) > 1:  # in a split bucket: a block where the bucket is a chunk
+        return state.chunked(i)
     return tuple(leaf.shape) != state.shapes[key]
 
 
@@ -64,7 +64,7 @@ def _expected_block(state: KVState, key: Key, n: int) -> tuple[int, ...] | None:
     """The shape of ``key``'s block over ``n`` devices, or ``None`` if it cannot have one: rows
     along axis 0, or in a split bucket its flattened value's ``1/n`` (padded)."""
     whole = state.shapes[key]
-    parts = state._split_parts(state.index(key))
+    parts = state.split_parts(state.index(key))
     if parts > 1:
         return block_shape(whole, parts) if parts == n else None
     if not whole or whole[0] % n:
@@ -104,10 +104,10 @@ def gather(state: KVState, values: Mapping[Key, Any], axis_name: Any) -> dict[Ke
     if blocked:
         _block_size(state, {k: v for k, v in zip(keys, values.values()) if k in blocked}, names)
     given = dict(zip(keys, values.values()))
-    flat = state._flat
+    flat = state.flat_layout
     together: dict[int, list[Key]] = {}  # split bucket -> its blocked keys, in key order
     for key in sorted(set(blocked), key=state.index):
-        if state._split_parts(state.index(key)) > 1:
+        if state.split_parts(state.index(key)) > 1:
             assert flat is not None  # split buckets exist only in a flat state
             together.setdefault(flat.where[state.index(key)][0], []).append(key)
     whole: dict[Key, Any] = {}
@@ -243,7 +243,7 @@ def push_in_trace(
     if any(blocks):
         n = _block_size(state, {k: s for k, s, b in zip(keys, stored, blocks) if b}, names)
     index = [state.index(k) for k in keys]
-    chunked = [state._chunked(i) for i in index]
+    chunked = [state.chunked(i) for i in index]
 
     # Sum each key's contributions on this device, then over the axes: those still to be
     # summed over the same axes together, so that a value already summed (invariant) is not
@@ -377,7 +377,7 @@ def _on_chunks(
     whose block is a padded piece of its flattened value (its rows do not divide by the
     devices) is all-gathered whole, updated, and each device keeps its block."""
     optax_push = isinstance(updater, optax.GradientTransformation)
-    if optax_push and tuple(keys) not in state._groups:
+    if optax_push and tuple(keys) not in state.groups:
         raise KVStoreError(
             f"keys {keys}: expected optimizer state for the keys (their values are blocks of "
             "split buckets here), given none; call state = jaxkv.init_optimizer(state, "
@@ -389,7 +389,7 @@ def _on_chunks(
     gathered = {
         k
         for k in keys
-        if state._chunked(state.index(k)) and block_shape(shapes[k], n) != _rows(shapes[k], n)
+        if state.chunked(state.index(k)) and block_shape(shapes[k], n) != _rows(shapes[k], n)
     }
 
     def whole(k: Key, x: Any) -> Any:
@@ -402,12 +402,12 @@ def _on_chunks(
 
     family: dict[int, Any] = {}  # optimizer-state leaf index -> its key, where a block
     if optax_push:
-        packing = state._packings[state._groups.index(tuple(keys))]
+        packing = state.packings[state.groups.index(tuple(keys))]
         if packing is not None and packing.parts > 1:
             for first, _ in packing.families:
                 family.update((first + j, k) for j, k in enumerate(packing.keys))
     if gathered:  # a padded piece is a block where the updater is elementwise, and only there
-        as_is = [state._chunked(state.index(k)) for k in keys]
+        as_is = [state.chunked(state.index(k)) for k in keys]
         if optax_push:
             _check_structure(state, updater, keys, stored, opt_state)
             leaves, treedef = jax.tree_util.tree_flatten(opt_state)

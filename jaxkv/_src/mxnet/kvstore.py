@@ -374,7 +374,7 @@ class KVStore:
         if held is not None and key in held.inits:
             return tuple(held.inits[key].shape)
         state = self._stored
-        return state._shapes[state.index(key)]
+        return state.key_shapes[state.index(key)]
 
     def _run_held(self) -> None:
         """Run every held call (see :mod:`jaxkv._src.mxnet.held`): the inits, the pulls before their
@@ -697,7 +697,7 @@ class KVStore:
         memory)."""
         if self._keep_values is None:
             state = self._state
-            self._keep_values = not any(state._is_split(i) for i in range(len(state._shapes)))
+            self._keep_values = not any(state.is_split(i) for i in range(len(state.key_shapes)))
         return self._keep_values
 
     def _share(self, state: KVState) -> None:
@@ -755,7 +755,7 @@ class KVStore:
         if len(self._shared):  # something handed out through `state` is held: keep it valid
             pushed = {k for k, _ in _args.pairs(key, values, "values") if k in state}
             groups = {g for k in pushed if (g := state.opt_group(k)) is not None}
-            if state._flat is not None:  # a push writes into buckets other keys share
+            if state.flat_layout is not None:  # a push writes into buckets other keys share
                 leaves = jax.tree_util.tree_leaves(state)
             else:
                 leaves = jax.tree_util.tree_leaves(
@@ -894,8 +894,8 @@ class KVStore:
         outs_of: dict[Any, list[NDArray]] = {}
         for k, outs in pairs:
             outs_of.setdefault(k, []).extend(outs)
-        small = [k for k in outs_of if not state._is_split(state.index(k))]
-        big = [k for k in outs_of if state._is_split(state.index(k))]
+        small = [k for k in outs_of if not state.is_split(state.index(k))]
+        big = [k for k in outs_of if state.is_split(state.index(k))]
         position: dict[Any, int] = {}
 
         def hand_out(keys: list[Key], values: list[jax.Array]) -> None:

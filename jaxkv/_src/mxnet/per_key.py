@@ -132,13 +132,13 @@ def _fresh(inner: optax.GradientTransformation, keys: tuple[Key, ...]) -> Any:
 def any_per_key(state: KVState) -> bool:
     """Whether ``state`` has a group of several keys that keeps a state per key (asked at
     every push: no look-up per key)."""
-    return any(len(g) > 1 and _is_per_key(state, n) for n, g in enumerate(state._groups))
+    return any(len(g) > 1 and _is_per_key(state, n) for n, g in enumerate(state.groups))
 
 
 def holds_per_key(state: KVState, keys: Sequence[Key]) -> bool:
     """Whether a key of ``keys`` is in a group of several keys that keeps a state per key
     (made by pushes of one key at a time)."""
-    per = [g for n, g in enumerate(state._groups) if len(g) > 1 and _is_per_key(state, n)]
+    per = [g for n, g in enumerate(state.groups) if len(g) > 1 and _is_per_key(state, n)]
     return bool(per) and any(state.opt_group(k) in per for k in keys)
 
 
@@ -158,17 +158,17 @@ def alone(state: KVState) -> KVState:
 def _per_key_groups(state: KVState) -> list[tuple[tuple[Key, ...], PerKeyState]]:
     """The groups of several keys whose state is kept per key, with that state."""
     out = []
-    for n, g in enumerate(state._groups):
+    for n, g in enumerate(state.groups):
         if len(g) > 1 and _is_per_key(state, n):
             out.append((g, state.opt_states[g]))
     return out
 
 
 def _is_per_key(state: KVState, n: int) -> bool:
-    packing = state._packings[n]
+    packing = state.packings[n]
     if packing is not None:  # packed: the kind of tree tells, without unpacking it
         treedef = packing.treedef
         return isinstance(
             jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves), PerKeyState
         )
-    return isinstance(state._opt_states[n], PerKeyState)
+    return isinstance(state.group_states[n], PerKeyState)

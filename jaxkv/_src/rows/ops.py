@@ -81,7 +81,7 @@ _ID_DTYPE = jnp.int32  # row ids on device (JAX's default integer); tables below
 def _table(state: KVState, key: Any, what: str) -> tuple[Key, int, tuple[int, ...]]:
     key = normalize_key(key)
     i = state.index(key)
-    shape = state._shapes[i]
+    shape = state.key_shapes[i]
     if not shape:
         raise ShapeError(f"key {key!r}: {what} expects a value with rows, given a scalar")
     if shape[0] >= 2**31:
@@ -140,7 +140,7 @@ def _block_rows(state: KVState, key: Key, leaf: Any) -> int | None:
     """Inside ``shard_map``: the rows of this device's block of ``key`` (``None``: ``leaf`` is
     the whole value); refuses a block that is not whole rows."""
     shape = state.shapes[key]
-    if tuple(leaf.shape) == shape and not state._chunked(state.index(key)):
+    if tuple(leaf.shape) == shape and not state.chunked(state.index(key)):
         return None
     if tuple(leaf.shape[1:]) != shape[1:]:
         raise KVStoreError(
@@ -249,9 +249,9 @@ def _pull_per_device(
     if state.is_sharded(shape):
         c = slots(busiest(ids, shape[0] // len(targets), len(targets)))
         fn = routed_take(state.mesh, state.axis, c)
-        return per_device(collective_order.ordered("pull_rows", fn, state._leaves[leaf], asked))
+        return per_device(collective_order.ordered("pull_rows", fn, state.leaves[leaf], asked))
     fn = per_device_take(state.mesh, state.axis, False)
-    return per_device(collective_order.ordered("pull_rows", fn, state._leaves[leaf], asked))
+    return per_device(collective_order.ordered("pull_rows", fn, state.leaves[leaf], asked))
 
 
 def _split_ids(state: KVState, given: Sequence[Any], ids: list[np.ndarray]) -> jax.Array:
@@ -297,13 +297,13 @@ def _place(x: jax.Array, device: jax.Device) -> jax.Array:
 
 
 def _traced_leaves(state: KVState) -> bool:
-    return any(is_traced(x) for x in state._leaves)
+    return any(is_traced(x) for x in state.leaves)
 
 
 def _own_leaf(state: KVState, i: int) -> int | None:
     """The position among the leaves of key position ``i``'s own array, or ``None`` where it
     lives in a bucket."""
-    flat = state._flat
+    flat = state.flat_layout
     if flat is None:
         return i
     b, j, _ = flat.where[i]
@@ -317,12 +317,12 @@ def _eager_take(state: KVState, key: Key, i: int, ids: np.ndarray) -> jax.Array:
     place = _in_bucket(state, i)
     if place is not None:  # its rows read straight from its bucket
         b, off, split = place
-        fn = bucket_rows_take(state.mesh, state.axis, off, state._shapes[i], split)
-        return collective_order.ordered("pull_rows", fn, state._leaves[b], dev_ids)
+        fn = bucket_rows_take(state.mesh, state.axis, off, state.key_shapes[i], split)
+        return collective_order.ordered("pull_rows", fn, state.leaves[b], dev_ids)
     if leaf is None:  # a view of a bucket: sliced and gathered in one computation
         return collective_order.ordered("pull_rows", bucket_take(key, replicated), state, dev_ids)
-    table = state._leaves[leaf]
-    sharded = state.is_sharded(state._shapes[i])
+    table = state.leaves[leaf]
+    sharded = state.is_sharded(state.key_shapes[i])
     fn = sharded_take(state.mesh, state.axis) if sharded else replicated_take(replicated)
     return collective_order.ordered("pull_rows", fn, table, dev_ids)
 
@@ -335,14 +335,14 @@ def _eager_take(state: KVState, key: Key, i: int, ids: np.ndarray) -> jax.Array:
 def _in_bucket(state: KVState, i: int) -> tuple[int, int, bool] | None:
     """``(bucket, offset, split)`` of key position ``i`` where its rows can be addressed in its
     bucket, else ``None`` (an array of its own, or rows cut across devices)."""
-    flat = state._flat
-    if flat is None or any(is_traced(x) for x in state._leaves):
+    flat = state.flat_layout
+    if flat is None or any(is_traced(x) for x in state.leaves):
         return None
     b, off, _ = flat.where[i]
     if b < 0:
         return None
     parts = flat.parts_of(b)
-    shape = state._shapes[i]
+    shape = state.key_shapes[i]
     if parts > 1 and shape[0] % parts:
         return None
     return b, off, parts > 1
@@ -363,19 +363,19 @@ def _bucket_push(
     its group's state (the key's own: its moments packed in buckets laid out as its value's),
     in and out of one computation."""
     b, off, split = place
-    shape = state._shapes[i]
-    packing = None if n is None else state._packings[n]
+    shape = state.key_shapes[i]
+    packing = None if n is None else state.packings[n]
     opt: Any = None
     families: tuple[int, ...] = ()
     if n is not None and packing is not None:
         # one key alone in its group (and its bucket): each family bucket is laid out as the
         # value's, from offset 0
-        opt, families = tuple(state._opt_states[n]), tuple(packing.packed_positions())
+        opt, families = tuple(state.group_states[n]), tuple(packing.packed_positions())
     fn = bucket_pusher(
         state.mesh, state.axis, key, off, shape, split, updater, packing, families, donate
     )
-    value, opt = collective_order.ordered("push_rows", fn, state._leaves[b], opt, ids, rows)
-    return state._replace_leaves({b: value}, {} if n is None else {n: opt})
+    value, opt = collective_order.ordered("push_rows", fn, state.leaves[b], opt, ids, rows)
+    return state.with_leaves({b: value}, {} if n is None else {n: opt})
 
 
 # -- row_sparse_pull --------------------------------------------------------------------------
@@ -417,7 +417,7 @@ def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = No
     else:
         sharded = state.is_sharded(shape)
         fn = sharded_keep(state.mesh, state.axis) if sharded else replicated_keep(replicated)
-        out = collective_order.ordered("row_sparse_pull", fn, state._leaves[leaf], dev_ids)
+        out = collective_order.ordered("row_sparse_pull", fn, state.leaves[leaf], dev_ids)
     return out if devices is None else replicate([out], devices_of(devices))[0]
 
 
@@ -589,11 +589,11 @@ def _push(
     ``(given, checked)``, the ids to pull per device as given and checked on the host.
     ``checked``: the pairs' ids, already checked on the host (:func:`check_push`)."""
     key, i, shape, pairs, group = _opened(state, key, row_ids, rows, updater)
-    dtype = state._stored_type(i).dtype
+    dtype = state.stored_type(i).dtype
     optax_push = isinstance(updater, optax.GradientTransformation)
     traced = (
         _traced_leaves(state)
-        or any(is_traced(x) for x in jax.tree_util.tree_leaves(state._opt_states))
+        or any(is_traced(x) for x in jax.tree_util.tree_leaves(state.group_states))
         or any(is_traced(ids) or is_traced(r) for ids, r in pairs)
     )
     if traced:
@@ -616,10 +616,10 @@ def _push(
 
         state = init_opt_states(state, updater, (key,))
     leaf = _own_leaf(state, i)
-    n: int | None = None if group is None else state._groups.index(group)
+    n: int | None = None if group is None else state.groups.index(group)
     if across is not None:
         return _push_across(state, key, shape, *across, updater, n, leaf, donate), None
-    if leaf is not None and (n is None or state._packings[n] is None):
+    if leaf is not None and (n is None or state.packings[n] is None):
         routed = _routed(state, key, shape, host, updater, n, [ids for ids, _ in pairs])
         if routed is not None:
             c, ids, rows = routed
@@ -631,23 +631,23 @@ def _push(
                 args.append(_split_ids(state, pull[0], pull[1]))
                 back = slots(busiest(pull[1], shape[0] // len(state.devices), len(state.devices)))
             fn = routed_push(state.mesh, state.axis, key, updater, donate, c, back)
-            opt = None if n is None else state._opt_states[n]
-            out = collective_order.ordered("push_rows", fn, state._leaves[leaf], opt, *args)
-            new = state._replace_leaves({leaf: out[0]}, {} if n is None else {n: out[1]})
+            opt = None if n is None else state.group_states[n]
+            out = collective_order.ordered("push_rows", fn, state.leaves[leaf], opt, *args)
+            new = state.with_leaves({leaf: out[0]}, {} if n is None else {n: out[1]})
             return new, None if back is None else per_device(out[2])
     ids, rows = _gathered(state, key, host, dtype)
     place = _in_bucket(state, i)
     if place is not None and (
-        updater is None or (optax_push and n is not None and state._packings[n] is not None)
+        updater is None or (optax_push and n is not None and state.packings[n] is not None)
     ):
         return _bucket_push(state, key, i, place, n, ids, rows, updater, donate), None
-    if leaf is not None and (n is None or state._packings[n] is None):
+    if leaf is not None and (n is None or state.packings[n] is None):
         fn = own_push(
             state.mesh, state.axis, key, shape[0], state.is_sharded(shape), updater, donate
         )
-        opt = None if n is None else state._opt_states[n]
-        value, opt = collective_order.ordered("push_rows", fn, state._leaves[leaf], opt, ids, rows)
-        return state._replace_leaves({leaf: value}, {} if n is None else {n: opt}), None
+        opt = None if n is None else state.group_states[n]
+        value, opt = collective_order.ordered("push_rows", fn, state.leaves[leaf], opt, ids, rows)
+        return state.with_leaves({leaf: value}, {} if n is None else {n: opt}), None
     fn = state_push(key, shape[0], updater, donate)
     return collective_order.ordered("push_rows", fn, state, ids, rows), None
 
@@ -687,7 +687,7 @@ def check_push(state: KVState, key: Any, row_ids: Any, rows: Any, updater: Any) 
     checked ids on the host, one array per pair, for :func:`pushpull_checked`."""
     key, i, shape, pairs, _ = _opened(state, key, row_ids, rows, updater)
     with _checking(state, key):
-        host = _host_pairs(key, shape, state._stored_type(i).dtype, pairs)
+        host = _host_pairs(key, shape, state.stored_type(i).dtype, pairs)
     return [x for x, _ in host]
 
 
@@ -753,8 +753,8 @@ def _owners_alone(
     gets this device's block), or an elementwise optax one."""
     if not isinstance(updater, optax.GradientTransformation):
         return True
-    opt = state._opt_states[n]  # type: ignore[index]
-    name = np.dtype(state._stored_type(state.index(key)).dtype).name
+    opt = state.group_states[n]  # type: ignore[index]
+    name = np.dtype(state.stored_type(state.index(key)).dtype).name
     sig = _structure(opt)
     try:
         return _elementwise_rows(updater, key, tuple(shape), name, sig)
@@ -853,11 +853,11 @@ def _pull_across(
     if sharded and leaf is not None:
         fn = routed_take(state.mesh, state.axis, slots(most))
         ids = _global(state, [_padded_ids(x, n, -1) for x in mine])
-        out = collective_order.ordered("pull_rows", fn, state._leaves[leaf], ids)
+        out = collective_order.ordered("pull_rows", fn, state.leaves[leaf], ids)
     elif leaf is not None:
         fn = per_device_take(state.mesh, state.axis, False)
         padded = [_padded_ids(x, n, 0) for x in mine]
-        out = collective_order.ordered("pull_rows", fn, state._leaves[leaf], _global(state, padded))
+        out = collective_order.ordered("pull_rows", fn, state.leaves[leaf], _global(state, padded))
     else:  # in a bucket (whole on every device across processes): read from the view
         split = NamedSharding(state.mesh, PartitionSpec(state.axis))
         asked_all = _global(state, [_padded_ids(x, n, 0) for x in mine])
@@ -877,7 +877,7 @@ def _across_pairs(
     process and the busiest route of a sharded table, agreed (:func:`_agreed`)."""
     local = _local_devices(state)
     placed = [next(iter(r.devices())) if len(r.devices()) == 1 else None for _, r in host]
-    dtype = state._stored_type(state.index(key)).dtype
+    dtype = state.stored_type(state.index(key)).dtype
     if len(host) == len(local) and placed == local:
         pairs = [(ids, r.astype(dtype)) for ids, r in host]
     else:
@@ -911,25 +911,25 @@ def _push_across(
     process, summed with every other process's (``n`` ids per device and the busiest route
     ``most`` agreed by :func:`_across_pairs`)."""
     sharded = state.is_sharded(shape) and leaf is not None
-    alone = sharded and (n_group is None or state._packings[n_group] is None)
+    alone = sharded and (n_group is None or state.packings[n_group] is None)
     alone = alone and _owners_alone(state, key, shape, updater, n_group)
     rows = [_pad_rows(r, n) for _, r in pairs]
-    opt = None if n_group is None else state._opt_states[n_group]
+    opt = None if n_group is None else state.group_states[n_group]
     if alone and leaf is not None:
         fn = routed_push(state.mesh, state.axis, key, updater, donate, slots(most), None)
         padded = _global(state, [_padded_ids(x, n, -1) for x, _ in pairs])
         value, opt = collective_order.ordered(
-            "push_rows", fn, state._leaves[leaf], opt, padded, _global(state, rows)
+            "push_rows", fn, state.leaves[leaf], opt, padded, _global(state, rows)
         )
-        return state._replace_leaves({leaf: value}, {} if n_group is None else {n_group: opt})
+        return state.with_leaves({leaf: value}, {} if n_group is None else {n_group: opt})
     stacked_ids = _global(state, [_padded_ids(x, n, -1) for x, _ in pairs])
     stacked = _global(state, rows)
-    if leaf is not None and (n_group is None or state._packings[n_group] is None):
+    if leaf is not None and (n_group is None or state.packings[n_group] is None):
         fn = own_push(state.mesh, state.axis, key, shape[0], sharded, updater, donate)
         value, opt = collective_order.ordered(
-            "push_rows", fn, state._leaves[leaf], opt, stacked_ids, stacked
+            "push_rows", fn, state.leaves[leaf], opt, stacked_ids, stacked
         )
-        return state._replace_leaves({leaf: value}, {} if n_group is None else {n_group: opt})
+        return state.with_leaves({leaf: value}, {} if n_group is None else {n_group: opt})
     fn = state_push(key, shape[0], updater, donate)
     return collective_order.ordered("push_rows", fn, state, stacked_ids, stacked)
 
@@ -981,7 +981,7 @@ def _push_traced(
     group: tuple[Key, ...] | None,
 ) -> KVState:
     """``push_rows`` inside the caller's trace (``jit``, ``pmap`` or ``shard_map``)."""
-    dtype = state._stored_type(state.index(key)).dtype
+    dtype = state.stored_type(state.index(key)).dtype
     ids_list, rows_list = [], []
     for n, (ids, r) in enumerate(pairs):
         ids = _traced_ids(ids)

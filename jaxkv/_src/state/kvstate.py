@@ -176,38 +176,38 @@ class KVState:
     __slots__ = (
         "_keys",
         "_devices",
-        "_leaves",
-        "_opt_states",
+        "leaves",
+        "group_states",
         "_bound",
-        "_residuals",
+        "residual_leaves",
         "_compression",
         "_lookup",
         "_grouping",
-        "_shapes",
-        "_groups",
-        "_user_mesh",
-        "_policy",
-        "_flat",
-        "_packings",
+        "key_shapes",
+        "groups",
+        "user_mesh",
+        "policy",
+        "flat_layout",
+        "packings",
         "_views",
         "_deferral",
     )
     # The slots' types (annotations only: a class-level value would clash with the slot).
     _keys: tuple[Key, ...]
     _devices: tuple[jax.Device, ...]
-    _leaves: tuple[Any, ...]
-    _opt_states: tuple[Any, ...]
+    leaves: tuple[Any, ...]
+    group_states: tuple[Any, ...]
     _bound: int | None
-    _residuals: tuple[Any, ...]
+    residual_leaves: tuple[Any, ...]
     _compression: tuple | None
     _lookup: dict[Key, int] | None
     _grouping: dict[Key, tuple[Key, ...]] | None
-    _shapes: tuple[tuple[int, ...], ...]
-    _groups: tuple[tuple[Key, ...], ...]
-    _user_mesh: Mesh | None
-    _policy: Policy
-    _flat: _fl.FlatLayout | None
-    _packings: tuple[_fl.Packing | None, ...]
+    key_shapes: tuple[tuple[int, ...], ...]
+    groups: tuple[tuple[Key, ...], ...]
+    user_mesh: Mesh | None
+    policy: Policy
+    flat_layout: _fl.FlatLayout | None
+    packings: tuple[_fl.Packing | None, ...]
     _views: tuple[Any, ...] | None
     _deferral: bool | None
 
@@ -232,31 +232,31 @@ class KVState:
         object.__setattr__(self, "_devices", devices)
         # Aligned with _keys; under a flat layout, its leaves: the buckets, then the keys kept
         # as arrays of their own (see _fl.FlatLayout).
-        object.__setattr__(self, "_leaves", tuple(values))
+        object.__setattr__(self, "leaves", tuple(values))
         if shapes is None:  # a fresh state: its values are whole
-            shapes = tuple(tuple(v.shape) for v in self._leaves)
-        object.__setattr__(self, "_shapes", tuple(shapes))  # whole values' shapes, as _keys
-        object.__setattr__(self, "_groups", tuple(groups))  # sorted tuples of keys, disjoint
-        object.__setattr__(self, "_opt_states", tuple(opt_states))  # aligned with _groups
+            shapes = tuple(tuple(v.shape) for v in self.leaves)
+        object.__setattr__(self, "key_shapes", tuple(shapes))  # whole values' shapes, as _keys
+        object.__setattr__(self, "groups", tuple(groups))  # sorted tuples of keys, disjoint
+        object.__setattr__(self, "group_states", tuple(opt_states))  # aligned with groups
         object.__setattr__(self, "_bound", bound)  # sharded storage from this many elements
         residuals = tuple(residuals) or (None,) * len(keys)  # aligned with _keys
-        object.__setattr__(self, "_residuals", residuals)
+        object.__setattr__(self, "residual_leaves", residuals)
         object.__setattr__(self, "_compression", compression)  # e.g. ("2bit", 0.5), or None
         object.__setattr__(self, "_lookup", None)  # key -> position, built on first use
         object.__setattr__(self, "_grouping", None)  # key -> its optimizer group, the same
-        object.__setattr__(self, "_user_mesh", mesh)  # the user's one-axis mesh, or None
-        object.__setattr__(self, "_policy", policy)
-        object.__setattr__(self, "_flat", flat)
-        # Aligned with _groups: a group's packing, whose _opt_states entry is then the tuple of
+        object.__setattr__(self, "user_mesh", mesh)  # the user's one-axis mesh, or None
+        object.__setattr__(self, "policy", policy)
+        object.__setattr__(self, "flat_layout", flat)
+        # Aligned with groups: a group's packing, whose group_states entry is then the tuple of
         # its packed leaves (_fl.pack_opt); None where its optax state is kept as it is.
-        object.__setattr__(self, "_packings", tuple(packings) or (None,) * len(self._groups))
+        object.__setattr__(self, "packings", tuple(packings) or (None,) * len(self.groups))
         object.__setattr__(self, "_views", None)  # each key's value under a flat layout, cached
         object.__setattr__(self, "_deferral", None)  # `deferred`, once asked
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("KVState is immutable: operations return a new state")
 
-    def _placement(self) -> KVState:
+    def emptied(self) -> KVState:
         """A state with no keys and this one's devices, big-array bound and compression: the
         static facts a cached computation may keep without keeping any of the arrays alive."""
         return KVState(
@@ -269,8 +269,8 @@ class KVState:
             self._compression,
             (),
             (),
-            self._user_mesh,
-            self._policy,
+            self.user_mesh,
+            self.policy,
         )
 
     # -- pytree protocol -------------------------------------------------------------------
@@ -278,14 +278,14 @@ class KVState:
         self,
     ) -> tuple[tuple[tuple[jax.tree_util.GetAttrKey, tuple[Any, ...]], ...], _Aux]:
         children = (
-            (jax.tree_util.GetAttrKey("values"), self._leaves),
-            (jax.tree_util.GetAttrKey("opt_states"), self._opt_states),
-            (jax.tree_util.GetAttrKey("residuals"), self._residuals),
+            (jax.tree_util.GetAttrKey("values"), self.leaves),
+            (jax.tree_util.GetAttrKey("opt_states"), self.group_states),
+            (jax.tree_util.GetAttrKey("residuals"), self.residual_leaves),
         )
         return children, self._aux()
 
     def tree_flatten(self) -> tuple[tuple[tuple[Any, ...], ...], _Aux]:
-        return (self._leaves, self._opt_states, self._residuals), self._aux()
+        return (self.leaves, self.group_states, self.residual_leaves), self._aux()
 
     def _aux(self) -> _Aux:
         return (
@@ -293,12 +293,12 @@ class KVState:
             self._devices,
             self._bound,
             self._compression,
-            self._shapes,
-            self._groups,
-            self._user_mesh,
-            self._policy,
-            self._flat,
-            self._packings,
+            self.key_shapes,
+            self.groups,
+            self.user_mesh,
+            self.policy,
+            self.flat_layout,
+            self.packings,
         )
 
     @classmethod
@@ -325,25 +325,25 @@ class KVState:
     @property
     def layout(self) -> str:
         """The layout asked for at :func:`empty`, one of ``'auto'``, ``'flat'`` and ``'keys'``."""
-        return self._policy[0]
+        return self.policy[0]
 
     @property
     def buckets(self) -> int:
         """How many flat buckets hold values, 0 where every key has an array of its own."""
-        return 0 if self._flat is None else len(self._flat.buckets)
+        return 0 if self.flat_layout is None else len(self.flat_layout.buckets)
 
     @property
-    def _values(self) -> tuple[Any, ...]:
+    def stored_values(self) -> tuple[Any, ...]:
         """Each key's stored value, in key order: the leaves themselves, or under a flat layout
         each key's view of its bucket (traced: slices XLA fuses into their readers; eager: one
         computation makes them all, kept with this state)."""
-        flat = self._flat
+        flat = self.flat_layout
         if flat is None:
-            return self._leaves
+            return self.leaves
         views = self._views
         if views is not None:
             return views
-        leaves = self._leaves
+        leaves = self.leaves
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             views = tuple(_fl.views(flat, leaves))
         elif all(isinstance(x, jax.Array) for x in leaves):
@@ -351,62 +351,62 @@ class KVState:
             if any(isinstance(x, jax.core.Tracer) for x in views):
                 return views  # a state closed over by a trace: its views belong to the trace
         elif all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):  # jax.eval_shape's
-            views = self._stored_types()
+            views = self.stored_types()
         else:  # other leaves (specs' PartitionSpecs): each key's is its bucket's
             views = tuple(leaves[flat.leaf(i)] for i in range(len(flat.where)))
         object.__setattr__(self, "_views", views)
         return views
 
-    def _chunked(self, i: int) -> bool:
+    def chunked(self, i: int) -> bool:
         """Whether key position ``i`` lives in a split bucket whose leaf here is only this
         device's chunk (inside ``shard_map`` with ``jaxkv.specs``): its value is then its
         block."""
-        flat = self._flat
+        flat = self.flat_layout
         if flat is None:
             return False
         b = flat.where[i][0]
         return (
             b >= 0
             and flat.parts_of(b) > 1
-            and tuple(np.shape(self._leaves[b])) != (flat.buckets[b][1],)
+            and tuple(np.shape(self.leaves[b])) != (flat.buckets[b][1],)
         )
 
-    def _is_split(self, i: int) -> bool:
+    def is_split(self, i: int) -> bool:
         """Whether the value of key position ``i`` is split across the devices rather than
         whole on each: a value the store shards, or a key of a split bucket (whose eager
         view XLA may place either way; a pull gathers it)."""
-        if self._split_parts(i) > 1:
+        if self.split_parts(i) > 1:
             return True
-        return self.is_sharded(self._shapes[i])
+        return self.is_sharded(self.key_shapes[i])
 
-    def _split_parts(self, i: int) -> int:
+    def split_parts(self, i: int) -> int:
         """How many devices key position ``i``'s bucket is split over (1: not split)."""
-        flat = self._flat
+        flat = self.flat_layout
         if flat is None or flat.where[i][0] < 0:
             return 1
         return flat.parts_of(flat.where[i][0])
 
-    def _stored_types(self) -> tuple[Any, ...]:
+    def stored_types(self) -> tuple[Any, ...]:
         """Each key's stored value, or under a flat layout, for a key in a bucket, a
         ``jax.ShapeDtypeStruct`` of it: what a check of shapes and dtypes needs, with no
         computation."""
-        if self._flat is None:
-            return self._leaves
-        return tuple(self._stored_type(i) for i in range(len(self._keys)))
+        if self.flat_layout is None:
+            return self.leaves
+        return tuple(self.stored_type(i) for i in range(len(self._keys)))
 
-    def _stored_type(self, i: int) -> Any:
-        """:meth:`_stored_types` of the key at position ``i`` alone."""
-        flat = self._flat
+    def stored_type(self, i: int) -> Any:
+        """:meth:`stored_types` of the key at position ``i`` alone."""
+        flat = self.flat_layout
         if flat is None:
-            return self._leaves[i]
+            return self.leaves[i]
         (b, j, _), shape, name = flat.where[i], flat.shapes[i], flat.dtypes[i]
         if b < 0:
-            return self._leaves[len(flat.buckets) + j]
-        if self._chunked(i):  # inside shard_map: its block of the split bucket
+            return self.leaves[len(flat.buckets) + j]
+        if self.chunked(i):  # inside shard_map: its block of the split bucket
             return jax.ShapeDtypeStruct(_fl.block_shape(shape, flat.parts_of(b)), np.dtype(name))
         return jax.ShapeDtypeStruct(shape, np.dtype(name))
 
-    def _leaf_specs(self, axis_name: Any) -> KVState:
+    def leaf_specs(self, axis_name: Any) -> KVState:
         """This state with each leaf's ``PartitionSpec`` in its place (see ``jaxkv.specs``):
         sharded values and their optimizer-state leaves split along ``axis_name``; buckets,
         packed optimizer state and everything else replicated."""
@@ -415,42 +415,42 @@ class KVState:
         def spec(x: Any) -> PartitionSpec:
             return split if self.is_sharded(tuple(x.shape)) else PartitionSpec()
 
-        flat = self._flat
+        flat = self.flat_layout
         if flat is None:
             leaves = [
-                split if self.is_sharded(shape) else PartitionSpec() for shape in self._shapes
+                split if self.is_sharded(shape) else PartitionSpec() for shape in self.key_shapes
             ]
         else:
             leaves = [
                 split if flat.parts_of(b) > 1 else PartitionSpec() for b in range(len(flat.buckets))
-            ] + [spec(x) for x in self._leaves[len(flat.buckets) :]]
+            ] + [spec(x) for x in self.leaves[len(flat.buckets) :]]
         opts: list[Any] = []
-        for opt, packing in zip(self._opt_states, self._packings):
+        for opt, packing in zip(self.group_states, self.packings):
             if packing is None:
                 opts.append(jax.tree_util.tree_map(spec, opt))
             else:
                 bucket = set(packing.packed_positions())
                 family = split if packing.parts > 1 else PartitionSpec()
                 opts.append(tuple(family if j in bucket else spec(x) for j, x in enumerate(opt)))
-        residuals = [None if r is None else split for r in self._residuals]
+        residuals = [None if r is None else split for r in self.residual_leaves]
         return KVState.tree_unflatten(self._aux(), (leaves, opts, residuals))
 
-    def _replace_leaves(self, leaves: dict[int, Any], opts: dict[int, Any]) -> KVState:
+    def with_leaves(self, leaves: dict[int, Any], opts: dict[int, Any]) -> KVState:
         """This state with some of its value leaves (by position) and optimizer-state entries
         (by group position; a packed group's entry is its tuple of packed leaves) replaced:
         the same key set, layout and packings."""
-        new_leaves = list(self._leaves)
+        new_leaves = list(self.leaves)
         for i, x in leaves.items():
             new_leaves[i] = x
-        new_opts = list(self._opt_states)
+        new_opts = list(self.group_states)
         for n, x in opts.items():
             new_opts[n] = x
-        return KVState.tree_unflatten(self._aux(), (new_leaves, new_opts, self._residuals))
+        return KVState.tree_unflatten(self._aux(), (new_leaves, new_opts, self.residual_leaves))
 
-    def _opt_state(self, n: int) -> Any:
+    def group_state(self, n: int) -> Any:
         """The optax state of the ``n``-th optimizer group (unpacked: views of its buckets)."""
-        packing = self._packings[n]
-        opt = self._opt_states[n]
+        packing = self.packings[n]
+        opt = self.group_states[n]
         if packing is None:
             return opt
         if any(isinstance(x, jax.core.Tracer) for x in opt):
@@ -473,13 +473,13 @@ class KVState:
     def mesh(self) -> Mesh:
         """The store's one-axis mesh over :attr:`devices`: the mesh given to :func:`empty`, or
         one of its own (axis name ``'kv'``, or the ``axis_name`` given to :func:`empty`)."""
-        mesh = self._user_mesh
+        mesh = self.user_mesh
         return _mesh(self._devices) if mesh is None else mesh
 
     @property
     def axis(self) -> str:
         """The name of the mesh axis that sharded values are split along."""
-        mesh = self._user_mesh
+        mesh = self.user_mesh
         return AXIS if mesh is None else mesh.axis_names[0]
 
     @property
@@ -505,7 +505,7 @@ class KVState:
     @property
     def residuals(self) -> Mapping[Key, Any]:
         """A read-only mapping from key to its error-feedback residual (``None`` without one)."""
-        return MappingProxyType(dict(zip(self._keys, self._residuals)))
+        return MappingProxyType(dict(zip(self._keys, self.residual_leaves)))
 
     @property
     def bigarray_bound(self) -> int | None:
@@ -523,25 +523,25 @@ class KVState:
     @property
     def values(self) -> Mapping[Key, Any]:
         """A read-only mapping from key to stored value."""
-        return MappingProxyType(dict(zip(self._keys, self._values)))
+        return MappingProxyType(dict(zip(self._keys, self.stored_values)))
 
     @property
     def shapes(self) -> Mapping[Key, tuple[int, ...]]:
         """A read-only mapping from key to the shape of its whole value (also inside
         ``shard_map``, where a sharded value's leaf is only this device's block)."""
-        return MappingProxyType(dict(zip(self._keys, self._shapes)))
+        return MappingProxyType(dict(zip(self._keys, self.key_shapes)))
 
     @property
     def opt_states(self) -> Mapping[tuple[Key, ...], Any]:
         """A read-only mapping from each optimizer group (a sorted tuple of keys) to its optax
         state, the state of ``optimizer.init({key: value for key in group})``."""
-        return MappingProxyType({g: self._opt_state(n) for n, g in enumerate(self._groups)})
+        return MappingProxyType({g: self.group_state(n) for n, g in enumerate(self.groups)})
 
     def opt_group(self, key: Any) -> tuple[Key, ...] | None:
         """The optimizer group ``key`` belongs to, or ``None`` if it has no optimizer state."""
         grouping = self._grouping
         if grouping is None:  # asked per key at every push: built once per state
-            grouping = {k: g for g in self._groups for k in g}
+            grouping = {k: g for g in self.groups for k in g}
             object.__setattr__(self, "_grouping", grouping)
         return grouping.get(self._keys[self.index(key)])
 
@@ -552,12 +552,12 @@ class KVState:
 
     def __contains__(self, key: Hashable) -> bool:
         try:
-            return normalize_key(key) in self._index
+            return normalize_key(key) in self.key_positions
         except KVStoreError:
             return False
 
     def __getitem__(self, key: Key) -> Any:
-        return self._values[self.index(key)]
+        return self.stored_values[self.index(key)]
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -569,7 +569,7 @@ class KVState:
 
     # -- helpers for the operations ----------------------------------------------------------
     @property
-    def _index(self) -> dict[Key, int]:
+    def key_positions(self) -> dict[Key, int]:
         lookup = self._lookup
         if lookup is None:
             lookup = {k: i for i, k in enumerate(self._keys)}
@@ -581,7 +581,7 @@ class KVState:
         key = normalize_key(key)
         self.check_kind(key)
         try:
-            return self._index[key]
+            return self.key_positions[key]
         except KeyError:
             raise unknown_key(key, self._keys) from None
 
@@ -616,16 +616,16 @@ class KVState:
         """
         values = dict(values or {})
         compression = self._compression if compression is _KEEP else compression
-        shapes = dict(zip(self._keys, self._shapes))
-        types = dict(zip(self._keys, self._stored_types()))
+        shapes = dict(zip(self._keys, self.key_shapes))
+        types = dict(zip(self._keys, self.stored_types()))
         for k, v in values.items():
             shapes.setdefault(k, tuple(v.shape))
             types[k] = v
-        old_r = dict(zip(self._keys, self._residuals))
+        old_r = dict(zip(self._keys, self.residual_leaves))
         old_r.update(residuals or {})
         keys = tuple(sorted(types))
         # Optimizer groups: (state, or None: kept as it is) by group.
-        groups: dict[tuple[Key, ...], Any] = {g: _KEEP for g in self._groups}
+        groups: dict[tuple[Key, ...], Any] = {g: _KEEP for g in self.groups}
         for group, opt in (opt_states or {}).items():
             group = tuple(sorted(group))
             for other in [g for g in groups if set(g) & set(group)]:
@@ -646,18 +646,18 @@ class KVState:
         kept = leaves is not None
         if leaves is None:
             leaves = self._new_leaves(keys, values, flat)
-        old_n = {g: n for n, g in enumerate(self._groups)}
+        old_n = {g: n for n, g in enumerate(self.groups)}
         opts, packings = [], []
         for g in order:
             opt = groups[g]
             packable = flat is not None and all(flat.where[position[k]][0] >= 0 for k in g)
             if opt is _KEEP:
                 n = old_n[g]
-                if (self._packings[n] is not None) == packable:
-                    opts.append(self._opt_states[n])
-                    packings.append(self._packings[n])
+                if (self.packings[n] is not None) == packable:
+                    opts.append(self.group_states[n])
+                    packings.append(self.packings[n])
                     continue
-                opt = self._opt_state(n)
+                opt = self.group_state(n)
             if packable:
                 assert flat is not None  # packable says so
                 buckets = {flat.where[position[k]][0] for k in g}
@@ -680,22 +680,22 @@ class KVState:
             compression,
             [shapes[k] for k in keys],
             order,
-            self._user_mesh,
-            self._policy,
+            self.user_mesh,
+            self.policy,
             flat,
             packings,
         )
         # Placed where the store keeps each leaf: a split bucket and its moments sharded, and
         # values laid out anew (from a flat layout to one array per key, say, when compression
         # is set) where their layout keeps them, not where XLA put their views.
-        relaid = flat is not self._flat and (flat is not None or self._flat is not None)
+        relaid = flat is not self.flat_layout and (flat is not None or self.flat_layout is not None)
         if (relaid and not kept) or (flat is not None and flat.split):
             new = new._placed()
         return new
 
     def _placed(self) -> KVState:
         """This state with each eager leaf where the store keeps it (split buckets and their
-        optimizer state sharded over the mesh, the rest as :meth:`_leaf_specs` says), so that
+        optimizer state sharded over the mesh, the rest as :meth:`leaf_specs` says), so that
         a push sees the same placement from its first call on and never compiles again."""
         leaves = jax.tree_util.tree_leaves(self)
         if not leaves or not all(isinstance(x, jax.Array) for x in leaves):
@@ -704,7 +704,7 @@ class KVState:
             return self  # (across processes buckets are whole: their views are replicated)
         mesh = self.mesh
         shardings = jax.tree_util.tree_map(
-            lambda spec: NamedSharding(mesh, spec), self._leaf_specs(self.axis)
+            lambda spec: NamedSharding(mesh, spec), self.leaf_specs(self.axis)
         )
         return jax.device_put(self, shardings)
 
@@ -723,7 +723,7 @@ class KVState:
         buckets, a bucket of at least the big-array bound is split over the devices; where it
         does not, a value the store shards keeps an array of its own. ``inside``: only these
         keys may be in buckets (:meth:`replace`'s ``defer``)."""
-        _, below, split = self._policy
+        _, below, split = self.policy
         if below is None or compression is not None or not keys:
             return None
         bucketed = self._bucketed(shapes, compression)
@@ -741,19 +741,19 @@ class KVState:
             self._bound if split else None,
             len(self._devices),
         )
-        if self._flat is not None and flat == self._flat:
-            return self._flat  # the same object: cached computations key on it
+        if self.flat_layout is not None and flat == self.flat_layout:
+            return self.flat_layout  # the same object: cached computations key on it
         return flat
 
     def _bucketed(self, shapes: Sequence[tuple[int, ...]], compression: Any = _KEEP) -> list[bool]:
         """Whether this state's policy puts a value of each shape in a bucket (with this
         state's compression, or ``compression``)."""
         compression = self._compression if compression is _KEEP else compression
-        return list(_bucketed(self._policy, compression, self._bound, self._devices, tuple(shapes)))
+        return list(_bucketed(self.policy, compression, self._bound, self._devices, tuple(shapes)))
 
     def _in_buckets(self) -> frozenset[Key]:
         """The keys that live in buckets."""
-        flat = self._flat
+        flat = self.flat_layout
         if flat is None:
             return frozenset()
         return frozenset(self._keys[i] for i in _fl.in_buckets(flat))
@@ -764,12 +764,12 @@ class KVState:
         buckets (added with :meth:`replace`'s ``defer``): :meth:`settled` lays them out."""
         if self._deferral is None:  # asked at every push: cached by layout, not per state
             deferral = _deferred(
-                self._policy,
+                self.policy,
                 self._compression,
                 self._bound,
                 self._devices,
-                self._shapes,
-                self._flat,
+                self.key_shapes,
+                self.flat_layout,
             )
             object.__setattr__(self, "_deferral", deferral)
         return bool(self._deferral)
@@ -790,7 +790,7 @@ class KVState:
         buckets, each holding the same keys in the same places (only keys of their own added,
         removed or moved) and no key in a bucket gets a value: the buckets as they are, and
         each key of its own's array. ``None`` otherwise (:meth:`_new_leaves` makes them)."""
-        old = self._flat
+        old = self.flat_layout
         if flat is None or old is None or flat is old:
             return None
         if flat.buckets != old.buckets or flat.parts != old.parts:
@@ -802,7 +802,7 @@ class KVState:
         if any(k in mine for k in values):  # written into its bucket in place
             return None
         nb = len(old.buckets)
-        index = self._index
+        index = self.key_positions
         own = []
         for k, (b, _, _) in zip(keys, flat.where):
             if b >= 0:
@@ -811,27 +811,27 @@ class KVState:
                 own.append(values[k])
             else:
                 _, j, _ = old.where[index[k]]
-                own.append(self._leaves[nb + j])
-        return list(self._leaves[:nb]) + own
+                own.append(self.leaves[nb + j])
+        return list(self.leaves[:nb]) + own
 
     def _new_leaves(
         self, keys: tuple[Key, ...], values: dict[Key, Any], flat: _fl.FlatLayout | None
     ) -> list[Any]:
         """The leaves of a state of ``keys`` in layout ``flat``, holding ``values`` (by key)
         and this state's values for the others."""
-        if flat is None and self._flat is None:
-            held = dict(zip(self._keys, self._leaves))
+        if flat is None and self.flat_layout is None:
+            held = dict(zip(self._keys, self.leaves))
             return [values[k] if k in values else held[k] for k in keys]
-        traced = any(isinstance(x, jax.core.Tracer) for x in [*self._leaves, *values.values()])
-        if flat is not None and flat is self._flat:  # the same keys: write in place
-            index = self._index
+        traced = any(isinstance(x, jax.core.Tracer) for x in [*self.leaves, *values.values()])
+        if flat is not None and flat is self.flat_layout:  # the same keys: write in place
+            index = self.key_positions
             new = {index[k]: v for k, v in values.items()}
             if traced or not new:
-                return _fl.write(flat, self._leaves, new)
+                return _fl.write(flat, self.leaves, new)
             positions = tuple(sorted(new))
             write = _fl.eager_write(flat, positions)
-            return list(_fl.run("flat write", write, self._leaves, [new[i] for i in positions]))
-        chunked = [k for i, k in enumerate(self._keys) if self._chunked(i)]
+            return list(_fl.run("flat write", write, self.leaves, [new[i] for i in positions]))
+        chunked = [k for i, k in enumerate(self._keys) if self.chunked(i)]
         if chunked:  # its values here are blocks: they cannot be laid out anew
             raise KVStoreError(
                 f"keys {chunked[:4]}{' ...' if len(chunked) > 4 else ''}: expected whole values "
@@ -841,11 +841,11 @@ class KVState:
             )
         old: dict[Key, Any] = {}
         if any(k not in values for k in keys):
-            views = self._values
-            if flat is None and self._flat is not None and not traced:
+            views = self.stored_values
+            if flat is None and self.flat_layout is not None and not traced:
                 # Fresh views: those cached with this state may be read from it later, and the
                 # new state's pushes may donate its own leaves.
-                views = tuple(_fl.eager_values(self._flat, self._leaves))
+                views = tuple(_fl.eager_values(self.flat_layout, self.leaves))
             old = dict(zip(self._keys, views))
         whole = [values[k] if k in values else old[k] for k in keys]
         if flat is None:
@@ -865,13 +865,13 @@ def _pack_opt(
 ) -> tuple[_fl.Packing, list[Any]]:
     """The optax state ``opt`` of ``group`` packed by family: written in place into the
     group's old buckets where it had them, with the same packing."""
-    packing = None if n is None else old._packings[n]
+    packing = None if n is None else old.packings[n]
     if (
         packing is not None
         and packing.parts == parts
         and packing.treedef == jax.tree_util.tree_structure(opt)
     ):
-        leaves = old._opt_states[n]  # type: ignore[index]
+        leaves = old.group_states[n]  # type: ignore[index]
         if any(isinstance(x, jax.core.Tracer) for x in [*leaves, *jax.tree_util.tree_leaves(opt)]):
             return packing, _fl.write_opt(packing, leaves, opt)
         write = _fl.eager_write_opt(packing)

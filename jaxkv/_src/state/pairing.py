@@ -91,7 +91,7 @@ def group(
             whole = stored.shape
         else:
             i = state.index(key)
-            stored, whole = state._stored_type(i), state._shapes[i]
+            stored, whole = state.stored_type(i), state.key_shapes[i]
         arrays = []
         for n, v in enumerate(vs):
             x = as_array(v)

@@ -47,11 +47,11 @@ def for_outs(state: KVState, index: Sequence[int], lend: bool) -> list[jax.Array
     pull's outs: with ``lend``, the stored arrays themselves (the store keeps its values);
     else a key read through a view of its bucket gets that view (a fresh array no push
     donates) and a key kept as an array of its own a copy (one computation for all)."""
-    held = state._values
+    held = state.stored_values
     values = [held[i] for i in index]
     if lend:
         return values
-    layout = state._flat
+    layout = state.flat_layout
     own = [j for j, i in enumerate(index) if layout is None or layout.where[i][0] < 0]
     if own:
         for j, x in zip(own, copies([values[j] for j in own])):
@@ -92,7 +92,7 @@ def replicated_copies(state: KVState, keys: Sequence[Key]) -> list[jax.Array]:
     CPU devices); replicated ones are copied, so nothing handed out aliases the store.
     """
     values = [state[k] for k in keys]
-    split = [state._is_split(state.index(k)) for k in keys]
+    split = [state.is_split(state.index(k)) for k in keys]
     sharded = [i for i, s in enumerate(split) if s]
     replicated = [i for i, s in enumerate(split) if not s]
     out: list[Any] = [None] * len(values)
