@@ -438,14 +438,14 @@ def test_internal_setters(devices):
     out = sparse.zeros("row_sparse", (5, 2), ctx=jaxkv.cpu(3))
     rows = jax.device_put(jnp.ones((2, 2), jnp.float16), devices[3])
     ids = jax.device_put(jnp.asarray([1, 4], jnp.int32), devices[3])
-    out._set_rows(rows, ids, devices[3])  # rows cast to the out's dtype (float32)
+    out.set_rows(rows, ids, devices[3])  # rows cast to the out's dtype (float32)
     check(out, model((5, 2), np.ones((2, 2)), [1, 4]), [1, 4], jaxkv.cpu(3))
-    out._set(jax.device_put(jnp.eye(5, 2), devices[3]), devices[3])  # a dense value
+    out.set_value(jax.device_put(jnp.eye(5, 2), devices[3]), devices[3])  # a dense value
     check(out, np.eye(5, 2, dtype=np.float32), [0, 1], jaxkv.cpu(3))
     with pytest.raises(jaxkv.ShapeError, match=r"\(n, 2\).*\(2, 3\)"):
-        out._set_rows(jnp.ones((2, 3)), ids, devices[3])
+        out.set_rows(jnp.ones((2, 3)), ids, devices[3])
     # _data: the dense value; assigning it stores its non-zero rows.
-    np.testing.assert_array_equal(np.asarray(out._data), np.eye(5, 2))
+    np.testing.assert_array_equal(np.asarray(out.asjax()), np.eye(5, 2))
     out._data = jnp.zeros((5, 2)).at[2].set(1)
     check(out, model((5, 2), [[1, 1]], [2]), [2], jaxkv.cpu(3))
 
@@ -456,7 +456,7 @@ def test_row_preserving_operations_never_build_the_dense_array(monkeypatch):
     def refuse(self):
         raise AssertionError("densified")
 
-    monkeypatch.setattr(RowSparseNDArray, "_dense", refuse)
+    monkeypatch.setattr(RowSparseNDArray, "as_dense", refuse)
     for b in (a * 2, a / 2, -a, abs(a), a + _b(), a - _b(), a * _b(), a.copy(), a + 0):
         assert b.stype == "row_sparse"
     a.copyto(jaxkv.cpu(4)).astype("float16").retain([0])
@@ -488,7 +488,7 @@ def test_inside_jit(devices):
         total = a + a  # the union's rows are unknown under a trace: every row is kept
         s = nd.NDArray(dense).tostype("row_sparse")
         kept = sparse.retain(a, jnp.asarray([2], jnp.int32))
-        return total._ids, total.asjax(), s._ids, kept.asjax()
+        return total.row_ids, total.asjax(), s.row_ids, kept.asjax()
 
     total_ids, total, s_ids, kept = row_sparse_ops(rows, ids, jnp.eye(3, 2))
     assert total_ids.tolist() == [0, 1, 2] and s_ids.tolist() == [0, 1, 2]

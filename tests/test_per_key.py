@@ -214,9 +214,9 @@ def test_held_pulls_follow_mxnets_order(devices):
     kv.push("a", [nd.ones((2,), jaxkv.cpu(0)) * 3, nd.ones((2,), jaxkv.cpu(1)) * 4])
     kv.pull("a", out=after)
     kv.pull("a", out=written)
-    assert before._owed is kv and after._owed is kv and written._owed is kv
+    assert before.owed_by is kv and after.owed_by is kv and written.owed_by is kv
     written[:] = 9  # a write after the held pull lands after it (and runs what is held)
-    assert before._owed is None and after._owed is None
+    assert before.owed_by is None and after.owed_by is None
     np.testing.assert_array_equal(before.asnumpy(), [1, 1])
     np.testing.assert_array_equal(after.asnumpy(), [7, 7])
     np.testing.assert_array_equal(written.asnumpy(), [9, 9])
@@ -377,11 +377,11 @@ def test_a_list_pull_with_nothing_held_runs_at_once(devices):
     nd.waitall()
     outs = [nd.zeros((2,)), nd.zeros((3,))]
     kv.pull([0, 1], out=outs)
-    assert kv._held is None and all(o._owed is None for o in outs)
+    assert kv._held is None and all(o.owed_by is None for o in outs)
     np.testing.assert_array_equal(outs[1]._value, [1, 1, 1])  # filled, no read needed
     kv.push(0, nd.ones((2,)) * 5)  # held: the next list pull waits behind it
     kv.pull([0, 1], out=outs)
-    assert outs[0]._owed is kv
+    assert outs[0].owed_by is kv
     np.testing.assert_array_equal(outs[0].asnumpy(), [5, 5])
     # An out owed a pull by another store, pulled into by a list pull run at once: the later
     # pull's value is what it keeps.

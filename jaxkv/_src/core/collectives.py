@@ -91,7 +91,7 @@ def scatters(state: KVState, shape: tuple[int, ...]) -> bool:
 
 # Scattered values below this many elements are reduce-scattered together, through one flat
 # buffer: XLA's CPU collectives cost ~0.3 ms each however small the array.
-_SCATTER_FUSE_LIMIT = 1 << 18
+SCATTER_FUSE_LIMIT = 1 << 18
 
 
 def fused_psum(blocks: list[jax.Array], axis: Any = AXIS) -> list[jax.Array]:
@@ -135,9 +135,9 @@ def sum_over_devices(
     out: list[Any] = [None] * len(blocks)
     groups: dict[tuple, list[int]] = {}
     for i, (b, s) in enumerate(zip(blocks, scatter)):
-        if s and b.size >= _SCATTER_FUSE_LIMIT:
+        if s and b.size >= SCATTER_FUSE_LIMIT:
             out[i] = jax.lax.psum_scatter(b, axis, scatter_dimension=0, tiled=True)
-        elif b.size >= _SCATTER_FUSE_LIMIT and jax.process_count() > 1:
+        elif b.size >= SCATTER_FUSE_LIMIT and jax.process_count() > 1:
             out[i] = jax.lax.psum(b, axis)  # across processes: no copy into a fused buffer
         else:
             groups.setdefault((s, b.dtype), []).append(i)

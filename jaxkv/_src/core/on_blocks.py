@@ -35,7 +35,7 @@ __all__ = ["run_on_blocks"]
 logger = logging.getLogger("jaxkv")
 
 # Primitives whose output element i depends only on the input elements i (scalars broadcast).
-_ELEMENTWISE = frozenset(
+ELEMENTWISE = frozenset(
     """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp complex conj
     convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1
     floor ge gt imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg
@@ -77,7 +77,7 @@ def _called(params: dict) -> list[tuple[Any, list]]:
     return out
 
 
-def _sub_jaxpr(eqn: Any) -> tuple[Any, list] | None:
+def sub_jaxpr(eqn: Any) -> tuple[Any, list] | None:
     """The one jaxpr an equation calls with its own inputs and outputs (``jit``, custom
     derivatives), with its constants, or ``None``."""
     found = [
@@ -106,7 +106,7 @@ def _rule(eqn: Any, kinds: list[str], reduce: bool) -> tuple[list[str], str | No
     if name == "broadcast_in_dim":
         kind = _broadcast_kind(kinds[0], shapes[0], eqn.params)
         return None if kind is None else ([kind], None)
-    if name in _ELEMENTWISE:
+    if name in ELEMENTWISE:
         if not keeps_shape(eqn):
             return None  # a bitcast between types of different widths reshapes
         sized = [k for k, s in zip(kinds, shapes) if s]  # scalars broadcast to any block
@@ -132,7 +132,7 @@ def _rule(eqn: Any, kinds: list[str], reduce: bool) -> tuple[list[str], str | No
         if 0 in lc and 0 in rc and lc.index(0) == rc.index(0) and 0 not in lb + rb:
             return [_WHOLE], "psum"  # contracts the rows: a sum of products over them
         return None
-    sub = _sub_jaxpr(eqn)
+    sub = sub_jaxpr(eqn)
     if sub is None:
         return None
     out = _kinds(sub[0], kinds, reduce)
@@ -266,7 +266,7 @@ def _evaluate(
         assert rule is not None  # checked by _on_blocks
         out_kinds, action = rule
         if action == "inline":
-            called = _sub_jaxpr(eqn)
+            called = sub_jaxpr(eqn)
             assert called is not None  # _rule inlines only an equation that calls one jaxpr
             sub, sub_consts = called
             outs, out_kinds = _evaluate(sub, sub_consts, values, in_kinds, names)

@@ -33,7 +33,7 @@ import numpy as np
 import optax
 from jax.extend import core as jex
 
-from jaxkv._src.core.on_blocks import _ELEMENTWISE, _sub_jaxpr, keeps_shape
+from jaxkv._src.core.on_blocks import ELEMENTWISE, keeps_shape, sub_jaxpr
 from jaxkv._src.state.buckets import as_blocks
 from jaxkv._src.state.kvstate import Key, KVState
 
@@ -277,13 +277,13 @@ def _owners(jaxpr: Any, owners: Sequence[Any], count: int = 0) -> list[Any] | No
             env.update((v, _UNIFORM if count == 1 else out) for v in eqn.outvars)
             continue
         if not keyed and not partial:
-            if name == "broadcast_in_dim" or name in _ELEMENTWISE:
+            if name == "broadcast_in_dim" or name in ELEMENTWISE:
                 kind = _UNIFORM if all(o == _UNIFORM for o in ins) else _OTHER
             else:
                 kind = None
             env.update((v, kind or _shared(v)) for v in eqn.outvars)
             continue
-        sub = _sub_jaxpr(eqn) if name in _CALLS else None
+        sub = sub_jaxpr(eqn) if name in _CALLS else None
         if sub is not None:  # a jitted or custom-derivative function: what it does inside
             out = _owners(sub[0], ins, count)
             if out is None:
@@ -292,7 +292,7 @@ def _owners(jaxpr: Any, owners: Sequence[Any], count: int = 0) -> list[Any] | No
             continue
         if len(keyed) > 1:
             return None  # mixes two keys' arrays
-        if name in _ELEMENTWISE:
+        if name in ELEMENTWISE:
             if any(o == _OTHER for o in ins) or not keeps_shape(eqn):
                 return None  # an array that is not one value for every element
             (owner,) = keyed

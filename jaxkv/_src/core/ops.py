@@ -66,10 +66,10 @@ def init(state: KVState, keys: Any, values: Any = MISSING) -> KVState:
       >>> s.keys()
       (3, 5)
     """
-    return _init(state, keys, values, defer=False)
+    return init_keys(state, keys, values, defer=False)
 
 
-def _init(
+def init_keys(
     state: KVState, keys: Any, values: Any = MISSING, *, defer: bool, agreed: bool = False
 ) -> KVState:
     """:func:`init`; ``defer``: the new keys keep arrays of their own until the state is

@@ -372,7 +372,7 @@ class _FillPlan:
     at: dict[tuple, list[int]]  # the outs' devices -> their positions in the store's devices
 
 
-_DATA = operator.attrgetter("_data")
+_DATA = operator.methodcaller("asjax")
 
 
 def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable | None:
@@ -413,7 +413,7 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
     data = list(map(_DATA, flat))
     if tuple(map(_SHAPE, data)) != plan.shapes or tuple(map(_DTYPE, data)) != plan.dtypes:
         return None
-    devices = tuple(map(handle._device, flat))  # type: ignore[attr-defined]
+    devices = tuple(map(handle.jax_device, flat))  # type: ignore[attr-defined]
     at = plan.at.get(devices)
     if at is None:
         positions = state.positions
@@ -427,11 +427,11 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
         fresh = for_outs(now, plan.unique, lend)
         if len(now.devices) == 1:
             for o, j, d in zip(flat, plan.of, devices):
-                o._set(fresh[j], d)
+                o.set_value(fresh[j], d)
         else:
             arrays = list(map(per_device, fresh))
             for o, j, p, d in zip(flat, plan.of, at, devices):
-                o._set(arrays[j][p], d)
+                o.set_value(arrays[j][p], d)
         return True
 
     return go

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxkv._src.core.collectives import (
-    _SCATTER_FUSE_LIMIT,
+    SCATTER_FUSE_LIMIT,
     axis_arg,
     axis_names,
     axis_size,
@@ -141,7 +141,7 @@ def _sum_blocks(
     for i, x in whole:
         todo = unsummed_axes(x, names)
         if set(todo) == set(names):
-            if x.size >= _SCATTER_FUSE_LIMIT and not fuse_all:
+            if x.size >= SCATTER_FUSE_LIMIT and not fuse_all:
                 out[i] = jax.lax.psum_scatter(x, axis_arg(names), tiled=True)
             else:
                 small.setdefault(x.dtype, []).append(i)

@@ -71,13 +71,13 @@ class Held:
         """Hold a pull of ``key`` into ``outs`` (checked), each out now owed by ``owner``."""
         self.pulls[self.count.get(key, 0)].append((key, outs))
         for o in outs:
-            o._owed = owner
+            o.owed_by = owner
         self.outs.extend(outs)
 
     def release(self) -> None:
         """No out is owed anything any more (each keeps the value it holds)."""
         for o in self.outs:
-            o._owed = None
+            o.owed_by = None
 
     def keys(self) -> list[Key]:
         """Every key a held call names."""
@@ -153,7 +153,7 @@ def _in_order() -> list[Any]:
 def run_everything_held() -> None:
     """Run what every store holds (``nd.waitall``), in the order the stores first held."""
     for store in _in_order():
-        store._run_held()
+        store.run_held()
 
 
 @atexit.register
@@ -162,6 +162,6 @@ def _at_exit() -> None:
     pushed is lost (and across processes, every process's collectives still match)."""
     for store in _in_order():
         try:
-            store._run_held()
+            store.run_held()
         except Exception:  # pragma: no cover - reported, the process is ending anyway
             logger.exception("jaxkv: a held push failed as the process ended")

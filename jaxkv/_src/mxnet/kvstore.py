@@ -32,14 +32,14 @@ from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.mxnet import held as _queue
 from jaxkv._src.mxnet import kvstore_rows as _kvsparse
 from jaxkv._src.mxnet import per_key as _perkey
-from jaxkv._src.mxnet.ndarray import NDArray, _unwrap
+from jaxkv._src.mxnet.ndarray import NDArray, unwrap
 from jaxkv._src.mxnet.optimizer import Optimizer as MXNetOptimizer
 from jaxkv._src.processes import host as host_collectives
 from jaxkv._src.processes import join as job
 from jaxkv._src.rows import ops as _rows
 from jaxkv._src.state import pairing as _args
 from jaxkv._src.state import placement as _arrays
-from jaxkv._src.state.kvstate import BIGARRAY_BOUND, Key, KVState, _spans_processes, empty
+from jaxkv._src.state.kvstate import BIGARRAY_BOUND, Key, KVState, empty, spans_processes
 
 __all__ = ["KVStore", "create"]
 
@@ -105,17 +105,17 @@ def _from_mxnet_updater(updater: Any) -> Any:
     def pure(key: Key, pushed: jax.Array, stored: jax.Array) -> jax.Array:
         handle = NDArray(stored)
         out = updater(key, NDArray(pushed), handle)
-        return handle._data if out is None else _unwrap(out)
+        return handle.asjax() if out is None else unwrap(out)
 
     return pure
 
 
 def _unwrap_values(values: Any) -> Any:
     if type(values) is NDArray:
-        return values._data
+        return values.asjax()
     if isinstance(values, list | tuple):  # leaves unwrapped in place: pushes hold thousands
-        return [v._data if type(v) is NDArray else _unwrap_values(v) for v in values]
-    return _unwrap(values)
+        return [v.asjax() if type(v) is NDArray else _unwrap_values(v) for v in values]
+    return unwrap(values)
 
 
 class KVStore:
@@ -188,7 +188,7 @@ class KVStore:
         if self._deferred is not None:
             self._settle()
         if self._held is not None:
-            self._run_held()
+            self.run_held()
         return self._stored
 
     @_state.setter
@@ -196,7 +196,7 @@ class KVStore:
         if self._deferred is not None:  # the held push came first: it runs, then is replaced
             self._settle()
         if self._held is not None:
-            self._run_held()
+            self.run_held()
         self._stored = state
 
     def _settle(self) -> None:
@@ -270,7 +270,7 @@ class KVStore:
         agreed = self._type in _DIST_TYPES and jax.process_count() > 1
         if agreed:  # rank 0's values, as MXNet's servers keep the first init
             values = host_collectives.from_rank_zero(jax.tree_util.tree_map(np.asarray, values))
-        self._state = _ops._init(self._state, key, values, defer=True, agreed=agreed)
+        self._state = _ops.init_keys(self._state, key, values, defer=True, agreed=agreed)
 
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
         """Push values: each key's values (one per device) are summed, then the updater runs.
@@ -302,9 +302,9 @@ class KVStore:
             if (
                 held is not None
                 and len(held.pushes) >= _HELD_PUSHES
-                and not _spans_processes(self._stored.devices)
+                and not spans_processes(self._stored.devices)
             ):  # a bound on what one process holds (across processes: held to the next read)
-                self._run_held()
+                self.run_held()
                 held = None
             held = held if held is not None else _queue.Held()
             for k, arrays in grouped.items():
@@ -327,7 +327,7 @@ class KVStore:
             if (
                 self._held is None
                 and isinstance(key, list | tuple)
-                and not _spans_processes(self._stored.devices)
+                and not spans_processes(self._stored.devices)
             ):  # A list pull with nothing held before it runs now, by its fill plan: the list
                 # is the batch already. (Across processes it is held: its gathers are agreed.)
                 self._pull_now(key, out, ignore_sparse)
@@ -335,9 +335,9 @@ class KVStore:
             pairs = _args.pairs(key, out, "outs")
             if all(type(o) is NDArray for _, outs in pairs for o in outs):
                 if self._held is not None and any(
-                    o._owed is self for _, outs in pairs for o in outs
+                    o.owed_by is self for _, outs in pairs for o in outs
                 ):
-                    self._run_held()  # an out owed a pull already: that one lands first
+                    self.run_held()  # an out owed a pull already: that one lands first
                 held = self._held if self._held is not None else _queue.Held()
                 self._check_outs(pairs, self._held_shape)
                 for k, outs in pairs:
@@ -376,7 +376,7 @@ class KVStore:
         state = self._stored
         return state.key_shapes[state.index(key)]
 
-    def _run_held(self) -> None:
+    def run_held(self) -> None:
         """Run every held call (see :mod:`jaxkv._src.mxnet.held`): the inits, the pulls before their
         key's push, every push at once, the pulls after it."""
         with self._lock:
@@ -386,7 +386,7 @@ class KVStore:
             held.release()  # the outs are filled below, or keep what they hold
             try:
                 state = self._stored
-                if _spans_processes(state.devices):
+                if spans_processes(state.devices):
                     # A pull of a value split across processes gathers it: a collective too.
                     gathered = [
                         sorted({k for k, _ in pulls if state.is_sharded(self._held_shape(k, held))})
@@ -491,7 +491,7 @@ class KVStore:
                     state, got = _kvsparse.pushpull_into(self._stored, held, outs, ids)
                     self._stored = state
                     for o, x, where in got:
-                        o._set_rows(x, where, where.devices().pop())
+                        o.set_rows(x, where, where.devices().pop())
                     return None
             state = self._state
             if out is None:
@@ -501,7 +501,7 @@ class KVStore:
                     raise ShapeError(
                         f"keys {keys!r}: expected {len(keys)} row_ids, given {len(ids)}"
                     )
-                rows = [_rows.row_sparse_pull(state, k, _unwrap(r)) for k, r in zip(keys, ids)]
+                rows = [_rows.row_sparse_pull(state, k, unwrap(r)) for k, r in zip(keys, ids)]
                 # As pull returns them: whole on the store's devices (split values gathered).
                 rows = [
                     r
@@ -521,12 +521,12 @@ class KVStore:
                     filled.extend(("rows", *r) for r in got)
                 for o, x in zip(outs, ids):
                     if not _kvsparse.is_row_sparse(o):  # beyond MXNet, which refuses dense outs
-                        device = o._device()
-                        kept = _rows.row_sparse_pull(state, k, _unwrap(x), devices=[device])
+                        device = o.jax_device()
+                        kept = _rows.row_sparse_pull(state, k, unwrap(x), devices=[device])
                         filled.append(("dense", o, kept, device))
             for how, o, x, where in filled:  # every out filled once all are computed
                 if how == "rows":
-                    o._set_rows(x, where, where.devices().pop())
+                    o.set_rows(x, where, where.devices().pop())
                 else:
                     _set(o, x, where)
             return None
@@ -546,7 +546,7 @@ class KVStore:
         """
         with self._lock:
             if self._held is not None:
-                self._run_held()
+                self.run_held()
             if (
                 updater is not None
                 and not isinstance(updater, optax.GradientTransformation)
@@ -591,7 +591,7 @@ class KVStore:
             )
         with self._lock:
             if self._held is not None:
-                self._run_held()
+                self.run_held()
             self._python_updater = None
             if optimizer is not self._updater:  # states made for another optimizer go
                 self._state = self._state.replace(
@@ -793,7 +793,7 @@ class KVStore:
                 raise KVStoreError(
                     f"key {k!r}: the updater {updater_name(updater)} raised {type(e).__name__}: {e}"
                 ) from e
-            value = _args.as_array(handle._data if out is None else _unwrap(out))
+            value = _args.as_array(handle.asjax() if out is None else unwrap(out))
             if tuple(value.shape) != tuple(state.shapes[k]):
                 raise ShapeError(
                     f"key {k!r}: the updater {updater_name(updater)} gave shape "
@@ -845,7 +845,7 @@ class KVStore:
             and len(sparse) == 1
             and lazy
             and self._mxnet_optimizer is not None
-            and not _spans_processes(state.devices)
+            and not spans_processes(state.devices)
         ):
             # Held until the next call (checked now): a row_sparse_pull of the key then runs
             # with it in one computation, as a training loop's push and pull of rows do.
@@ -868,7 +868,7 @@ class KVStore:
         for k, outs in pairs:
             shape = tuple(self._state[k].shape) if shape_of is None else shape_of(k)
             for o in outs:
-                if type(o) is NDArray and o._data.shape == shape:
+                if type(o) is NDArray and o.asjax().shape == shape:
                     continue  # the common case, checked cheaply
                 if not isinstance(o, NDArray):
                     raise KVStoreError(
@@ -905,7 +905,7 @@ class KVStore:
                 if not position:
                     position.update({_fast.single_device(x): i for i, x in enumerate(arrays)})
                 for o in outs_of[key]:
-                    device = o._device()
+                    device = o.jax_device()
                     i = position.get(device)
                     if i is None:
                         elsewhere.append((o, arrays[0], device))
@@ -934,9 +934,9 @@ def _set(out: NDArray, x: jax.Array, device: Any) -> None:
     """Rebind ``out`` to ``x`` (on ``device``), in ``out``'s dtype (a row-sparse out keeps
     the rows of ``x`` that are not zero)."""
     if _kvsparse.is_row_sparse(out):
-        out._set(x, device)
+        out.set_value(x, device)
         return
-    out._set(x if out._data.dtype == x.dtype else x.astype(out._data.dtype), device)
+    out.set_value(x if out.asjax().dtype == x.dtype else x.astype(out.asjax().dtype), device)
 
 
 def _alone(state: KVState, key: Key) -> None:

@@ -28,7 +28,7 @@ from jaxkv._src.errors import ShapeError
 from jaxkv._src.mxnet.ndarray import NDArray
 from jaxkv._src.mxnet.sparse import RowSparseNDArray
 from jaxkv._src.rows import ops as _rows
-from jaxkv._src.rows.ops import _fetched, _host_ids
+from jaxkv._src.rows.ops import host_ids, ids_on_host
 from jaxkv._src.state.kvstate import Key, KVState
 
 __all__ = [
@@ -56,7 +56,7 @@ def replace_all(key: Key, pushed: jax.Array, stored: jax.Array) -> jax.Array:
 
 def dense_of(x: Any) -> Any:
     """A pushed value as a dense array (a row-sparse one scattered into zeros)."""
-    return x._dense() if is_row_sparse(x) else x
+    return x.as_dense() if is_row_sparse(x) else x
 
 
 class Held(NamedTuple):
@@ -78,7 +78,7 @@ def held(state: KVState, key: Key, values: list, updater: Any, donate: bool) -> 
     """A lazy push of ``values`` (one per device, the first row-sparse) to ``key``, with every
     refusal raised now: run it with :func:`run_held` or :func:`pushpull_into`."""
     values = _row_sparse_values(state, key, values)
-    row_ids, rows = [v._ids for v in values], [v._rows for v in values]
+    row_ids, rows = [v.row_ids for v in values], [v.row_values for v in values]
     updater = replace_all if updater is None else updater
     ids = _rows.check_push(state, key, row_ids, rows, updater)
     return Held(key, row_ids, rows, ids, updater, donate)
@@ -100,7 +100,7 @@ def lazy_push(
 
 def _row_sparse_values(state: KVState, key: Key, values: list) -> list:
     shape = state.shapes[key]
-    with _rows._checking(state, key):  # across processes, a refusal here is every process's
+    with _rows.checking(state, key):  # across processes, a refusal here is every process's
         _check_shapes(key, shape, values)
     # MXNet sums a mixed list in the first value's storage type.
     return [v if is_row_sparse(v) else _as_row_sparse(v) for v in values]
@@ -121,23 +121,23 @@ def push(state: KVState, key: Key, values: list, updater: Any, lazy: bool, donat
     if not lazy:  # MXNet's standard update: every row, with the gradient densified
         return _ops.push(state, key, [dense_of(v) for v in values], updater=updater, donate=donate)
     return lazy_push(
-        state, key, [v._ids for v in values], [v._rows for v in values], updater, donate
+        state, key, [v.row_ids for v in values], [v.row_values for v in values], updater, donate
     )
 
 
 def _as_row_sparse(x: Any) -> RowSparseNDArray:
     from jaxkv._src.mxnet.sparse import from_dense
 
-    data = x._data if isinstance(x, NDArray) else jnp.asarray(x)
+    data = x.asjax() if isinstance(x, NDArray) else jnp.asarray(x)
     return from_dense(data)
 
 
 def pull_into(state: KVState, key: Key, outs: list, row_ids: list) -> list[tuple[Any, Any, Any]]:
     """What each row-sparse out of ``key`` receives: ``(out, rows, ids)`` on the out's device,
     for the distinct ids asked of it (sorted, as MXNet's ``row_sparse_pull`` gives them)."""
-    with _rows._checking(state, key):  # across processes, a refusal is every process's
+    with _rows.checking(state, key):  # across processes, a refusal is every process's
         asked = wanted(state, key, row_ids)
-    devices = [o._device() for o in outs]
+    devices = [o.jax_device() for o in outs]
     rows: list[jax.Array]
     if any(d.process_index != jax.process_index() for d in state.devices):
         # Across processes: one pull of every out's ids (each process may have its own outs),
@@ -159,7 +159,7 @@ def pull_into(state: KVState, key: Key, outs: list, row_ids: list) -> list[tuple
 
 def wanted(state: KVState, key: Key, row_ids: list) -> list[np.ndarray]:
     """The distinct ids each out of ``key`` asks for (sorted), checked."""
-    return [_distinct(key, ids, state.shapes[key][0]) for ids in _fetched(row_ids)]
+    return [_distinct(key, ids, state.shapes[key][0]) for ids in ids_on_host(row_ids)]
 
 
 def pushpull_into(
@@ -169,7 +169,7 @@ def pushpull_into(
     :func:`wanted`), as :func:`pull_into` gives it: in one computation where the outs are the
     store's devices, one each, asking as many rows each (the pushed values one per device of
     the store); else the push, then the pull."""
-    devices = [o._device() for o in outs]
+    devices = [o.jax_device() for o in outs]
     if (
         tuple(devices) != state.devices
         or len(push.rows) != len(devices)
@@ -192,7 +192,7 @@ def pushpull_into(
 
 def _distinct(key: Key, ids: Any, n_rows: int) -> np.ndarray:
     """The distinct ids of ``ids`` (checked as every row id is), sorted."""
-    ids = _host_ids(key, ids, n_rows)
+    ids = host_ids(key, ids, n_rows)
     if ids.size < 2 or bool(np.all(ids[1:] > ids[:-1])):  # already (as a batch's unique ids)
         return ids
     return np.unique(ids)

@@ -56,11 +56,11 @@ def stype_error(where: str, stype: object) -> KVStoreError:
     )
 
 
-def _unwrap(x: Any) -> Any:
-    return x._data if isinstance(x, NDArray) else x
+def unwrap(x: Any) -> Any:
+    return x.asjax() if isinstance(x, NDArray) else x
 
 
-def _is_traced(x: Any) -> bool:
+def is_traced(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
@@ -78,33 +78,33 @@ class NDArray:
       0.0
     """
 
-    __slots__ = ("_value", "_owed", "_where", "_dtype", "__weakref__")
+    __slots__ = ("_value", "owed_by", "_where", "_dtype", "__weakref__")
     __array_priority__ = 1000.0  # numpy defers to our reflected operators
 
     def __init__(self, data: jax.Array, dtype: npt.DTypeLike | None = None) -> None:
         self._value = data
         # The store that owes this array a pulled value (a pull held until something reads,
         # ``_queue``), or ``None``. Reading the value makes that store run what it holds.
-        self._owed: Any = None
+        self.owed_by: Any = None
         self._where: tuple[Any, Any] = (None, None)  # (array, its device), see _device
         # The dtype to report when it is not the one held: int64 asked for, int32 held (x64
         # off). It counts only while the held array has that dtype's JAX form (see dtype).
-        self._dtype: np.dtype | None = _declared(dtype)
+        self._dtype: np.dtype | None = declared_dtype(dtype)
 
     @property
     def _data(self) -> jax.Array:
         """The held array, once any pull held for it has run (see ``_owed``)."""
-        if self._owed is not None:
-            self._owed._run_held()
+        if self.owed_by is not None:
+            self.owed_by.run_held()
         return self._value
 
     @_data.setter
     def _data(self, value: jax.Array) -> None:
-        if self._owed is not None:  # a write after a held pull lands after it
-            self._owed._run_held()
+        if self.owed_by is not None:  # a write after a held pull lands after it
+            self.owed_by.run_held()
         self._value = value
 
-    def _device(self) -> jax.Device:
+    def jax_device(self) -> jax.Device:
         """The device of the held array; cached per array, since pulls ask for it each time.
         A pull held for this array lands on the same device, so it need not run first."""
         data, device = self._where
@@ -113,10 +113,10 @@ class NDArray:
             self._where = (self._value, device)
         return device
 
-    def _set(self, data: jax.Array, device: jax.Device) -> None:
+    def set_value(self, data: jax.Array, device: jax.Device) -> None:
         """Hold ``data``, known to live on ``device``."""
         self._value = data
-        self._owed = None
+        self.owed_by = None
         self._where = (data, device)
 
     # -- properties ------------------------------------------------------------------------
@@ -129,7 +129,7 @@ class NDArray:
         """The dtype as MXNet reports it (``int64`` for an array asked for as ``int64``)."""
         held = np.dtype(self._value.dtype)  # a held pull keeps it too
         declared = self._dtype
-        return declared if declared is not None and _dtype(declared) == held else held
+        return declared if declared is not None and held_dtype(declared) == held else held
 
     @property
     def stype(self) -> str:
@@ -147,7 +147,7 @@ class NDArray:
     @property
     def context(self) -> Context:
         """The context of the device this array lives on."""
-        return Context.from_device(self._device())
+        return Context.from_device(self.jax_device())
 
     ctx = context
 
@@ -182,7 +182,7 @@ class NDArray:
         self._data.block_until_ready()
 
     def astype(self, dtype: npt.DTypeLike, copy: bool = True) -> NDArray:
-        return NDArray(self._data.astype(_dtype(dtype)), dtype)
+        return NDArray(self._data.astype(held_dtype(dtype)), dtype)
 
     def reshape(self, *shape: Any) -> NDArray:
         """A new array with the same values in another shape (``a.reshape((2, 2))``)."""
@@ -230,10 +230,10 @@ class NDArray:
 
     # -- indexing ----------------------------------------------------------------------------
     def __getitem__(self, index: Any) -> NDArray:
-        return NDArray(self._data[_unwrap(index)], self._dtype)
+        return NDArray(self._data[unwrap(index)], self._dtype)
 
     def __setitem__(self, index: Any, value: NDArray | ArrayLike) -> None:
-        new = jnp.asarray(_unwrap(value), dtype=self._data.dtype)
+        new = jnp.asarray(unwrap(value), dtype=self._data.dtype)
         if isinstance(index, slice) and index == slice(None):
             if new.shape != self.shape:
                 try:
@@ -243,11 +243,11 @@ class NDArray:
                         f"a[:] = value: expected a value of shape {self.shape} (or one that "
                         f"broadcasts to it), given shape {tuple(new.shape)}"
                     ) from None
-            if not (_is_traced(new) or _is_traced(self._data)):
+            if not (is_traced(new) or is_traced(self._data)):
                 new = jax.device_put(new, self._data.sharding)
             self._data = new
         else:
-            self._data = self._data.at[_unwrap(index)].set(new)
+            self._data = self._data.at[unwrap(index)].set(new)
 
     # -- arithmetic ----------------------------------------------------------------------------
     def _binary(
@@ -256,11 +256,11 @@ class NDArray:
         op: Callable[[Any, Any], jax.Array],
         reflected: bool = False,
     ) -> NDArray:
-        a, b = self._data, _unwrap(other)
+        a, b = self._data, unwrap(other)
         return NDArray(op(b, a) if reflected else op(a, b), self._dtype)
 
     def _inplace(self, other: NDArray | ArrayLike, op: Callable[[Any, Any], jax.Array]) -> NDArray:
-        self._data = op(self._data, _unwrap(other)).astype(self._data.dtype)
+        self._data = op(self._data, unwrap(other)).astype(self._data.dtype)
         return self
 
     def __add__(self, o: NDArray | ArrayLike) -> NDArray:
@@ -309,7 +309,7 @@ class NDArray:
         return self._inplace(o, jnp.true_divide)
 
     def __repr__(self) -> str:
-        if _is_traced(self._data):
+        if is_traced(self._data):
             return f"<NDArray {'x'.join(map(str, self.shape))} traced {self._data.aval}>"
         shape = "x".join(str(s) for s in self.shape) or "scalar"
         return f"\n{self.asnumpy()}\n<NDArray {shape} @{self.context}>"
@@ -318,13 +318,13 @@ class NDArray:
 # ---------------------------------------------------------------------------------------------
 # Creation, as mxnet.nd does it: float32 by default, on the current context by default.
 # ---------------------------------------------------------------------------------------------
-def _shape(shape: Any) -> tuple[int, ...]:
+def as_shape(shape: Any) -> tuple[int, ...]:
     if isinstance(shape, numbers.Integral):
         return (int(shape),)
     return tuple(int(s) for s in shape)
 
 
-def _ctx(ctx: Context | None) -> Context:
+def as_context(ctx: Context | None) -> Context:
     if ctx is None:
         return current_context()
     if isinstance(ctx, Context):
@@ -345,22 +345,22 @@ def _check_kwargs(where: str, kwargs: dict[str, Any], hint: str = "") -> None:
         )
 
 
-def _dtype(dtype: Any) -> np.dtype:
+def held_dtype(dtype: Any) -> np.dtype:
     """``dtype`` as JAX stores it: 64-bit types become 32-bit unless ``jax_enable_x64``."""
     return jax.dtypes.canonicalize_dtype(np.dtype(dtype or _DEFAULT_DTYPE))
 
 
-def _declared(dtype: Any) -> np.dtype | None:
+def declared_dtype(dtype: Any) -> np.dtype | None:
     """The dtype an array reports over the one it holds: a 64-bit integer type with x64 off
     (``int64`` reported, ``int32`` held, exact while the values fit). ``None``: report the
     held dtype (floats are not declared: their held values would not be exact)."""
     if dtype is None:
         return None
     wanted = np.dtype(dtype)
-    return wanted if wanted.kind in "iu" and _dtype(wanted) != wanted else None
+    return wanted if wanted.kind in "iu" and held_dtype(wanted) != wanted else None
 
 
-def _host(source: Any, wanted: np.dtype, held: np.dtype) -> np.ndarray:
+def host_values(source: Any, wanted: np.dtype, held: np.dtype) -> np.ndarray:
     """``source`` as a NumPy array of the dtype JAX holds, refusing 64-bit integers that do
     not fit the 32-bit type that holds them."""
     values = np.asarray(source, dtype=wanted)
@@ -383,10 +383,10 @@ def _fill(
     dtype: npt.DTypeLike | None,
 ) -> NDArray:
     wanted = np.dtype(dtype or _DEFAULT_DTYPE)
-    held = _dtype(wanted)
+    held = held_dtype(wanted)
     if isinstance(value, numbers.Real):
-        value = _host(value, wanted, held)
-    return NDArray(jnp.full(_shape(shape), value, held, device=_ctx(ctx).device), wanted)
+        value = host_values(value, wanted, held)
+    return NDArray(jnp.full(as_shape(shape), value, held, device=as_context(ctx).device), wanted)
 
 
 def zeros(
@@ -485,13 +485,13 @@ def array(
         return _ROW_SPARSE["array"](source, ctx, dtype)
     if isinstance(source, NDArray | jax.Array):
         wanted = np.dtype(dtype or source.dtype)
-        held = _dtype(wanted)
-        data = jnp.asarray(_unwrap(source), dtype=held)
+        held = held_dtype(wanted)
+        data = jnp.asarray(unwrap(source), dtype=held)
     else:
         wanted = np.dtype(dtype or _DEFAULT_DTYPE)
-        held = _dtype(wanted)
-        data = jnp.asarray(_host(source, wanted, held))
-    return NDArray(jax.device_put(data, _ctx(ctx).device, may_alias=False), wanted)
+        held = held_dtype(wanted)
+        data = jnp.asarray(host_values(source, wanted, held))
+    return NDArray(jax.device_put(data, as_context(ctx).device, may_alias=False), wanted)
 
 
 def arange(

@@ -58,15 +58,15 @@ from jaxkv._src.devices import Context
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.mxnet.ndarray import (
     NDArray,
-    _ctx,
-    _declared,
-    _dtype,
-    _host,
-    _is_traced,
-    _shape,
-    _unwrap,
+    as_context,
+    as_shape,
+    declared_dtype,
+    held_dtype,
+    host_values,
+    is_traced,
     register_row_sparse,
     stype_error,
+    unwrap,
 )
 from jaxkv._src.mxnet.ndarray import zeros as _dense_zeros
 
@@ -189,14 +189,14 @@ def _is_scalar(x: Any) -> bool:
 def _settle(rows: jax.Array, ids: jax.Array, device: jax.Device) -> tuple[jax.Array, jax.Array]:
     """``rows`` and ``ids`` on ``device``: a computation whose result has no elements can
     leave it on JAX's default device (JAX makes it a constant), whatever its inputs' device."""
-    if (rows.size and ids.size) or _is_traced(rows) or _is_traced(ids):
+    if (rows.size and ids.size) or is_traced(rows) or is_traced(ids):
         return rows, ids
     return jax.device_put((rows, ids), device)
 
 
 def _empty(shape: tuple[int, ...], device: jax.Device, wanted: np.dtype) -> RowSparseNDArray:
     """A row-sparse array with no rows stored (all zeros)."""
-    held = _dtype(wanted)
+    held = held_dtype(wanted)
     rows = jnp.zeros((0, *shape[1:]), held, device=device)
     ids = jnp.zeros((0,), _HELD_IDS, device=device)
     return RowSparseNDArray(rows, ids, shape, wanted)
@@ -214,7 +214,7 @@ def from_dense(dense: jax.Array, dtype: npt.DTypeLike | None = None) -> RowSpars
     """
     shape = tuple(int(s) for s in dense.shape)
     _check_table(shape, "tostype('row_sparse')")
-    if _is_traced(dense):
+    if is_traced(dense):
         return RowSparseNDArray(dense, jnp.arange(shape[0], dtype=_HELD_IDS), shape, dtype)
     device = _device_of(dense)
     kept = np.flatnonzero(np.asarray(_row_mask(dense))).astype(_HELD_IDS)
@@ -235,7 +235,7 @@ class RowSparseNDArray(NDArray):
 
     Internals the KVStore uses: ``_rows`` and ``_ids`` (the stored rows and their int32 ids,
     ``jax.Array``\\ s on the array's device), ``_shape``; ``_set_rows(rows, ids, device)``
-    replaces the content in place (as ``NDArray._set`` does for dense arrays);
+    replaces the content in place (as ``NDArray.set_value`` does for dense arrays);
     ``_set(dense, device)`` holds a dense value's non-zero rows; ``_dense()`` is the dense
     ``jax.Array``.
 
@@ -252,7 +252,7 @@ class RowSparseNDArray(NDArray):
       6.0
     """
 
-    __slots__ = ("_rows", "_ids", "_shape")
+    __slots__ = ("row_values", "row_ids", "_shape")
 
     def __init__(
         self,
@@ -263,37 +263,37 @@ class RowSparseNDArray(NDArray):
     ) -> None:
         """Wrap parts that already hold the invariants (no checks): use
         :func:`row_sparse_array` to make one from user input."""
-        self._rows = rows
-        self._ids = ids
+        self.row_values = rows
+        self.row_ids = ids
         self._shape = tuple(int(s) for s in shape)
         self._where: tuple[Any, Any] = (None, None)  # (rows, their device), see _device
-        self._dtype = _declared(dtype)
-        self._owed = None  # a store never holds a pull for a row-sparse array
+        self._dtype = declared_dtype(dtype)
+        self.owed_by = None  # a store never holds a pull for a row-sparse array
 
     # -- what the KVStore uses ---------------------------------------------------------------
     @property
     def _data(self) -> jax.Array:
         """The dense value (it builds the whole array: prefer ``_rows``/``_ids``)."""
-        return self._dense()
+        return self.as_dense()
 
     @_data.setter
     def _data(self, value: jax.Array) -> None:
         self._assign(value)
 
-    def _dense(self) -> jax.Array:
+    def as_dense(self) -> jax.Array:
         """The dense ``jax.Array`` this array stands for (traceable), on its device."""
-        if not self._rows.shape[0] and not _is_traced(self._rows):  # see _settle
-            return jnp.zeros(self._shape, self._rows.dtype, device=self._device())
-        return _scatter(self._rows, self._ids, num_rows=self._shape[0])
+        if not self.row_values.shape[0] and not is_traced(self.row_values):  # see _settle
+            return jnp.zeros(self._shape, self.row_values.dtype, device=self.jax_device())
+        return _scatter(self.row_values, self.row_ids, num_rows=self._shape[0])
 
-    def _device(self) -> jax.Device:
+    def jax_device(self) -> jax.Device:
         rows, device = self._where
-        if rows is not self._rows:
-            device = _device_of(self._rows)
-            self._where = (self._rows, device)
+        if rows is not self.row_values:
+            device = _device_of(self.row_values)
+            self._where = (self.row_values, device)
         return device
 
-    def _set_rows(self, rows: jax.Array, ids: jax.Array, device: jax.Device | None) -> None:
+    def set_rows(self, rows: jax.Array, ids: jax.Array, device: jax.Device | None) -> None:
         """Hold ``rows`` at ``ids`` (both on ``device``), in place: what ``row_sparse_pull``
         does to its outs.
 
@@ -308,28 +308,28 @@ class RowSparseNDArray(NDArray):
                 f"_set_rows: expected rows of shape (n, {', '.join(map(str, self._shape[1:]))}) "
                 f"and n ids, given rows of shape {tuple(rows.shape)} and {ids.shape[0]} ids"
             )
-        if rows.dtype != self._rows.dtype:
-            rows = rows.astype(self._rows.dtype)
+        if rows.dtype != self.row_values.dtype:
+            rows = rows.astype(self.row_values.dtype)
         if ids.dtype != _HELD_IDS:
             ids = ids.astype(_HELD_IDS)
-        self._rows, self._ids = rows, ids
+        self.row_values, self.row_ids = rows, ids
         self._where = (rows, device)
 
-    def _set(self, data: jax.Array, device: jax.Device) -> None:
+    def set_value(self, data: jax.Array, device: jax.Device) -> None:
         """Hold the dense value ``data`` (on ``device``): its non-zero rows, eagerly."""
-        if data.dtype != self._rows.dtype:
-            data = data.astype(self._rows.dtype)
+        if data.dtype != self.row_values.dtype:
+            data = data.astype(self.row_values.dtype)
         other = from_dense(data)
-        self._set_rows(other._rows, other._ids, device)
+        self.set_rows(other.row_values, other.row_ids, device)
 
     def _put(self, rows: jax.Array, ids: jax.Array) -> None:
         """Hold ``rows``/``ids``, moved onto this array's device (eagerly)."""
-        if _is_traced(rows) or _is_traced(ids) or _is_traced(self._rows):
-            self._rows, self._ids = rows, ids
+        if is_traced(rows) or is_traced(ids) or is_traced(self.row_values):
+            self.row_values, self.row_ids = rows, ids
             return
-        device = self._device()
+        device = self.jax_device()
         rows, ids = jax.device_put((rows, ids), device)
-        self._set_rows(rows, ids, device)
+        self.set_rows(rows, ids, device)
 
     def _assign(self, value: Any) -> None:
         """``self[:] = value``: a row-sparse or dense value of the same shape, in this array's
@@ -337,17 +337,17 @@ class RowSparseNDArray(NDArray):
         if isinstance(value, RowSparseNDArray):
             shape, dense = value.shape, None
         else:
-            dense = jnp.asarray(_unwrap(value), dtype=self._rows.dtype)
+            dense = jnp.asarray(unwrap(value), dtype=self.row_values.dtype)
             shape = tuple(dense.shape)
         if shape != self._shape:
             raise ShapeError(
                 f"a[:] = value: expected a value of shape {self._shape}, given shape {shape}"
             )
         source = value if dense is None else from_dense(dense)
-        rows = source._rows
-        if rows.dtype != self._rows.dtype:
-            rows = rows.astype(self._rows.dtype)
-        self._put(rows, source._ids)
+        rows = source.row_values
+        if rows.dtype != self.row_values.dtype:
+            rows = rows.astype(self.row_values.dtype)
+        self._put(rows, source.row_ids)
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -356,9 +356,9 @@ class RowSparseNDArray(NDArray):
 
     @property
     def dtype(self) -> np.dtype:
-        held = np.dtype(self._rows.dtype)
+        held = np.dtype(self.row_values.dtype)
         declared = self._dtype
-        return declared if declared is not None and _dtype(declared) == held else held
+        return declared if declared is not None and held_dtype(declared) == held else held
 
     @property
     def stype(self) -> str:
@@ -375,28 +375,28 @@ class RowSparseNDArray(NDArray):
     @property
     def data(self) -> NDArray:
         """The stored rows, an ``NDArray`` of shape ``(nnz, *shape[1:])``."""
-        return NDArray(self._rows, self._dtype)
+        return NDArray(self.row_values, self._dtype)
 
     @property
     def indices(self) -> NDArray:
         """The stored rows' ids (sorted and unique), an ``NDArray`` that reports int64."""
-        if _dtype(_INDEX_DTYPE) == _INDEX_DTYPE:  # jax_enable_x64: int64 is held as such
-            return NDArray(self._ids.astype(_INDEX_DTYPE))
-        return NDArray(self._ids, _INDEX_DTYPE)
+        if held_dtype(_INDEX_DTYPE) == _INDEX_DTYPE:  # jax_enable_x64: int64 is held as such
+            return NDArray(self.row_ids.astype(_INDEX_DTYPE))
+        return NDArray(self.row_ids, _INDEX_DTYPE)
 
     # -- conversion --------------------------------------------------------------------------
     def asnumpy(self) -> np.ndarray:
         """The dense array, as a NumPy array in :attr:`dtype` (built on the host)."""
         dtype = self.dtype
         out = np.zeros(self._shape, dtype)
-        rows = np.asarray(self._rows)
+        rows = np.asarray(self.row_values)
         if len(rows):
-            out[np.asarray(self._ids)] = rows
+            out[np.asarray(self.row_ids)] = rows
         return out
 
     def asjax(self) -> jax.Array:
         """The dense value as a ``jax.Array`` on this array's device."""
-        return self._dense()
+        return self.as_dense()
 
     def asscalar(self) -> int | float | complex:
         if int(np.prod(self._shape, dtype=np.int64)) != 1:
@@ -408,17 +408,17 @@ class RowSparseNDArray(NDArray):
         return out if dtype is None else out.astype(dtype)
 
     def __jax_array__(self) -> jax.Array:
-        return self._dense()
+        return self.as_dense()
 
     def wait_to_read(self) -> None:
-        jax.block_until_ready((self._rows, self._ids))
+        jax.block_until_ready((self.row_values, self.row_ids))
 
     def astype(self, dtype: npt.DTypeLike, copy: bool = True) -> RowSparseNDArray:
         """A copy with values of ``dtype`` (``self`` when ``copy=False`` and it already is)."""
         wanted = np.dtype(dtype)
         if not copy and wanted == self.dtype:
             return self
-        return self._like(self._rows.astype(_dtype(wanted)), dtype=wanted)
+        return self.like(self.row_values.astype(held_dtype(wanted)), dtype=wanted)
 
     def tostype(self, stype: str) -> NDArray:
         """A dense ``NDArray`` (``'default'``) or a row-sparse copy (``'row_sparse'``).
@@ -427,7 +427,7 @@ class RowSparseNDArray(NDArray):
           KVStoreError: any other ``stype`` (jaxkv has no ``'csr'``).
         """
         if stype == "default":
-            return NDArray(self._dense(), self._dtype)
+            return NDArray(self.as_dense(), self._dtype)
         if stype == "row_sparse":
             return self.copy()
         raise stype_error("tostype", stype)
@@ -440,7 +440,7 @@ class RowSparseNDArray(NDArray):
 
     def copy(self) -> RowSparseNDArray:
         """A copy on the same device."""
-        return self._like(jnp.copy(self._rows), jnp.copy(self._ids))
+        return self.like(jnp.copy(self.row_values), jnp.copy(self.row_ids))
 
     def copyto(self, other: Context | NDArray) -> NDArray:
         """Copy into ``other``: a context (a new row-sparse array there), a row-sparse array
@@ -452,7 +452,9 @@ class RowSparseNDArray(NDArray):
           KVStoreError: ``other`` is neither a context nor an array.
         """
         if isinstance(other, Context):
-            rows, ids = jax.device_put((self._rows, self._ids), other.device, may_alias=False)
+            rows, ids = jax.device_put(
+                (self.row_values, self.row_ids), other.device, may_alias=False
+            )
             return RowSparseNDArray(rows, ids, self._shape, self._dtype)
         if isinstance(other, NDArray):
             if other.shape != self._shape:
@@ -472,15 +474,18 @@ class RowSparseNDArray(NDArray):
         Raises:
           KVStoreError: with MXNet's message for the broken invariant.
         """
-        if self._ids.shape != (self._rows.shape[0],) or self._rows.shape[1:] != self._shape[1:]:
+        if (
+            self.row_ids.shape != (self.row_values.shape[0],)
+            or self.row_values.shape[1:] != self._shape[1:]
+        ):
             raise ShapeError(
                 f"Shape mismatch of this row_sparse NDArray: expected data of shape "
                 f"(n, {', '.join(map(str, self._shape[1:]))}) and n indices, given data of shape "
-                f"{tuple(self._rows.shape)} and indices of shape {tuple(self._ids.shape)}"
+                f"{tuple(self.row_values.shape)} and indices of shape {tuple(self.row_ids.shape)}"
             )
-        if not full_check or not self._ids.shape[0]:
+        if not full_check or not self.row_ids.shape[0]:
             return
-        ids = np.asarray(self._ids)
+        ids = np.asarray(self.row_ids)
         if (np.diff(ids) <= 0).any() or ids[0] < 0 or ids[-1] >= self._shape[0]:
             raise KVStoreError(
                 f"Indices of row_sparse NDArray should be non-negative, less than the size of "
@@ -511,7 +516,7 @@ class RowSparseNDArray(NDArray):
         if value is self:
             return
         if _is_scalar(value):
-            rows = jnp.full(self._shape, _as_scalar(value), self._rows.dtype)
+            rows = jnp.full(self._shape, _as_scalar(value), self.row_values.dtype)
             self._put(rows, jnp.arange(self._shape[0], dtype=_HELD_IDS))
             return
         if not isinstance(value, NDArray | np.ndarray | jax.Array | list | tuple):
@@ -524,33 +529,33 @@ class RowSparseNDArray(NDArray):
     def _dense_op(self, other: Any, op: Any, reflected: bool = False) -> NDArray:
         """``op`` on the dense values: a dense ``NDArray``, as MXNet's storage fallback (an
         array ``other`` on another device is brought to this one's)."""
-        a, b = self._dense(), _as_scalar(_unwrap(other))
-        if isinstance(b, jax.Array) and not (_is_traced(a) or _is_traced(b)):
-            b = jax.device_put(b, self._device())
+        a, b = self.as_dense(), _as_scalar(unwrap(other))
+        if isinstance(b, jax.Array) and not (is_traced(a) or is_traced(b)):
+            b = jax.device_put(b, self.jax_device())
         return NDArray(op(b, a) if reflected else op(a, b), self._dtype)
 
-    def _like(
+    def like(
         self, rows: jax.Array, ids: jax.Array | None = None, dtype: npt.DTypeLike | None = None
     ) -> RowSparseNDArray:
         """A row-sparse array of this shape and device: ``rows`` at ``ids`` (default: this
         array's), reporting ``dtype`` (default: this array's)."""
-        ids = self._ids if ids is None else ids
-        if not (_is_traced(self._rows) or _is_traced(rows) or _is_traced(ids)):
-            rows, ids = _settle(rows, ids, self._device())
+        ids = self.row_ids if ids is None else ids
+        if not (is_traced(self.row_values) or is_traced(rows) or is_traced(ids)):
+            rows, ids = _settle(rows, ids, self.jax_device())
         return RowSparseNDArray(rows, ids, self._shape, self._dtype if dtype is None else dtype)
 
     def _scaled(self, scalar: Any, op: Any) -> RowSparseNDArray:
         """Each stored row ``op`` a scalar, cast to the rows' dtype first (as MXNet does)."""
-        held = self._rows.dtype
+        held = self.row_values.dtype
         value = jnp.asarray(np.asarray(_as_scalar(scalar)).astype(held))
-        return self._like(op(self._rows, value).astype(held))
+        return self.like(op(self.row_values, value).astype(held))
 
     def _rows_of(self, other: NDArray | jax.Array) -> jax.Array:
         """The rows of a dense ``other`` at this array's ids, in its dtype, on its device."""
-        dense = jnp.asarray(_unwrap(other), dtype=self._rows.dtype)
-        if not (_is_traced(dense) or _is_traced(self._rows)):
-            dense = jax.device_put(dense, self._device())
-        return _take(dense, self._ids)
+        dense = jnp.asarray(unwrap(other), dtype=self.row_values.dtype)
+        if not (is_traced(dense) or is_traced(self.row_values)):
+            dense = jax.device_put(dense, self.jax_device())
+        return _take(dense, self.row_ids)
 
     def _same_shape(self, other: Any) -> bool:
         shape = getattr(other, "shape", None)
@@ -569,19 +574,19 @@ class RowSparseNDArray(NDArray):
     def _union(self, other: RowSparseNDArray, op: Any) -> RowSparseNDArray:
         """``op`` on two row-sparse arrays of this shape: row-sparse over the union of their
         row sets (MXNet's ``elemwise_add``/``_sub``/``_mul`` of two row-sparse arrays)."""
-        b_rows = other._rows.astype(self._rows.dtype)
-        if any(map(_is_traced, (self._rows, self._ids, other._rows, other._ids))):
-            b_dense = _scatter(b_rows, other._ids, num_rows=self._shape[0])
-            return from_dense(op(self._dense(), b_dense), self._dtype)
-        device = self._device()
-        b_rows, b_ids = jax.device_put((b_rows, other._ids), device)
-        ids_a, ids_b = np.asarray(self._ids), np.asarray(b_ids)
+        b_rows = other.row_values.astype(self.row_values.dtype)
+        if any(map(is_traced, (self.row_values, self.row_ids, other.row_values, other.row_ids))):
+            b_dense = _scatter(b_rows, other.row_ids, num_rows=self._shape[0])
+            return from_dense(op(self.as_dense(), b_dense), self._dtype)
+        device = self.jax_device()
+        b_rows, b_ids = jax.device_put((b_rows, other.row_ids), device)
+        ids_a, ids_b = np.asarray(self.row_ids), np.asarray(b_ids)
         union = np.union1d(ids_a, ids_b).astype(_HELD_IDS)
         at_a = np.searchsorted(union, ids_a).astype(_HELD_IDS)
         at_b = np.searchsorted(union, ids_b).astype(_HELD_IDS)
         placed = jax.device_put((at_a, at_b, union), device)
-        rows = _merge(self._rows, placed[0], b_rows, placed[1], len(union), op.__name__)
-        return self._like(rows, placed[2])
+        rows = _merge(self.row_values, placed[0], b_rows, placed[1], len(union), op.__name__)
+        return self.like(rows, placed[2])
 
     def _product(self, other: Any) -> NDArray:
         """``self * other``: row-sparse for a scalar or an array of the same shape, dense
@@ -591,7 +596,7 @@ class RowSparseNDArray(NDArray):
         if not self._same_shape(other):
             return self._dense_op(other, jnp.multiply)
         if not isinstance(other, RowSparseNDArray):
-            return self._like(self._rows * self._rows_of(other))
+            return self.like(self.row_values * self._rows_of(other))
         return self._union(other, jnp.multiply)
 
     def __add__(self, o: Any) -> NDArray:
@@ -624,10 +629,10 @@ class RowSparseNDArray(NDArray):
         return self._dense_op(o, jnp.power)
 
     def __neg__(self) -> RowSparseNDArray:
-        return self._like(-self._rows)
+        return self.like(-self.row_values)
 
     def __abs__(self) -> RowSparseNDArray:
-        return self._like(jnp.abs(self._rows))
+        return self.like(jnp.abs(self.row_values))
 
     def _in_place(self, result: NDArray) -> RowSparseNDArray:
         self._assign(result)  # MXNet: (self op other).copyto(self)
@@ -647,8 +652,8 @@ class RowSparseNDArray(NDArray):
 
     def __repr__(self) -> str:
         shape = "x".join(str(s) for s in self._shape)
-        if _is_traced(self._rows) or _is_traced(self._ids):
-            return f"<RowSparseNDArray {shape} traced {self._rows.aval}>"
+        if is_traced(self.row_values) or is_traced(self.row_ids):
+            return f"<RowSparseNDArray {shape} traced {self.row_values.aval}>"
         return f"\n<RowSparseNDArray {shape} @{self.context}>"
 
 
@@ -656,7 +661,7 @@ class RowSparseNDArray(NDArray):
 # Creation, as mxnet.nd.sparse does it.
 # ---------------------------------------------------------------------------------------------
 def _check_shape(given: tuple[int, ...], shape: Any, where: str) -> None:
-    if shape is not None and tuple(_shape(shape)) != tuple(given):
+    if shape is not None and tuple(as_shape(shape)) != tuple(given):
         raise ShapeError(f"{where}: shape mismatch: expected shape {given}, given shape={shape}")
 
 
@@ -704,10 +709,10 @@ def row_sparse_array(
                 f"of length {len(arg1)}"
             )
         if all(isinstance(s, numbers.Integral) for s in arg1):
-            table = _shape(arg1)
+            table = as_shape(arg1)
             _check_shape(table, shape, where)
             _check_table(table, where)
-            return _empty(table, _ctx(ctx).device, np.dtype(dtype or np.float32))
+            return _empty(table, as_context(ctx).device, np.dtype(dtype or np.float32))
         if len(arg1) != 2:
             raise ShapeError(f"{where}: expected (data, indices), given {len(arg1)} items")
         return _from_definition(arg1[0], arg1[1], shape, ctx, dtype)
@@ -720,28 +725,28 @@ def row_sparse_array(
         dtype = arg1.dtype
     dense = dense_array(arg1, ctx, dtype)
     _check_shape(dense.shape, shape, where)
-    return from_dense(dense._data, dense._dtype)
+    return from_dense(dense.asjax(), dense.dtype)
 
 
 def _from_definition(
     data: Any, indices: Any, shape: Any, ctx: Context | None, dtype: npt.DTypeLike | None
 ) -> RowSparseNDArray:
     where = "row_sparse_array((data, indices))"
-    device = _ctx(ctx).device
+    device = as_context(ctx).device
     if isinstance(data, RowSparseNDArray):
         raise KVStoreError(f"{where}: expected dense data, given a RowSparseNDArray")
     on_device = isinstance(data, NDArray | jax.Array)
     if dtype is None:
         dtype = data.dtype if on_device or isinstance(data, np.ndarray) else np.float32
     wanted = np.dtype(dtype)
-    held = _dtype(wanted)
-    values = jnp.asarray(_unwrap(data), dtype=held) if on_device else _host(data, wanted, held)
+    held = held_dtype(wanted)
+    values = jnp.asarray(unwrap(data), dtype=held) if on_device else host_values(data, wanted, held)
     ids = _host_ids(indices, where)
     if shape is None:
         if not len(ids):
             raise ShapeError(f"{where}: expected shape= when indices is empty, given neither")
         shape = (int(ids.max()) + 1, *values.shape[1:])
-    shape = _shape(shape)
+    shape = as_shape(shape)
     _check_table(shape, where)
     given = tuple(values.shape)
     if len(given) != len(shape) or given[1:] != shape[1:]:
@@ -806,9 +811,9 @@ def zeros(
         del kwargs["out"]
     if kwargs:
         raise KVStoreError(f"sparse.zeros: unexpected arguments {sorted(kwargs)}")
-    table = _shape(shape)
+    table = as_shape(shape)
     _check_table(table, "sparse.zeros")
-    return _empty(table, _ctx(ctx).device, np.dtype(dtype or np.float32))
+    return _empty(table, as_context(ctx).device, np.dtype(dtype or np.float32))
 
 
 def empty(
@@ -832,10 +837,12 @@ def array(
     """
     if isinstance(source_array, RowSparseNDArray):
         wanted = np.dtype(dtype) if dtype is not None else source_array.dtype
-        rows = source_array._rows
-        if rows.dtype != _dtype(wanted):
-            rows = rows.astype(_dtype(wanted))
-        rows, ids = jax.device_put((rows, source_array._ids), _ctx(ctx).device, may_alias=False)
+        rows = source_array.row_values
+        if rows.dtype != held_dtype(wanted):
+            rows = rows.astype(held_dtype(wanted))
+        rows, ids = jax.device_put(
+            (rows, source_array.row_ids), as_context(ctx).device, may_alias=False
+        )
         return RowSparseNDArray(rows, ids, source_array.shape, wanted)
     if isinstance(source_array, NDArray):
         hint = "use tostype('row_sparse') to make a RowSparseNDArray from an NDArray"
@@ -870,12 +877,12 @@ def retain(data: RowSparseNDArray, indices: Any) -> RowSparseNDArray:
     """
     if not isinstance(data, RowSparseNDArray):
         raise KVStoreError(f"retain: expected a RowSparseNDArray, given {type(data).__name__}")
-    wanted = _unwrap(indices)
-    if _is_traced(wanted) or _is_traced(data._rows) or _is_traced(data._ids):
+    wanted = unwrap(indices)
+    if is_traced(wanted) or is_traced(data.row_values) or is_traced(data.row_ids):
         asked = jnp.ravel(jnp.asarray(wanted)).astype(_HELD_IDS)
-        keep = jnp.isin(data._ids, asked)
-        mask = keep.reshape(-1, *(1,) * (data._rows.ndim - 1))
-        return data._like(jnp.where(mask, data._rows, jnp.zeros((), data._rows.dtype)))
+        keep = jnp.isin(data.row_ids, asked)
+        mask = keep.reshape(-1, *(1,) * (data.row_values.ndim - 1))
+        return data.like(jnp.where(mask, data.row_values, jnp.zeros((), data.row_values.dtype)))
     asked_ids = np.unique(_host_ids(np.ravel(np.asarray(wanted)), "retain"))
     bad = asked_ids[(asked_ids < 0) | (asked_ids >= data.shape[0])]
     if len(bad):
@@ -883,14 +890,14 @@ def retain(data: RowSparseNDArray, indices: Any) -> RowSparseNDArray:
             f"retain: expected row ids in [0, {data.shape[0]}) for shape {data.shape}, given "
             f"{bad[:8].tolist()}"
         )
-    ids = np.asarray(data._ids)
-    device = data._device()
+    ids = np.asarray(data.row_ids)
+    device = data.jax_device()
     if not len(ids) or not len(asked_ids):
         return _empty(data.shape, device, data.dtype)
     at = np.minimum(np.searchsorted(ids, asked_ids), len(ids) - 1)
     found = ids[at] == asked_ids
     placed = jax.device_put((at.astype(_HELD_IDS), found, asked_ids.astype(_HELD_IDS)), device)
-    return data._like(_take_found(data._rows, placed[0], placed[1]), placed[2])
+    return data.like(_take_found(data.row_values, placed[0], placed[1]), placed[2])
 
 
 def add(lhs: Any, rhs: Any) -> Any:

@@ -68,7 +68,7 @@ from jaxkv._src.rows.kernels import (
     update_rows,
 )
 from jaxkv._src.state.kvstate import Key, KVState, normalize_key
-from jaxkv._src.state.kvstate import _spans_processes as _state_spans_processes
+from jaxkv._src.state.kvstate import spans_processes as _state_spans_processes
 from jaxkv._src.state.pairing import as_array, devices_of, is_traced
 from jaxkv._src.state.placement import replicate
 
@@ -91,7 +91,7 @@ def _table(state: KVState, key: Any, what: str) -> tuple[Key, int, tuple[int, ..
     return key, i, shape
 
 
-def _host_ids(key: Key, row_ids: Any, n_rows: int) -> np.ndarray:
+def host_ids(key: Key, row_ids: Any, n_rows: int) -> np.ndarray:
     """Eager row ids, flattened, as int32 on the host; refused unless whole numbers in
     ``[0, n_rows)`` (MXNet's ids are often float32, ``mx.nd.array``'s default)."""
     if hasattr(row_ids, "asnumpy"):
@@ -115,7 +115,7 @@ def _host_ids(key: Key, row_ids: Any, n_rows: int) -> np.ndarray:
     return ids.astype(np.int32)
 
 
-def _fetched(row_ids: list) -> list:
+def ids_on_host(row_ids: list) -> list:
     """``row_ids`` with every id array on a device copied to the host in one transfer (one
     ``device_get`` each would wait for each in turn)."""
     row_ids = [x.asjax() if hasattr(x, "asjax") else x for x in row_ids]
@@ -203,11 +203,11 @@ def pull_rows(
         asked = jax.lax.all_gather(ids, axis)  # every device's request
         part = take(value, asked, jax.lax.axis_index(axis) * block)
         return jax.lax.psum_scatter(part, axis, scatter_dimension=0)
-    if _spans_processes(state):
+    if spans_processes(state):
         return _pull_across(state, key, i, shape, row_ids, devices)
     if _per_device(row_ids):
         return _pull_per_device(state, key, i, shape, list(row_ids), devices)
-    ids = _host_ids(key, row_ids, shape[0])
+    ids = host_ids(key, row_ids, shape[0])
     out = _eager_take(state, key, i, ids)
     if devices is not None:
         out = replicate([out], devices_of(devices))[0]
@@ -234,7 +234,7 @@ def _pull_per_device(
             f"key {key!r}: expected one row_ids per device ({len(targets)} devices), given "
             f"{len(row_ids)} row_ids"
         )
-    ids = [_host_ids(key, x, shape[0]) for x in _fetched(row_ids)]
+    ids = [host_ids(key, x, shape[0]) for x in ids_on_host(row_ids)]
     leaf = _own_leaf(state, i)
     sizes = {x.size for x in ids}
     if (
@@ -242,7 +242,7 @@ def _pull_per_device(
         or len(sizes) != 1
         or leaf is None
         or len(targets) == 1
-        or _spans_processes(state)
+        or spans_processes(state)
     ):
         return [_place(_eager_take(state, key, i, x), d) for x, d in zip(ids, targets)]
     asked = _split_ids(state, row_ids, ids)
@@ -288,7 +288,7 @@ def slots(most: int) -> int:
     return -(-most // step) * step
 
 
-def _spans_processes(state: KVState) -> bool:
+def spans_processes(state: KVState) -> bool:
     return _state_spans_processes(state.devices)
 
 
@@ -405,7 +405,7 @@ def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = No
         if block is not None:
             lo = jax.lax.axis_index(_axis(state, None, key)) * block
         return put(jnp.zeros_like(value), ids, take(value, ids, lo), lo)
-    ids = _host_ids(key, row_ids, shape[0])
+    ids = host_ids(key, row_ids, shape[0])
     leaf = _own_leaf(state, i)
     # Whole on the store's devices where the store keeps it so, as a pull gives it (a result
     # that needs no input, no ids at all, would otherwise land on one device).
@@ -541,7 +541,7 @@ def pushpull_rows(
         and many
         and (not isinstance(pull_ids, list | tuple) or len(pull_ids) != len(rows))
     ):
-        with _checking(state, key):  # across processes, a refusal is every process's
+        with checking(state, key):  # across processes, a refusal is every process's
             raise ShapeError(
                 f"key {key!r}: pushpull_rows with {len(rows)} pairs expects a list of "
                 f"{len(rows)} pull_ids, one per pair"
@@ -550,11 +550,11 @@ def pushpull_rows(
     plan: Any = _SAME if pull_ids is None else None
     if pull_ids is not None and not traced:  # checked before the push can donate
         n_rows = _table(state, key, "pushpull_rows")[2][0]
-        with _checking(state, key):
+        with checking(state, key):
             if many:
-                plan = (list(pull_ids), [_host_ids(key, x, n_rows) for x in _fetched(asked)])
+                plan = (list(pull_ids), [host_ids(key, x, n_rows) for x in ids_on_host(asked)])
             else:
-                _host_ids(key, pull_ids, n_rows)
+                host_ids(key, pull_ids, n_rows)
     state, pulled = _push(state, key, row_ids, rows, updater, axis_name, donate, plan)
     if pulled is not None:
         return state, pulled
@@ -606,10 +606,10 @@ def _push(
     if checked is not None:
         host = list(zip(checked, [r for _, r in pairs]))
     else:
-        with _checking(state, key):
+        with checking(state, key):
             host = _host_pairs(key, shape, dtype, pairs)
     across = None
-    if _spans_processes(state):  # agreed before anything runs (init_opt_states may compute)
+    if spans_processes(state):  # agreed before anything runs (init_opt_states may compute)
         across = _across_pairs(state, key, shape, host)
     if optax_push and state.opt_group(key) is None:
         from jaxkv._src.core.eager import init_opt_states
@@ -657,10 +657,10 @@ def _host_pairs(
 ) -> list[tuple[np.ndarray, Any]]:
     """The pairs with their ids on the host, each pair checked."""
     host = []
-    fetched = _fetched([ids for ids, _ in pairs])
+    fetched = ids_on_host([ids for ids, _ in pairs])
     for j, (ids, r) in enumerate(zip(fetched, [r for _, r in pairs])):
         what = "the rows" if len(pairs) == 1 else f"rows {j}"
-        ids = _host_ids(key, ids, shape[0])
+        ids = host_ids(key, ids, shape[0])
         _check_rows(key, shape, dtype, ids.size, r, what)
         host.append((ids, r))
     return host
@@ -673,7 +673,7 @@ def _opened(
     per device) and, for an optax updater, the optimizer group it updates. Returns ``(key,
     position, shape, pairs, group)``."""
     key, i, shape = _table(state, key, "push_rows")
-    with _checking(state, key):
+    with checking(state, key):
         pairs = [(ids, _unwrapped(r)) for ids, r in _pairs(key, row_ids, rows)]
     group = None
     if isinstance(updater, optax.GradientTransformation):
@@ -686,7 +686,7 @@ def check_push(state: KVState, key: Any, row_ids: Any, rows: Any, updater: Any) 
     raised now, for a push that runs later (the imperative store's held push); returns the
     checked ids on the host, one array per pair, for :func:`pushpull_checked`."""
     key, i, shape, pairs, _ = _opened(state, key, row_ids, rows, updater)
-    with _checking(state, key):
+    with checking(state, key):
         host = _host_pairs(key, shape, state.stored_type(i).dtype, pairs)
     return [x for x, _ in host]
 
@@ -734,7 +734,7 @@ def _routed(
         or [next(iter(r.devices())) if len(r.devices()) == 1 else None for _, r in host]
         != list(devices)
         or len({r.dtype for _, r in host}) != 1
-        or _spans_processes(state)
+        or spans_processes(state)
     ):
         return None
     if not _owners_alone(state, key, shape, updater, n):
@@ -801,14 +801,14 @@ def _agreed(key: Key, values: tuple[int, int], refused: bool = False) -> tuple[i
 
 
 @contextlib.contextmanager
-def _checking(state: KVState, key: Any) -> Iterator[None]:
+def checking(state: KVState, key: Any) -> Iterator[None]:
     """Checks of this process's arguments to a row operation: where the store spans processes,
     a refusal is told to the others in the all-gather they meet next (:func:`_agreed`), so that
     every process raises, not this one alone while the others wait for it."""
     try:
         yield
     except KVStoreError:
-        if _spans_processes(state):
+        if spans_processes(state):
             _agreed(key, (0, 0), refused=True)
         raise
 
@@ -835,9 +835,9 @@ def _pull_across(
     local = _local_devices(state)
     leaf = _own_leaf(state, i)
     per = _per_device(row_ids)
-    with _checking(state, key):
-        given = _fetched(list(row_ids) if per else [row_ids])
-        asked = [_host_ids(key, x, shape[0]) for x in given]
+    with checking(state, key):
+        given = ids_on_host(list(row_ids) if per else [row_ids])
+        asked = [host_ids(key, x, shape[0]) for x in given]
         if per and len(asked) != len(local):
             raise ShapeError(
                 f"key {key!r}: expected one row_ids per device of this process ({len(local)}), "

@@ -86,7 +86,7 @@ def _bucketed(
         return (False,) * len(shapes)
     # Across processes values stay whole in each (as per key: a split would cost an
     # all-gather at each pull and save nothing in the push).
-    split = split and not _spans_processes(devices)
+    split = split and not spans_processes(devices)
     n = len(devices)
     return tuple(
         math.prod(shape) < below and (split or not _is_sharded(shape, n, bound)) for shape in shapes
@@ -110,7 +110,7 @@ def _deferred(
 
 
 @functools.lru_cache(maxsize=64)
-def _mesh(devices: tuple[jax.Device, ...]) -> Mesh:
+def mesh_over(devices: tuple[jax.Device, ...]) -> Mesh:
     return Mesh(np.array(devices, dtype=object), (AXIS,))
 
 
@@ -474,7 +474,7 @@ class KVState:
         """The store's one-axis mesh over :attr:`devices`: the mesh given to :func:`empty`, or
         one of its own (axis name ``'kv'``, or the ``axis_name`` given to :func:`empty`)."""
         mesh = self.user_mesh
-        return _mesh(self._devices) if mesh is None else mesh
+        return mesh_over(self._devices) if mesh is None else mesh
 
     @property
     def axis(self) -> str:
@@ -700,7 +700,7 @@ class KVState:
         leaves = jax.tree_util.tree_leaves(self)
         if not leaves or not all(isinstance(x, jax.Array) for x in leaves):
             return self  # traced, or abstract: a computation places its own results
-        if any(isinstance(x, jax.core.Tracer) for x in leaves) or _spans_processes(self._devices):
+        if any(isinstance(x, jax.core.Tracer) for x in leaves) or spans_processes(self._devices):
             return self  # (across processes buckets are whole: their views are replicated)
         mesh = self.mesh
         shardings = jax.tree_util.tree_map(
@@ -729,7 +729,7 @@ class KVState:
         bucketed = self._bucketed(shapes, compression)
         if inside is not None:
             bucketed = [b and k in inside for k, b in zip(keys, bucketed)]
-        split = split and not _spans_processes(self._devices)
+        split = split and not spans_processes(self._devices)
         if not any(bucketed):
             return None
         flat = _fl.plan(
@@ -882,7 +882,7 @@ def _pack_opt(
     return packing, list(_fl.run("flat optimizer pack", _fl.eager_pack_opt(packing), opt))
 
 
-def _spans_processes(devices: tuple[jax.Device, ...]) -> bool:
+def spans_processes(devices: tuple[jax.Device, ...]) -> bool:
     me = jax.process_index()
     return any(d.process_index != me for d in devices)
 

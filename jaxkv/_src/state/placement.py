@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import assemble, per_device, single_device
 from jaxkv._src.processes import order as collective_order
-from jaxkv._src.state.kvstate import Key, KVState, _mesh
+from jaxkv._src.state.kvstate import Key, KVState, mesh_over
 from jaxkv._src.state.pairing import is_traced
 
 __all__ = [
@@ -169,7 +169,7 @@ def replicate(values: Sequence[jax.Array], devices: tuple[jax.Device, ...]) -> l
     if len(devices) == 1:
         sharding = SingleDeviceSharding(devices[0])
     else:
-        sharding = NamedSharding(_mesh(devices), PartitionSpec())
+        sharding = NamedSharding(mesh_over(devices), PartitionSpec())
     if all(v.is_fully_addressable for v in values):
         return _device_put(list(values), sharding)
     # A multi-process job: each process copies from a whole copy of its own (gathered first

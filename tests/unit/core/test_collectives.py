@@ -46,7 +46,7 @@ def test_fused_psum_scatter_leaves_each_device_its_rows_of_each_block():
 
 
 def test_blocks_at_the_scatter_fusion_limit_are_summed_alone_and_the_rest_together():
-    limit = collectives._SCATTER_FUSE_LIMIT
+    limit = collectives.SCATTER_FUSE_LIMIT
     shapes = [(limit,), (limit - 2,), (4,), (2, 3)]
     stacked = _per_device(shapes, seed=2)
     scatter = [True, True, True, False]

@@ -28,9 +28,9 @@ def test_a_pull_runs_after_the_pushes_of_its_key_held_before_it():
     h.hold_pull("a", [second], "store")  # after a's first push: pulls[1]
     h.hold_pull("b", [third], "store")  # b pushed nothing: pulls[0]
     assert h.pulls == [[("a", [first]), ("b", [third])], [("a", [second])]]
-    assert first._owed == second._owed == third._owed == "store"
+    assert first.owed_by == second.owed_by == third.owed_by == "store"
     h.release()
-    assert first._owed is second._owed is third._owed is None
+    assert first.owed_by is second.owed_by is third.owed_by is None
 
 
 def test_keys_lists_every_key_a_held_call_names_once():
