@@ -25,6 +25,7 @@ from jaxkv._src.core.updater import apply_updater
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import single_device
 from jaxkv._src.processes import order as collective_order
+from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.buckets import as_blocks, block, from_blocks
 from jaxkv._src.state.kvstate import Key, KVState
 from jaxkv._src.state.placement import host_empty, place, stacked
@@ -473,7 +474,7 @@ def _build_push_flat(
         stored = [held[i] for i in index]
         pushed = [x.astype(s.dtype) for x, s in zip(pushed, stored)]
         inputs.update(id(x) for x in pushed)
-        split = [i for i in stacked if state.split_parts(index[i]) > 1]
+        split = [i for i in stacked if _fl.split_parts(state, index[i]) > 1]
         grids = _sum_split(placement, state, keys, split, pushed) if split else {}
         rest = [i for i in stacked if i not in split]
         if rest:
@@ -487,7 +488,7 @@ def _build_push_flat(
         mesh = placement.mesh
         return jax.tree_util.tree_map(
             lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),
-            new.leaf_specs(axis),
+            _fl.leaf_specs(new, axis),
             new,
         )
 

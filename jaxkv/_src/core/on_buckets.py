@@ -34,6 +34,7 @@ import optax
 from jax.extend import core as jex
 
 from jaxkv._src.core.on_blocks import ELEMENTWISE, keeps_shape, sub_jaxpr
+from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.buckets import as_blocks
 from jaxkv._src.state.kvstate import Key, KVState
 
@@ -72,7 +73,7 @@ def update_bucket(
     if packing is None or len(buckets) != 1:
         return None
     (b,) = buckets
-    chunked = state.chunked(positions[0])
+    chunked = _fl.chunked(state, positions[0])
     if not packing.families and state.devices[0].platform == "cpu" and flat.parts_of(b) == 1:
         # No per-key state (sgd): on CPU, writing each key's new value into the bucket in
         # place measured faster than gathering the gradients into one buffer first (ResNet-50's
@@ -120,7 +121,7 @@ def update_bucket(
     opt_state = jax.tree_util.tree_unflatten(treedef, list(packed))
     updates, opt_state = updater.update({_BUCKET: summed}, opt_state, params)
     new = optax.apply_updates(params, updates)[_BUCKET].astype(dtype)
-    return state.with_leaves({b: new}, {n: tuple(jax.tree_util.tree_leaves(opt_state))})
+    return _fl.with_leaves(state, {b: new}, {n: tuple(jax.tree_util.tree_leaves(opt_state))})
 
 
 def _template(updater: Any, size: int, name: str) -> tuple[Any, list] | None:

@@ -28,6 +28,7 @@ from jaxkv._src.core.eager import init_opt_states, push_eager, push_eager_flat
 from jaxkv._src.core.traced import gather, is_block, push_in_trace
 from jaxkv._src.core.updater import Updater, optimizer_group
 from jaxkv._src.errors import DuplicateKeyError, KeyTypeError, KVStoreError, ShapeError
+from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.kvstate import Key, KVState, check_compressible, key_kind
 from jaxkv._src.state.pairing import MISSING, as_array, devices_of, group, is_traced, pairs
 from jaxkv._src.state.placement import copies, put, replicate
@@ -172,7 +173,7 @@ def push(
     index = [state.index(k) for k in grouped]
     flat = state.flat_layout is not None
     if flat:  # its views are slices of the buckets: made inside the push's computation
-        stored = [state.stored_type(i) for i in index]
+        stored = [_fl.stored_type(state, i) for i in index]
         traced = any(is_traced(x) for x in jax.tree_util.tree_leaves(state))
     else:
         stored = [state.stored_values[i] for i in index]
@@ -240,7 +241,7 @@ def pull(
         values = [whole[state.keys()[state.index(k)]] for k in keys]
     if devices is not None:
         target = devices_of(devices)
-        if target != state.devices or any(state.is_split(state.index(k)) for k in keys):
+        if target != state.devices or any(_fl.is_split(state, state.index(k)) for k in keys):
             values = replicate(values, target)
     return values[0] if single else values
 
@@ -262,7 +263,7 @@ def specs(state: KVState, axis_name: Any) -> KVState:
       >>> tuple(sp.values["b"]), tuple(sp.values["w"])
       ((), ('d',))
     """
-    return state.leaf_specs(axis_name)
+    return _fl.leaf_specs(state, axis_name)
 
 
 def init_optimizer(state: KVState, optimizer: Any, keys: Any = None) -> KVState:

@@ -29,6 +29,7 @@ from jaxkv._src.core.eager import Donate, Kind, flat_push_fn, push_fn
 from jaxkv._src.core.updater import optimizer_group
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import all_eager, assemble, per_device, single_device
+from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.kvstate import KVState, normalize_key
 from jaxkv._src.state.pairing import devices_of, group
 from jaxkv._src.state.placement import for_outs, stacked_sharding
@@ -355,7 +356,7 @@ def _pull_plan(state: KVState, ckeys: tuple, devices: Any) -> Any:
     if devices is not None:
         if devices_of(devices) != state.devices:
             return _NO_PLAN
-        if any(state.is_split(i) for i in index):
+        if any(_fl.is_split(state, i) for i in index):
             return _NO_PLAN
     return _PullPlan(state.keys(), state.key_shapes, state.groups, index)
 
@@ -444,7 +445,7 @@ def _fill_plan(state: KVState, ckeys: tuple, per: int) -> Any:
         index = [state.index(k) for k in ckeys]
     except KVStoreError:  # the general path refuses it
         return _NO_PLAN
-    if any(state.is_split(i) for i in index):
+    if any(_fl.is_split(state, i) for i in index):
         return _NO_PLAN
     held = state.stored_values
     if not all_eager([held[i] for i in index]):

@@ -46,6 +46,7 @@ from jaxkv._src.core.on_buckets import update_bucket
 from jaxkv._src.core.updater import apply_updater
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import all_gather_invariant
+from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.buckets import as_blocks, block_shape, from_blocks
 from jaxkv._src.state.kvstate import Key, KVState
 
@@ -55,8 +56,8 @@ __all__ = ["gather", "is_block", "push_in_trace"]
 def is_block(state: KVState, key: Key, leaf: Any) -> bool:
     """Whether ``leaf`` (the stored value of ``key``) is only this device's block."""
     i = state.index(key)
-    if state.split_parts(i) > 1:  # in a split bucket: a block where the bucket is a chunk
-        return state.chunked(i)
+    if _fl.split_parts(state, i) > 1:  # in a split bucket: a block where the bucket is a chunk
+        return _fl.chunked(state, i)
     return tuple(leaf.shape) != state.shapes[key]
 
 
@@ -64,7 +65,7 @@ def _expected_block(state: KVState, key: Key, n: int) -> tuple[int, ...] | None:
     """The shape of ``key``'s block over ``n`` devices, or ``None`` if it cannot have one: rows
     along axis 0, or in a split bucket its flattened value's ``1/n`` (padded)."""
     whole = state.shapes[key]
-    parts = state.split_parts(state.index(key))
+    parts = _fl.split_parts(state, state.index(key))
     if parts > 1:
         return block_shape(whole, parts) if parts == n else None
     if not whole or whole[0] % n:
@@ -107,7 +108,7 @@ def gather(state: KVState, values: Mapping[Key, Any], axis_name: Any) -> dict[Ke
     flat = state.flat_layout
     together: dict[int, list[Key]] = {}  # split bucket -> its blocked keys, in key order
     for key in sorted(set(blocked), key=state.index):
-        if state.split_parts(state.index(key)) > 1:
+        if _fl.split_parts(state, state.index(key)) > 1:
             assert flat is not None  # split buckets exist only in a flat state
             together.setdefault(flat.where[state.index(key)][0], []).append(key)
     whole: dict[Key, Any] = {}
@@ -243,7 +244,7 @@ def push_in_trace(
     if any(blocks):
         n = _block_size(state, {k: s for k, s, b in zip(keys, stored, blocks) if b}, names)
     index = [state.index(k) for k in keys]
-    chunked = [state.chunked(i) for i in index]
+    chunked = [_fl.chunked(state, i) for i in index]
 
     # Sum each key's contributions on this device, then over the axes: those still to be
     # summed over the same axes together, so that a value already summed (invariant) is not
@@ -389,7 +390,7 @@ def _on_chunks(
     gathered = {
         k
         for k in keys
-        if state.chunked(state.index(k)) and block_shape(shapes[k], n) != _rows(shapes[k], n)
+        if _fl.chunked(state, state.index(k)) and block_shape(shapes[k], n) != _rows(shapes[k], n)
     }
 
     def whole(k: Key, x: Any) -> Any:
@@ -407,7 +408,7 @@ def _on_chunks(
             for first, _ in packing.families:
                 family.update((first + j, k) for j, k in enumerate(packing.keys))
     if gathered:  # a padded piece is a block where the updater is elementwise, and only there
-        as_is = [state.chunked(state.index(k)) for k in keys]
+        as_is = [_fl.chunked(state, state.index(k)) for k in keys]
         if optax_push:
             _check_structure(state, updater, keys, stored, opt_state)
             leaves, treedef = jax.tree_util.tree_flatten(opt_state)

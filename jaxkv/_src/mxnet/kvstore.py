@@ -37,6 +37,7 @@ from jaxkv._src.mxnet.optimizer import Optimizer as MXNetOptimizer
 from jaxkv._src.processes import host as host_collectives
 from jaxkv._src.processes import join as job
 from jaxkv._src.rows import ops as _rows
+from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state import pairing as _args
 from jaxkv._src.state import placement as _arrays
 from jaxkv._src.state.kvstate import BIGARRAY_BOUND, Key, KVState, empty, spans_processes
@@ -697,7 +698,9 @@ class KVStore:
         memory)."""
         if self._keep_values is None:
             state = self._state
-            self._keep_values = not any(state.is_split(i) for i in range(len(state.key_shapes)))
+            self._keep_values = not any(
+                _fl.is_split(state, i) for i in range(len(state.key_shapes))
+            )
         return self._keep_values
 
     def _share(self, state: KVState) -> None:
@@ -894,8 +897,8 @@ class KVStore:
         outs_of: dict[Any, list[NDArray]] = {}
         for k, outs in pairs:
             outs_of.setdefault(k, []).extend(outs)
-        small = [k for k in outs_of if not state.is_split(state.index(k))]
-        big = [k for k in outs_of if state.is_split(state.index(k))]
+        small = [k for k in outs_of if not _fl.is_split(state, state.index(k))]
+        big = [k for k in outs_of if _fl.is_split(state, state.index(k))]
         position: dict[Any, int] = {}
 
         def hand_out(keys: list[Key], values: list[jax.Array]) -> None:

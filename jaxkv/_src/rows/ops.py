@@ -67,6 +67,7 @@ from jaxkv._src.rows.kernels import (
     take,
     update_rows,
 )
+from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.kvstate import Key, KVState, normalize_key
 from jaxkv._src.state.kvstate import spans_processes as _state_spans_processes
 from jaxkv._src.state.pairing import as_array, devices_of, is_traced
@@ -140,7 +141,7 @@ def _block_rows(state: KVState, key: Key, leaf: Any) -> int | None:
     """Inside ``shard_map``: the rows of this device's block of ``key`` (``None``: ``leaf`` is
     the whole value); refuses a block that is not whole rows."""
     shape = state.shapes[key]
-    if tuple(leaf.shape) == shape and not state.chunked(state.index(key)):
+    if tuple(leaf.shape) == shape and not _fl.chunked(state, state.index(key)):
         return None
     if tuple(leaf.shape[1:]) != shape[1:]:
         raise KVStoreError(
@@ -375,7 +376,7 @@ def _bucket_push(
         state.mesh, state.axis, key, off, shape, split, updater, packing, families, donate
     )
     value, opt = collective_order.ordered("push_rows", fn, state.leaves[b], opt, ids, rows)
-    return state.with_leaves({b: value}, {} if n is None else {n: opt})
+    return _fl.with_leaves(state, {b: value}, {} if n is None else {n: opt})
 
 
 # -- row_sparse_pull --------------------------------------------------------------------------
@@ -589,7 +590,7 @@ def _push(
     ``(given, checked)``, the ids to pull per device as given and checked on the host.
     ``checked``: the pairs' ids, already checked on the host (:func:`check_push`)."""
     key, i, shape, pairs, group = _opened(state, key, row_ids, rows, updater)
-    dtype = state.stored_type(i).dtype
+    dtype = _fl.stored_type(state, i).dtype
     optax_push = isinstance(updater, optax.GradientTransformation)
     traced = (
         _traced_leaves(state)
@@ -633,7 +634,7 @@ def _push(
             fn = routed_push(state.mesh, state.axis, key, updater, donate, c, back)
             opt = None if n is None else state.group_states[n]
             out = collective_order.ordered("push_rows", fn, state.leaves[leaf], opt, *args)
-            new = state.with_leaves({leaf: out[0]}, {} if n is None else {n: out[1]})
+            new = _fl.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]})
             return new, None if back is None else per_device(out[2])
     ids, rows = _gathered(state, key, host, dtype)
     place = _in_bucket(state, i)
@@ -647,7 +648,7 @@ def _push(
         )
         opt = None if n is None else state.group_states[n]
         value, opt = collective_order.ordered("push_rows", fn, state.leaves[leaf], opt, ids, rows)
-        return state.with_leaves({leaf: value}, {} if n is None else {n: opt}), None
+        return _fl.with_leaves(state, {leaf: value}, {} if n is None else {n: opt}), None
     fn = state_push(key, shape[0], updater, donate)
     return collective_order.ordered("push_rows", fn, state, ids, rows), None
 
@@ -687,7 +688,7 @@ def check_push(state: KVState, key: Any, row_ids: Any, rows: Any, updater: Any) 
     checked ids on the host, one array per pair, for :func:`pushpull_checked`."""
     key, i, shape, pairs, _ = _opened(state, key, row_ids, rows, updater)
     with checking(state, key):
-        host = _host_pairs(key, shape, state.stored_type(i).dtype, pairs)
+        host = _host_pairs(key, shape, _fl.stored_type(state, i).dtype, pairs)
     return [x for x, _ in host]
 
 
@@ -754,7 +755,7 @@ def _owners_alone(
     if not isinstance(updater, optax.GradientTransformation):
         return True
     opt = state.group_states[n]  # type: ignore[index]
-    name = np.dtype(state.stored_type(state.index(key)).dtype).name
+    name = np.dtype(_fl.stored_type(state, state.index(key)).dtype).name
     sig = _structure(opt)
     try:
         return _elementwise_rows(updater, key, tuple(shape), name, sig)
@@ -877,7 +878,7 @@ def _across_pairs(
     process and the busiest route of a sharded table, agreed (:func:`_agreed`)."""
     local = _local_devices(state)
     placed = [next(iter(r.devices())) if len(r.devices()) == 1 else None for _, r in host]
-    dtype = state.stored_type(state.index(key)).dtype
+    dtype = _fl.stored_type(state, state.index(key)).dtype
     if len(host) == len(local) and placed == local:
         pairs = [(ids, r.astype(dtype)) for ids, r in host]
     else:
@@ -921,7 +922,7 @@ def _push_across(
         value, opt = collective_order.ordered(
             "push_rows", fn, state.leaves[leaf], opt, padded, _global(state, rows)
         )
-        return state.with_leaves({leaf: value}, {} if n_group is None else {n_group: opt})
+        return _fl.with_leaves(state, {leaf: value}, {} if n_group is None else {n_group: opt})
     stacked_ids = _global(state, [_padded_ids(x, n, -1) for x, _ in pairs])
     stacked = _global(state, rows)
     if leaf is not None and (n_group is None or state.packings[n_group] is None):
@@ -929,7 +930,7 @@ def _push_across(
         value, opt = collective_order.ordered(
             "push_rows", fn, state.leaves[leaf], opt, stacked_ids, stacked
         )
-        return state.with_leaves({leaf: value}, {} if n_group is None else {n_group: opt})
+        return _fl.with_leaves(state, {leaf: value}, {} if n_group is None else {n_group: opt})
     fn = state_push(key, shape[0], updater, donate)
     return collective_order.ordered("push_rows", fn, state, stacked_ids, stacked)
 
@@ -981,7 +982,7 @@ def _push_traced(
     group: tuple[Key, ...] | None,
 ) -> KVState:
     """``push_rows`` inside the caller's trace (``jit``, ``pmap`` or ``shard_map``)."""
-    dtype = state.stored_type(state.index(key)).dtype
+    dtype = _fl.stored_type(state, state.index(key)).dtype
     ids_list, rows_list = [], []
     for n, (ids, r) in enumerate(pairs):
         ids = _traced_ids(ids)

@@ -32,13 +32,17 @@ import dataclasses
 import functools
 import math
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jaxkv._src.processes import order as collective_order
+
+if TYPE_CHECKING:  # (a type only: kvstate imports this module)
+    from jaxkv._src.state.kvstate import KVState
 
 Key = Hashable  # an int or a str (``_state.Key``; this module sits below ``_state.py``)
 
@@ -528,3 +532,103 @@ def write_opt(packing: Packing, old: Sequence[Any], opt_state: Any) -> list[Any]
             out.append(flat[i])
             i += 1
     return out
+
+
+# -- a state's keys in its buckets ----------------------------------------------------------
+def chunked(state: KVState, i: int) -> bool:
+    """Whether key position ``i`` lives in a split bucket whose leaf here is only this
+    device's chunk (inside ``shard_map`` with ``jaxkv.specs``): its value is then its
+    block."""
+    flat = state.flat_layout
+    if flat is None:
+        return False
+    b = flat.where[i][0]
+    return (
+        b >= 0
+        and flat.parts_of(b) > 1
+        and tuple(np.shape(state.leaves[b])) != (flat.buckets[b][1],)
+    )
+
+
+def is_split(state: KVState, i: int) -> bool:
+    """Whether the value of key position ``i`` is split across the devices rather than
+    whole on each: a value the store shards, or a key of a split bucket (whose eager
+    view XLA may place either way; a pull gathers it)."""
+    if split_parts(state, i) > 1:
+        return True
+    return state.is_sharded(state.key_shapes[i])
+
+
+def split_parts(state: KVState, i: int) -> int:
+    """How many devices key position ``i``'s bucket is split over (1: not split)."""
+    flat = state.flat_layout
+    if flat is None or flat.where[i][0] < 0:
+        return 1
+    return flat.parts_of(flat.where[i][0])
+
+
+def stored_types(state: KVState) -> tuple[Any, ...]:
+    """Each key's stored value, or under a flat layout, for a key in a bucket, a
+    ``jax.ShapeDtypeStruct`` of it: what a check of shapes and dtypes needs, with no
+    computation."""
+    if state.flat_layout is None:
+        return state.leaves
+    return tuple(stored_type(state, i) for i in range(len(state.keys())))
+
+
+def stored_type(state: KVState, i: int) -> Any:
+    """:func:`stored_types` of the key at position ``i`` alone."""
+    flat = state.flat_layout
+    if flat is None:
+        return state.leaves[i]
+    (b, j, _), shape, name = flat.where[i], flat.shapes[i], flat.dtypes[i]
+    if b < 0:
+        return state.leaves[len(flat.buckets) + j]
+    if chunked(state, i):  # inside shard_map: its block of the split bucket
+        return jax.ShapeDtypeStruct(block_shape(shape, flat.parts_of(b)), np.dtype(name))
+    return jax.ShapeDtypeStruct(shape, np.dtype(name))
+
+
+def leaf_specs(state: KVState, axis_name: Any) -> KVState:
+    """This state with each leaf's ``PartitionSpec`` in its place (see ``jaxkv.specs``):
+    sharded values and their optimizer-state leaves split along ``axis_name``; buckets,
+    packed optimizer state and everything else replicated."""
+    split = PartitionSpec(axis_name)
+
+    def spec(x: Any) -> PartitionSpec:
+        return split if state.is_sharded(tuple(x.shape)) else PartitionSpec()
+
+    flat = state.flat_layout
+    if flat is None:
+        leaves = [
+            split if state.is_sharded(shape) else PartitionSpec() for shape in state.key_shapes
+        ]
+    else:
+        leaves = [
+            split if flat.parts_of(b) > 1 else PartitionSpec() for b in range(len(flat.buckets))
+        ] + [spec(x) for x in state.leaves[len(flat.buckets) :]]
+    opts: list[Any] = []
+    for opt, packing in zip(state.group_states, state.packings):
+        if packing is None:
+            opts.append(jax.tree_util.tree_map(spec, opt))
+        else:
+            bucket = set(packing.packed_positions())
+            family = split if packing.parts > 1 else PartitionSpec()
+            opts.append(tuple(family if j in bucket else spec(x) for j, x in enumerate(opt)))
+    residuals = [None if r is None else split for r in state.residual_leaves]
+    return type(state).tree_unflatten(state.tree_flatten()[1], (leaves, opts, residuals))
+
+
+def with_leaves(state: KVState, leaves: dict[int, Any], opts: dict[int, Any]) -> KVState:
+    """This state with some of its value leaves (by position) and optimizer-state entries
+    (by group position; a packed group's entry is its tuple of packed leaves) replaced:
+    the same key set, layout and packings."""
+    new_leaves = list(state.leaves)
+    for i, x in leaves.items():
+        new_leaves[i] = x
+    new_opts = list(state.group_states)
+    for n, x in opts.items():
+        new_opts[n] = x
+    return type(state).tree_unflatten(
+        state.tree_flatten()[1], (new_leaves, new_opts, state.residual_leaves)
+    )

@@ -351,101 +351,11 @@ class KVState:
             if any(isinstance(x, jax.core.Tracer) for x in views):
                 return views  # a state closed over by a trace: its views belong to the trace
         elif all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):  # jax.eval_shape's
-            views = self.stored_types()
+            views = _fl.stored_types(self)
         else:  # other leaves (specs' PartitionSpecs): each key's is its bucket's
             views = tuple(leaves[flat.leaf(i)] for i in range(len(flat.where)))
         object.__setattr__(self, "_views", views)
         return views
-
-    def chunked(self, i: int) -> bool:
-        """Whether key position ``i`` lives in a split bucket whose leaf here is only this
-        device's chunk (inside ``shard_map`` with ``jaxkv.specs``): its value is then its
-        block."""
-        flat = self.flat_layout
-        if flat is None:
-            return False
-        b = flat.where[i][0]
-        return (
-            b >= 0
-            and flat.parts_of(b) > 1
-            and tuple(np.shape(self.leaves[b])) != (flat.buckets[b][1],)
-        )
-
-    def is_split(self, i: int) -> bool:
-        """Whether the value of key position ``i`` is split across the devices rather than
-        whole on each: a value the store shards, or a key of a split bucket (whose eager
-        view XLA may place either way; a pull gathers it)."""
-        if self.split_parts(i) > 1:
-            return True
-        return self.is_sharded(self.key_shapes[i])
-
-    def split_parts(self, i: int) -> int:
-        """How many devices key position ``i``'s bucket is split over (1: not split)."""
-        flat = self.flat_layout
-        if flat is None or flat.where[i][0] < 0:
-            return 1
-        return flat.parts_of(flat.where[i][0])
-
-    def stored_types(self) -> tuple[Any, ...]:
-        """Each key's stored value, or under a flat layout, for a key in a bucket, a
-        ``jax.ShapeDtypeStruct`` of it: what a check of shapes and dtypes needs, with no
-        computation."""
-        if self.flat_layout is None:
-            return self.leaves
-        return tuple(self.stored_type(i) for i in range(len(self._keys)))
-
-    def stored_type(self, i: int) -> Any:
-        """:meth:`stored_types` of the key at position ``i`` alone."""
-        flat = self.flat_layout
-        if flat is None:
-            return self.leaves[i]
-        (b, j, _), shape, name = flat.where[i], flat.shapes[i], flat.dtypes[i]
-        if b < 0:
-            return self.leaves[len(flat.buckets) + j]
-        if self.chunked(i):  # inside shard_map: its block of the split bucket
-            return jax.ShapeDtypeStruct(_fl.block_shape(shape, flat.parts_of(b)), np.dtype(name))
-        return jax.ShapeDtypeStruct(shape, np.dtype(name))
-
-    def leaf_specs(self, axis_name: Any) -> KVState:
-        """This state with each leaf's ``PartitionSpec`` in its place (see ``jaxkv.specs``):
-        sharded values and their optimizer-state leaves split along ``axis_name``; buckets,
-        packed optimizer state and everything else replicated."""
-        split = PartitionSpec(axis_name)
-
-        def spec(x: Any) -> PartitionSpec:
-            return split if self.is_sharded(tuple(x.shape)) else PartitionSpec()
-
-        flat = self.flat_layout
-        if flat is None:
-            leaves = [
-                split if self.is_sharded(shape) else PartitionSpec() for shape in self.key_shapes
-            ]
-        else:
-            leaves = [
-                split if flat.parts_of(b) > 1 else PartitionSpec() for b in range(len(flat.buckets))
-            ] + [spec(x) for x in self.leaves[len(flat.buckets) :]]
-        opts: list[Any] = []
-        for opt, packing in zip(self.group_states, self.packings):
-            if packing is None:
-                opts.append(jax.tree_util.tree_map(spec, opt))
-            else:
-                bucket = set(packing.packed_positions())
-                family = split if packing.parts > 1 else PartitionSpec()
-                opts.append(tuple(family if j in bucket else spec(x) for j, x in enumerate(opt)))
-        residuals = [None if r is None else split for r in self.residual_leaves]
-        return KVState.tree_unflatten(self._aux(), (leaves, opts, residuals))
-
-    def with_leaves(self, leaves: dict[int, Any], opts: dict[int, Any]) -> KVState:
-        """This state with some of its value leaves (by position) and optimizer-state entries
-        (by group position; a packed group's entry is its tuple of packed leaves) replaced:
-        the same key set, layout and packings."""
-        new_leaves = list(self.leaves)
-        for i, x in leaves.items():
-            new_leaves[i] = x
-        new_opts = list(self.group_states)
-        for n, x in opts.items():
-            new_opts[n] = x
-        return KVState.tree_unflatten(self._aux(), (new_leaves, new_opts, self.residual_leaves))
 
     def group_state(self, n: int) -> Any:
         """The optax state of the ``n``-th optimizer group (unpacked: views of its buckets)."""
@@ -617,7 +527,7 @@ class KVState:
         values = dict(values or {})
         compression = self._compression if compression is _KEEP else compression
         shapes = dict(zip(self._keys, self.key_shapes))
-        types = dict(zip(self._keys, self.stored_types()))
+        types = dict(zip(self._keys, _fl.stored_types(self)))
         for k, v in values.items():
             shapes.setdefault(k, tuple(v.shape))
             types[k] = v
@@ -704,7 +614,7 @@ class KVState:
             return self  # (across processes buckets are whole: their views are replicated)
         mesh = self.mesh
         shardings = jax.tree_util.tree_map(
-            lambda spec: NamedSharding(mesh, spec), self.leaf_specs(self.axis)
+            lambda spec: NamedSharding(mesh, spec), _fl.leaf_specs(self, self.axis)
         )
         return jax.device_put(self, shardings)
 
@@ -831,7 +741,7 @@ class KVState:
             positions = tuple(sorted(new))
             write = _fl.eager_write(flat, positions)
             return list(_fl.run("flat write", write, self.leaves, [new[i] for i in positions]))
-        chunked = [k for i, k in enumerate(self._keys) if self.chunked(i)]
+        chunked = [k for i, k in enumerate(self._keys) if _fl.chunked(self, i)]
         if chunked:  # its values here are blocks: they cannot be laid out anew
             raise KVStoreError(
                 f"keys {chunked[:4]}{' ...' if len(chunked) > 4 else ''}: expected whole values "

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.jax_internals import ArrayImpl
+from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.kvstate import Key, KVState, normalize_key
 
 __all__ = ["MISSING", "as_array", "check_value", "devices_of", "group", "is_traced", "pairs"]
@@ -91,7 +92,7 @@ def group(
             whole = stored.shape
         else:
             i = state.index(key)
-            stored, whole = state.stored_type(i), state.key_shapes[i]
+            stored, whole = _fl.stored_type(state, i), state.key_shapes[i]
         arrays = []
         for n, v in enumerate(vs):
             x = as_array(v)

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import assemble, per_device, single_device
 from jaxkv._src.processes import order as collective_order
+from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.kvstate import Key, KVState, mesh_over
 from jaxkv._src.state.pairing import is_traced
 
@@ -92,7 +93,7 @@ def replicated_copies(state: KVState, keys: Sequence[Key]) -> list[jax.Array]:
     CPU devices); replicated ones are copied, so nothing handed out aliases the store.
     """
     values = [state[k] for k in keys]
-    split = [state.is_split(state.index(k)) for k in keys]
+    split = [_fl.is_split(state, state.index(k)) for k in keys]
     sharded = [i for i, s in enumerate(split) if s]
     replicated = [i for i, s in enumerate(split) if not s]
     out: list[Any] = [None] * len(values)
