@@ -296,7 +296,14 @@ def test_gloo_binding(monkeypatch):
     assert dist_join.gloo_binding("127.0.0.1:5") == {"interface": "eth7"}
 
 
-def test_cluster_detection(monkeypatch):
+@pytest.mark.parametrize("route", ["jax", "variables"])
+def test_cluster_detection(monkeypatch, route):
+    """A job is found through JAX's own cluster environments, or, where jaxkv may not use them
+    (another JAX, JAXKV_NO_FAST_PATHS=1), through SLURM's and Open MPI's variables."""
+    if route == "variables":
+        monkeypatch.setattr(dist_join._fast, "cluster_environments", lambda: None)
+    elif dist_join._fast.cluster_environments() is None:
+        pytest.skip("JAX's cluster environments are not available here (the other route runs)")
     for name in list(os.environ):
         if name.startswith(("SLURM_", "OMPI_")):
             monkeypatch.delenv(name)
@@ -318,6 +325,20 @@ def test_cluster_detection(monkeypatch):
     monkeypatch.setenv("OMPI_MCA_orte_hnp_uri", "1531576320.0;tcp://10.96.0.1:34911")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
     assert dist_join.detected_cluster() == "ompi"
+
+
+def test_an_environment_jax_cannot_read_in_full_joins_nothing(monkeypatch):
+    class Half:
+        @classmethod
+        def is_env_present(cls):
+            return True
+
+        @classmethod
+        def get_process_count(cls):
+            raise KeyError("SLURM_NTASKS")
+
+    monkeypatch.setattr(dist_join._fast, "cluster_environments", lambda: [Half])
+    assert dist_join.detected_cluster() is None
 
 
 def test_heartbeat_timeout(monkeypatch):

@@ -5,6 +5,10 @@ handles thousands of arrays). Each is feature-checked: another JAX without the p
 takes the public route, with the same results. ``JAXKV_NO_FAST_PATHS=1`` in the environment
 (read at import) turns every one of them off; the test suite runs a check that way.
 
+It also reads the cluster environments JAX's ``jax.distributed.initialize()`` detects
+(:func:`cluster_environments`: SLURM, Open MPI, Cloud TPU, Kubernetes), so that jaxkv joins
+exactly the jobs JAX would; without them jaxkv reads SLURM's and Open MPI's variables itself.
+
 It also reaches two private hooks of ``jax.distributed`` (:func:`gloo_cpu_backend`,
 :func:`distributed_state`) that let gloo bind to the interface toward the coordinator; without
 them gloo binds to the host name's address.
@@ -31,6 +35,7 @@ __all__ = [
     "all_eager",
     "all_gather_invariant",
     "assemble",
+    "cluster_environments",
     "distributed_state",
     "gloo_cpu_backend",
     "per_device",
@@ -187,3 +192,19 @@ def distributed_state() -> Any:
     except ImportError:  # another JAX
         return None
     return jax_distributed.global_state
+
+
+def cluster_environments() -> list[Any] | None:
+    """The cluster environments ``jax.distributed.initialize()`` with no arguments tries, in its
+    order (``jax._src.clusters.ClusterEnv`` subclasses, those it tries only when asked by name
+    left out), or ``None`` where this JAX does not expose them."""
+    if not ENABLED:
+        return None
+    try:
+        from jax._src.clusters import ClusterEnv
+    except ImportError:  # another JAX
+        return None
+    kinds = getattr(ClusterEnv, "_cluster_types", None)
+    if kinds is None:
+        return None
+    return [env for env in kinds if not getattr(env, "opt_in_only_method", False)]

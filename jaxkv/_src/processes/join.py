@@ -4,9 +4,10 @@ earlier ``jax.distributed.initialize()``.
 The launcher passes the coordinator address, the number of processes, this process's id and the
 number of CPU devices per process in ``JAXKV_*`` environment variables; importing jaxkv in such a
 process joins the job (``jaxkv/__init__.py`` calls :func:`join_launched_job` first), before JAX
-starts its backends. Importing this module joins nothing. Under SLURM (``srun``) or Open MPI
-(``mpirun``) without the launcher, :func:`join_cluster` (a ``dist_sync`` store calls it) joins
-through JAX's own cluster detection. Collectives run on JAX's own engines: gloo between CPU
+starts its backends. Importing this module joins nothing. In a job JAX's own cluster detection
+finds without the launcher (SLURM's ``srun``, Open MPI's ``mpirun``, Cloud TPU, Kubernetes: the
+environments of JAX's ``ClusterEnv``), :func:`join_cluster` (a ``dist_sync`` store calls it)
+joins through that detection. Collectives run on JAX's own engines: gloo between CPU
 processes, NCCL between GPUs.
 
 Gloo's TCP transport binds to one local address and tells its peers to connect there. JAX
@@ -174,8 +175,34 @@ def join_launched_job() -> None:
 
 
 def detected_cluster() -> str | None:
-    """``'slurm'`` or ``'ompi'`` when this process is one task of several in a SLURM step or an
-    Open MPI job (the variables JAX's cluster detection reads), else ``None``."""
+    """The cluster environment JAX's own detection finds (``'slurm'``, ``'ompi'``, ``'k8s'``,
+    ...) when this process is one task of several there, else ``None``: JAX's ``ClusterEnv``
+    environments, tried in JAX's order, where jaxkv may use them
+    (:func:`jaxkv._src.jax_internals.cluster_environments`); else SLURM's and Open MPI's
+    variables, read here."""
+    environments = _fast.cluster_environments()
+    if environments is None:
+        return _from_variables()
+    for env in environments:
+        try:
+            if not env.is_env_present():
+                continue
+            several = env.get_process_count() > 1
+        except Exception:  # an environment JAX cannot read in full: not a job to join
+            logger.info("jaxkv: %s found but not readable: joining nothing", env.__name__)
+            return None
+        return _short_name(env.__name__) if several else None
+    return None
+
+
+def _short_name(name: str) -> str:
+    """A cluster environment's short name: ``SlurmCluster`` -> ``'slurm'``."""
+    return name.removesuffix("Cluster").lower() or name.lower()
+
+
+def _from_variables() -> str | None:
+    """:func:`detected_cluster` by the variables of SLURM (``srun``) and Open MPI
+    (``mpirun``), the environments JAX's detection reads them from."""
     env = os.environ
     slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
     if all(name in env for name in slurm) and int(env.get("SLURM_NTASKS", "1")) > 1:
@@ -186,7 +213,7 @@ def detected_cluster() -> str | None:
 
 
 def join_cluster() -> bool:
-    """Join a SLURM or Open MPI job through JAX's cluster detection
+    """Join a job JAX's cluster detection finds (:func:`detected_cluster`) through it
     (``jax.distributed.initialize()`` with no arguments), unless ``jax.distributed`` is already
     initialised or no such job is found. Gloo is pinned toward the coordinator JAX picked (the
     step's first node). Returns whether this process is in a multi-process job.
