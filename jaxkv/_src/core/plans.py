@@ -306,6 +306,26 @@ def _run_push(plan: _PushPlan, state: KVState, flat: Sequence[jax.Array]) -> KVS
     )
 
 
+def _planned(plans: _Plans, state: KVState, ckeys: tuple, how: Any, make: Callable) -> Any:
+    """The plan of a read of ``ckeys`` (``how``: where to, or how many outs per key) from
+    states of ``state``'s key set, shapes and placement: cached in ``plans``, made by
+    ``make()`` where none is cached or the cached one was made for another key set."""
+    sig = (
+        id(state.keys()),
+        id(state.key_shapes),
+        state.devices,
+        state.user_mesh,
+        state.bigarray_bound,
+        ckeys,
+        how,
+    )
+    plan = plans.get(sig)
+    if plan is None or (plan is not _NO_PLAN and not _anchored(plan, state)):
+        plan = make()
+        plans.put(sig, plan)
+    return plan
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class _PullPlan:
     keys: tuple
@@ -329,19 +349,7 @@ def pull(state: KVState, keys: Any, devices: Any) -> Any:
         where = tuple(devices)
     else:
         where = (devices,)
-    sig = (
-        id(state.keys()),
-        id(state.key_shapes),
-        state.devices,
-        state.user_mesh,
-        state.bigarray_bound,
-        ckeys,
-        where,
-    )
-    plan = _PULLS.get(sig)
-    if plan is None or (plan is not _NO_PLAN and not _anchored(plan, state)):
-        plan = _pull_plan(state, ckeys, devices)
-        _PULLS.put(sig, plan)
+    plan = _planned(_PULLS, state, ckeys, where, lambda: _pull_plan(state, ckeys, devices))
     if plan is _NO_PLAN:
         return _NO_PLAN
     held = state.stored_values
@@ -396,19 +404,7 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
     ckeys, _, per, flat = call
     if set(map(type, flat)) != {handle}:
         return None
-    sig = (
-        id(state.keys()),
-        id(state.key_shapes),
-        state.devices,
-        state.user_mesh,
-        state.bigarray_bound,
-        ckeys,
-        per,
-    )
-    plan = _FILLS.get(sig)
-    if plan is None or (plan is not _NO_PLAN and not _anchored(plan, state)):
-        plan = _fill_plan(state, ckeys, per)
-        _FILLS.put(sig, plan)
+    plan = _planned(_FILLS, state, ckeys, per, lambda: _fill_plan(state, ckeys, per))
     if plan is _NO_PLAN:
         return None
     data = list(map(_DATA, flat))
