@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -39,12 +39,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxkv._src.errors import KVStoreError
 from jaxkv._src.processes import order as collective_order
 
 if TYPE_CHECKING:  # (a type only: kvstate imports this module)
     from jaxkv._src.state.kvstate import KVState
 
-Key = Hashable  # an int or a str (``_state.Key``; this module sits below ``_state.py``)
+Key = int | str  # as kvstate.Key (this module sits below kvstate.py)
 
 __all__ = [
     "FlatLayout",
@@ -623,12 +624,113 @@ def with_leaves(state: KVState, leaves: dict[int, Any], opts: dict[int, Any]) ->
     """This state with some of its value leaves (by position) and optimizer-state entries
     (by group position; a packed group's entry is its tuple of packed leaves) replaced:
     the same key set, layout and packings."""
-    new_leaves = list(state.leaves)
+    replaced = list(state.leaves)
     for i, x in leaves.items():
-        new_leaves[i] = x
+        replaced[i] = x
     new_opts = list(state.group_states)
     for n, x in opts.items():
         new_opts[n] = x
     return type(state).tree_unflatten(
-        state.tree_flatten()[1], (new_leaves, new_opts, state.residual_leaves)
+        state.tree_flatten()[1], (replaced, new_opts, state.residual_leaves)
     )
+
+
+# -- a state's leaves laid out anew -------------------------------------------------------
+def kept_leaves(
+    state: KVState, keys: tuple[Key, ...], values: dict[Key, Any], flat: FlatLayout | None
+) -> list[Any] | None:
+    """The leaves of a state of ``keys`` in ``flat`` where ``flat`` has this state's
+    buckets, each holding the same keys in the same places (only keys of their own added,
+    removed or moved) and no key in a bucket gets a value: the buckets as they are, and
+    each key of its own's array. ``None`` otherwise (:func:`new_leaves` makes them)."""
+    old = state.flat_layout
+    if flat is None or old is None or flat is old:
+        return None
+    if flat.buckets != old.buckets or flat.parts != old.parts:
+        return None
+    mine = {state.keys()[i]: old.where[i] for i in in_buckets(old)}
+    theirs = in_buckets(flat)
+    if len(theirs) != len(mine) or any(mine.get(keys[i]) != flat.where[i] for i in theirs):
+        return None
+    if any(k in mine for k in values):  # written into its bucket in place
+        return None
+    nb = len(old.buckets)
+    index = state.key_positions
+    own = []
+    for k, (b, _, _) in zip(keys, flat.where):
+        if b >= 0:
+            continue
+        if k in values:
+            own.append(values[k])
+        else:
+            _, j, _ = old.where[index[k]]
+            own.append(state.leaves[nb + j])
+    return list(state.leaves[:nb]) + own
+
+
+def new_leaves(
+    state: KVState, keys: tuple[Key, ...], values: dict[Key, Any], flat: FlatLayout | None
+) -> list[Any]:
+    """The leaves of a state of ``keys`` in layout ``flat``, holding ``values`` (by key)
+    and this state's values for the others."""
+    if flat is None and state.flat_layout is None:
+        held = dict(zip(state.keys(), state.leaves))
+        return [values[k] if k in values else held[k] for k in keys]
+    traced = any(isinstance(x, jax.core.Tracer) for x in [*state.leaves, *values.values()])
+    if flat is not None and flat is state.flat_layout:  # the same keys: write in place
+        index = state.key_positions
+        new = {index[k]: v for k, v in values.items()}
+        if traced or not new:
+            return write(flat, state.leaves, new)
+        positions = tuple(sorted(new))
+        writer = eager_write(flat, positions)
+        return list(run("flat write", writer, state.leaves, [new[i] for i in positions]))
+    blocks = [k for i, k in enumerate(state.keys()) if chunked(state, i)]
+    if blocks:  # its values here are blocks: they cannot be laid out anew
+        raise KVStoreError(
+            f"keys {blocks[:4]}{' ...' if len(blocks) > 4 else ''}: expected whole values "
+            "to lay out anew (new keys, or new optimizer groups, change a flat store's "
+            "buckets), given this device's blocks of split buckets (inside shard_map); "
+            "add keys and make optimizer state before the step"
+        )
+    old: dict[Key, Any] = {}
+    if any(k not in values for k in keys):
+        current = state.stored_values
+        if flat is None and state.flat_layout is not None and not traced:
+            # Fresh views: those cached with this state may be read from it later, and the
+            # new state's pushes may donate its own leaves.
+            current = tuple(eager_values(state.flat_layout, state.leaves))
+        old = dict(zip(state.keys(), current))
+    whole = [values[k] if k in values else old[k] for k in keys]
+    if flat is None:
+        return whole
+    if traced:
+        return pack(flat, whole)
+    return list(run("flat pack", eager_pack(flat), whole))
+
+
+def packed_group_state(
+    group: tuple[Key, ...],
+    shapes: list[tuple[int, ...]],
+    opt: Any,
+    old: KVState,
+    n: int | None,
+    parts: int,
+) -> tuple[Packing, list[Any]]:
+    """The optax state ``opt`` of ``group`` packed by family: written in place into the
+    group's old buckets where it had them, with the same packing."""
+    packing = None if n is None else old.packings[n]
+    if (
+        packing is not None
+        and packing.parts == parts
+        and packing.treedef == jax.tree_util.tree_structure(opt)
+    ):
+        leaves = old.group_states[n]  # type: ignore[index]
+        if any(isinstance(x, jax.core.Tracer) for x in [*leaves, *jax.tree_util.tree_leaves(opt)]):
+            return packing, write_opt(packing, leaves, opt)
+        writer = eager_write_opt(packing)
+        return packing, list(run("flat optimizer write", writer, list(leaves), opt))
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(opt)):
+        return pack_opt(group, shapes, opt, parts)
+    packing = opt_packing(group, shapes, opt, parts)
+    return packing, list(run("flat optimizer pack", eager_pack_opt(packing), opt))

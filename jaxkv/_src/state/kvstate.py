@@ -552,10 +552,10 @@ class KVState:
             compression,
             self._in_buckets() if defer else None,
         )
-        leaves = self._kept_buckets(keys, values, flat)
+        leaves = _fl.kept_leaves(self, keys, values, flat)
         kept = leaves is not None
         if leaves is None:
-            leaves = self._new_leaves(keys, values, flat)
+            leaves = _fl.new_leaves(self, keys, values, flat)
         old_n = {g: n for n, g in enumerate(self.groups)}
         opts, packings = [], []
         for g in order:
@@ -572,7 +572,7 @@ class KVState:
                 assert flat is not None  # packable says so
                 buckets = {flat.where[position[k]][0] for k in g}
                 parts = flat.parts_of(min(buckets)) if len(buckets) == 1 else 1
-                packing, packed = _pack_opt(
+                packing, packed = _fl.packed_group_state(
                     g, [shapes[k] for k in g], opt, self, old_n.get(g), parts
                 )
                 opts.append(tuple(packed))
@@ -692,104 +692,6 @@ class KVState:
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(self)):
             return self
         return self.replace()
-
-    def _kept_buckets(
-        self, keys: tuple[Key, ...], values: dict[Key, Any], flat: _fl.FlatLayout | None
-    ) -> list[Any] | None:
-        """The leaves of a state of ``keys`` in ``flat`` where ``flat`` has this state's
-        buckets, each holding the same keys in the same places (only keys of their own added,
-        removed or moved) and no key in a bucket gets a value: the buckets as they are, and
-        each key of its own's array. ``None`` otherwise (:meth:`_new_leaves` makes them)."""
-        old = self.flat_layout
-        if flat is None or old is None or flat is old:
-            return None
-        if flat.buckets != old.buckets or flat.parts != old.parts:
-            return None
-        mine = {self._keys[i]: old.where[i] for i in _fl.in_buckets(old)}
-        theirs = _fl.in_buckets(flat)
-        if len(theirs) != len(mine) or any(mine.get(keys[i]) != flat.where[i] for i in theirs):
-            return None
-        if any(k in mine for k in values):  # written into its bucket in place
-            return None
-        nb = len(old.buckets)
-        index = self.key_positions
-        own = []
-        for k, (b, _, _) in zip(keys, flat.where):
-            if b >= 0:
-                continue
-            if k in values:
-                own.append(values[k])
-            else:
-                _, j, _ = old.where[index[k]]
-                own.append(self.leaves[nb + j])
-        return list(self.leaves[:nb]) + own
-
-    def _new_leaves(
-        self, keys: tuple[Key, ...], values: dict[Key, Any], flat: _fl.FlatLayout | None
-    ) -> list[Any]:
-        """The leaves of a state of ``keys`` in layout ``flat``, holding ``values`` (by key)
-        and this state's values for the others."""
-        if flat is None and self.flat_layout is None:
-            held = dict(zip(self._keys, self.leaves))
-            return [values[k] if k in values else held[k] for k in keys]
-        traced = any(isinstance(x, jax.core.Tracer) for x in [*self.leaves, *values.values()])
-        if flat is not None and flat is self.flat_layout:  # the same keys: write in place
-            index = self.key_positions
-            new = {index[k]: v for k, v in values.items()}
-            if traced or not new:
-                return _fl.write(flat, self.leaves, new)
-            positions = tuple(sorted(new))
-            write = _fl.eager_write(flat, positions)
-            return list(_fl.run("flat write", write, self.leaves, [new[i] for i in positions]))
-        chunked = [k for i, k in enumerate(self._keys) if _fl.chunked(self, i)]
-        if chunked:  # its values here are blocks: they cannot be laid out anew
-            raise KVStoreError(
-                f"keys {chunked[:4]}{' ...' if len(chunked) > 4 else ''}: expected whole values "
-                "to lay out anew (new keys, or new optimizer groups, change a flat store's "
-                "buckets), given this device's blocks of split buckets (inside shard_map); "
-                "add keys and make optimizer state before the step"
-            )
-        old: dict[Key, Any] = {}
-        if any(k not in values for k in keys):
-            views = self.stored_values
-            if flat is None and self.flat_layout is not None and not traced:
-                # Fresh views: those cached with this state may be read from it later, and the
-                # new state's pushes may donate its own leaves.
-                views = tuple(_fl.eager_values(self.flat_layout, self.leaves))
-            old = dict(zip(self._keys, views))
-        whole = [values[k] if k in values else old[k] for k in keys]
-        if flat is None:
-            return whole
-        if traced:
-            return _fl.pack(flat, whole)
-        return list(_fl.run("flat pack", _fl.eager_pack(flat), whole))
-
-
-def _pack_opt(
-    group: tuple[Key, ...],
-    shapes: list[tuple[int, ...]],
-    opt: Any,
-    old: KVState,
-    n: int | None,
-    parts: int,
-) -> tuple[_fl.Packing, list[Any]]:
-    """The optax state ``opt`` of ``group`` packed by family: written in place into the
-    group's old buckets where it had them, with the same packing."""
-    packing = None if n is None else old.packings[n]
-    if (
-        packing is not None
-        and packing.parts == parts
-        and packing.treedef == jax.tree_util.tree_structure(opt)
-    ):
-        leaves = old.group_states[n]  # type: ignore[index]
-        if any(isinstance(x, jax.core.Tracer) for x in [*leaves, *jax.tree_util.tree_leaves(opt)]):
-            return packing, _fl.write_opt(packing, leaves, opt)
-        write = _fl.eager_write_opt(packing)
-        return packing, list(_fl.run("flat optimizer write", write, list(leaves), opt))
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(opt)):
-        return _fl.pack_opt(group, shapes, opt, parts)
-    packing = _fl.opt_packing(group, shapes, opt, parts)
-    return packing, list(_fl.run("flat optimizer pack", _fl.eager_pack_opt(packing), opt))
 
 
 def spans_processes(devices: tuple[jax.Device, ...]) -> bool:
