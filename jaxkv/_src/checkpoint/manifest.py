@@ -78,7 +78,9 @@ def check_manifest(
                 g,
             )
         else:
-            expect(e.get("key") in counts, f"arrays[{n}] 'key' one of {keys}", e.get("key"))
+            key = e.get("key")  # (JSON's keys are ints or strs; a list cannot be looked up)
+            known = type(key) in (int, str) and key in counts
+            expect(known, f"arrays[{n}] 'key' one of {keys}", key)
         expect(isinstance(e.get("path"), str), f"arrays[{n}] 'path' a str", e.get("path"))
         shape = e.get("shape")
         expect(
@@ -112,7 +114,9 @@ def is_dtype_name(name: Any) -> bool:
     if not isinstance(name, str):  # jnp.dtype(None) would be float64
         return False
     try:
-        jnp.dtype(name)
+        dtype = jnp.dtype(name)
     except TypeError:
         return False
-    return True
+    # A dtype a jax.Array can have: native byte order, and boolean, integer, complex or a
+    # float (ml_dtypes' bfloat16 and float8 types too); not bytes, str, void or big-endian.
+    return dtype.isnative and (dtype.kind in "biuc" or bool(jnp.issubdtype(dtype, jnp.floating)))
