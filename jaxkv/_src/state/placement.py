@@ -199,7 +199,10 @@ def _device_put(values: list[jax.Array], sharding: Any) -> list[jax.Array]:
     of this process go through one host buffer of their own (see :func:`host_copy`)."""
     copies = [host_copy(v) for v in values]
     sources = [v if h is None else h for v, h in zip(values, copies)]
-    return list(jax.device_put(sources, [sharding] * len(values)))
+    # An array already placed so (a view XLA made whole on every device) is copied all the
+    # same: what is handed out must never be the store's own array.
+    alias = [False if h is None else None for h in copies]
+    return list(jax.device_put(sources, [sharding] * len(values), may_alias=alias))
 
 
 def host_copy(x: jax.Array) -> np.ndarray | None:
