@@ -291,10 +291,10 @@ class NDArray:
         return self._binary(o, jnp.power)
 
     def __neg__(self) -> NDArray:
-        return NDArray(-self._data)
+        return NDArray(-self._data, self._dtype)  # (int64 stays int64, as a * -1 does)
 
     def __abs__(self) -> NDArray:
-        return NDArray(jnp.abs(self._data))
+        return NDArray(jnp.abs(self._data), self._dtype)
 
     def __iadd__(self, o: NDArray | ArrayLike) -> NDArray:
         return self._inplace(o, jnp.add)
