@@ -378,8 +378,9 @@ class KVStore:
         return state.key_shapes[state.index(key)]
 
     def run_held(self) -> None:
-        """Run every held call (see :mod:`jaxkv._src.mxnet.held`): the inits, the pulls before their
-        key's push, every push at once, the pulls after it."""
+        """Run every held call (see ``held.py``): the inits, the pulls before their key's push,
+        every push at once, the pulls after it. Package-internal: ``nd.waitall`` and a read of
+        an out run it."""
         with self._lock:
             held, self._held = self._held, None
             if not held:  # (nothing held: no out is owed either)
