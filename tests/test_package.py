@@ -7,6 +7,8 @@ import re
 import tomllib
 from pathlib import Path
 
+import pytest
+
 import jaxkv
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,3 +67,30 @@ def test_make_test_oldest_finds_the_floor():
     assert r"""s/^ *"jax>=\([0-9.]*\)".*/\1/p""" in (ROOT / "Makefile").read_text()
     text = (ROOT / "pyproject.toml").read_text()
     assert re.findall(r'(?m)^ *"jax>=([0-9.]*)"', text) == [_floor("jax")]
+
+
+def test_an_absent_mxnet_module_says_where_its_job_went():
+    """``mx.gluon`` and MXNet's other modules that jaxkv.mx does not have raise an
+    AttributeError naming the module, what takes its place and the migration guide; other
+    unknown names raise Python's usual one."""
+    import jaxkv.mx as mx
+
+    for name in ("gluon", "autograd", "symbol", "module", "profiler"):
+        with pytest.raises(AttributeError, match=rf"jaxkv.mx has no '{name}'.*migrating-from"):
+            getattr(mx, name)
+        assert not hasattr(mx, name)
+    with pytest.raises(AttributeError, match="module 'jaxkv.mx' has no attribute 'nosuch'"):
+        mx.nosuch  # noqa: B018
+    assert mx.kv.create is not None  # what is here is untouched
+
+
+def test_num_gpus_counts_this_processes_gpu_devices(monkeypatch):
+    import jax
+
+    import jaxkv.mx as mx
+    from jaxkv._src import devices
+
+    assert mx.context.num_gpus() == len([d for d in jax.local_devices() if d.platform == "gpu"])
+    fake = [object(), object(), object()]
+    monkeypatch.setattr(devices, "_local_devices", lambda p: fake if p == "gpu" else [])
+    assert mx.context.num_gpus() == 3

@@ -12,7 +12,7 @@ import jax
 
 from jaxkv._src.errors import KVStoreError
 
-__all__ = ["Context", "cpu", "current_context", "gpu"]
+__all__ = ["Context", "cpu", "current_context", "gpu", "num_gpus"]
 
 _PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cpu_pinned": "cpu", "cpu_shared": "cpu"}
 _DEFAULT = threading.local()
@@ -101,6 +101,18 @@ def cpu(device_id: int = 0) -> Context:
 def gpu(device_id: int = 0) -> Context:
     """The ``device_id``-th local GPU device; refused where there is none."""
     return Context("gpu", device_id)
+
+
+def num_gpus() -> int:
+    """How many GPUs this process has: its local JAX GPU devices, those ``gpu(i)`` names (MXNet's
+    ``mx.context.num_gpus()``; 0 where JAX has no GPU backend).
+
+    Examples:
+      >>> import jax, jaxkv.mx as mx
+      >>> mx.context.num_gpus() == len([d for d in jax.local_devices() if d.platform == "gpu"])
+      True
+    """
+    return len(_local_devices("gpu"))
 
 
 def current_context() -> Context:
