@@ -120,3 +120,15 @@ def test_mx_drop_in_names():
     assert isinstance(kv, mx.kv.KVStore) and kv.type == "local"
     with pytest.raises(mx.MXNetError):
         mx.kv.create("nope")
+
+
+def test_an_element_comes_as_shape_one_as_in_mxnet():
+    """MXNet 1.9.1 (recorded): ``nd.array([1, 2, 3])[1]``, ``[-1]`` and ``[1:2]`` have shape
+    ``(1,)``; ``nd.ones((2, 3))[1]`` has ``(3,)``, ``[1, 2]`` and ``[1][2]`` have ``(1,)``."""
+    x = nd.array([1, 2, 3])
+    assert x[1].shape == x[-1].shape == x[1:2].shape == (1,)
+    assert x[1].asnumpy().tolist() == [2.0]
+    y = nd.array(np.arange(6).reshape(2, 3), dtype="int64")
+    assert y[1].shape == (3,)
+    assert y[1, 2].shape == y[1][2].shape == (1,)
+    assert y[1, 2].asnumpy().tolist() == [5] and y[1, 2].dtype == np.int64

@@ -230,7 +230,12 @@ class NDArray:
 
     # -- indexing ----------------------------------------------------------------------------
     def __getitem__(self, index: Any) -> NDArray:
-        return NDArray(self._data[unwrap(index)], self._dtype)
+        """``a[index]``, as MXNet 1.9's NDArray gives it: an element comes as shape ``(1,)``,
+        not a 0-d array (``nd.array([1, 2, 3])[1].shape == (1,)``, as ``ones((2, 3))[1, 2]``)."""
+        out = self._data[unwrap(index)]
+        if out.ndim == 0:
+            out = out.reshape(1)
+        return NDArray(out, self._dtype)
 
     def __setitem__(self, index: Any, value: NDArray | ArrayLike) -> None:
         new = jnp.asarray(unwrap(value), dtype=self._data.dtype)
