@@ -114,8 +114,8 @@ DEFECTS = {
 # recognised by the harness from the outcomes (the generator does not model which rows MXNet
 # stores); the others are marked by the generator.
 DIFFERENCES = {
-    X1: "(X1) row_sparse_pull into a dense out: MXNet refuses it, jaxkv fills it (the rows asked "
-    "for, others zero)",
+    X1: "(X1) row_sparse_pull into a dense out: MXNet refuses it, and so does the drop-in "
+    "(jaxkv.mx); jaxkv.KVStore fills it (the rows asked for, others zero)",
     X2: "(X2) a row-sparse out pulled from a key that stores no rows: MXNet's lists no rows, "
     "jaxkv's lists the ids asked for, as zero rows (the dense values agree)",
     X3: "(X3) row_sparse_pull of a key MXNet stores dense (initialised dense, or last assigned "

@@ -46,7 +46,7 @@ def test_jaxkv_gives_mxnets_outcomes(program, recorded):
     for op, row in zip(program["ops"], rows):
         label = op.get("expect") or op.get("differs")
         what = f"op {row['op']} {json.dumps(op)}: MXNet {row['mxnet']}, jaxkv {row['jaxkv']}"
-        if label is None:
+        if label is None or label == "X1":  # X1: the drop-in now refuses a dense out too
             assert row["verdict"] == "agree", what
         else:
             assert row["verdict"].startswith(f"known difference {label}"), (row["verdict"], what)

@@ -79,13 +79,23 @@ def create(name: str = "local") -> KVStore:
       >>> jaxkv.create("device").type
       'device'
     """
+    return KVStore(_checked_type(name))
+
+
+def create_drop_in(name: str = "local") -> DropInKVStore:
+    """:func:`create` for ``jaxkv.mx.kv.create``: the store refuses what MXNet refuses where
+    jaxkv's own store accepts more (see :class:`DropInKVStore`)."""
+    return DropInKVStore(_checked_type(name))
+
+
+def _checked_type(name: Any) -> str:
     if not isinstance(name, str):
         raise KVStoreError(f"KVStore type: expected a str such as 'local', given {name!r}")
     if name in _NOT_YET:
         raise KVStoreError(f"KVStore type {name!r}: {_NOT_YET[name]}")
     if name not in TYPES:
         raise KVStoreError(f"unknown KVStore type {name!r}: expected one of {list(TYPES)}")
-    return KVStore(name)
+    return name
 
 
 def _from_mxnet_updater(updater: Any) -> Any:
@@ -1017,3 +1027,29 @@ def _holds_ndarrays(x: Any) -> bool:
     if isinstance(x, list | tuple):
         return bool(x) and all(_holds_ndarrays(v) for v in x)
     return isinstance(x, NDArray)
+
+
+class DropInKVStore(KVStore):
+    """The store of the MXNet drop-in (``jaxkv.mx.kv.create``): :class:`KVStore` with MXNet
+    1.9.1's refusals where jaxkv's own store accepts more, so that code written against
+    ``jaxkv.mx`` also runs on MXNet: ``row_sparse_pull`` into a dense out is refused, as
+    MXNet's check does ("Expected row_sparse storage type for row_sparse_pull values")."""
+
+    def row_sparse_pull(
+        self, key: Any, out: Any = None, priority: int = 0, row_ids: Any = None
+    ) -> jax.Array | list[jax.Array] | None:
+        if out is not None:
+            dense = [
+                k
+                for k, outs in _args.pairs(key, out, "outs")
+                for o in outs
+                if not _kvsparse.is_row_sparse(o)
+            ]
+            if dense:
+                raise KVStoreError(
+                    f"key {dense[0]!r}: row_sparse_pull expects row_sparse outs, given a dense "
+                    "out (MXNet: 'Expected row_sparse storage type for row_sparse_pull "
+                    "values'); pull into a dense out, or use jaxkv.KVStore, whose "
+                    "row_sparse_pull fills dense outs too"
+                )
+        return super().row_sparse_pull(key, out, priority, row_ids)

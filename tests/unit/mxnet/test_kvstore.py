@@ -209,3 +209,28 @@ def test_the_stores_other_refusals_change_nothing(devices):
         kv.set_optimizer(lambda g: g)
     assert kv.state.compression == state.compression is None
     assert _value(kv) == [1.0, 2.0] and kv.keys() == ["a"]
+
+
+def test_the_drop_in_refuses_a_dense_out_of_row_sparse_pull_as_mxnet_does(devices):
+    """MXNet 1.9.1 (checked): 'Expected row_sparse storage type for row_sparse_pull values'.
+    jaxkv.mx's store refuses it before anything changes; jaxkv.KVStore fills the dense out."""
+    import jaxkv
+    import jaxkv.mx as mx
+
+    table = np.arange(8, dtype=np.float32).reshape(4, 2)
+    drop_in = mx.kv.create("local")
+    assert isinstance(drop_in, kvstore.DropInKVStore) and isinstance(drop_in, jaxkv.KVStore)
+    own = jaxkv.create("local")
+    for kv in (drop_in, own):
+        kv.init("w", mx.nd.array(table).tostype("row_sparse"))
+    ids = mx.nd.array([1])
+    dense, rows = mx.nd.zeros((4, 2)), mx.nd.sparse.zeros("row_sparse", (4, 2))
+    with pytest.raises(jaxkv.KVStoreError, match=r"'w'.*row_sparse outs.*dense"):
+        drop_in.row_sparse_pull("w", out=[rows, dense], row_ids=[ids, ids])
+    assert rows.row_values.shape[0] == 0  # refused before any out was filled
+    np.testing.assert_array_equal(dense.asnumpy(), np.zeros((4, 2)))
+    drop_in.row_sparse_pull("w", out=rows, row_ids=ids)
+    np.testing.assert_array_equal(rows.asnumpy()[1], table[1])
+    own.row_sparse_pull("w", out=dense, row_ids=ids)  # jaxkv's own store fills it
+    np.testing.assert_array_equal(dense.asnumpy()[1], table[1])
+    np.testing.assert_array_equal(dense.asnumpy()[[0, 2, 3]], 0)
