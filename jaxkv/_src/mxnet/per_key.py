@@ -129,17 +129,21 @@ def _fresh(inner: optax.GradientTransformation, keys: tuple[Key, ...]) -> Any:
     return jax.jit(lambda values: {k: inner.init({k: values[k]}) for k in keys})
 
 
+def kept_per_key(state: KVState) -> list[tuple[Key, ...]]:
+    """The groups of several keys that keep a state per key (made by pushes of one key at a
+    time): one pass over the groups, no look-up per key (asked at every push)."""
+    return [g for n, g in enumerate(state.groups) if len(g) > 1 and _is_per_key(state, n)]
+
+
 def any_per_key(state: KVState) -> bool:
-    """Whether ``state`` has a group of several keys that keeps a state per key (asked at
-    every push: no look-up per key)."""
-    return any(len(g) > 1 and _is_per_key(state, n) for n, g in enumerate(state.groups))
+    """Whether ``state`` has a group of several keys that keeps a state per key."""
+    return bool(kept_per_key(state))
 
 
 def holds_per_key(state: KVState, keys: Sequence[Key]) -> bool:
-    """Whether a key of ``keys`` is in a group of several keys that keeps a state per key
-    (made by pushes of one key at a time)."""
-    per = [g for n, g in enumerate(state.groups) if len(g) > 1 and _is_per_key(state, n)]
-    return bool(per) and any(state.opt_group(k) in per for k in keys)
+    """Whether a key of ``keys`` is in a group of several keys that keeps a state per key."""
+    kept = kept_per_key(state)
+    return bool(kept) and any(state.opt_group(k) in kept for k in keys)
 
 
 def alone(state: KVState) -> KVState:
@@ -157,11 +161,7 @@ def alone(state: KVState) -> KVState:
 
 def _per_key_groups(state: KVState) -> list[tuple[tuple[Key, ...], PerKeyState]]:
     """The groups of several keys whose state is kept per key, with that state."""
-    out = []
-    for n, g in enumerate(state.groups):
-        if len(g) > 1 and _is_per_key(state, n):
-            out.append((g, state.opt_states[g]))
-    return out
+    return [(g, state.opt_states[g]) for g in kept_per_key(state)]
 
 
 def _is_per_key(state: KVState, n: int) -> bool:
