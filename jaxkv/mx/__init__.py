@@ -1,8 +1,9 @@
 """The MXNet drop-in: ``import jaxkv.mx as mx`` and MXNet KVStore code runs unchanged.
 
 Provides ``mx.kv.create``, ``mx.nd.*``, ``mx.cpu``, ``mx.gpu``, ``mx.Context``,
-``mx.context.current_context``, ``mx.context.num_gpus`` and ``mx.optimizer`` (MXNet's ``SGD``
-and ``Adam``, with its numbers, for ``kv.set_optimizer``). MXNet's other modules (Gluon,
+``mx.context.current_context``, ``mx.context.num_gpus``, ``mx.optimizer`` (MXNet's ``SGD``
+and ``Adam``, with its numbers, for ``kv.set_optimizer``) and ``mx.lr_scheduler`` (MXNet's
+learning-rate schedulers, with its numbers). MXNet's other modules (Gluon,
 autograd, symbols, the Module API, the profiler ...) are not here: asking for one raises an
 ``AttributeError`` that says where its JAX counterpart is.
 """
@@ -15,6 +16,7 @@ from jaxkv._src.devices import gpu as gpu
 from jaxkv._src.errors import KVStoreError as MXNetError
 from jaxkv.mx import context as context
 from jaxkv.mx import kv as kv
+from jaxkv.mx import lr_scheduler as lr_scheduler
 from jaxkv.mx import optimizer as optimizer
 
 kvstore = kv
@@ -29,6 +31,7 @@ __all__ = [
     "gpu",
     "kv",
     "kvstore",
+    "lr_scheduler",
     "nd",
     "ndarray",
     "optimizer",
