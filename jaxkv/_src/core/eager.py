@@ -334,7 +334,11 @@ def _build_push(
     stacked = [i for i, kind in enumerate(kinds) if kind not in ("one", "exchanged")]
 
     def run(
-        stored: list[jax.Array], opt_state: Any, residuals: list[Any], pushed: list[jax.Array]
+        stored: list[jax.Array],
+        opt_state: Any,
+        residuals: list[Any],
+        pushed: list[jax.Array],
+        extra_args: Any = None,
     ) -> tuple[Any, Any, list[Any]]:
         inputs = {id(x) for x in pushed}
         pushed = [x.astype(s.dtype) for x, s in zip(pushed, stored)]
@@ -371,7 +375,7 @@ def _build_push(
                 pushed[i], residuals[i] = x.reshape(stored[i].shape), r
         if stacked:
             _sum_stacked(state, stacked, pushed, stored)
-        values, opt_state = apply_updater(updater, keys, pushed, stored, opt_state)
+        values, opt_state = apply_updater(updater, keys, pushed, stored, opt_state, extra_args)
         # A pushed array returned as is (assign) would be forwarded by jit, and the store would
         # share the caller's buffer; a later donating push would then delete the caller's array.
         values = [jnp.copy(v) if id(v) in inputs else v for v in values]
@@ -388,10 +392,11 @@ def push_eager(
     opt_state: Any,
     updater: Any,
     donate: Donate,
+    extra_args: Any = None,
 ) -> KVState:
     """``push`` of the validated eager contributions ``grouped`` (keys at ``index`` in
     ``state``, with their stored values and, for an optax updater, their group's optimizer
-    state): one cached computation for all keys."""
+    state and the ``extra_args`` of its update): one cached computation for all keys."""
     if one_device_per_process(state):
         # Each process's values summed at full precision first; compressed after that, once.
         sums = local_sums(state, list(grouped), stored, list(grouped.values()))
@@ -410,7 +415,7 @@ def push_eager(
     fn = push_fn(state, tuple(grouped), kinds, updater, donate)
     # Over other processes' devices too, its collectives run after this process's earlier ones.
     new_values, new_opt, new_residuals = collective_order.ordered(
-        "push", fn, stored, opt_state, residuals, list(pushed)
+        "push", fn, stored, opt_state, residuals, list(pushed), extra_args
     )
     optax_push = isinstance(updater, optax.GradientTransformation)
     return state.replace(
@@ -427,6 +432,7 @@ def push_eager_flat(
     stored: list[Any],
     updater: Any,
     donate: Donate,
+    extra_args: Any = None,
 ) -> KVState:
     """``push`` of the validated eager contributions ``grouped`` to a state with a flat layout
     (``stored``: the pushed keys' shapes and dtypes): one cached computation that takes the
@@ -439,7 +445,7 @@ def push_eager_flat(
         layouts = [_layout(state, s, xs) for s, xs in zip(stored, grouped.values())]
     kinds, pushed = zip(*layouts)
     fn = flat_push_fn(state, tuple(grouped), kinds, updater, donate)
-    return collective_order.ordered("push", fn, state, list(pushed))
+    return collective_order.ordered("push", fn, state, list(pushed), extra_args)
 
 
 def flat_push_fn(
@@ -467,7 +473,7 @@ def _build_push_flat(
     stacked = [i for i, kind in enumerate(kinds) if kind != "one"]
     optax_push = isinstance(updater, optax.GradientTransformation)
 
-    def run(state: KVState, pushed: list[jax.Array]) -> KVState:
+    def run(state: KVState, pushed: list[jax.Array], extra_args: Any = None) -> KVState:
         inputs = {id(x) for x in pushed}
         index = [state.index(k) for k in keys]
         held = state.stored_values
@@ -479,10 +485,14 @@ def _build_push_flat(
         rest = [i for i in stacked if i not in split]
         if rest:
             _sum_stacked(placement, rest, pushed, stored)
-        new = update_bucket(state, keys, pushed, updater, grids) if optax_push else None
+        new = None
+        if optax_push and extra_args is None:
+            new = update_bucket(state, keys, pushed, updater, grids)
         if new is None:  # per key, on the views
             opt_state = state.opt_states[keys] if optax_push else None
-            values, opt_state = apply_updater(updater, keys, pushed, stored, opt_state)
+            values, opt_state = apply_updater(
+                updater, keys, pushed, stored, opt_state, extra_args
+            )
             values = [jnp.copy(v) if id(v) in inputs else v for v in values]
             new = state.replace(dict(zip(keys, values)), {keys: opt_state} if optax_push else None)
         mesh = placement.mesh
@@ -497,15 +507,18 @@ def _build_push_flat(
 
     # KEEP_VALUES: the keys kept as arrays of their own are lent to outs, so only the buckets,
     # the optimizer state and the residuals are donated: the leaves split in two arguments.
-    def split(treedef: Any, rest: list, alone: list, pushed: list, nb: int) -> KVState:
-        return run(jax.tree_util.tree_unflatten(treedef, rest[:nb] + alone + rest[nb:]), pushed)
+    def split(
+        treedef: Any, rest: list, alone: list, pushed: list, nb: int, extra_args: Any
+    ) -> KVState:
+        state = jax.tree_util.tree_unflatten(treedef, rest[:nb] + alone + rest[nb:])
+        return run(state, pushed, extra_args)
 
     jitted = jax.jit(split, static_argnums=(0, 4), donate_argnums=1)
 
-    def call(state: KVState, pushed: list[jax.Array]) -> KVState:
+    def call(state: KVState, pushed: list[jax.Array], extra_args: Any = None) -> KVState:
         leaves, treedef = jax.tree_util.tree_flatten(state)
         nb = 0 if state.flat_layout is None else len(state.flat_layout.buckets)
         nv = len(state.leaves)
-        return jitted(treedef, leaves[:nb] + leaves[nv:], leaves[nb:nv], pushed, nb)
+        return jitted(treedef, leaves[:nb] + leaves[nv:], leaves[nb:nv], pushed, nb, extra_args)
 
     return call

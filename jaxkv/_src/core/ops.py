@@ -133,6 +133,7 @@ def push(
     updater: Updater | optax.GradientTransformation | None = None,
     axis_name: Any = None,
     donate: bool = False,
+    extra_args: dict[str, Any] | None = None,
 ) -> KVState:
     """A new state with ``values`` pushed to ``keys``.
 
@@ -148,6 +149,10 @@ def push(
       axis_name: inside ``pmap``/``shard_map``, the mapped axis (or axes) to sum over. Values
         that JAX has already made invariant along it (``shard_map``) are not summed again.
       donate: let the computation reuse the buffers of ``state`` (which then becomes invalid).
+      extra_args: for an optax updater, keyword arguments of its ``update`` (optax's
+        ``GradientTransformationExtraArgs``: a loss for ``reduce_on_plateau``, a learning
+        rate fed each step), arrays passed into the computation, not compiled into it.
+        Eager pushes only.
 
     Returns:
       The new state. Unless ``donate=True``, ``state`` stays valid and unchanged.
@@ -165,8 +170,13 @@ def push(
       [2.0, 2.0]
     """
     state = state.settled()  # keys added one at a time are laid out now, once
+    if extra_args is not None and not isinstance(updater, optax.GradientTransformation):
+        raise KVStoreError(
+            f"extra_args={sorted(extra_args)!r}: expected an optax updater to receive them, "
+            f"given updater {updater!r}"
+        )
     if axis_name is None and values is not MISSING:
-        fast = _dispatch.push(state, keys, values, updater, donate)
+        fast = _dispatch.push(state, keys, values, updater, donate, extra_args)
         if fast is not None:
             return fast
     grouped = group(state, keys, values)
@@ -187,6 +197,12 @@ def push(
             state = init_opt_states(state, updater, group_keys)
             opt_state = True if flat else state.opt_states[group_keys]
     if traced:
+        if extra_args is not None:
+            raise KVStoreError(
+                f"keys {list(grouped)}: extra_args={sorted(extra_args)!r} are taken by eager "
+                "pushes only, given a push inside a trace (there, call the optimizer's update "
+                "with them in your own step)"
+            )
         if flat:
             stored = [state.stored_values[i] for i in index]
         return push_in_trace(state, grouped, stored, opt_state, updater, axis_name)
@@ -196,8 +212,8 @@ def push(
             "eager call (eagerly, a list of per-device values is already summed over devices)"
         )
     if flat:
-        return push_eager_flat(state, grouped, stored, updater, donate)
-    return push_eager(state, grouped, index, stored, opt_state, updater, donate)
+        return push_eager_flat(state, grouped, stored, updater, donate, extra_args)
+    return push_eager(state, grouped, index, stored, opt_state, updater, donate, extra_args)
 
 
 def pull(

@@ -136,7 +136,14 @@ def _call(keys: Any, values: Any) -> tuple[tuple, Sequence[Any], int, Sequence[A
     return ckeys, values, per, flat
 
 
-def push(state: KVState, keys: Any, values: Any, updater: Any, donate: Donate) -> KVState | None:
+def push(
+    state: KVState,
+    keys: Any,
+    values: Any,
+    updater: Any,
+    donate: Donate,
+    extra_args: Any = None,
+) -> KVState | None:
     """``jaxkv.push`` of eager values by a plan, or ``None`` where the general path must run
     (see the module doc)."""
     if state.compression is not None or jax.process_count() > 1:
@@ -175,7 +182,7 @@ def push(state: KVState, keys: Any, values: Any, updater: Any, donate: Donate) -
         or tuple(map(single_device, flat)) != plan.devices
     ):
         return None
-    return _run_push(plan, state, flat)
+    return _run_push(plan, state, flat, extra_args)
 
 
 def _push_plan(
@@ -260,7 +267,9 @@ def _push_plan(
     )
 
 
-def _run_push(plan: _PushPlan, state: KVState, flat: Sequence[jax.Array]) -> KVState:
+def _run_push(
+    plan: _PushPlan, state: KVState, flat: Sequence[jax.Array], extra_args: Any = None
+) -> KVState:
     per = plan.per
     pushed: list[Any]
     if per == 1:
@@ -277,12 +286,12 @@ def _run_push(plan: _PushPlan, state: KVState, flat: Sequence[jax.Array]) -> KVS
         for (p, _), x in zip(plan.puts, moved):
             pushed[p] = x
     if plan.flat:
-        return cast(KVState, plan.fn(state, pushed))
+        return cast(KVState, plan.fn(state, pushed, extra_args))
     held = state.stored_values
     stored = list(held) if plan.whole else [held[i] for i in plan.index]
     opts = state.group_states
     opt_state = None if plan.group is None else opts[plan.group]
-    new, new_opt, _ = plan.fn(stored, opt_state, plan.residuals, pushed)
+    new, new_opt, _ = plan.fn(stored, opt_state, plan.residuals, pushed, extra_args)
     if plan.whole:
         values = new
     else:

@@ -128,11 +128,14 @@ def apply_updater(
     pushed: Sequence[jax.Array],
     stored: Sequence[jax.Array],
     opt_state: Any,
+    extra_args: dict[str, Any] | None = None,
 ) -> tuple[list[jax.Array], Any]:
     """Run ``updater`` for ``keys``; returns ``(new_values, new_opt_state)``.
 
     An optax transformation updates the keys as one tree ``{key: value}`` (their group), as
-    ``optax.update`` + ``optax.apply_updates`` would; any other updater runs key by key.
+    ``optax.update`` + ``optax.apply_updates`` would, ``extra_args`` passed to its ``update``
+    as keyword arguments (optax's ``GradientTransformationExtraArgs``); any other updater runs
+    key by key.
     """
     if updater is None:
         new = list(pushed)
@@ -141,7 +144,9 @@ def apply_updater(
         try:
             if opt_state is None:
                 opt_state = updater.init(params)
-            updates, opt_state = updater.update(dict(zip(keys, pushed)), opt_state, params)
+            updates, opt_state = updater.update(
+                dict(zip(keys, pushed)), opt_state, params, **(extra_args or {})
+            )
         except KVStoreError:
             raise
         except Exception as e:

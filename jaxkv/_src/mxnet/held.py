@@ -43,12 +43,15 @@ logger = logging.getLogger("jaxkv")
 class Held:
     """The calls a store holds, by phase (see the module doc)."""
 
-    __slots__ = ("inits", "pushes", "pulls", "count", "outs")
+    __slots__ = ("inits", "pushes", "scalars", "pulls", "count", "outs")
 
     def __init__(self) -> None:
         self.inits: dict[Key, Any] = {}  # key -> its value (a jax.Array), in call order
         # Pushes by generation: a key's n-th held push is in pushes[n] (key -> its arrays).
         self.pushes: list[dict[Key, list]] = []
+        # Under an MXNet optimizer, each held push's kernel numbers, worked out when it was
+        # called (MXNet's order): scalars[n] is key -> its row, as pushes[n].
+        self.scalars: list[dict[Key, Any]] = []
         # Pulls by how many pushes of their key came before: pulls[n] runs after pushes[n-1].
         self.pulls: list[list[tuple[Key, list]]] = [[]]
         self.count: dict[Key, int] = {}  # key -> its held pushes
@@ -57,14 +60,17 @@ class Held:
     def __bool__(self) -> bool:
         return bool(self.inits or self.pushes or any(self.pulls))
 
-    def hold_push(self, key: Key, arrays: list) -> None:
+    def hold_push(self, key: Key, arrays: list, scalars: Any = None) -> None:
         """Hold a (checked) push of ``key``: its generation is how many are held before it,
-        whatever the order of the other keys' pushes."""
+        whatever the order of the other keys' pushes (``scalars``: its optimizer's numbers)."""
         n = self.count.get(key, 0)
         while len(self.pushes) <= n:
             self.pushes.append({})
+            self.scalars.append({})
             self.pulls.append([])
         self.pushes[n][key] = arrays
+        if scalars is not None:
+            self.scalars[n][key] = scalars
         self.count[key] = n + 1
 
     def hold_pull(self, key: Key, outs: list, owner: Any) -> None:

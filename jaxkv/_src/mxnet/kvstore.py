@@ -31,6 +31,7 @@ from jaxkv._src.core.updater import is_pure_updater, optimizer_group, updater_na
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.mxnet import held as _queue
 from jaxkv._src.mxnet import kvstore_rows as _kvsparse
+from jaxkv._src.mxnet import optimizers as _optimizers
 from jaxkv._src.mxnet import per_key as _perkey
 from jaxkv._src.mxnet.ndarray import NDArray, unwrap
 from jaxkv._src.mxnet.optimizer import Optimizer as MXNetOptimizer
@@ -318,8 +319,14 @@ class KVStore:
                 self.run_held()
                 held = None
             held = held if held is not None else _queue.Held()
-            for k, arrays in grouped.items():
-                held.hold_push(k, arrays)
+            opt = self._mxnet_optimizer
+            if opt is None:
+                for k, arrays in grouped.items():
+                    held.hold_push(k, arrays)
+            else:  # MXNet's bookkeeping now, in its order (a list's keys sorted)
+                keys = sorted(grouped)
+                for k, row in zip(keys, opt.next_update(keys)):
+                    held.hold_push(k, grouped[k], row)
             self._hold(held)
 
     def pull(
@@ -412,7 +419,7 @@ class KVStore:
                     if n:  # the n-th push of every key pushed n times, in key order
                         gen = held.pushes[n - 1]
                         keys = sorted(gen)
-                        self._push_held(keys, [gen[k] for k in keys])
+                        self._push_held(keys, [gen[k] for k in keys], held.scalars[n - 1])
                     if pulls:  # in key order too (a key's own pulls in call order)
                         pulls = sorted(pulls, key=lambda pull: pull[0])
                         self._pull_now([k for k, _ in pulls], [o for _, o in pulls])
@@ -425,9 +432,10 @@ class KVStore:
                     f"failed when run ({type(e).__name__}: {e})"
                 ) from e
 
-    def _push_held(self, keys: list[Key], values: list[list]) -> None:
-        """The held pushes, as one push: each key updated alone, as MXNet updates it."""
-        self._update(keys, values, per_key=self._plain_optax())
+    def _push_held(self, keys: list[Key], values: list[list], scalars: dict[Key, Any]) -> None:
+        """The held pushes, as one push: each key updated alone, as MXNet updates it (under an
+        MXNet optimizer, with the numbers worked out when each push was called)."""
+        self._update(keys, values, per_key=self._plain_optax(), scalars=scalars or None)
 
     def _plain_optax(self) -> bool:
         """Whether the updater is an optax transformation given to set_optimizer (whose list
@@ -718,9 +726,13 @@ class KVStore:
         for leaf in jax.tree_util.tree_leaves(state):
             self._shared[id(leaf)] = leaf
 
-    def _update(self, key: Any, values: Any, per_key: bool = False) -> None:
+    def _update(
+        self, key: Any, values: Any, per_key: bool = False, scalars: dict | None = None
+    ) -> None:
         """Push ``values`` to ``key`` with the store's updater; ``per_key``: an optax
-        optimizer updates each key alone (keys pushed one at a time)."""
+        optimizer updates each key alone (keys pushed one at a time). Under an MXNet
+        optimizer, ``scalars`` are each key's kernel numbers (``Optimizer.next_update``),
+        worked out now where not given."""
         state = self._state
         if self._python_updater is not None:
             self._state = self._push_python(state, key, values)
@@ -741,13 +753,36 @@ class KVStore:
             per_key or self._mxnet_optimizer is not None  # MXNet's optimizers: each key alone
         ):
             grouped = _grouped(state, key, values)
-            regrouped = _perkey.regroup(state, list(grouped), updater)
-            if regrouped is None:  # a key shares one tree of state with others: as before
-                self._state = self._push_key_by_key(state, key, values, updater)
-                return
-            state, key, values = regrouped, list(grouped), list(grouped.values())
-            updater = _perkey.per_key(updater)
-        # KEEP_VALUES is jaxkv's own third answer, beside the public True and False.
+            keys = sorted(grouped)
+            extra = None
+            opt, saved = self._mxnet_optimizer, None
+            if opt is not None:
+                if scalars is None:
+                    saved = opt.bookkeeping()
+                    table = opt.next_update(keys)
+                else:
+                    table = np.stack([scalars[k] for k in keys])
+                extra = {"scalars": table}  # a row per key, in key order (per_key's)
+            try:
+                regrouped = _perkey.regroup(state, keys, updater)
+                if regrouped is None:  # a key shares one tree of state with others
+                    self._state = self._push_key_by_key(state, grouped, updater, extra)
+                    return
+                state, key, values = regrouped, keys, [grouped[k] for k in keys]
+                # KEEP_VALUES is jaxkv's own third answer, beside the public True and False.
+                self._state = _ops.push(
+                    state,
+                    key,
+                    values,
+                    updater=_perkey.per_key(updater),
+                    donate=self._donation(state, key, values),  # type: ignore[arg-type]
+                    extra_args=extra,
+                )
+            except BaseException:
+                if saved is not None:  # refused: the optimizer has not counted it either
+                    opt.restore_bookkeeping(saved)
+                raise
+            return
         self._state = _ops.push(
             state,
             key,
@@ -779,13 +814,21 @@ class KVStore:
                 donate = False
         return donate
 
-    def _push_key_by_key(self, state: KVState, key: Any, values: Any, updater: Any) -> KVState:
-        """A push updated key by key, each key its own optimizer group, as MXNet's optimizers
-        update (the same numbers as one push of the keys, since SGD and Adam are elementwise;
-        a later push of any of them alone is then accepted, as in MXNet). The store's state
-        changes only once every key's push has succeeded."""
-        for k, vs in _grouped(state, key, values).items():
-            state = _ops.push(state, k, vs, updater=updater, donate=False)
+    def _push_key_by_key(
+        self,
+        state: KVState,
+        grouped: dict[Key, list],
+        updater: Any,
+        extra: dict[str, np.ndarray] | None = None,
+    ) -> KVState:
+        """A push (``grouped``: key -> its values) updated key by key in key order, each key
+        its own optimizer group, as MXNet's optimizers update (the same numbers as one push of
+        the keys: each key's update stands alone; a later push of any of them alone is then
+        accepted, as in MXNet); ``extra``: the update's extra arguments, a row per key in key
+        order. The store's state changes only once every key's push has succeeded."""
+        for i, k in enumerate(sorted(grouped)):
+            args = None if extra is None else {n: v[i] for n, v in extra.items()}
+            state = _ops.push(state, k, grouped[k], updater=updater, donate=False, extra_args=args)
         return state
 
     def _push_python(self, state: KVState, key: Any, values: Any) -> KVState:
@@ -823,16 +866,34 @@ class KVStore:
     def _push_row_sparse(self, key: Any, value: Any) -> None:
         """A push where some values are row-sparse: each key with one is pushed by rows
         (``_kvsparse.push``), the others as one dense push; the store changes only once every
-        part has succeeded."""
+        part has succeeded (and an MXNet optimizer's counts only then)."""
+        opt = self._mxnet_optimizer
+        saved = None if opt is None else opt.bookkeeping()
+        try:
+            self._push_rows_now(key, value)
+        except BaseException:
+            if opt is not None and saved is not None:
+                opt.restore_bookkeeping(saved)
+            raise
+
+    def _push_rows_now(self, key: Any, value: Any) -> None:
         grouped = _grouped(self._state, key, value)
         sparse = [k for k, vs in grouped.items() if any(map(_kvsparse.is_row_sparse, vs))]
         dense = [k for k in grouped if k not in sparse]
         updater, lazy = self._updater, True
         if self._python_updater is not None:  # it sees the rows summed into a dense value
             updater = self._traced(self._python_updater)
-        if self._mxnet_optimizer is not None:
-            updater = self._mxnet_optimizer.transformation(row_sparse=True)
-            lazy = self._mxnet_optimizer.lazy_update
+        opt, extra = self._mxnet_optimizer, None
+        updater_of: dict[Key, Any] = dict.fromkeys(sparse, updater)
+        if opt is not None:  # MXNet's bookkeeping, in key order; the rows' kernels then
+            keys = sorted(grouped)  # compile in what the key's update reads (its inputs)
+            table = opt.next_update(keys)
+            lazy = opt.lazy_update
+            updater_of = {
+                k: opt.transformation(row_sparse=True, inputs=opt.inputs(k)) for k in sparse
+            }
+            if dense:
+                extra = {"scalars": np.stack([table[keys.index(k)] for k in sorted(dense)])}
         state = self._state
         if isinstance(updater, optax.GradientTransformation):
             inner = self._updater
@@ -842,9 +903,9 @@ class KVStore:
             self._stored = state  # (no value changes)
         steps = len(sparse) + bool(dense)
         donate = steps == 1 and not len(self._shared) and not self._keeps_values()
-        if dense and self._mxnet_optimizer is not None:
+        if dense and opt is not None:
             state = self._push_key_by_key(
-                state, dense, [_unwrap_values(grouped[k]) for k in dense], self._updater
+                state, {k: _unwrap_values(grouped[k]) for k in dense}, self._updater, extra
             )
         elif dense:
             state = _ops.push(
@@ -864,10 +925,10 @@ class KVStore:
             # Held until the next call (checked now): a row_sparse_pull of the key then runs
             # with it in one computation, as a training loop's push and pull of rows do.
             k = sparse[0]
-            self._deferred = _kvsparse.held(state, k, grouped[k], updater, donate)
+            self._deferred = _kvsparse.held(state, k, grouped[k], updater_of[k], donate)
             return
         for k in sparse:
-            state = _kvsparse.push(state, k, grouped[k], updater, lazy, donate)
+            state = _kvsparse.push(state, k, grouped[k], updater_of[k], lazy, donate)
         self._state = state
 
     def _values(self, key: Any) -> jax.Array | list[jax.Array]:

@@ -1,56 +1,48 @@
-"""MXNet's optimizers (SGD, Adam, and the ``'test'`` of its own tests) as optax
-transformations, for the drop-in's kv.set_optimizer.
+"""MXNet's ``Optimizer``: its arguments, its bookkeeping (update counts, learning rates from a
+schedule, per-parameter multipliers) and its registry; each optimizer runs as an optax
+transformation with MXNet's numbers.
 
-``jaxkv.mx.optimizer.SGD`` and ``Adam`` take MXNet 1.9.1's arguments and defaults, and
-:meth:`Optimizer.transformation` turns one into an :class:`optax.GradientTransformation` whose
-``update(grads, state, params)`` returns the updates that, added to the weight
-(``optax.apply_updates``), give MXNet's new weight: the same float32 operations in the same
-order as MXNet's CPU kernels (``src/operator/optimizer_op-inl.h``), so the numbers agree bit
-for bit, eagerly and under ``jit`` (``tests/test_mx_optimizer.py`` checks them against MXNet's
-own, recorded by ``conformance/record_optimizers.py``). Two things make that so: XLA would
-fuse a product into the sum that uses it (an FMA, one rounding where MXNet rounds twice), which
-:func:`_rounded` prevents at no cost; and Adam's bias-corrected learning rate, which MXNet
-computes in float64, is computed in double-float32 (:func:`_bias_corrected_lr`). One kernel
-cannot be reproduced exactly as an update: MXNet's row-sparse SGD without momentum and with
-weight decay computes a new weight, ``(1 - lr*wd)*w - lr*g``, and ``w + (new - w)`` rounds one
-ulp away from it in rare elements where the step is larger than the weight.
+An MXNet optimizer does two things at every update of a parameter (an *index*, the store's key):
+its Python code counts the update (``_update_count``: the index's count, and ``num_update``,
+the largest count) and works out the numbers its kernel takes (the learning rate, from
+``lr_scheduler(num_update)`` or ``lr``, times the index's ``lr_mult``; the weight decay times
+``wd_mult``; Adam's bias correction, in float64), and then a C++ kernel updates the weight and
+the state in float32. jaxkv keeps that split:
 
-Each transformation's state holds, per parameter, arrays of the parameter's shape and dtype
-(SGD's momentum; Adam's mean and var) and otherwise only scalars (the key's update count, an
-int32), so ``optax.tree_utils.tree_map_params`` finds the per-parameter leaves: a row-sparse
-push gathers the touched rows of those, runs the transformation on them, and scatters them
-back. A store keeps one state per key, as MXNet's updater does, so Adam's step count ``t`` is
-the number of updates of that key.
+- :meth:`Optimizer.next_update` is the Python part, on the host, at the moment MXNet would run
+  it (each push of the key, in MXNet's order), giving the kernel's numbers (the *scalars*);
+- :meth:`Optimizer.transformation` is the kernel, an ``optax.GradientTransformationExtraArgs``
+  whose ``update(grads, state, params, scalars=...)`` takes those numbers as an argument of the
+  computation (so a new learning rate never recompiles it) and returns updates that, added to
+  the weight (``optax.apply_updates``), give MXNet's new weight: the same float32 operations
+  in the same order as MXNet's CPU kernels (``src/operator/optimizer_op-inl.h``), eagerly and
+  under ``jit``. The store passes the scalars at every push (``kv.set_optimizer``).
 
-**Row-sparse gradients and** ``lazy_update``. MXNet runs different kernels, with different
-semantics, for a row-sparse gradient (after the store has summed the devices' rows: distinct
-rows, duplicates added):
+Called without ``scalars`` (an optax user's own loop), the update uses the numbers the optimizer
+had when :meth:`Optimizer.transformation` was first called, and works out what depends on the
+step (Adam's bias correction) from the state's count.
 
-- ``lazy_update=True`` (the default): only the rows in the gradient change, weight and state
-  alike. Weight decay too applies only to those rows; SGD's momentum and Adam's mean and var of
-  the other rows stay as they are, and those rows' weights do not move. Adam's ``t`` still
-  counts every update of the key. Run ``transformation(row_sparse=True)`` on the touched rows
-  (and the same rows of the per-parameter state).
-- ``lazy_update=False`` (MXNet's "standard" update): every row changes, as if the gradient were
-  dense with zeros in the rows it lacks: weight decay shrinks every row, momentum keeps moving
-  rows the gradient lacks, Adam's moments decay and its weights move there. Run
-  ``transformation(row_sparse=True)`` on the densified gradient.
+Each transformation's state is an :class:`OptimizerState`: the key's update count and, per
+parameter, arrays of the parameter's shape and dtype (SGD's momentum; Adam's mean and var), so
+``optax.tree_utils.tree_map_params`` finds them: a row-sparse push gathers the touched rows of
+those, runs the transformation on them, and scatters them back. A store keeps one state per
+key, as MXNet's updater does.
 
-``row_sparse=True`` matters only for the last bits: MXNet's row-sparse kernels order a few
-operations differently from the dense ones (SGD without momentum: ``(1 - lr*wd)*w - lr*g``
-instead of ``w - (lr*wd*w + lr*g)``; Adam's ``(1 - beta2) * (g * g)`` instead of
-``((1 - beta2) * g) * g``, lazily only with ``clip_gradient``). A dense gradient takes
-``row_sparse=False``. One state serves both: they make the same state.
-
-Hyperparameters are read when :meth:`Optimizer.transformation` is first called (by
-``kv.set_optimizer``): they are compiled into the update. Changing one afterwards (``opt.lr =
-0.5``, ``opt.set_learning_rate``) is refused, since the store would not see it.
+**Row-sparse gradients and** ``lazy_update``. MXNet runs different kernels for a row-sparse
+gradient (after the store has summed the devices' rows). ``lazy_update=True`` (the default):
+only the rows in the gradient change, weight and state alike (weight decay too). ``False``
+(MXNet's "standard" update): every row changes, as if the gradient were dense with zeros in the
+rows it lacks. ``transformation(row_sparse=True)`` runs MXNet's row-sparse kernels, which order
+a few operations differently from the dense ones; one state serves both.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, NamedTuple
+import logging
+import warnings
+from collections.abc import Mapping
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,22 +50,21 @@ import numpy as np
 import optax
 
 from jaxkv._src.errors import KVStoreError
+from jaxkv._src.mxnet import float32 as f32
 
 __all__ = [
-    "SGD",
-    "Adam",
-    "AdamState",
+    "LearningRateError",
     "MissingOptimizerError",
     "Optimizer",
     "OptimizerArgumentError",
-    "SGDState",
-    "Test",
-    "TestState",
+    "OptimizerState",
     "UnknownOptimizerError",
-    "ccSGD",
     "create",
     "missing",
+    "register",
 ]
+
+logger = logging.getLogger("jaxkv")
 
 # MXNet 1.9.1's optimizer registry (mx.optimizer.Optimizer.opt_registry), lower-case names.
 MXNET_OPTIMIZERS = (
@@ -97,41 +88,54 @@ MXNET_OPTIMIZERS = (
     "signum",
     "test",
 )
-# Names in MXNet's mx.optimizer namespace (its __all__) that jaxkv does not provide.
-MXNET_MISSING_NAMES = (
-    "AdaDelta",
-    "AdaGrad",
-    "Adamax",
-    "DCASGD",
-    "FTML",
-    "Ftrl",
-    "LAMB",
-    "LARS",
-    "LBSGD",
-    "NAG",
-    "NDabs",
-    "Nadam",
-    "RMSProp",
-    "SGLD",
-    "Signum",
-    "Updater",
-    "contrib",
-    "get_updater",
-    "register",
-)
 
 
 class UnknownOptimizerError(KVStoreError, ValueError):
-    """``create(name)`` with a name jaxkv does not implement (MXNet raises ``ValueError``)."""
+    """``create(name)`` with a name no optimizer is registered under (MXNet: ``ValueError``)."""
 
 
 class MissingOptimizerError(KVStoreError, AttributeError):
-    """``mx.optimizer.RMSProp`` and the like: MXNet has it, jaxkv does not."""
+    """``mx.optimizer.<Name>``: a name of MXNet's that jaxkv does not provide."""
 
 
 class OptimizerArgumentError(KVStoreError, TypeError):
     """An argument MXNet's optimizer does not take, or one jaxkv cannot give MXNet's numbers for,
-    or a hyperparameter changed after the store compiled it."""
+    or a compiled-in hyperparameter changed after the store compiled it."""
+
+
+class LearningRateError(KVStoreError, UserWarning):
+    """``set_learning_rate`` on an optimizer with an ``lr_scheduler`` (MXNet raises a
+    ``UserWarning``)."""
+
+
+_REGISTRY: dict[str, type[Optimizer]] = {}
+
+
+def register(klass: type[Optimizer]) -> type[Optimizer]:
+    """Register an optimizer class under its lower-case name, for :func:`create` (MXNet's
+    ``mx.optimizer.register``, usable as a class decorator; a name registered again is
+    overridden with a warning, as in MXNet).
+
+    Args:
+      klass: a subclass of :class:`Optimizer`.
+
+    Returns:
+      ``klass`` itself.
+    """
+    if not (isinstance(klass, type) and issubclass(klass, Optimizer)):
+        raise OptimizerArgumentError(
+            f"register: expected a subclass of jaxkv.mx.optimizer.Optimizer, given {klass!r}"
+        )
+    name = klass.__name__.lower()
+    if name in _REGISTRY and _REGISTRY[name] is not klass:
+        old = _REGISTRY[name]
+        warnings.warn(
+            f"WARNING: New optimizer {klass.__module__}.{klass.__name__} is overriding existing "
+            f"optimizer {old.__module__}.{old.__name__}",
+            stacklevel=2,
+        )
+    _REGISTRY[name] = klass
+    return klass
 
 
 def _available() -> str:
@@ -142,15 +146,14 @@ def missing(name: str) -> MissingOptimizerError:
     """The error for ``mx.optimizer.<name>``, a name of MXNet's that jaxkv does not provide.
 
     Args:
-      name: the attribute asked for, e.g. ``"RMSProp"``.
+      name: the attribute asked for.
 
     Returns:
       The error to raise, naming it and listing what exists here.
     """
     return MissingOptimizerError(
-        f"mx.optimizer.{name}: MXNet 1.9.1 has it, jaxkv does not. jaxkv's MXNet optimizers "
-        f"are SGD, Adam and Test (create names: {_available()}); or pass any optax "
-        "GradientTransformation to kv.set_optimizer"
+        f"mx.optimizer.{name}: MXNet 1.9.1 has it, jaxkv does not (create names: "
+        f"{_available()}); or pass any optax GradientTransformation to kv.set_optimizer"
     )
 
 
@@ -158,15 +161,14 @@ def create(name: str, **kwargs: Any) -> Optimizer:
     """An optimizer by name, as ``mx.optimizer.create`` (case-insensitive).
 
     Args:
-      name: ``'sgd'``, ``'adam'`` or ``'ccsgd'`` (MXNet's deprecated alias of SGD), any case.
+      name: a registered name (MXNet's: ``'sgd'``, ``'adam'``, ``'rmsprop'``, ...), any case.
       **kwargs: the optimizer's arguments.
 
     Returns:
       The optimizer.
 
     Raises:
-      KVStoreError: (``UnknownOptimizerError``) any other name, such as MXNet's
-        ``'rmsprop'`` or ``'nag'``.
+      KVStoreError: (``UnknownOptimizerError``) no optimizer has that name.
 
     Examples:
       >>> from jaxkv.mx import optimizer
@@ -183,7 +185,8 @@ def create(name: str, **kwargs: Any) -> Optimizer:
     return _REGISTRY[key](**kwargs)
 
 
-def _number(owner: str, name: str, value: object) -> float:
+def number(owner: str, name: str, value: object) -> float:
+    """``value`` as a Python float, or an :class:`OptimizerArgumentError` naming the argument."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise OptimizerArgumentError(
             f"{owner}: {name} expected a number, given {type(value).__name__} {value!r}"
@@ -191,49 +194,58 @@ def _number(owner: str, name: str, value: object) -> float:
     return float(value)
 
 
-# The hyperparameters compiled into a transformation: frozen once it exists.
-_HYPERPARAMETERS = frozenset(
-    {
-        "lr",
-        "wd",
-        "rescale_grad",
-        "clip_gradient",
-        "lazy_update",
-        "momentum",
-        "beta1",
-        "beta2",
-        "epsilon",
-        "begin_num_update",
-    }
-)
+class OptimizerState(NamedTuple):
+    """The state of an MXNet optimizer for one key: its update count and its per-parameter
+    arrays (``slots``: SGD's momentum; Adam's mean and var; each a tree like the parameters)."""
+
+    count: jax.Array  # type: ignore[assignment]  # int32 scalar: updates of this key so far
+    slots: tuple  # per slot, a tree of the parameters' shapes and dtypes
+
+
+# The transformation's view of the scalars: name -> float32 scalar (an array of the
+# computation, or a constant).
+Scalars = Mapping[str, Any]
 
 
 class Optimizer:
-    """The base of MXNet's optimizers: the arguments they all take, MXNet 1.9.1's defaults.
+    """The base of MXNet's optimizers: the arguments they all take, with MXNet 1.9.1's defaults
+    and bookkeeping.
 
     Args:
       rescale_grad: the gradient is multiplied by it first (often ``1 / batch_size``).
-      param_idx2name: only ``None`` or ``{}`` (it sets per-parameter weight decay in MXNet).
+      param_idx2name: index -> parameter name; a name not ending in ``_weight`` or ``_gamma``
+        gets weight decay multiplier 0 (MXNet's rule), and ``set_lr_mult``/``set_wd_mult``
+        may name parameters.
       wd: weight decay (L2 regularisation) coefficient.
       clip_gradient: clip the (rescaled) gradient to ``[-clip_gradient, clip_gradient]``;
         ``None``, 0 or negative: no clipping (as MXNet).
-      learning_rate: the learning rate; ``None``: 0.01 (SGD) as MXNet.
-      lr_scheduler: only ``None``.
-      sym: only ``None``.
-      begin_num_update: the update count each key starts from (Adam's ``t`` is one more at
-        its first update).
-      multi_precision: only ``False`` (MXNet's float16 master copy is not implemented).
-      param_dict: only ``None`` or ``{}``.
+      learning_rate: the learning rate; ``None``: the scheduler's ``base_lr``, else 0.01. Given
+        with a scheduler whose ``base_lr`` differs, it replaces that ``base_lr`` (with a
+        warning), as in MXNet.
+      lr_scheduler: an ``mx.lr_scheduler`` schedule (or any callable of ``num_update`` with a
+        ``base_lr``), called at each update with the optimizer's ``num_update``.
+      sym: only ``None`` (jaxkv has no symbols).
+      begin_num_update: the update count each key starts from.
+      multi_precision: MXNet's float32 master copy of float16 weights; float16 weights with
+        ``True`` are refused (jaxkv does not reproduce that path), float32 weights ignore it
+        as MXNet does.
+      param_dict: index -> an object with ``lr_mult`` and ``wd_mult`` (Gluon's parameters),
+        which take precedence over ``set_lr_mult``/``set_wd_mult``, as in MXNet.
 
     Raises:
       KVStoreError: (``OptimizerArgumentError``) an argument MXNet's optimizers do not take,
         or one whose numbers jaxkv does not reproduce (named in the message).
     """
 
+    # The kernel's numbers, in the order of the scalars' vector (see next_update).
+    SCALARS: ClassVar[tuple[str, ...]] = ("lr", "wd", "rescale_grad", "clip_gradient")
+    # Attributes compiled into the transformation (frozen once it exists): what decides the
+    # state's structure or the kernel's branches.
+    STATIC: ClassVar[frozenset[str]] = frozenset({"multi_precision", "lazy_update"})
+    # Whether a row-sparse gradient updates only its rows (MXNet's lazy_update).
+    lazy_update: bool = True
+
     _frozen = False
-    # Whether a row-sparse gradient updates only its rows: every optimizer here sets it (SGD
-    # and Adam take it as an argument, as MXNet's); annotated here for the store.
-    lazy_update: bool
 
     def __init__(
         self,
@@ -242,7 +254,7 @@ class Optimizer:
         wd: float = 0.0,
         clip_gradient: float | None = None,
         learning_rate: float | None = None,
-        lr_scheduler: object = None,
+        lr_scheduler: Any = None,
         sym: object = None,
         begin_num_update: int = 0,
         multi_precision: bool = False,
@@ -255,20 +267,18 @@ class Optimizer:
                 f"{owner}: unexpected keyword argument(s) {sorted(kwargs)}: expected MXNet "
                 f"1.9.1's arguments {sorted(self._arguments())}"
             )
-        # (given, its default, whether the given value is harmless)
-        checked = {
-            "lr_scheduler": (lr_scheduler, None, lr_scheduler is None),
-            "sym": (sym, None, sym is None),
-            "param_idx2name": (param_idx2name, None, param_idx2name in (None, {})),
-            "param_dict": (param_dict, None, param_dict in (None, {})),
-            "multi_precision": (multi_precision, False, multi_precision is False),
-        }
-        for name, (given, default, harmless) in checked.items():
-            if not harmless:
-                raise OptimizerArgumentError(
-                    f"{owner}: {name}={given!r} is not supported by jaxkv (it would not give "
-                    f"MXNet's numbers): expected {name}={default!r}"
-                )
+        if sym is not None:
+            raise OptimizerArgumentError(
+                f"{owner}: sym={sym!r}: jaxkv has no symbols, expected sym=None (set "
+                "multipliers with set_lr_mult / set_wd_mult)"
+            )
+        if param_idx2name is None:
+            param_idx2name = {}
+        if not isinstance(param_idx2name, dict):
+            raise OptimizerArgumentError(
+                f"{owner}: param_idx2name expected a dict of parameter indexes to names, "
+                f"given {type(param_idx2name).__name__}"
+            )
         if isinstance(begin_num_update, bool) or not isinstance(begin_num_update, int):
             raise OptimizerArgumentError(
                 f"{owner}: begin_num_update expected an int >= 0, given {begin_num_update!r}"
@@ -278,16 +288,42 @@ class Optimizer:
                 f"{owner}: begin_num_update expected an int in [0, 2**31 - 1), "
                 f"given {begin_num_update!r}"
             )
-        self.rescale_grad = _number(owner, "rescale_grad", rescale_grad)
-        self.wd = _number(owner, "wd", wd)
-        self.clip_gradient = (
-            None if clip_gradient is None else _number(owner, "clip_gradient", clip_gradient)
-        )
-        self.lr = 0.01 if learning_rate is None else _number(owner, "learning_rate", learning_rate)
-        self.lr_scheduler = None
+        if lr_scheduler is not None and not (
+            callable(lr_scheduler) and hasattr(lr_scheduler, "base_lr")
+        ):
+            raise OptimizerArgumentError(
+                f"{owner}: lr_scheduler expected an mx.lr_scheduler schedule (a callable of "
+                f"num_update with a base_lr), given {lr_scheduler!r}"
+            )
+        self.rescale_grad = number(owner, "rescale_grad", rescale_grad)
+        self.lr_scheduler = lr_scheduler
+        if lr_scheduler is None and learning_rate is None:
+            learning_rate = 0.01
+        self.lr = None if learning_rate is None else number(owner, "learning_rate", learning_rate)
+        if lr_scheduler is not None and self.lr is not None and lr_scheduler.base_lr != self.lr:
+            warnings.warn(
+                "learning rate from ``lr_scheduler`` has been overwritten by "
+                "``learning_rate`` in optimizer.",
+                UserWarning,
+                stacklevel=2,
+            )
+            lr_scheduler.base_lr = self.lr
+        self.wd = number(owner, "wd", wd)
+        self.lr_mult: dict = {}
+        self.wd_mult: dict = {}
         self.begin_num_update = begin_num_update
-        self.multi_precision = False
-        self._transformations: dict[bool, optax.GradientTransformation] = {}
+        self.num_update = begin_num_update
+        self._index_update_count: dict = {}
+        self.clip_gradient = (
+            None if clip_gradient is None else number(owner, "clip_gradient", clip_gradient)
+        )
+        self.multi_precision = bool(multi_precision)
+        self.idx2name = dict(param_idx2name)
+        self.param_dict = dict(param_dict) if param_dict else {}
+        self._transformations: dict[bool, optax.GradientTransformationExtraArgs] = {}
+        self._bound_cache: dict[tuple, optax.GradientTransformationExtraArgs] = {}
+        self.set_lr_mult({})
+        self.set_wd_mult({})
 
     @classmethod
     def _arguments(cls) -> set[str]:
@@ -299,55 +335,329 @@ class Optimizer:
         return names - {"self"}
 
     def __setattr__(self, name: str, value: object) -> None:
-        if self._frozen and name in _HYPERPARAMETERS:
+        if self._frozen and name in self.STATIC:
             raise OptimizerArgumentError(
                 f"{type(self).__name__}.{name}: cannot change it after the store compiled this "
-                "optimizer (kv.set_optimizer, or transformation()): the store would keep the "
-                f"old value. Give kv.set_optimizer a new optimizer with {name}={value!r}"
+                "optimizer (kv.set_optimizer, or transformation()): it decides the state or "
+                f"the computation. Give kv.set_optimizer a new optimizer with {name}={value!r} "
+                "(the learning rate, weight decay, rescale_grad and clip_gradient may change)"
             )
         super().__setattr__(name, value)
 
+    # -- MXNet's bookkeeping -------------------------------------------------------------
     @property
     def learning_rate(self) -> float:
-        """The learning rate (MXNet's property; there is no scheduler here)."""
-        return self.lr
+        """The learning rate: the scheduler's at ``num_update`` if there is one, else ``lr``."""
+        if self.lr_scheduler is not None:
+            return float(self.lr_scheduler(self.num_update))
+        return float(self.lr)  # type: ignore[arg-type]
 
     def set_learning_rate(self, lr: float) -> None:
-        """Set the learning rate, as MXNet, before the store compiles the optimizer.
+        """Set the learning rate; the store uses it from the next push, every state kept.
 
         Args:
           lr: the new learning rate.
+
+        Raises:
+          KVStoreError: (``LearningRateError``, also a ``UserWarning`` as MXNet's) the
+            optimizer has an ``lr_scheduler``.
         """
-        self.lr = _number(type(self).__name__, "lr", lr)
+        if self.lr_scheduler is not None:
+            raise LearningRateError(
+                f"{type(self).__name__}: LRScheduler of the optimizer has already been defined. "
+                "Note that set_learning_rate can mutate the value of the learning rate of the "
+                "optimizer only when the LRScheduler of the optimizer is undefined (expected "
+                f"lr_scheduler=None, given {self.lr_scheduler!r})"
+            )
+        self.lr = number(type(self).__name__, "lr", lr)
 
-    def _clip(self) -> float | None:
-        # MXNet passes clip_gradient to its kernels only when truthy, and they clip when >= 0.
-        c = self.clip_gradient
-        return c if c is not None and c > 0 else None
+    def set_lr_scale(self, args_lrscale: dict) -> None:  # noqa: ARG002 - MXNet's signature
+        """Deprecated in MXNet, which raises ``DeprecationWarning``: use :meth:`set_lr_mult`."""
+        raise DeprecationWarning("set_lr_scale is deprecated: use set_lr_mult")
 
-    def transformation(self, *, row_sparse: bool = False) -> optax.GradientTransformation:
+    def set_lr_mult(self, args_lr_mult: dict) -> None:
+        """Set a learning-rate multiplier per parameter, by index or by name.
+
+        Args:
+          args_lr_mult: index or name (``param_idx2name``'s) -> multiplier; replaces all.
+        """
+        self.lr_mult = dict(args_lr_mult)
+
+    def set_wd_mult(self, args_wd_mult: dict) -> None:
+        """Set a weight-decay multiplier per parameter, by index or by name; parameters named
+        (``param_idx2name``) without a ``_weight`` or ``_gamma`` suffix get 0 unless given.
+
+        Args:
+          args_wd_mult: index or name -> multiplier; replaces all.
+        """
+        mult = {}
+        for n in self.idx2name.values():
+            if not (str(n).endswith("_weight") or str(n).endswith("_gamma")):
+                mult[n] = 0.0
+        mult.update(args_wd_mult)
+        self.wd_mult = mult
+
+    def _update_count(self, index: Any) -> None:
+        """Count an update of ``index`` (or of each of a list), as MXNet's does."""
+        for idx in index if isinstance(index, list | tuple) else [index]:
+            if idx not in self._index_update_count:
+                self._index_update_count[idx] = self.begin_num_update
+            self._index_update_count[idx] += 1
+            self.num_update = max(self._index_update_count[idx], self.num_update)
+
+    def _get_lrs(self, indices: list) -> list[float]:
+        lr = self.lr_scheduler(self.num_update) if self.lr_scheduler is not None else self.lr
+        lrs = [lr for _ in indices]
+        for i, index in enumerate(indices):
+            if index in self.param_dict:
+                lrs[i] *= self.param_dict[index].lr_mult
+            elif index in self.lr_mult:
+                lrs[i] *= self.lr_mult[index]
+            elif index in self.idx2name:
+                lrs[i] *= self.lr_mult.get(self.idx2name[index], 1.0)
+        return lrs
+
+    def _get_lr(self, index: Any) -> float:
+        return self._get_lrs([index])[0]
+
+    def _get_wds(self, indices: list) -> list[float]:
+        wds = [self.wd for _ in indices]
+        for i, index in enumerate(indices):
+            if index in self.param_dict:
+                wds[i] *= self.param_dict[index].wd_mult
+            elif index in self.wd_mult:
+                wds[i] *= self.wd_mult[index]
+            elif index in self.idx2name:
+                wds[i] *= self.wd_mult.get(self.idx2name[index], 1.0)
+        return wds
+
+    def _get_wd(self, index: Any) -> float:
+        return self._get_wds([index])[0]
+
+    def _clip_scalar(self) -> float:
+        """``clip_gradient`` as the kernel gets it: MXNet passes it only when truthy, and the
+        kernel clips when it is >= 0 (-1: no clipping)."""
+        return self.clip_gradient if self.clip_gradient else -1.0
+
+    def inputs(self, index: Any) -> tuple[float, ...]:
+        """What MXNet's Python reads for an update of ``index`` (float64), in :attr:`SCALARS`
+        order, before anything that depends on the step: the learning rate (the schedule's at
+        ``num_update``, times the multiplier), the weight decay (times its multiplier), and the
+        optimizer's own numbers. Reads the optimizer (a stateful schedule may move); changes
+        nothing else. ``index=None``: no multipliers."""
+        return (self._get_lr(index), self._get_wd(index), self.rescale_grad, self._clip_scalar())
+
+    def scalars(self, index: Any) -> tuple[float, ...]:
+        """The numbers MXNet's Python gives the kernel for an update of ``index``, counted
+        already (float64; the kernel takes them as float32): :meth:`inputs`, and what depends
+        on the index's update count (Adam's bias correction)."""
+        return self.inputs(index)
+
+    def _advance(self, index: Any) -> None:
+        """What else MXNet's update changes on the host at an update of ``index``, before the
+        kernel's numbers are read (none here)."""
+
+    def bookkeeping(self) -> tuple:
+        """A copy of what :meth:`next_update` changes (the counts, ``num_update``, the
+        schedule's own state, the optimizer's host state), for :meth:`restore_bookkeeping`
+        when the push it was counted for is refused."""
+        scheduler = self.lr_scheduler
+        return (
+            self.num_update,
+            dict(self._index_update_count),
+            None if scheduler is None else dict(vars(scheduler)),
+            self._host_state(),
+        )
+
+    def restore_bookkeeping(self, saved: tuple) -> None:
+        """Undo :meth:`next_update` calls made since :meth:`bookkeeping` gave ``saved``."""
+        num_update, counts, scheduler, host = saved
+        self.num_update = num_update
+        self._index_update_count.clear()
+        self._index_update_count.update(counts)
+        if scheduler is not None:
+            vars(self.lr_scheduler).clear()
+            vars(self.lr_scheduler).update(scheduler)
+        self._set_host_state(host)
+
+    def _host_state(self) -> Any:
+        """The optimizer's own host state that :meth:`_advance` changes (none here)."""
+        return None
+
+    def _set_host_state(self, state: Any) -> None:
+        """Put back what :meth:`_host_state` gave."""
+
+    def next_update(self, indices: list) -> np.ndarray:
+        """Run MXNet's bookkeeping for one update of each of ``indices``, in order (as MXNet's
+        updater calls ``update`` once per key): count it, then read the kernel's numbers.
+
+        Returns:
+          float32 array ``(len(indices), len(SCALARS))``: each row the ``scalars`` argument of
+          that key's update.
+        """
+        rows = []
+        for index in indices:
+            self._update_count(index)
+            self._advance(index)
+            rows.append(self.scalars(index))
+        return np.asarray(rows, np.float64).astype(np.float32).reshape(len(rows), -1)
+
+    # -- the kernel ----------------------------------------------------------------------
+    def slot_names(self) -> tuple[str, ...]:
+        """The per-parameter state arrays (in :attr:`OptimizerState.slots` order)."""
+        return ()
+
+    def init_slot(self, name: str, weight: jax.Array) -> jax.Array:  # noqa: ARG002
+        """A fresh ``name`` slot for ``weight``: zeros of its shape and dtype by default."""
+        return jnp.zeros_like(weight)
+
+    def kernel(
+        self,
+        g: jax.Array,
+        w: jax.Array,
+        slots: tuple[jax.Array, ...],
+        s: Scalars,
+        t: jax.Array,
+        z: jax.Array,
+        row_sparse: bool,
+    ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """One parameter's update: MXNet's kernel on gradient ``g`` and weight ``w``.
+
+        Args:
+          g: the (summed) gradient, in the weight's dtype.
+          w: the weight.
+          slots: the parameter's state arrays.
+          s: the scalars (:attr:`SCALARS` names -> float32 scalars).
+          t: the key's update count including this update (int32).
+          z: an opaque int32 zero for :func:`float32.rounded`.
+          row_sparse: whether this is MXNet's row-sparse kernel.
+
+        Returns:
+          ``(update, new_slots)``: ``w + update`` is MXNet's new weight.
+        """
+        raise NotImplementedError
+
+    def traced_scalars(
+        self,
+        inputs: tuple[float, ...],
+        t: jax.Array,  # noqa: ARG002 - subclasses' scalars may depend on the step
+        z: jax.Array,  # noqa: ARG002
+    ) -> dict[str, Any]:
+        """The scalars inside the computation, from :meth:`inputs` (compiled in) and the
+        key's update count ``t`` (Adam's bias correction): used when the update is called
+        without ``scalars`` (an optax loop; row-sparse pushes)."""
+        return {n: jnp.float32(v) for n, v in zip(self.SCALARS, inputs)}
+
+    def check_weight(self, w: jax.Array) -> None:
+        """Refuse a parameter this optimizer cannot update with MXNet's numbers."""
+        if not jnp.issubdtype(jnp.result_type(w), jnp.floating):
+            raise KVStoreError(
+                f"{type(self).__name__}: expected floating-point parameters, given dtype "
+                f"{jnp.result_type(w)} (MXNet's optimizers update float weights)"
+            )
+        if self.multi_precision and jnp.result_type(w) == jnp.float16:
+            raise OptimizerArgumentError(
+                f"{type(self).__name__}: multi_precision=True with a float16 weight: MXNet's "
+                "float32 master copy is not reproduced by jaxkv, expected float32 weights or "
+                "multi_precision=False"
+            )
+
+    def transformation(
+        self, *, row_sparse: bool = False, inputs: tuple[float, ...] | None = None
+    ) -> optax.GradientTransformationExtraArgs:
         """This optimizer as an optax transformation with MXNet's numbers.
 
-        The first call freezes the hyperparameters; later calls return the same object.
+        The first call freezes the attributes in :attr:`STATIC`. The same arguments give the
+        same object (its compiled pushes are reused).
 
         Args:
           row_sparse: ``False`` for a dense gradient; ``True`` for a row-sparse one, run on
             its rows (``lazy_update=True``) or on the densified gradient (``False``): MXNet's
-            row-sparse kernels, which order a few operations differently. Both make the same
-            state.
+            row-sparse kernels. Both make the same state.
+          inputs: the numbers an update called without ``scalars`` uses (:meth:`inputs`'s
+            form), compiled in; default: :meth:`inputs` of no particular index at the first
+            call.
 
         Returns:
-          An ``optax.GradientTransformation``; ``update`` needs ``params`` and is jittable.
+          An ``optax.GradientTransformationExtraArgs``; ``update(grads, state, params,
+          scalars=None)`` needs ``params`` and is jittable. ``scalars``: a float32 vector of
+          :attr:`SCALARS` (a row of :meth:`next_update`), an argument of the computation.
         """
         row_sparse = bool(row_sparse)
-        if row_sparse not in self._transformations:
-            object.__setattr__(self, "_frozen", True)
-            self._transformations[row_sparse] = self._build(row_sparse)
-        return self._transformations[row_sparse]
+        object.__setattr__(self, "_frozen", True)
+        if inputs is None:
+            if row_sparse not in self._transformations:
+                self._transformations[row_sparse] = self._build(row_sparse, self.inputs(None))
+            return self._transformations[row_sparse]
+        return self._bound(row_sparse, tuple(float(x) for x in inputs))
 
-    def _build(self, row_sparse: bool) -> optax.GradientTransformation:
-        raise NotImplementedError
+    def _bound(
+        self, row_sparse: bool, inputs: tuple[float, ...]
+    ) -> optax.GradientTransformationExtraArgs:
+        """The transformation with ``inputs`` compiled in: the last 8 kept."""
+        cache = self._bound_cache
+        key = (row_sparse, inputs)
+        if key in cache:
+            cache[key] = cache.pop(key)  # most recent last
+        else:
+            cache[key] = self._build(row_sparse, inputs)
+            while len(cache) > 8:
+                cache.pop(next(iter(cache)))
+        return cache[key]
 
+    def _build(
+        self, row_sparse: bool, inputs: tuple[float, ...]
+    ) -> optax.GradientTransformationExtraArgs:
+        owner = type(self).__name__
+        names = self.slot_names()
+        begin = self.begin_num_update
+
+        def init(params: optax.Params) -> OptimizerState:
+            for leaf in jax.tree.leaves(params):
+                self.check_weight(leaf)
+            slots = tuple(jax.tree.map(lambda w, n=n: self.init_slot(n, w), params) for n in names)
+            return OptimizerState(count=jnp.asarray(begin, jnp.int32), slots=slots)
+
+        def update(
+            updates: optax.Updates,
+            state: OptimizerState,
+            params: optax.Params | None = None,
+            *,
+            scalars: Any = None,
+            **extra_args: Any,  # noqa: ARG001 - optax passes every extra argument to each
+        ) -> tuple[optax.Updates, OptimizerState]:
+            if params is None:
+                raise KVStoreError(
+                    f"{owner}: update needs params (weight decay and MXNet's update use the "
+                    "weight): call update(grads, state, params)"
+                )
+            z = f32.opaque_zero(state.count)
+            t = f32.next_count(state.count)
+            if scalars is None:
+                s = self.traced_scalars(inputs, t, z)
+            else:
+                scalars = jnp.asarray(scalars, jnp.float32)
+                s = {n: scalars[i] for i, n in enumerate(self.SCALARS)}
+            treedef = jax.tree.structure(updates)
+            grads = treedef.flatten_up_to(updates)
+            weights = treedef.flatten_up_to(params)
+            per_slot = [treedef.flatten_up_to(slot) for slot in state.slots]
+            new_updates: list[Any] = []
+            new_slots: list[list[Any]] = [[] for _ in names]
+            for j, (g, w) in enumerate(zip(grads, weights)):
+                u, ss = self.kernel(
+                    g.astype(w.dtype), w, tuple(p[j] for p in per_slot), s, t, z, row_sparse
+                )
+                new_updates.append(u)
+                for acc, x in zip(new_slots, ss):
+                    acc.append(x)
+            return treedef.unflatten(new_updates), OptimizerState(
+                count=t, slots=tuple(treedef.unflatten(x) for x in new_slots)
+            )
+
+        return optax.GradientTransformationExtraArgs(init, update)
+
+    # -- repr ----------------------------------------------------------------------------
     def _repr_args(self) -> dict[str, object]:
         return {"learning_rate": self.lr}
 
@@ -358,473 +668,18 @@ class Optimizer:
             "rescale_grad": (self.rescale_grad, 1.0),
             "clip_gradient": (self.clip_gradient, None),
             "begin_num_update": (self.begin_num_update, 0),
+            "lr_scheduler": (self.lr_scheduler, None),
         }
         args.update({k: v for k, (v, default) in extra.items() if v != default})
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
 
 
-def _require_params(params: optax.Params | None, owner: str) -> optax.Params:
-    if params is None:
-        raise KVStoreError(
-            f"{owner}: update needs params (weight decay and MXNet's update use the weight): "
-            "call update(grads, state, params)"
-        )
-    return params
+def clipped(g: jax.Array, c: jax.Array) -> jax.Array:
+    """MXNet's ``clip(g, -c, c)`` where ``c >= 0``, ``g`` itself otherwise (no clipping)."""
+    return jnp.where(c >= 0, jnp.clip(g, -jnp.abs(c), jnp.abs(c)), g)
 
 
-def _constant(x: float, dtype: Any) -> np.ndarray:
-    """A hyperparameter as MXNet's kernels see it: a C++ float, then cast to the weight's type."""
-    return np.asarray(np.float32(x), dtype=dtype)
+def cast(x: Any, dtype: Any) -> jax.Array:
+    """A float32 scalar as the kernel sees it in the weight's type (C++'s ``DType(param)``)."""
+    return jnp.asarray(x, jnp.float32).astype(dtype)
 
-
-def _opaque_zero(count: jax.Array) -> jax.Array:
-    """An int32 zero that XLA and LLVM cannot see is zero: the count's bit 31 (it is >= 0)."""
-    return jax.lax.shift_right_logical(count, jnp.int32(31))
-
-
-def _rounded(x: jax.Array | np.ndarray, zero: jax.Array) -> jax.Array:
-    """``x`` itself, rounded on its own before the sum that uses it.
-
-    XLA fuses a product into the sum or difference that uses it (one FMA, one rounding) on CPUs
-    and GPUs that have FMA; MXNet's CPU kernels round the product first. Or-ing the product's
-    bits with an opaque zero is free in a fused loop and keeps the two operations apart, so the
-    result is MXNet's to the bit under ``jit`` too.
-    """
-    x = jnp.asarray(x)
-    itype = jnp.dtype(f"int{jnp.dtype(x.dtype).itemsize * 8}")
-    bits = jax.lax.bitcast_convert_type(x, itype)
-    return jax.lax.bitcast_convert_type(bits | zero.astype(itype), x.dtype)
-
-
-def _next_count(count: jax.Array) -> jax.Array:
-    return jnp.where(count < jnp.iinfo(jnp.int32).max, count + 1, count)
-
-
-def _check_dtypes(params: optax.Params, owner: str) -> None:
-    for leaf in jax.tree.leaves(params):
-        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
-            raise KVStoreError(
-                f"{owner}: expected floating-point parameters, given dtype "
-                f"{jnp.result_type(leaf)} (MXNet's optimizers update float weights)"
-            )
-
-
-class SGDState(NamedTuple):
-    """The state of :class:`SGD`: the key's update count, and MXNet's ``mom`` if momentum > 0."""
-
-    count: jax.Array  # type: ignore[assignment]  # int32 scalar: updates of this key so far
-    momentum: optax.Updates | None  # per parameter (its shape and dtype): w moves by it; or None
-
-
-class SGD(Optimizer):
-    """MXNet's SGD with momentum and weight decay (``mx.optimizer.SGD``).
-
-    With ``lr``, ``wd``, ``rescale_grad``, ``momentum`` and ``clip_gradient`` as float32
-    constants (MXNet's kernels take them as C++ floats), a dense gradient does, as MXNet's
-    ``multi_sgd_mom_update`` / ``multi_sgd_update`` (the updater's aggregated path)::
-
-        g = lr * clip(rescale_grad * grad, clip_gradient)   # no clip: (lr * rescale_grad) * grad
-        mom = momentum * mom - (lr * wd) * weight - g        # without momentum: mom = 0 first
-        weight = weight + mom
-
-    A row-sparse gradient (``transformation(row_sparse=True)``) without momentum does, as
-    ``sgd_update``'s row-sparse kernel, ``weight = (1 - lr * wd) * weight - g``; with momentum,
-    the formula above. The state's momentum is MXNet's ``mom`` (``None`` without momentum).
-
-    ``lazy_update=True`` (default): a row-sparse gradient changes only its rows (weight decay
-    and momentum too). ``False``: every row, as a dense gradient with zeros elsewhere.
-
-    Args:
-      momentum: the momentum (0: none, and no momentum state).
-      lazy_update: whether a row-sparse gradient updates only its rows.
-      **kwargs: :class:`Optimizer`'s arguments (``learning_rate`` defaults to 0.01).
-
-    Examples:
-      >>> import jax.numpy as jnp, optax
-      >>> from jaxkv.mx import optimizer
-      >>> opt = optimizer.SGD(learning_rate=0.5, momentum=0.9)
-      >>> tx = opt.transformation()
-      >>> w = jnp.ones(2)
-      >>> state = tx.init(w)
-      >>> updates, state = tx.update(jnp.array([1.0, -1.0]), state, w)
-      >>> optax.apply_updates(w, updates)
-      Array([0.5, 1.5], dtype=float32)
-    """
-
-    def __init__(self, momentum: float = 0.0, lazy_update: bool = True, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.momentum = _number("SGD", "momentum", momentum)
-        if self.momentum < 0:
-            raise OptimizerArgumentError(
-                f"SGD: momentum expected >= 0 (MXNet ignores a negative one), given {momentum!r}"
-            )
-        self.lazy_update = bool(lazy_update)
-
-    def _repr_args(self) -> dict[str, object]:
-        return {
-            "learning_rate": self.lr,
-            "momentum": self.momentum,
-            "lazy_update": self.lazy_update,
-        }
-
-    def _build(self, row_sparse: bool) -> optax.GradientTransformation:
-        lr, wd, rescale, momentum, clip = (
-            self.lr,
-            self.wd,
-            self.rescale_grad,
-            self.momentum,
-            self._clip(),
-        )
-        begin = self.begin_num_update
-        # MXNet creates the momentum state when momentum != 0 and uses it when > 0.
-        has_momentum = momentum > 0
-
-        def step(g: jax.Array, w: jax.Array, z: jax.Array) -> jax.Array:
-            """``lr * clip(rescale * g)`` in MXNet's order, rounded."""
-            d = w.dtype
-            g = g.astype(d)
-            if clip is not None:
-                c = _constant(clip, d)
-                return _rounded(_constant(lr, d) * jnp.clip(_constant(rescale, d) * g, -c, c), z)
-            lr_rescale = _constant(lr, d) * _constant(rescale, d)  # float32 product, as C++
-            return _rounded(lr_rescale * g, z)
-
-        def decay(w: jax.Array, z: jax.Array) -> jax.Array:
-            """``(lr * wd) * w``, rounded."""
-            return _rounded(_constant(lr, w.dtype) * _constant(wd, w.dtype) * w, z)
-
-        def dense(g: jax.Array, w: jax.Array, z: jax.Array) -> jax.Array:
-            return -decay(w, z) - step(g, w, z)  # multi_sgd: mom = 0*0 - lr*wd*w - g; w + mom
-
-        def sparse(g: jax.Array, w: jax.Array, z: jax.Array) -> jax.Array:
-            if wd == 0:  # (1 - lr*0) * w - g: the update is -g, exactly
-                return -step(g, w, z)
-            one = np.ones((), w.dtype)
-            kept = one - _constant(lr, w.dtype) * _constant(wd, w.dtype)
-            # sgd_update's (1 - lr*wd)*w - g, as an update: exact unless the step is larger
-            # than the weight (then within one ulp of the step).
-            return _rounded(_rounded(kept * w, z) - step(g, w, z), z) - w
-
-        def with_momentum(g: jax.Array, m: jax.Array, w: jax.Array, z: jax.Array) -> jax.Array:
-            kept = _rounded(_constant(momentum, w.dtype) * m, z)
-            return kept - decay(w, z) - step(g, w, z)
-
-        def init(params: optax.Params) -> optax.OptState:
-            _check_dtypes(params, "SGD")
-            moms = jax.tree.map(jnp.zeros_like, params) if has_momentum else None
-            return SGDState(count=jnp.asarray(begin, jnp.int32), momentum=moms)
-
-        def update(
-            updates: optax.Updates, state: optax.OptState, params: optax.Params | None = None
-        ) -> tuple[optax.Updates, optax.OptState]:
-            params = _require_params(params, "SGD")
-            z = _opaque_zero(state.count)
-            count = _next_count(state.count)
-            if not has_momentum:
-                plain = sparse if row_sparse else dense
-                new = jax.tree.map(lambda g, w: plain(g, w, z), updates, params)
-                return new, SGDState(count=count, momentum=None)
-            mom = jax.tree.map(lambda g, m, w: with_momentum(g, m, w, z), updates,
-                               state.momentum, params)  # fmt: skip
-            return mom, SGDState(count=count, momentum=mom)
-
-        return optax.GradientTransformation(init, update)
-
-
-class ccSGD(SGD):  # noqa: N801 - MXNet's name
-    """[DEPRECATED in MXNet] Same as :class:`SGD`."""
-
-
-class AdamState(NamedTuple):
-    """The state of :class:`Adam`: MXNet's per-key update count and the two moments."""
-
-    count: jax.Array  # type: ignore[assignment]  # int32 scalar: updates so far (t - 1 before one)
-    mean: optax.Updates  # per parameter: its shape and dtype
-    var: optax.Updates  # per parameter: its shape and dtype
-
-
-class Adam(Optimizer):
-    """MXNet's Adam (``mx.optimizer.Adam``).
-
-    At the key's ``t``-th update (``t`` counts from ``begin_num_update + 1``), MXNet's Python
-    computes in float64 ``lr_t = lr * sqrt(1 - beta2**t) / (1 - beta1**t)`` and its kernel
-    (``adam_update``), in float32::
-
-        g = grad * rescale_grad + weight * wd
-        g = clip(g, clip_gradient)                         # if clip_gradient > 0
-        mean = beta1 * mean + (1 - beta1) * g
-        var = beta2 * var + ((1 - beta2) * g) * g          # row-sparse: see below
-        weight = weight - (lr_t * mean) / (sqrt(var) + epsilon)
-
-    jaxkv computes ``lr_t`` in double-float32 arithmetic (about 44 bits), rounded once to
-    float32, so it is MXNet's float32 ``lr_t`` except when that lies within about 2**-40 of a
-    rounding boundary. Weight decay is added before clipping (unlike SGD), and epsilon is
-    outside the square root.
-
-    A row-sparse gradient (``transformation(row_sparse=True)``): with ``lazy_update=True``
-    (default) only its rows change (weight, mean, var; weight decay too), and MXNet's kernel
-    computes ``(1 - beta2) * (g * g)`` when clipping; with ``lazy_update=False`` every row
-    changes (weight decay and the decay of the moments reach the rows the gradient lacks) and
-    the kernel computes ``(1 - beta2) * (g * g)``.
-
-    Args:
-      learning_rate: the learning rate (default 0.001).
-      beta1: decay of the first moment, in [0, 1).
-      beta2: decay of the second moment, in [0, 1).
-      epsilon: added to ``sqrt(var)``.
-      lazy_update: whether a row-sparse gradient updates only its rows.
-      **kwargs: :class:`Optimizer`'s arguments.
-
-    Examples:
-      >>> import jax.numpy as jnp, optax
-      >>> from jaxkv.mx import optimizer
-      >>> tx = optimizer.Adam(learning_rate=0.1).transformation()
-      >>> w = jnp.zeros(2)
-      >>> updates, state = tx.update(jnp.array([3.0, -0.5]), tx.init(w), w)
-      >>> optax.apply_updates(w, updates), state.count  # float32's 1 - beta2: not quite 0.1
-      (Array([-0.10000065,  0.1000006 ], dtype=float32), Array(1, dtype=int32))
-    """
-
-    def __init__(
-        self,
-        learning_rate: float = 0.001,
-        beta1: float = 0.9,
-        beta2: float = 0.999,
-        epsilon: float = 1e-8,
-        lazy_update: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(learning_rate=learning_rate, **kwargs)
-        self.beta1 = _number("Adam", "beta1", beta1)
-        self.beta2 = _number("Adam", "beta2", beta2)
-        self.epsilon = _number("Adam", "epsilon", epsilon)
-        for name, beta in (("beta1", self.beta1), ("beta2", self.beta2)):
-            if not 0.0 <= beta < 1.0:
-                raise OptimizerArgumentError(
-                    f"Adam: {name} expected in [0, 1), given {beta!r} (MXNet's bias correction "
-                    "divides by zero or takes the root of a negative number)"
-                )
-        self.lazy_update = bool(lazy_update)
-
-    def _repr_args(self) -> dict[str, object]:
-        return {
-            "learning_rate": self.lr,
-            "beta1": self.beta1,
-            "beta2": self.beta2,
-            "epsilon": self.epsilon,
-            "lazy_update": self.lazy_update,
-        }
-
-    def _build(self, row_sparse: bool) -> optax.GradientTransformation:
-        lr, wd, rescale, clip = self.lr, self.wd, self.rescale_grad, self._clip()
-        beta1, beta2, eps, begin = self.beta1, self.beta2, self.epsilon, self.begin_num_update
-        # MXNet's CPU kernels: (1 - beta2) * (g * g) in the standard row-sparse kernel, and in
-        # the lazy one when clipping; ((1 - beta2) * g) * g otherwise.
-        square_first = row_sparse and (clip is not None or not self.lazy_update)
-
-        def moments(
-            g: jax.Array, m: jax.Array, v: jax.Array, w: jax.Array, z: jax.Array
-        ) -> tuple[jax.Array, jax.Array]:
-            d = w.dtype
-            r = lambda x: _rounded(x, z)  # noqa: E731 - each product rounded, as MXNet's
-            g = r(g.astype(d) * _constant(rescale, d)) + r(w * _constant(wd, d))
-            if clip is not None:
-                g = jnp.clip(g, -_constant(clip, d), _constant(clip, d))
-            one = np.ones((), d)
-            b1, b2 = _constant(beta1, d), _constant(beta2, d)
-            m = r(b1 * m) + r((one - b1) * g)
-            v = r(b2 * v) + r((one - b2) * (g * g) if square_first else ((one - b2) * g) * g)
-            return m, v
-
-        def init(params: optax.Params) -> optax.OptState:
-            _check_dtypes(params, "Adam")
-            return AdamState(
-                count=jnp.asarray(begin, jnp.int32),
-                mean=jax.tree.map(jnp.zeros_like, params),
-                var=jax.tree.map(jnp.zeros_like, params),
-            )
-
-        def update(
-            updates: optax.Updates, state: optax.OptState, params: optax.Params | None = None
-        ) -> tuple[optax.Updates, optax.OptState]:
-            params = _require_params(params, "Adam")
-            z = _opaque_zero(state.count)
-            t = _next_count(state.count)
-            lr_t = _bias_corrected_lr(lr, beta1, beta2, t, z)
-            new = jax.tree.map(lambda g, m, v, w: moments(g, m, v, w, z), updates, state.mean,
-                               state.var, params)  # fmt: skip
-            mean, var = jax.tree.transpose(
-                jax.tree.structure(updates), jax.tree.structure((0, 0)), new
-            )
-
-            def delta(m: jax.Array, v: jax.Array) -> jax.Array:
-                d = m.dtype
-                return -((lr_t.astype(d) * m) / (jnp.sqrt(v) + _constant(eps, d)))
-
-            return jax.tree.map(delta, mean, var), AdamState(count=t, mean=mean, var=var)
-
-        return optax.GradientTransformation(init, update)
-
-
-# -- lr * sqrt(1 - beta2**t) / (1 - beta1**t) in double-float32 -----------------------------
-# A value is a pair (hi, lo) of float32 scalars, hi + lo exactly, |lo| <= ulp(hi) / 2: about 44
-# bits. Error-free sums and products (Knuth's TwoSum, Dekker's TwoProduct with Veltkamp's split)
-# as in Dekker (1971), "A floating-point technique for extending the available precision".
-_Pair = tuple[jax.Array, jax.Array]
-_SPLIT = np.float32(4097.0)  # 2**12 + 1 splits a float32 into two 12-bit halves
-
-
-def _pair(x: float) -> _Pair:
-    hi = np.float32(x)
-    return jnp.asarray(hi), jnp.asarray(np.float32(x - float(hi)))
-
-
-def _two_sum(a: jax.Array, b: jax.Array, z: jax.Array) -> _Pair:
-    s = _rounded(a + b, z)  # opaque: XLA would simplify (a + b) - a to b
-    v = _rounded(s - a, z)
-    return s, (a - (s - v)) + (b - v)
-
-
-def _fast_two_sum(a: jax.Array, b: jax.Array, z: jax.Array) -> _Pair:  # |a| >= |b|
-    s = _rounded(a + b, z)
-    return s, b - (s - a)
-
-
-def _split(a: jax.Array, z: jax.Array) -> _Pair:
-    c = _rounded(_SPLIT * a, z)
-    hi = c - _rounded(c - a, z)
-    return hi, a - hi
-
-
-def _two_prod(a: jax.Array, b: jax.Array, z: jax.Array) -> _Pair:
-    # Products of the halves are exact, so an FMA there changes nothing; a * b must be rounded.
-    p = _rounded(a * b, z)
-    ah, al = _split(a, z)
-    bh, bl = _split(b, z)
-    return p, ((ah * bh - p) + ah * bl + al * bh) + al * bl
-
-
-def _mul(x: _Pair, y: _Pair, z: jax.Array) -> _Pair:
-    p, e = _two_prod(x[0], y[0], z)
-    return _fast_two_sum(p, e + (_rounded(x[0] * y[1], z) + _rounded(x[1] * y[0], z)), z)
-
-
-def _sub(x: _Pair, y: _Pair, z: jax.Array) -> _Pair:
-    s, e = _two_sum(x[0], -y[0], z)
-    return _fast_two_sum(s, e + (x[1] - y[1]), z)
-
-
-def _div(x: _Pair, y: _Pair, z: jax.Array) -> _Pair:
-    q1 = x[0] / y[0]
-    r = _sub(x, _mul(y, (q1, jnp.zeros_like(q1)), z), z)
-    return _fast_two_sum(q1, r[0] / y[0], z)
-
-
-def _sqrt(x: _Pair, z: jax.Array) -> _Pair:
-    s = jnp.sqrt(x[0])
-    p, e = _two_prod(s, s, z)
-    safe = jnp.where(s > 0, s, jnp.ones_like(s))
-    r = jnp.where(s > 0, (((x[0] - p) - e) + x[1]) / (2 * safe), jnp.zeros_like(s))
-    return _fast_two_sum(s, r, z)
-
-
-def _power(beta: float, t: jax.Array, z: jax.Array) -> _Pair:
-    """``beta ** t`` for a traced int32 ``t >= 1``: the product of ``beta ** (2**k)`` over the
-    bits ``k`` of ``t``, those powers computed in float64 here, multiplied pairwise in a tree
-    (five vectorised products: a small graph that compiles fast).
-
-    Bits stop where ``beta ** (2**k) < 2**-60``: beyond, ``1 - beta**t`` is 1 in float64.
-    """
-    powers: list[float] = []
-    while len(powers) < 31 and beta ** (2 ** len(powers)) >= 2.0**-60:
-        powers.append(beta ** (2 ** len(powers)))
-    bits = len(powers)
-    size = 1 << max(bits - 1, 0).bit_length()  # a power of two >= bits
-    hi = np.ones(size, np.float32)
-    lo = np.zeros(size, np.float32)
-    for k, p in enumerate(powers):
-        hi[k] = np.float32(p)
-        lo[k] = np.float32(p - float(hi[k]))
-    take = ((t >> jnp.arange(size, dtype=jnp.int32)) & 1) == 1
-    acc: _Pair = (jnp.where(take, hi, np.float32(1)), jnp.where(take, lo, np.float32(0)))
-    while acc[0].shape[0] > 1:
-        acc = _mul((acc[0][0::2], acc[1][0::2]), (acc[0][1::2], acc[1][1::2]), z)
-    zero = jnp.zeros((), jnp.float32)
-    tiny = t >= 2**bits if bits < 31 else jnp.zeros((), bool)
-    return jnp.where(tiny, zero, acc[0][0]), jnp.where(tiny, zero, acc[1][0])
-
-
-def _bias_corrected_lr(
-    lr: float, beta1: float, beta2: float, t: jax.Array, z: jax.Array
-) -> jax.Array:
-    """MXNet's ``float32(lr * sqrt(1 - beta2**t) / (1 - beta1**t))`` (computed in float64).
-
-    ``z``: an opaque int32 zero (:func:`_opaque_zero`), which keeps XLA from fusing products
-    into sums: the error-free transformations need every product rounded.
-    """
-    one = _pair(1.0)
-    c1 = _sub(one, _power(beta1, t, z), z)
-    c2 = _sub(one, _power(beta2, t, z), z)
-    return _mul(_pair(lr), _div(_sqrt(c2, z), c1, z), z)[0]
-
-
-class TestState(NamedTuple):
-    """The state of :class:`Test`: the key's update count (MXNet keeps a copy of the weight,
-    which nothing reads)."""
-
-    count: jax.Array  # type: ignore[assignment]  # int32 scalar: updates of this key so far
-
-
-class Test(Optimizer):
-    """MXNet's ``'test'`` optimizer (``mx.optimizer.Test``), which its own KVStore tests set:
-    ``weight += grad * rescale_grad``, ignoring the learning rate, weight decay and clipping.
-
-    A row-sparse gradient adds its rows only (as MXNet's ``weight[:] += grad`` of a row-sparse
-    gradient does).
-
-    Examples:
-      >>> import jax.numpy as jnp, optax
-      >>> from jaxkv.mx import optimizer
-      >>> tx = optimizer.create("test", rescale_grad=2).transformation()
-      >>> w = jnp.ones(2)
-      >>> updates, _ = tx.update(jnp.array([1.0, -1.0]), tx.init(w), w)
-      >>> optax.apply_updates(w, updates)
-      Array([ 3., -1.], dtype=float32)
-    """
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.lazy_update = True
-
-    def _repr_args(self) -> dict[str, object]:
-        return {}  # it uses none of the learning rate, wd and clipping
-
-    def _build(self, row_sparse: bool) -> optax.GradientTransformation:
-        rescale, begin = self.rescale_grad, self.begin_num_update
-
-        def init(params: optax.Params) -> optax.OptState:
-            _check_dtypes(params, "Test")
-            return TestState(count=jnp.asarray(begin, jnp.int32))
-
-        def update(
-            updates: optax.Updates, state: optax.OptState, params: optax.Params | None = None
-        ) -> tuple[optax.Updates, optax.OptState]:
-            params = _require_params(params, "Test")
-            z = _opaque_zero(state.count)
-            # MXNet's grad * rescale_grad, rounded on its own, then weight += it.
-            new = jax.tree.map(
-                lambda g, w: _rounded(g.astype(w.dtype) * _constant(rescale, w.dtype), z),
-                updates,
-                params,
-            )
-            return new, TestState(count=_next_count(state.count))
-
-        return optax.GradientTransformation(init, update)
-
-
-_REGISTRY: dict[str, type[Optimizer]] = {
-    "sgd": SGD,
-    "adam": Adam,
-    "ccsgd": ccSGD,
-    "test": Test,
-}

@@ -58,23 +58,36 @@ class PerKeyState:
 @functools.lru_cache(maxsize=256)
 def per_key(inner: optax.GradientTransformation) -> optax.GradientTransformation:
     """``inner`` run on each key of a tree alone, one state per key (the same object for the
-    same ``inner`` while it is among the last 256, so its compiled pushes are reused)."""
+    same ``inner`` while it is among the last 256, so its compiled pushes are reused). Its
+    update's extra arguments (optax's ``GradientTransformationExtraArgs``) are arrays with a
+    row per key, in the order of the keys of the gradients' tree (sorted): each key's update
+    gets its row."""
 
     def init(params: dict) -> Any:
         return _joined({k: inner.init({k: v}) for k, v in params.items()})
 
-    def update(grads: dict, state: Any, params: Any = None) -> tuple[dict, Any]:
+    def update(
+        grads: dict, state: Any, params: Any = None, **extra_args: Any
+    ) -> tuple[dict, Any]:
+        # extra_args: each an array with a row per key, in the keys' order (per_key_args).
         if len(grads) == 1:
-            return inner.update(grads, state, params)
+            return inner.update(grads, state, params, **_row(extra_args, 0))
         updates, states = {}, {}
-        for k in grads:
+        for i, k in enumerate(grads):
             u, states[k] = inner.update(
-                {k: grads[k]}, state.states[k], None if params is None else {k: params[k]}
+                {k: grads[k]},
+                state.states[k],
+                None if params is None else {k: params[k]},
+                **_row(extra_args, i),
             )
             updates[k] = u[k]
         return updates, PerKeyState(states)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _row(extra_args: dict[str, Any], i: int) -> dict[str, Any]:
+    return {name: value[i] for name, value in extra_args.items()}
 
 
 def _states_of(group: tuple[Key, ...], state: Any) -> dict[Key, Any] | None:

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv._src.mxnet import kvstore_rows, optimizer, sparse
+from jaxkv._src.mxnet import kvstore_rows, sparse
+from jaxkv.mx import optimizer
 
 N, W = 6, 2  # the table: N rows of W
 TABLE = np.arange(1, N * W + 1, dtype=np.float32).reshape(N, W)

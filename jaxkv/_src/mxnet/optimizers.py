@@ -1,0 +1,37 @@
+"""Every MXNet optimizer jaxkv has, registered for ``create``: importing this module fills the
+registry (and names what MXNet 1.9.1's ``mx.optimizer`` has that jaxkv does not)."""
+
+from __future__ import annotations
+
+from jaxkv._src.mxnet.opt_adam import Adam
+from jaxkv._src.mxnet.opt_sgd import SGD, Test, ccSGD
+
+__all__ = ["MXNET_NAMES", "SGD", "Adam", "Test", "ccSGD"]
+
+# The public names of MXNet 1.9.1's mx.optimizer (its __all__).
+MXNET_NAMES = (
+    "AdaDelta",
+    "AdaGrad",
+    "Adam",
+    "Adamax",
+    "DCASGD",
+    "FTML",
+    "Ftrl",
+    "LAMB",
+    "LARS",
+    "LBSGD",
+    "NAG",
+    "NDabs",
+    "Nadam",
+    "Optimizer",
+    "RMSProp",
+    "SGD",
+    "SGLD",
+    "Signum",
+    "Test",
+    "Updater",
+    "ccSGD",
+    "create",
+    "get_updater",
+    "register",
+)
