@@ -132,15 +132,19 @@ SCENARIOS = [
         "optimizer": "sgd",
         "kwargs": {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-3},
         "scheduler": None,
-        "steps": steps(2) + [dict(steps(1)[0], set_learning_rate=0.01)] + steps(1)
-        + [dict(steps(1)[0], lr=0.2)] + steps(1, mode="list"),
+        "steps": steps(2)
+        + [dict(steps(1)[0], set_learning_rate=0.01)]
+        + steps(1)
+        + [dict(steps(1)[0], lr=0.2)]
+        + steps(1, mode="list"),
     },
     {
         "name": "adam_set_learning_rate_list",
         "optimizer": "adam",
         "kwargs": {"learning_rate": 0.01},
         "scheduler": None,
-        "steps": steps(2, mode="list") + [dict(steps(1, mode="list")[0], set_learning_rate=0.1)]
+        "steps": steps(2, mode="list")
+        + [dict(steps(1, mode="list")[0], set_learning_rate=0.1)]
         + steps(2, mode="list"),
     },
     {
@@ -203,7 +207,10 @@ def run(sc, rng):
     keys = sorted({k for st in sc["steps"] for k in st["keys"]})
     init = {k: rng.uniform(-1, 1, SHAPES[k]).astype(np.float32) for k in keys}
     grads = [
-        {k: [rng.uniform(-2, 2, SHAPES[k]).astype(np.float32) for _ in range(2)] for k in st["keys"]}
+        {
+            k: [rng.uniform(-2, 2, SHAPES[k]).astype(np.float32) for _ in range(2)]
+            for k in st["keys"]
+        }
         for st in sc["steps"]
     ]
     opt = build(sc)

@@ -110,3 +110,17 @@ def test_dist_sync_matches_pushes_by_key(n):
             assert f"rank {rank} ok {check}" in run.stdout, run.stdout + run.stderr
         assert f"rank {rank} done" in run.stdout
     assert "held push failed" not in run.stdout + run.stderr, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_mxnet_optimizers_with_a_schedule_across_processes(name):
+    """MXNet's optimizers with a learning-rate schedule, keys pushed one at a time in each
+    process's own order: every process holds what one process alone computes from the sums;
+    processes whose optimizers work out different numbers are refused before anything moves."""
+    run = launch(2, "mx_optimizer_job.py", "2", name)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for rank in range(2):
+        assert f"rank {rank} ok {name} with a schedule" in run.stdout
+        if name == "sgd":
+            assert f"rank {rank} ok different learning rates refused" in run.stdout
+        assert f"rank {rank} done" in run.stdout

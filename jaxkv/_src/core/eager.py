@@ -490,9 +490,7 @@ def _build_push_flat(
             new = update_bucket(state, keys, pushed, updater, grids)
         if new is None:  # per key, on the views
             opt_state = state.opt_states[keys] if optax_push else None
-            values, opt_state = apply_updater(
-                updater, keys, pushed, stored, opt_state, extra_args
-            )
+            values, opt_state = apply_updater(updater, keys, pushed, stored, opt_state, extra_args)
             values = [jnp.copy(v) if id(v) in inputs else v for v in values]
             new = state.replace(dict(zip(keys, values)), {keys: opt_state} if optax_push else None)
         mesh = placement.mesh

@@ -104,6 +104,11 @@ def agree(held: Held, gathered: list[list[Key]]) -> None:
         "init": sorted(map(repr, held.inits)),
         "push": [sorted(map(repr, gen)) for gen in held.pushes],
         "gathered": [list(map(repr, keys)) for keys in gathered if keys],
+        # An MXNet optimizer's numbers for each held push (its learning rate, ...): the
+        # processes update the same values, so they must use the same numbers.
+        "numbers": [
+            [[repr(k), np.asarray(gen[k]).tolist()] for k in sorted(gen)] for gen in held.scalars
+        ],
     }
     text = json.dumps(mine, sort_keys=True).encode()
     digest = np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
@@ -118,8 +123,10 @@ def agree(held: Held, gathered: list[list[Key]]) -> None:
     padded[: len(text)] = np.frombuffer(text, np.uint8)
     texts = host_collectives.all_gather(padded, "the held keys")
     described = []
-    for rank, (row, n) in enumerate(zip(texts, sizes[:, 0])):
-        theirs = json.loads(bytes(row[: int(n)]).decode())
+    everyone = [json.loads(bytes(row[: int(n)]).decode()) for row, n in zip(texts, sizes[:, 0])]
+    if all({**t, "numbers": None} == {**mine, "numbers": None} for t in everyone):
+        _numbers_differ(everyone)
+    for rank, theirs in enumerate(everyone):
         pushed = " then ".join(_names(gen) for gen in theirs["push"]) or "[]"
         pulled = " then ".join(_names(keys) for keys in theirs["gathered"]) or "[]"
         described.append(
@@ -133,6 +140,26 @@ def agree(held: Held, gathered: list[list[Key]]) -> None:
         "may push in its own order, but all must push the same keys before any of them reads "
         "a pulled value (asnumpy or any use of an out, nd.waitall, or another call of the store)"
     )
+
+
+def _numbers_differ(everyone: list[dict]) -> None:
+    """Every process holds pushes of the same keys, but its MXNet optimizer worked out other
+    numbers for some of them: raise, naming the first such key and each process's numbers."""
+    for n, gen in enumerate(everyone[0]["numbers"]):
+        for i, (key, _) in enumerate(gen):
+            rows = [t["numbers"][n][i][1] for t in everyone]
+            if any(r != rows[0] for r in rows):
+                per = "; ".join(f"process {p}: {r}" for p, r in enumerate(rows))
+                raise KVStoreError(
+                    f"dist_sync: key {key}: expected every process's optimizer to update it with "
+                    f"the same numbers (learning rate, weight decay, ...), given {per}. Nothing "
+                    "was pushed. MXNet's num_update (which drives an lr_scheduler) is the "
+                    "largest count of any key, so processes that push keys unequally, in "
+                    "different orders, or change the learning rate at different times, count "
+                    "differently: push the same keys in the same steps, and change the rate "
+                    "in every process alike"
+                )
+    raise KVStoreError("dist_sync: the processes' held calls differ")  # pragma: no cover
 
 
 def _names(keys: list[str]) -> str:

@@ -31,7 +31,7 @@ from jaxkv._src.core.updater import is_pure_updater, optimizer_group, updater_na
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.mxnet import held as _queue
 from jaxkv._src.mxnet import kvstore_rows as _kvsparse
-from jaxkv._src.mxnet import optimizers as _optimizers
+from jaxkv._src.mxnet import optimizers as _optimizers  # noqa: F401 - fills the registry
 from jaxkv._src.mxnet import per_key as _perkey
 from jaxkv._src.mxnet.ndarray import NDArray, unwrap
 from jaxkv._src.mxnet.optimizer import Optimizer as MXNetOptimizer

@@ -83,7 +83,11 @@ class SGD(Optimizer):
         self.lazy_update = bool(lazy_update)
 
     def _repr_args(self) -> dict[str, object]:
-        return {"learning_rate": self.lr, "momentum": self.momentum, "lazy_update": self.lazy_update}
+        return {
+            "learning_rate": self.lr,
+            "momentum": self.momentum,
+            "lazy_update": self.lazy_update,
+        }
 
     def slot_names(self) -> tuple[str, ...]:
         return ("momentum",) if self.momentum > 0 else ()

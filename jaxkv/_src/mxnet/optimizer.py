@@ -682,4 +682,3 @@ def clipped(g: jax.Array, c: jax.Array) -> jax.Array:
 def cast(x: Any, dtype: Any) -> jax.Array:
     """A float32 scalar as the kernel sees it in the weight's type (C++'s ``DType(param)``)."""
     return jnp.asarray(x, jnp.float32).astype(dtype)
-

@@ -66,9 +66,7 @@ def per_key(inner: optax.GradientTransformation) -> optax.GradientTransformation
     def init(params: dict) -> Any:
         return _joined({k: inner.init({k: v}) for k, v in params.items()})
 
-    def update(
-        grads: dict, state: Any, params: Any = None, **extra_args: Any
-    ) -> tuple[dict, Any]:
+    def update(grads: dict, state: Any, params: Any = None, **extra_args: Any) -> tuple[dict, Any]:
         # extra_args: each an array with a row per key, in the keys' order (per_key_args).
         if len(grads) == 1:
             return inner.update(grads, state, params, **_row(extra_args, 0))
