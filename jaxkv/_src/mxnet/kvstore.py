@@ -779,7 +779,7 @@ class KVStore:
                     extra_args=extra,
                 )
             except BaseException:
-                if saved is not None:  # refused: the optimizer has not counted it either
+                if opt is not None and saved is not None:  # refused: not counted either
                     opt.restore_bookkeeping(saved)
                 raise
             return

@@ -405,7 +405,7 @@ class Optimizer:
             self._index_update_count[idx] += 1
             self.num_update = max(self._index_update_count[idx], self.num_update)
 
-    def _get_lrs(self, indices: list) -> list[float]:
+    def _get_lrs(self, indices: list) -> list[Any]:
         lr = self.lr_scheduler(self.num_update) if self.lr_scheduler is not None else self.lr
         lrs = [lr for _ in indices]
         for i, index in enumerate(indices):
@@ -638,10 +638,9 @@ class Optimizer:
             else:
                 scalars = jnp.asarray(scalars, jnp.float32)
                 s = {n: scalars[i] for i, n in enumerate(self.SCALARS)}
-            treedef = jax.tree.structure(updates)
-            grads = treedef.flatten_up_to(updates)
-            weights = treedef.flatten_up_to(params)
-            per_slot = [treedef.flatten_up_to(slot) for slot in state.slots]
+            grads, treedef = jax.tree.flatten(updates)
+            weights = jax.tree.leaves(params)
+            per_slot = [jax.tree.leaves(slot) for slot in state.slots]
             new_updates: list[Any] = []
             new_slots: list[list[Any]] = [[] for _ in names]
             for j, (g, w) in enumerate(zip(grads, weights)):
@@ -651,8 +650,8 @@ class Optimizer:
                 new_updates.append(u)
                 for acc, x in zip(new_slots, ss):
                     acc.append(x)
-            return treedef.unflatten(new_updates), OptimizerState(
-                count=t, slots=tuple(treedef.unflatten(x) for x in new_slots)
+            return jax.tree.unflatten(treedef, new_updates), OptimizerState(
+                count=t, slots=tuple(jax.tree.unflatten(treedef, x) for x in new_slots)
             )
 
         return optax.GradientTransformationExtraArgs(init, update)
