@@ -23,6 +23,8 @@ from jaxkv._src.mxnet.optimizers import SGD as SGD
 from jaxkv._src.mxnet.optimizers import Adam as Adam
 from jaxkv._src.mxnet.optimizers import Test as Test
 from jaxkv._src.mxnet.optimizers import ccSGD as ccSGD
+from jaxkv._src.mxnet.updater import Updater as Updater
+from jaxkv._src.mxnet.updater import get_updater as get_updater
 
 __all__ = [
     "SGD",
@@ -34,8 +36,10 @@ __all__ = [
     "OptimizerState",
     "Test",
     "UnknownOptimizerError",
+    "Updater",
     "ccSGD",
     "create",
+    "get_updater",
     "register",
 ]
 

@@ -35,6 +35,7 @@ from jaxkv._src.mxnet import optimizers as _optimizers  # noqa: F401 - fills the
 from jaxkv._src.mxnet import per_key as _perkey
 from jaxkv._src.mxnet.ndarray import NDArray, unwrap
 from jaxkv._src.mxnet.optimizer import Optimizer as MXNetOptimizer
+from jaxkv._src.mxnet.updater import Updater as MXNetUpdater
 from jaxkv._src.processes import host as host_collectives
 from jaxkv._src.processes import join as job
 from jaxkv._src.rows import ops as _rows
@@ -564,6 +565,9 @@ class KVStore:
         like those of an optimizer. An exception raised in either is a ``KVStoreError``
         naming the key, the original as its ``__cause__``.
         """
+        if isinstance(updater, MXNetUpdater):  # mx.optimizer.get_updater(opt): MXNet's way
+            self.set_optimizer(updater.optimizer)  # of setting opt on a local store
+            return
         with self._lock:
             if self._held is not None:
                 self.run_held()
