@@ -155,9 +155,19 @@ bench: $(STAMP)
 	bash conformance/setup_mxnet.sh >/dev/null
 	$(BIN)/python benchmarks/bench.py
 
-# Differential tests against real Apache MXNet 1.9.1, installed in its own venv.
+# Differential tests against real Apache MXNet 1.9.1, installed in its own venv: MXNet records
+# its optimizers, schedules and learning-rate changes again (the committed records must come out
+# unchanged), jaxkv replays them, then random KVStore programs run through both.
+RECORDS := conformance/record_optimizers.py conformance/record_schedules.py \
+	conformance/record_lr_training.py $(sort $(wildcard conformance/record_opt_*.py))
+REPLAYS := tests/test_mx_optimizer.py tests/test_mx_lr_scheduler.py tests/test_mx_lr_training.py \
+	$(sort $(wildcard tests/test_mx_opt_*.py))
 conformance: $(STAMP)
 	bash conformance/setup_mxnet.sh
+	set -e; for r in $(RECORDS); do echo "== $$r"; "$$(bash conformance/setup_mxnet.sh)" $$r; done
+	git diff --exit-code --stat -- conformance/data || { echo "MXNet's records differ from \
+	  the committed ones (git diff conformance/data)"; exit 1; }
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) $(REPLAYS)
 	$(BIN)/python conformance/harness.py --n 500
 
 # Mutation tests (Cosmic Ray, in a venv of its own) of the store's arithmetic and checks; not
