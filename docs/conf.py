@@ -60,6 +60,8 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(Mesh|NamedSharding|PartitionSpec|ArrayLike|DTypeLike)"),
     # jaxkv's private alias for a key, ``int | str`` (each function's doc says which keys).
     (r"py:.*", r"Key"),
+    # The MXNet optimizers' kernels' private alias for their scalars (name -> float32 scalar).
+    (r"py:.*", r"Scalars"),
     # The private layout bookkeeping in KVState's constructor (made by jaxkv.empty, not users).
     (r"py:.*", r"(Policy|_fl\.FlatLayout|_fl\.Packing)"),
 ]

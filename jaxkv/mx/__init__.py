@@ -2,8 +2,9 @@
 
 Provides ``mx.kv.create``, ``mx.nd.*``, ``mx.cpu``, ``mx.gpu``, ``mx.Context``,
 ``mx.context.current_context``, ``mx.context.num_gpus``, ``mx.optimizer`` (MXNet's ``SGD``
-and ``Adam``, with its numbers, for ``kv.set_optimizer``) and ``mx.lr_scheduler`` (MXNet's
-learning-rate schedulers, with its numbers). MXNet's other modules (Gluon,
+and ``Adam``, with its numbers, for ``kv.set_optimizer``), ``mx.lr_scheduler`` (MXNet's
+learning-rate schedulers, with its numbers) and ``mx.random`` (``seed`` and MXNet's random
+draws). MXNet's other modules (Gluon,
 autograd, symbols, the Module API, the profiler ...) are not here: asking for one raises an
 ``AttributeError`` that says where its JAX counterpart is.
 """
@@ -18,6 +19,7 @@ from jaxkv.mx import context as context
 from jaxkv.mx import kv as kv
 from jaxkv.mx import lr_scheduler as lr_scheduler
 from jaxkv.mx import optimizer as optimizer
+from jaxkv.mx import random as random
 
 kvstore = kv
 ndarray = nd
@@ -35,6 +37,7 @@ __all__ = [
     "nd",
     "ndarray",
     "optimizer",
+    "random",
 ]
 
 _GUIDE = "docs/migrating-from-mxnet.md"

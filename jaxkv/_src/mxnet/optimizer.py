@@ -347,7 +347,7 @@ class Optimizer:
     # -- MXNet's bookkeeping -------------------------------------------------------------
     @property
     def learning_rate(self) -> float:
-        """The learning rate: the scheduler's at ``num_update`` if there is one, else ``lr``."""
+        """The learning rate now, the scheduler's at ``num_update`` if there is one, else ``lr``."""
         if self.lr_scheduler is not None:
             return float(self.lr_scheduler(self.num_update))
         return float(self.lr)  # type: ignore[arg-type]
@@ -440,7 +440,7 @@ class Optimizer:
         return self.clip_gradient if self.clip_gradient else -1.0
 
     def inputs(self, index: Any) -> tuple[float, ...]:
-        """What MXNet's Python reads for an update of ``index`` (float64), in :attr:`SCALARS`
+        """What MXNet's Python reads for an update of ``index`` (float64), in ``SCALARS``
         order, before anything that depends on the step: the learning rate (the schedule's at
         ``num_update``, times the multiplier), the weight decay (times its multiplier), and the
         optimizer's own numbers. Reads the optimizer (a stateful schedule may move); changes
@@ -527,9 +527,9 @@ class Optimizer:
           g: the (summed) gradient, in the weight's dtype.
           w: the weight.
           slots: the parameter's state arrays.
-          s: the scalars (:attr:`SCALARS` names -> float32 scalars).
+          s: the scalars (``SCALARS`` names -> float32 scalars).
           t: the key's update count including this update (int32).
-          z: an opaque int32 zero for :func:`float32.rounded`.
+          z: an opaque int32 zero for ``float32.rounded``.
           row_sparse: whether this is MXNet's row-sparse kernel.
 
         Returns:
@@ -567,7 +567,7 @@ class Optimizer:
     ) -> optax.GradientTransformationExtraArgs:
         """This optimizer as an optax transformation with MXNet's numbers.
 
-        The first call freezes the attributes in :attr:`STATIC`. The same arguments give the
+        The first call freezes the attributes in ``STATIC``. The same arguments give the
         same object (its compiled pushes are reused).
 
         Args:
@@ -581,7 +581,7 @@ class Optimizer:
         Returns:
           An ``optax.GradientTransformationExtraArgs``; ``update(grads, state, params,
           scalars=None)`` needs ``params`` and is jittable. ``scalars``: a float32 vector of
-          :attr:`SCALARS` (a row of :meth:`next_update`), an argument of the computation.
+          ``SCALARS`` (a row of :meth:`next_update`), an argument of the computation.
         """
         row_sparse = bool(row_sparse)
         object.__setattr__(self, "_frozen", True)

@@ -95,5 +95,6 @@ class Updater:
 
 
 def get_updater(optimizer: Optimizer) -> Updater:
-    """``mx.optimizer.get_updater``: an :class:`Updater` of ``optimizer``."""
+    """``mx.optimizer.get_updater``: an ``Updater`` of ``optimizer``: ``updater(index, grad,
+    weight)`` updates the NDArray ``weight`` in place with MXNet's numbers (see the class)."""
     return Updater(optimizer)
