@@ -3,8 +3,8 @@
 Provides ``mx.kv.create``, ``mx.nd.*``, ``mx.cpu``, ``mx.gpu``, ``mx.Context``,
 ``mx.context.current_context``, ``mx.context.num_gpus``, ``mx.optimizer`` (MXNet's ``SGD``
 and ``Adam``, with its numbers, for ``kv.set_optimizer``), ``mx.lr_scheduler`` (MXNet's
-learning-rate schedulers, with its numbers) and ``mx.random`` (``seed`` and MXNet's random
-draws). MXNet's other modules (Gluon,
+learning-rate schedulers, with its numbers), ``mx.random`` (``seed`` and MXNet's random
+draws) and ``mx.kv.KVStoreBase`` (stores written in Python). MXNet's other modules (Gluon,
 autograd, symbols, the Module API, the profiler ...) are not here: asking for one raises an
 ``AttributeError`` that says where its JAX counterpart is.
 """
