@@ -25,8 +25,11 @@ every row), ``"tostype"`` (the dense value's ``tostype('row_sparse')``: its non-
 Ops: ``create``, ``init``, ``push``, ``pull`` (``ignore_sparse`` may be given), ``pushpull``
 (``out`` may be ``None``: pull into the pushed values), ``broadcast``, ``set_updater`` (``name``
 is one of :data:`UPDATERS`), ``set_optimizer`` (``name``: ``SGD`` or ``Adam``, ``args``: its
-keyword arguments) and ``row_sparse_pull`` (``row_ids``: an id array ``{"ids": [...], "dtype":
-"int64" | "float32", "ctx": c}``, or a list of them mirroring ``out``).
+keyword arguments, ``scheduler``: an optional ``[class, arguments]`` of ``mx.lr_scheduler``),
+``set_learning_rate`` (``how``: ``"set_learning_rate"`` or ``"lr"``, the store's optimizer's
+learning rate changed between pushes) and ``row_sparse_pull`` (``row_ids``: an id array
+``{"ids": [...], "dtype": "int64" | "float32", "ctx": c}``, or a list of them mirroring
+``out``).
 
 Programs come in families (``"features"``): plain ones (the dense store), ``"optimizer"`` ones
 (``set_optimizer`` between the updaters), and ``"rows"`` ones (row-sparse values, pushes by rows,
@@ -128,6 +131,14 @@ DIFFERENCES = {
     "stores, zero rows too, jaxkv's the non-zero rows (the dense values agree)",
 }
 OPTIMIZERS = ["SGD", "Adam"]
+# mx.lr_scheduler schedules a set_optimizer may carry: (class, keyword arguments).
+SCHEDULES = [
+    ["FactorScheduler", {"step": 2, "factor": 0.5, "base_lr": 0.2}],
+    ["FactorScheduler", {"step": 1, "factor": 0.9, "warmup_steps": 2, "warmup_begin_lr": 0.01}],
+    ["MultiFactorScheduler", {"step": [2, 4], "factor": 0.3, "base_lr": 0.4}],
+    ["PolyScheduler", {"max_update": 6, "base_lr": 0.3, "pwr": 2, "final_lr": 0.01}],
+    ["CosineScheduler", {"max_update": 5, "base_lr": 0.2, "warmup_steps": 1}],
+]
 
 
 def num_elements(shape: list[int]) -> int:
@@ -215,6 +226,7 @@ class _Generator:
         self.buffer_rows: dict = {}
         self.groups: list = []  # jaxkv's optimizer groups (frozensets of keys), since set_optimizer
         self.approx = False  # whether values may be inexact (after set_optimizer)
+        self.scheduled = False  # whether the store's optimizer has a learning-rate schedule
         self.pushed = False  # whether a push has been generated
 
     # -- descriptions -----------------------------------------------------------------------
@@ -647,10 +659,22 @@ class _Generator:
             args["clip_gradient"] = rng.choice([1.0, 2.5])
         if rng.random() < 0.7:
             args["lazy_update"] = rng.random() < 0.5
+        op = {"op": "set_optimizer", "name": name, "args": args}
+        self.scheduled = rng.random() < 0.35
+        if self.scheduled:  # a learning-rate schedule, driven by the optimizer's num_update
+            op["scheduler"] = rng.choice(SCHEDULES)
+            if rng.random() < 0.5:  # SGD then runs from the schedule's base_lr
+                args.pop("learning_rate")
         self.updater = "optimizer"
         self.groups = []  # a new optimizer: jaxkv drops the groups and their states
         self.approx = True
-        return {"op": "set_optimizer", "name": name, "args": args}
+        return op
+
+    def op_set_learning_rate(self) -> dict:
+        """``opt.set_learning_rate(lr)`` on the store's optimizer (MXNet raises under a
+        schedule, and so must jaxkv), or ``opt.lr = lr``."""
+        how = "set_learning_rate" if self.rng.random() < 0.7 else "lr"
+        return {"op": "set_learning_rate", "how": how, "lr": self.rng.choice([0.3, 0.05, 0.01])}
 
     # -- invalid ops ---------------------------------------------------------------------------
     def op_unknown(self) -> dict:
@@ -842,6 +866,8 @@ class _Generator:
                 # Early, before pushes (with no updater) leave MXNet's values aliased (defect 6).
                 early = self.updater is None and not self.pushed
                 choices.append((25 if early else 3, self.op_set_optimizer))
+                if self.updater == "optimizer":
+                    choices.append((3 if self.scheduled else 2, self.op_set_learning_rate))
             if any(len(self.shapes[k]) >= 2 for k in known) and self.rows:
                 # Mostly of keys MXNet stores row-sparse (it refuses the others: X3).
                 stored = any(self.stype.get(k) == "row_sparse" for k in known)

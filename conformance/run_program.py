@@ -24,6 +24,7 @@ import json
 import os
 import signal
 import sys
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -98,6 +99,7 @@ class Runner:
 
     def __init__(self, mx):
         self.mx = mx
+        self.optimizer = None  # the optimizer of the last set_optimizer (set_learning_rate)
 
     def _tree(self, spec, make):
         if spec is None:
@@ -190,7 +192,19 @@ class Runner:
         elif name == "set_updater":
             kv._set_updater(UPDATERS[op["name"]])
         elif name == "set_optimizer":
-            kv.set_optimizer(getattr(mx.optimizer, op["name"])(**op["args"]))
+            args = dict(op["args"])
+            if "scheduler" in op:
+                cls, kwargs = op["scheduler"]
+                args["lr_scheduler"] = getattr(mx.lr_scheduler, cls)(**kwargs)
+            with warnings.catch_warnings():  # a learning_rate replacing the schedule's base_lr
+                warnings.simplefilter("ignore")
+                self.optimizer = getattr(mx.optimizer, op["name"])(**args)
+            kv.set_optimizer(self.optimizer)
+        elif name == "set_learning_rate":
+            if op["how"] == "lr":
+                self.optimizer.lr = op["lr"]
+            else:
+                self.optimizer.set_learning_rate(op["lr"])
         else:
             raise ValueError(f"unknown op {name!r}")
         mx.nd.waitall()  # MXNet is asynchronous: an error must show up at its own op
