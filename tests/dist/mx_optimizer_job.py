@@ -87,6 +87,7 @@ def main():
             mx.nd.waitall()
         except jaxkv.KVStoreError as e:
             assert "the same numbers" in str(e), e
+            assert plain.num_update == 0 and plain._index_update_count == {}  # not counted
             check("different learning rates refused", kv.pull(0), before)
         else:
             raise AssertionError("different learning rates were accepted")

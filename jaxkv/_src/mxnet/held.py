@@ -43,7 +43,7 @@ logger = logging.getLogger("jaxkv")
 class Held:
     """The calls a store holds, by phase (see the module doc)."""
 
-    __slots__ = ("inits", "pushes", "scalars", "pulls", "count", "outs")
+    __slots__ = ("inits", "pushes", "scalars", "counted", "pulls", "count", "outs")
 
     def __init__(self) -> None:
         self.inits: dict[Key, Any] = {}  # key -> its value (a jax.Array), in call order
@@ -52,6 +52,7 @@ class Held:
         # Under an MXNet optimizer, each held push's kernel numbers, worked out when it was
         # called (MXNet's order): scalars[n] is key -> its row, as pushes[n].
         self.scalars: list[dict[Key, Any]] = []
+        self.counted: Any = None  # the optimizer's bookkeeping before the first held push
         # Pulls by how many pushes of their key came before: pulls[n] runs after pushes[n-1].
         self.pulls: list[list[tuple[Key, list]]] = [[]]
         self.count: dict[Key, int] = {}  # key -> its held pushes

@@ -325,6 +325,8 @@ class KVStore:
                 for k, arrays in grouped.items():
                     held.hold_push(k, arrays)
             else:  # MXNet's bookkeeping now, in its order (a list's keys sorted)
+                if held.counted is None:
+                    held.counted = opt.bookkeeping()
                 keys = sorted(grouped)
                 for k, row in zip(keys, opt.next_update(keys)):
                     held.hold_push(k, grouped[k], row)
@@ -424,9 +426,13 @@ class KVStore:
                     if pulls:  # in key order too (a key's own pulls in call order)
                         pulls = sorted(pulls, key=lambda pull: pull[0])
                         self._pull_now([k for k, _ in pulls], [o for _, o in pulls])
-            except KVStoreError:
-                raise
-            except Exception as e:
+            except BaseException as e:
+                if self._stored is state and held.counted is not None and self._mxnet_optimizer:
+                    # Refused before anything ran (the processes disagree): the optimizer
+                    # has not counted the held pushes either.
+                    self._mxnet_optimizer.restore_bookkeeping(held.counted)
+                if isinstance(e, KVStoreError) or not isinstance(e, Exception):
+                    raise
                 names = held.keys()
                 raise KVStoreError(
                     f"keys {names[:8]}{' ...' if len(names) > 8 else ''}: the held calls "
