@@ -11,8 +11,8 @@ default backend.
 Left out here: every sparse storage case (``stype='row_sparse'`` values and outs,
 ``test_sparse_aggregator``, the pulls into row_sparse outs of ``test_invalid_pull``), which
 tests/test_mxnet_sparse_unittests.py ports; ``'csr'`` (jaxkv has no csr storage: refused); and
-the tests of MXNet's test-only ``'teststore'`` plug-in (``test_custom_store``,
-``test_get_type_device``, ``test_set_optimizer``).
+the tests of MXNet's ``'teststore'`` plug-in (``test_custom_store``, ``test_get_type_device``,
+``test_set_optimizer``), which tests/test_mx_custom_store.py covers.
 ``row_sparse_pull`` on a dense value is kept, with MXNet's semantics (rows not asked for are 0).
 """
 
@@ -274,7 +274,7 @@ def test_invalid_pull(make, other_key, other_list):
 
 
 # --------------------------------------------------------------------------------------------
-# test_kvstore_custom.py: broadcast and pushpull ('device' store; 'teststore' is MXNet-only)
+# test_kvstore_custom.py: broadcast and pushpull ('device' store; 'teststore': test_mx_custom_store)
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("key", [3, "a"])
 def test_broadcast_single_kv_pair(key):
