@@ -55,7 +55,7 @@ html_theme_options = {"description": "MXNet's KVStore, rebuilt on JAX", "fixed_s
 nitpicky = True
 nitpick_ignore_regex = [
     (r"py:.*", r"(jax|jaxlib|optax|chex|numpy|np|npt|jnp)(\..*)?"),
-    (r"py:.*", r"(collections\.abc|typing|types|os|pathlib)\..*"),
+    (r"py:.*", r"(collections\.abc|typing|types|os|pathlib|builtins)\..*"),
     # The same names imported bare (``from jax.sharding import NamedSharding``).
     (r"py:.*", r"(Mesh|NamedSharding|PartitionSpec|ArrayLike|DTypeLike)"),
     # jaxkv's private alias for a key, ``int | str`` (each function's doc says which keys).

@@ -38,6 +38,7 @@ a few operations differently from the dense ones; one state serves both.
 
 from __future__ import annotations
 
+import builtins
 import inspect
 import logging
 import warnings
@@ -111,7 +112,7 @@ class LearningRateError(KVStoreError, UserWarning):
 _REGISTRY: dict[str, type[Optimizer]] = {}
 
 
-def register(klass: type[Optimizer]) -> type[Optimizer]:
+def register(klass: builtins.type[Optimizer]) -> builtins.type[Optimizer]:
     """Register an optimizer class under its lower-case name, for :func:`create` (MXNet's
     ``mx.optimizer.register``, usable as a class decorator; a name registered again is
     overridden with a warning, as in MXNet).
