@@ -11,8 +11,10 @@ replays through ``jaxkv.mx``. Each scenario is a small program: an optimizer (it
 a schedule built from a class name and arguments), keys with shapes, and steps; a step pushes
 each key's gradient from two contexts (``cpu(0)``, ``cpu(1)``; the store sums them) and pulls
 it, one key at a time (``push(k)``, ``pull(k)``, keys in the step's order) or as one list, and
-may first change the learning rate (``set_learning_rate``, or ``opt.lr = ...``). Recorded after
-every step: each pulled weight (float32 as the shortest decimal that reads back the same), the
+may first change the learning rate (``set_learning_rate``, or ``opt.lr = ...``). A scenario
+may be of float16 weights (``"dtype"``), with MXNet's float32 master copy (``multi_precision``).
+Recorded after every step: each pulled weight (float32 as the shortest decimal that reads back
+the same), the
 optimizer's ``num_update`` and ``learning_rate``; and the exception MXNet raises where it
 raises one.
 """
@@ -185,6 +187,47 @@ SCENARIOS = [
         "scheduler": {"class": "FactorScheduler", "kwargs": {"step": 4, "factor": 0.5}},
         "steps": steps(5, mode="list"),
     },
+    {
+        # float16 weights with MXNet's float32 master copy: the update runs on the copy.
+        "name": "sgd_multi_precision_float16",
+        "optimizer": "sgd",
+        "kwargs": {"learning_rate": 0.1, "momentum": 0.9, "wd": 0.01, "multi_precision": True},
+        "dtype": "float16",
+        "scheduler": FACTOR,
+        "steps": steps(5),
+    },
+    {
+        "name": "sgd_no_momentum_multi_precision_float16_list",
+        "optimizer": "sgd",
+        "kwargs": {"learning_rate": 0.05, "multi_precision": True, "rescale_grad": 0.5},
+        "dtype": "float16",
+        "scheduler": None,
+        "steps": steps(4, mode="list"),
+    },
+    {
+        "name": "adam_multi_precision_float16",
+        "optimizer": "adam",
+        "kwargs": {"learning_rate": 0.01, "multi_precision": True},
+        "dtype": "float16",
+        "scheduler": None,
+        "steps": steps(4),
+    },
+    {
+        "name": "test_multi_precision_float16",
+        "optimizer": "test",
+        "kwargs": {"rescale_grad": 0.3, "multi_precision": True},
+        "dtype": "float16",
+        "scheduler": None,
+        "steps": steps(3, mode="list"),
+    },
+    {
+        "name": "sgd_float16_without_multi_precision",
+        "optimizer": "sgd",
+        "kwargs": {"learning_rate": 0.1, "momentum": 0.9},
+        "dtype": "float16",
+        "scheduler": None,
+        "steps": steps(3),
+    },
 ]
 
 
@@ -205,27 +248,28 @@ def build(sc):
 
 def run(sc, rng):
     keys = sorted({k for st in sc["steps"] for k in st["keys"]})
-    init = {k: rng.uniform(-1, 1, SHAPES[k]).astype(np.float32) for k in keys}
+    dtype = sc.get("dtype", "float32")
+    init = {k: rng.uniform(-1, 1, SHAPES[k]).astype(dtype) for k in keys}
     grads = [
-        {
-            k: [rng.uniform(-2, 2, SHAPES[k]).astype(np.float32) for _ in range(2)]
-            for k in st["keys"]
-        }
+        {k: [rng.uniform(-2, 2, SHAPES[k]).astype(dtype) for _ in range(2)] for k in st["keys"]}
         for st in sc["steps"]
     ]
     opt = build(sc)
     kv = mx.kv.create("local")
     kv.set_optimizer(opt)
     for k in keys:
-        kv.init(k, mx.nd.array(init[k]))
+        kv.init(k, mx.nd.array(init[k], dtype=dtype))
     record = []
     for st, g in zip(sc["steps"], grads):
         if "set_learning_rate" in st:
             opt.set_learning_rate(st["set_learning_rate"])
         if "lr" in st:
             opt.lr = st["lr"]
-        vals = {k: [mx.nd.array(g[k][d], ctx=mx.cpu(d)) for d in range(2)] for k in st["keys"]}
-        outs = {k: mx.nd.zeros(SHAPES[k]) for k in st["keys"]}
+        vals = {
+            k: [mx.nd.array(g[k][d], ctx=mx.cpu(d), dtype=dtype) for d in range(2)]
+            for k in st["keys"]
+        }
+        outs = {k: mx.nd.zeros(SHAPES[k], dtype=dtype) for k in st["keys"]}
         if st["mode"] == "one":
             for k in st["keys"]:
                 kv.push(k, vals[k])

@@ -56,8 +56,9 @@ def _replay(sc, n_devices):
         else mx.kv.create("device")
     )
     kv.set_optimizer(opt)
+    dtype = sc.get("dtype", "float32")
     for k, v in sc["init"].items():
-        kv.init(int(k), mx.nd.array(np.asarray(v, np.float32)))
+        kv.init(int(k), mx.nd.array(np.asarray(v, dtype), dtype=dtype))
     got = []
     for st, grads in zip(sc["steps"], sc["grads"]):
         if "set_learning_rate" in st:
@@ -67,12 +68,12 @@ def _replay(sc, n_devices):
         keys = st["keys"]
         vals = {}
         for k in keys:
-            parts = [np.asarray(x, np.float32) for x in grads[str(k)]]
+            parts = [np.asarray(x, dtype) for x in grads[str(k)]]
             if n_devices == 1:  # the two devices' sum, one float32 addition as the store's
                 parts = [parts[0] + parts[1]]
             parts += [np.zeros_like(parts[0])] * (n_devices - len(parts))  # the same sum
-            vals[k] = [mx.nd.array(x, ctx=mx.cpu(d)) for d, x in enumerate(parts)]
-        outs = {k: mx.nd.zeros(shapes[k]) for k in keys}
+            vals[k] = [mx.nd.array(x, ctx=mx.cpu(d), dtype=dtype) for d, x in enumerate(parts)]
+        outs = {k: mx.nd.zeros(shapes[k], dtype=dtype) for k in keys}
         if st["mode"] == "one":
             for k in keys:
                 kv.push(k, vals[k])
@@ -99,8 +100,10 @@ def test_training_with_changing_learning_rates_gives_mxnets_numbers(name, n_devi
         assert mine["num_update"] == theirs["num_update"], (name, step)
         assert mine["learning_rate"] == theirs["learning_rate"], (name, step)
         for k, w in theirs["weights"].items():
+            want = np.asarray(w, sc.get("dtype", "float32"))
+            assert mine["weights"][k].dtype == want.dtype
             np.testing.assert_array_equal(
-                mine["weights"][k], np.asarray(w, np.float32), err_msg=f"{name} step {step} key {k}"
+                mine["weights"][k], want, err_msg=f"{name} step {step} key {k}"
             )
 
 

@@ -292,35 +292,31 @@ def test_create_is_case_insensitive():
     assert optimizer.create("Adam", beta1=0.5).beta1 == 0.5
 
 
-@pytest.mark.parametrize("name", ["rmsprop", "NAG", "adagrad", "ftrl", "lamb", "bogus_optimizer"])
-def test_create_refuses_other_names(name):
+def test_create_refuses_other_names():
     with pytest.raises(jaxkv.KVStoreError) as info:
-        optimizer.create(name)
+        optimizer.create("bogus_optimizer")
     assert isinstance(info.value, ValueError)  # MXNet raises ValueError: Cannot find optimizer
     message = str(info.value)
-    assert repr(name) in message and "'adam'" in message and "'sgd'" in message
-    assert ("MXNet 1.9.1 has it" in message) is (name.lower() in DATA["registry"])
+    assert "'bogus_optimizer'" in message and "'adam'" in message and "'rmsprop'" in message
 
 
-@pytest.mark.parametrize("name", ["RMSProp", "NAG", "AdaGrad", "Ftrl", "LAMB", "Updater"])
-def test_other_mxnet_names_on_the_module_refused(name):
+def test_the_one_mxnet_name_not_here_is_refused_clearly():
+    """``NDabs`` (MXNet's re-export of ``nd.abs`` in ``mx.optimizer``) is the one name of
+    MXNet's ``mx.optimizer.__all__`` that jaxkv.mx.optimizer lacks."""
     with pytest.raises(jaxkv.KVStoreError) as info:
-        getattr(mx.optimizer, name)
+        mx.optimizer.NDabs  # noqa: B018
     assert isinstance(info.value, AttributeError)
-    assert name in str(info.value) and "'adam'" in str(info.value)
-    assert not hasattr(mx.optimizer, name)
+    assert "NDabs" in str(info.value) and "'adam'" in str(info.value)
     with pytest.raises(AttributeError) as plain:
         mx.optimizer.no_such_name  # noqa: B018
     assert not isinstance(plain.value, jaxkv.KVStoreError)
 
 
-def test_every_registry_name_is_created_or_refused():
+def test_every_name_of_mxnets_registry_creates_its_optimizer():
     for name in DATA["registry"]:
-        if name in ("sgd", "adam", "ccsgd", "test"):
-            assert isinstance(optimizer.create(name), optimizer.Optimizer)
-        else:
-            with pytest.raises(jaxkv.KVStoreError, match=name):
-                optimizer.create(name)
+        opt = optimizer.create(name)
+        assert isinstance(opt, optimizer.Optimizer) and type(opt).__name__.lower() == name
+        assert type(optimizer.create(name.upper())) is type(opt)
 
 
 @pytest.mark.parametrize(
@@ -370,15 +366,29 @@ def test_only_what_shapes_the_computation_freezes_once_compiled():
     assert opt.momentum == 0.9 and opt.lazy_update is True
 
 
-def test_multi_precision_refuses_float16_weights_only():
-    """MXNet keeps a float32 master copy of float16 weights under multi_precision=True; jaxkv
-    does not reproduce that path and refuses it; float32 weights ignore the flag, as MXNet's."""
-    tx = optimizer.SGD(multi_precision=True, learning_rate=0.5).transformation()
+def test_multi_precision_keeps_a_float32_copy_of_float16_weights_only():
+    """MXNet keeps a float32 master copy of float16 weights under multi_precision=True, runs the
+    update on it and casts; float32 weights ignore the flag, as MXNet's. (Against MXNet's own
+    numbers: tests/test_mx_lr_training.py's float16 scenarios.)"""
+    opt = optimizer.SGD(multi_precision=True, learning_rate=0.5)
+    tx = opt.transformation()
     w = jnp.ones(2)
-    updates, _ = tx.update(jnp.ones(2), tx.init(w), w)
+    updates, state = tx.update(jnp.ones(2), tx.init(w), w)
     np.testing.assert_array_equal(updates, [-0.5, -0.5])
-    with pytest.raises(jaxkv.KVStoreError, match="multi_precision.*float16"):
-        tx.init(jnp.ones(2, jnp.float16))
+    assert state.slots == ()
+    w16 = jnp.asarray([1.0, 2048.0], jnp.float16)  # float16's spacing is 2 here
+    state = tx.init(w16)
+    (copy,) = state.slots
+    assert copy.dtype == jnp.float32
+    g = jnp.asarray([0.0, -1.0], jnp.float16)
+    for _ in range(2):  # each step adds 0.5 to the copy, too little for float16 to show
+        updates, state = tx.update(g, state, w16)
+        w16 = jaxkv._src.core.updater.apply_updates(w16, updates)
+        assert w16.dtype == jnp.float16
+    np.testing.assert_array_equal(state.slots[0], np.float32([1.0, 2049.0]))
+    np.testing.assert_array_equal(w16, np.float16([1.0, 2048.0]))  # 2049 rounds to even
+    with pytest.raises(jaxkv.KVStoreError, match="mixing float16 and other weights"):
+        tx.init({"a": jnp.ones(2, jnp.float16), "b": jnp.ones(2)})
 
 
 # -- the transformation's contract -----------------------------------------------------------

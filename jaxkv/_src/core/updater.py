@@ -17,6 +17,7 @@ from jaxkv._src.state.pairing import as_array
 __all__ = [
     "Updater",
     "apply_updater",
+    "apply_updates",
     "is_pure_updater",
     "optimizer_group",
     "pure_updater",
@@ -122,6 +123,28 @@ def optimizer_group(
     )
 
 
+def apply_updates(params: Any, updates: Any) -> Any:
+    """``optax.apply_updates``, with an update of a wider float type than its parameter (a
+    float32 update of a float16 weight, from a float32 master copy) added in the wider type and
+    cast back, whatever JAX's dtype promotion mode (optax's adds them as promotion allows)."""
+
+    def add(p: Any, u: Any) -> Any:
+        if p is None:
+            return None
+        p = jax.numpy.asarray(p)
+        u = jax.numpy.asarray(u)
+        if (
+            u.dtype != p.dtype
+            and jax.numpy.issubdtype(p.dtype, jax.numpy.floating)
+            and jax.numpy.issubdtype(u.dtype, jax.numpy.floating)
+            and u.dtype.itemsize > p.dtype.itemsize
+        ):
+            return (p.astype(u.dtype) + u).astype(p.dtype)
+        return jax.numpy.asarray(p + u).astype(p.dtype)
+
+    return jax.tree.map(add, params, updates, is_leaf=lambda x: x is None)
+
+
 def apply_updater(
     updater: Any,
     keys: Sequence[Key],
@@ -153,7 +176,7 @@ def apply_updater(
             raise KVStoreError(
                 f"keys {_group_names(keys)}: the optimizer raised {type(e).__name__}: {e}"
             ) from e
-        result = optax.apply_updates(params, updates)
+        result = apply_updates(params, updates)
         new = [result[k] for k in keys]
     else:
         new = []

@@ -153,6 +153,9 @@ class Test(Optimizer):
     def inputs(self, index: Any) -> tuple[float, ...]:  # noqa: ARG002 - no multipliers
         return (self.rescale_grad,)
 
+    def _update_count(self, index: Any) -> None:
+        """MXNet's ``Test.update`` counts nothing: ``num_update`` stays where it began."""
+
     def kernel(
         self,
         g: jax.Array,

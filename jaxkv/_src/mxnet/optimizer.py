@@ -227,9 +227,9 @@ class Optimizer:
         ``base_lr``), called at each update with the optimizer's ``num_update``.
       sym: only ``None`` (jaxkv has no symbols).
       begin_num_update: the update count each key starts from.
-      multi_precision: MXNet's float32 master copy of float16 weights; float16 weights with
-        ``True`` are refused (jaxkv does not reproduce that path), float32 weights ignore it
-        as MXNet does.
+      multi_precision: MXNet's float32 master copy of float16 weights: the state keeps the
+        copy (its last slot), the update runs on it in float32, and the weight becomes its
+        float16 cast, as in MXNet; other weights ignore it.
       param_dict: index -> an object with ``lr_mult`` and ``wd_mult`` (Gluon's parameters),
         which take precedence over ``set_lr_mult``/``set_wd_mult``, as in MXNet.
 
@@ -556,12 +556,19 @@ class Optimizer:
                 f"{type(self).__name__}: expected floating-point parameters, given dtype "
                 f"{jnp.result_type(w)} (MXNet's optimizers update float weights)"
             )
-        if self.multi_precision and jnp.result_type(w) == jnp.float16:
+
+    def _master_copy(self, weights: list) -> bool:
+        """Whether the state keeps a float32 copy of the weights (``multi_precision`` with
+        float16 weights, as MXNet's ``create_state_multi_precision``)."""
+        if not self.multi_precision:
+            return False
+        half = [jnp.result_type(w) == jnp.float16 for w in weights]
+        if any(half) and not all(half):
             raise OptimizerArgumentError(
-                f"{type(self).__name__}: multi_precision=True with a float16 weight: MXNet's "
-                "float32 master copy is not reproduced by jaxkv, expected float32 weights or "
-                "multi_precision=False"
+                f"{type(self).__name__}: multi_precision=True over a tree mixing float16 and "
+                "other weights: expected one dtype per tree (a store updates each key alone)"
             )
+        return bool(half) and all(half)
 
     def transformation(
         self, *, row_sparse: bool = False, inputs: tuple[float, ...] | None = None
@@ -616,6 +623,12 @@ class Optimizer:
         def init(params: optax.Params) -> OptimizerState:
             for leaf in jax.tree.leaves(params):
                 self.check_weight(leaf)
+            if self._master_copy(jax.tree.leaves(params)):  # the state of a float32 copy
+                master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
+                slots = tuple(
+                    jax.tree.map(lambda w, n=n: self.init_slot(n, w), master) for n in names
+                )
+                return OptimizerState(count=jnp.asarray(begin, jnp.int32), slots=(*slots, master))
             slots = tuple(jax.tree.map(lambda w, n=n: self.init_slot(n, w), params) for n in names)
             return OptimizerState(count=jnp.asarray(begin, jnp.int32), slots=slots)
 
@@ -642,12 +655,21 @@ class Optimizer:
             grads, treedef = jax.tree.flatten(updates)
             weights = jax.tree.leaves(params)
             per_slot = [jax.tree.leaves(slot) for slot in state.slots]
+            master = self._master_copy(weights)
             new_updates: list[Any] = []
-            new_slots: list[list[Any]] = [[] for _ in names]
+            new_slots: list[list[Any]] = [[] for _ in per_slot]
             for j, (g, w) in enumerate(zip(grads, weights)):
-                u, ss = self.kernel(
-                    g.astype(w.dtype), w, tuple(p[j] for p in per_slot), s, t, z, row_sparse
-                )
+                mine = tuple(p[j] for p in per_slot)
+                if master:  # MXNet's update of the float32 copy, the weight its float16 cast
+                    w32, mine = mine[-1], mine[:-1]
+                    u, ss = self.kernel(g.astype(jnp.float32), w32, mine, s, t, z, row_sparse)
+                    new32 = w32 + u
+                    # float32(new) - float32(w), added to w in float32 and cast, gives
+                    # float16(new) exactly: within two float32 ulps of a float16 number.
+                    u = new32.astype(w.dtype).astype(jnp.float32) - w.astype(jnp.float32)
+                    ss = (*ss, new32)
+                else:
+                    u, ss = self.kernel(g.astype(w.dtype), w, mine, s, t, z, row_sparse)
                 new_updates.append(u)
                 for acc, x in zip(new_slots, ss):
                     acc.append(x)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import optax
 
+from jaxkv._src.core.updater import apply_updates
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.mxnet.ndarray import NDArray
 from jaxkv._src.mxnet.optimizer import Optimizer
@@ -46,7 +46,7 @@ class Updater:
     def _update(self, grad: jax.Array, state: Any, weight: jax.Array, scalars: Any) -> Any:
         tx = self.optimizer.transformation()
         updates, state = tx.update(grad, state, weight, scalars=scalars)
-        return optax.apply_updates(weight, updates), state
+        return apply_updates(weight, updates), state
 
     def __call__(self, index: Any, grad: Any, weight: Any) -> None:
         indices = list(index) if isinstance(index, list | tuple) else [index]

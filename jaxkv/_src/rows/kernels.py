@@ -21,6 +21,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv._src.core.on_buckets import elementwise as _elementwise
+from jaxkv._src.core.updater import apply_updates
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.state.kvstate import Key, KVState
 from jaxkv._src.state.pairing import as_array
@@ -123,7 +124,7 @@ def update_rows(
             opt_rows = tree_map_params(updater, lambda x: take(x, unique), opt_state)
         old = take(stored, unique)
         updates, new_opt = updater.update({key: summed}, opt_rows, {key: old})
-        new_rows = optax.apply_updates({key: old}, updates)[key]
+        new_rows = apply_updates({key: old}, updates)[key]
         # The per-parameter leaves: their touched rows written back; the others (a step
         # count) as the update left them.
         per_row = tree_map_params(
