@@ -103,7 +103,7 @@ def pushable(model, keys):
 def main():
     rng = random.Random(SEED)
     mine = random.Random(f"{SEED} {jax.process_index()}")  # this process's own push orders
-    kv = mx.kv.create("dist_sync")
+    kv = jaxkv.create("dist_sync")  # jaxkv's own store: row_sparse_pull fills dense outs too
     rank, processes, local = kv.rank, kv.num_workers, jax.local_devices()
     # Each step's values: the same draw in every process, scaled per process and device.
     ranks = sum(r + 1 for r in range(processes))
