@@ -19,21 +19,33 @@ from jaxkv._src.mxnet.optimizer import UnknownOptimizerError as UnknownOptimizer
 from jaxkv._src.mxnet.optimizer import create as create
 from jaxkv._src.mxnet.optimizer import missing as _missing
 from jaxkv._src.mxnet.optimizer import register as register
+from jaxkv._src.mxnet.optimizers import DCASGD as DCASGD
+from jaxkv._src.mxnet.optimizers import LARS as LARS
+from jaxkv._src.mxnet.optimizers import LBSGD as LBSGD
+from jaxkv._src.mxnet.optimizers import NAG as NAG
 from jaxkv._src.mxnet.optimizers import SGD as SGD
+from jaxkv._src.mxnet.optimizers import SGLD as SGLD
 from jaxkv._src.mxnet.optimizers import Adam as Adam
+from jaxkv._src.mxnet.optimizers import Signum as Signum
 from jaxkv._src.mxnet.optimizers import Test as Test
 from jaxkv._src.mxnet.optimizers import ccSGD as ccSGD
 from jaxkv._src.mxnet.updater import Updater as Updater
 from jaxkv._src.mxnet.updater import get_updater as get_updater
 
 __all__ = [
+    "DCASGD",
+    "LARS",
+    "LBSGD",
+    "NAG",
     "SGD",
+    "SGLD",
     "Adam",
     "LearningRateError",
     "MissingOptimizerError",
     "Optimizer",
     "OptimizerArgumentError",
     "OptimizerState",
+    "Signum",
     "Test",
     "UnknownOptimizerError",
     "Updater",

@@ -4,9 +4,22 @@ registry (and names what MXNet 1.9.1's ``mx.optimizer`` has that jaxkv does not)
 from __future__ import annotations
 
 from jaxkv._src.mxnet.opt_adam import Adam
+from jaxkv._src.mxnet.opt_momentum import DCASGD, LARS, LBSGD, NAG, SGLD, Signum
 from jaxkv._src.mxnet.opt_sgd import SGD, Test, ccSGD
 
-__all__ = ["MXNET_NAMES", "SGD", "Adam", "Test", "ccSGD"]
+__all__ = [
+    "DCASGD",
+    "LARS",
+    "LBSGD",
+    "MXNET_NAMES",
+    "NAG",
+    "SGD",
+    "SGLD",
+    "Adam",
+    "Signum",
+    "Test",
+    "ccSGD",
+]
 
 # The public names of MXNet 1.9.1's mx.optimizer (its __all__).
 MXNET_NAMES = (
