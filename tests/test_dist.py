@@ -7,6 +7,8 @@ import sys
 import pytest
 from _jobs import launch
 
+from jaxkv._src.mxnet.optimizer import MXNET_OPTIMIZERS
+
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_dist_sync_job(n):
@@ -112,15 +114,19 @@ def test_dist_sync_matches_pushes_by_key(n):
     assert "held push failed" not in run.stdout + run.stderr, run.stdout + run.stderr
 
 
-@pytest.mark.parametrize("name", ["sgd", "adam"])
-def test_mxnet_optimizers_with_a_schedule_across_processes(name):
+OTHERS = ",".join(n for n in MXNET_OPTIMIZERS if n not in ("sgd", "adam"))
+
+
+@pytest.mark.parametrize("names", ["sgd", "adam", OTHERS], ids=["sgd", "adam", "others"])
+def test_mxnet_optimizers_with_a_schedule_across_processes(names):
     """MXNet's optimizers with a learning-rate schedule, keys pushed one at a time in each
     process's own order: every process holds what one process alone computes from the sums;
     processes whose optimizers work out different numbers are refused before anything moves."""
-    run = launch(2, "mx_optimizer_job.py", "2", name)
+    run = launch(2, "mx_optimizer_job.py", "2", names, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     for rank in range(2):
-        assert f"rank {rank} ok {name} with a schedule" in run.stdout
-        if name == "sgd":
+        for name in names.split(","):
+            assert f"rank {rank} ok {name} with a schedule" in run.stdout
+        if names == "sgd":
             assert f"rank {rank} ok different learning rates refused" in run.stdout
         assert f"rank {rank} done" in run.stdout

@@ -10,9 +10,9 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import jaxkv
+import jaxkv._src.core.updater
 import jaxkv.mx as mx
 
 SHAPES = {0: (4, 3), 1: (5,), 2: (6, 2)}
@@ -30,52 +30,89 @@ def grad(step, key, rank, device):
     return (rng.integers(-16, 16, SHAPES[key]) / 8).astype(np.float32)
 
 
+# Arguments per optimizer beyond the schedule (momentum where it has one, weight decay).
+KWARGS = {
+    "sgd": {"momentum": 0.9, "wd": 0.01},
+    "adam": {"learning_rate": None, "wd": 0.01},
+    "nag": {"momentum": 0.9},
+    "signum": {"momentum": 0.9},
+    # LARS's momentum correction follows the rate from one update to the next of any key: with
+    # keys in each process's own order, the processes would correct different keys (refused).
+    "lars": {"momentum": 0.9, "eta": 0.01, "momentum_correction": False},
+    "lbsgd": {"momentum": 0.9},
+    "rmsprop": {"centered": True},
+    "ftml": {"learning_rate": None},
+    "lamb": {"learning_rate": None},
+    "nadam": {"learning_rate": None},
+    "adamax": {"learning_rate": None},
+}
+
+
+# LBSGD reads the learning rate before it counts the update (MXNet's order), so under a schedule
+# the key pushed first in a step gets the rate of the step before: processes pushing in their
+# own orders would work out different rates (refused). These push in one order everywhere.
+SAME_ORDER = {"lbsgd"}
+
+
 def make(name):
+    """The optimizer ``name`` with a schedule (SGLD's noise seeded alike in every process)."""
+    mx.random.seed(7)
     sched = mx.lr_scheduler.FactorScheduler(step=2, factor=0.5, base_lr=0.1)
-    if name == "sgd":
-        return mx.optimizer.SGD(momentum=0.9, wd=0.01, lr_scheduler=sched)
-    return mx.optimizer.Adam(learning_rate=None, wd=0.01, lr_scheduler=sched)
+    return mx.optimizer.create(name, lr_scheduler=sched, **KWARGS.get(name, {}))
 
 
-def main():
-    name = sys.argv[2]
-    kv = mx.kv.create("dist_sync")
-    rank, workers = kv.rank, kv.num_workers
-    local = jax.local_devices()
+def train(kv, name, rank, workers, local, steps, shapes):
     opt = make(name)
     kv.set_optimizer(opt)
     init = {
-        k: np.random.default_rng(k).uniform(-1, 1, s).astype(np.float32) for k, s in SHAPES.items()
+        k: np.random.default_rng(k).uniform(-1, 1, s).astype(np.float32) for k, s in shapes.items()
     }
-    for k in SHAPES:
+    for k in shapes:
         kv.init(k, mx.nd.array(init[k]))
     # The reference: the same optimizer run on the summed gradients in this process alone.
     ref = make(name)
     tx = ref.transformation()
     weights = {k: jnp.asarray(v) for k, v in init.items()}
-    states = {k: tx.init(weights[k]) for k in SHAPES}
-    order = sorted(SHAPES) if rank % 2 == 0 else sorted(SHAPES, reverse=True)
-    for step in range(STEPS):
+    states = {k: tx.init(weights[k]) for k in shapes}
+
+    @jax.jit  # compiled as the store's push is (XLA's fusions round as the store's do)
+    def update(g, state, w, scalars):
+        u, state = tx.update(g, state, w, scalars=scalars)
+        return jaxkv._src.core.updater.apply_updates(w, u), state
+
+    own = rank % 2 == 1 and name not in SAME_ORDER
+    order = sorted(shapes, reverse=True) if own else sorted(shapes)
+    for step in range(steps):
         outs = {}
         for k in order:  # each process in its own order, one key at a time
             parts = [grad(step, k, rank, d) for d in range(len(local))]
             kv.push(k, [mx.nd.array(x, ctx=mx.cpu(d)) for d, x in enumerate(parts)])
-            outs[k] = mx.nd.zeros(SHAPES[k])
+            outs[k] = mx.nd.zeros(shapes[k])
             kv.pull(k, out=outs[k])
-        sums = {k: outs[k] for k in SHAPES}  # (read below, after the reference's update)
-        pushed = {}
-        for k in sorted(SHAPES):
+        rows = ref.next_update(sorted(shapes))
+        for i, k in enumerate(sorted(shapes)):
             parts = [grad(step, k, r, d) for r in range(workers) for d in range(len(local))]
-            pushed[k] = parts
-        rows = ref.next_update(sorted(SHAPES))
-        for i, k in enumerate(sorted(SHAPES)):
-            g = jnp.asarray(np.sum(pushed[k], axis=0))  # exact: see grad
-            u, states[k] = tx.update(g, states[k], weights[k], scalars=rows[i])
-            weights[k] = optax.apply_updates(weights[k], u)
-        for k in sorted(SHAPES):
-            check(f"{name} step {step} key {k}", sums[k].asnumpy(), weights[k])
-        assert opt.num_update == ref.num_update == step + 1
+            g = jnp.asarray(np.sum(parts, axis=0))  # exact: see grad
+            weights[k], states[k] = update(g, states[k], weights[k], rows[i])
+        for k in sorted(shapes):
+            check(f"{name} step {step} key {k}", outs[k].asnumpy(), weights[k])
+        assert opt.num_update == ref.num_update, (opt.num_update, ref.num_update)
     print(f"rank {rank} ok {name} with a schedule, keys in each process's own order", flush=True)
+
+
+def main():
+    names = sys.argv[2].split(",")
+    rank, workers, local = jax.process_index(), jax.process_count(), jax.local_devices()
+    for name in names:
+        kv = mx.kv.create("dist_sync")
+        assert (kv.rank, kv.num_workers) == (rank, workers)
+        if name in ("sgd", "adam"):
+            train(kv, name, rank, workers, local, STEPS, SHAPES)
+        else:  # every other optimizer: fewer keys and steps
+            train(kv, name, rank, workers, local, 3, {0: SHAPES[0], 1: SHAPES[1]})
+    kv = mx.kv.create("dist_sync")
+    kv.init(0, mx.nd.array(np.ones(SHAPES[0], np.float32)))
+    name = names[0]
     # Processes that change the learning rate differently are refused, before anything moves.
     if name == "sgd":
         plain = mx.optimizer.SGD(learning_rate=0.1)
