@@ -20,12 +20,16 @@ from jaxkv._src.mxnet.optimizer import create as create
 from jaxkv._src.mxnet.optimizer import missing as _missing
 from jaxkv._src.mxnet.optimizer import register as register
 from jaxkv._src.mxnet.optimizers import DCASGD as DCASGD
+from jaxkv._src.mxnet.optimizers import FTML as FTML
+from jaxkv._src.mxnet.optimizers import LAMB as LAMB
 from jaxkv._src.mxnet.optimizers import LARS as LARS
 from jaxkv._src.mxnet.optimizers import LBSGD as LBSGD
 from jaxkv._src.mxnet.optimizers import NAG as NAG
 from jaxkv._src.mxnet.optimizers import SGD as SGD
 from jaxkv._src.mxnet.optimizers import SGLD as SGLD
 from jaxkv._src.mxnet.optimizers import Adam as Adam
+from jaxkv._src.mxnet.optimizers import Adamax as Adamax
+from jaxkv._src.mxnet.optimizers import Nadam as Nadam
 from jaxkv._src.mxnet.optimizers import Signum as Signum
 from jaxkv._src.mxnet.optimizers import Test as Test
 from jaxkv._src.mxnet.optimizers import ccSGD as ccSGD
@@ -34,14 +38,18 @@ from jaxkv._src.mxnet.updater import get_updater as get_updater
 
 __all__ = [
     "DCASGD",
+    "FTML",
+    "LAMB",
     "LARS",
     "LBSGD",
     "NAG",
     "SGD",
     "SGLD",
     "Adam",
+    "Adamax",
     "LearningRateError",
     "MissingOptimizerError",
+    "Nadam",
     "Optimizer",
     "OptimizerArgumentError",
     "OptimizerState",

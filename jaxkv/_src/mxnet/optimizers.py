@@ -4,11 +4,14 @@ registry (and names what MXNet 1.9.1's ``mx.optimizer`` has that jaxkv does not)
 from __future__ import annotations
 
 from jaxkv._src.mxnet.opt_adam import Adam
+from jaxkv._src.mxnet.opt_adam_family import FTML, LAMB, Adamax, Nadam
 from jaxkv._src.mxnet.opt_momentum import DCASGD, LARS, LBSGD, NAG, SGLD, Signum
 from jaxkv._src.mxnet.opt_sgd import SGD, Test, ccSGD
 
 __all__ = [
     "DCASGD",
+    "FTML",
+    "LAMB",
     "LARS",
     "LBSGD",
     "MXNET_NAMES",
@@ -16,6 +19,8 @@ __all__ = [
     "SGD",
     "SGLD",
     "Adam",
+    "Adamax",
+    "Nadam",
     "Signum",
     "Test",
     "ccSGD",
