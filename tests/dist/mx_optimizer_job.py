@@ -50,8 +50,9 @@ KWARGS = {
 
 # LBSGD reads the learning rate before it counts the update (MXNet's order), so under a schedule
 # the key pushed first in a step gets the rate of the step before: processes pushing in their
-# own orders would work out different rates (refused). These push in one order everywhere.
-SAME_ORDER = {"lbsgd"}
+# own orders would work out different rates (refused); Nadam's m_schedule is one product over
+# every update of any key, in order. These push in one order everywhere.
+SAME_ORDER = {"lbsgd", "nadam"}
 
 
 def make(name):
