@@ -109,8 +109,8 @@ def main():
         assert (kv.rank, kv.num_workers) == (rank, workers)
         if name in ("sgd", "adam"):
             train(kv, name, rank, workers, local, STEPS, SHAPES)
-        else:  # every other optimizer: fewer keys and steps
-            train(kv, name, rank, workers, local, 3, {0: SHAPES[0], 1: SHAPES[1]})
+        else:  # every other optimizer: fewer keys (2-D: GroupAdaGrad's) and steps
+            train(kv, name, rank, workers, local, 3, {0: SHAPES[0], 2: SHAPES[2]})
     kv = mx.kv.create("dist_sync")
     kv.init(0, mx.nd.array(np.ones(SHAPES[0], np.float32)))
     name = names[0]
