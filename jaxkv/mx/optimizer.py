@@ -27,9 +27,14 @@ from jaxkv._src.mxnet.optimizers import LBSGD as LBSGD
 from jaxkv._src.mxnet.optimizers import NAG as NAG
 from jaxkv._src.mxnet.optimizers import SGD as SGD
 from jaxkv._src.mxnet.optimizers import SGLD as SGLD
+from jaxkv._src.mxnet.optimizers import AdaDelta as AdaDelta
+from jaxkv._src.mxnet.optimizers import AdaGrad as AdaGrad
 from jaxkv._src.mxnet.optimizers import Adam as Adam
 from jaxkv._src.mxnet.optimizers import Adamax as Adamax
+from jaxkv._src.mxnet.optimizers import Ftrl as Ftrl
+from jaxkv._src.mxnet.optimizers import GroupAdaGrad as GroupAdaGrad
 from jaxkv._src.mxnet.optimizers import Nadam as Nadam
+from jaxkv._src.mxnet.optimizers import RMSProp as RMSProp
 from jaxkv._src.mxnet.optimizers import Signum as Signum
 from jaxkv._src.mxnet.optimizers import Test as Test
 from jaxkv._src.mxnet.optimizers import ccSGD as ccSGD
@@ -45,14 +50,19 @@ __all__ = [
     "NAG",
     "SGD",
     "SGLD",
+    "AdaDelta",
+    "AdaGrad",
     "Adam",
     "Adamax",
+    "Ftrl",
+    "GroupAdaGrad",
     "LearningRateError",
     "MissingOptimizerError",
     "Nadam",
     "Optimizer",
     "OptimizerArgumentError",
     "OptimizerState",
+    "RMSProp",
     "Signum",
     "Test",
     "UnknownOptimizerError",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from jaxkv._src.mxnet.opt_adam import Adam
 from jaxkv._src.mxnet.opt_adam_family import FTML, LAMB, Adamax, Nadam
+from jaxkv._src.mxnet.opt_adaptive import AdaDelta, AdaGrad, Ftrl, GroupAdaGrad, RMSProp
 from jaxkv._src.mxnet.opt_momentum import DCASGD, LARS, LBSGD, NAG, SGLD, Signum
 from jaxkv._src.mxnet.opt_sgd import SGD, Test, ccSGD
 
@@ -18,9 +19,14 @@ __all__ = [
     "NAG",
     "SGD",
     "SGLD",
+    "AdaDelta",
+    "AdaGrad",
     "Adam",
     "Adamax",
+    "Ftrl",
+    "GroupAdaGrad",
     "Nadam",
+    "RMSProp",
     "Signum",
     "Test",
     "ccSGD",
