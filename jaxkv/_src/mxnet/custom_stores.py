@@ -10,6 +10,7 @@ values on the host and has no optimizer) is registered here too, as MXNet regist
 from __future__ import annotations
 
 import abc
+import builtins
 import warnings
 from typing import Any, ClassVar
 
@@ -105,7 +106,7 @@ class KVStoreBase(metaclass=abc.ABCMeta):  # noqa: B024
         raise NotImplementedError()
 
     @staticmethod
-    def register(klass: type) -> type:
+    def register(klass: builtins.type) -> builtins.type:
         """Register ``klass`` under its name in lower case, for ``mx.kv.create``; returns it,
         so it decorates a class. A name registered before is replaced, with a ``UserWarning``.
 
@@ -186,7 +187,7 @@ class TestStore(KVStoreBase):
             o[:] = total
 
     @staticmethod
-    def is_capable(capability: str) -> bool:  # type: ignore[override]
+    def is_capable(capability: str) -> bool:
         """``False`` for ``'optimizer'``: the test store has none.
 
         Raises:

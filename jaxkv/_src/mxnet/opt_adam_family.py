@@ -124,7 +124,7 @@ def _maximum(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.where(jnp.isnan(a) | (a > b), a, b)
 
 
-def _over(x: jax.Array, c: jax.Array, z: jax.Array) -> jax.Array:
+def _over(x: jax.Array, c: jax.Array | np.ndarray, z: jax.Array) -> jax.Array:
     """``x / c`` for a scalar ``c``, an IEEE division as MXNet's.
 
     XLA rewrites a division by a broadcast scalar into a product with its reciprocal (which
@@ -780,7 +780,7 @@ class LAMB(Optimizer):
         if self._phases():  # lamb_update_phase1 and phase2
             if self.bias_correction:
                 # mean / (1. - beta1_t) in double: 1 - beta1_t exact as a pair
-                rest = f32.two_sum(one, -p1, z)
+                rest = f32.two_sum(jnp.asarray(one), -p1, z)
                 mean_hat = f32.div((mean, jnp.zeros_like(mean)), rest, z)[0]
                 step = r(mean_hat / (jnp.sqrt(_over(var, one - p2, z)) + eps)) + decay
             else:

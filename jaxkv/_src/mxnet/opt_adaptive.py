@@ -65,7 +65,7 @@ def root(x: jax.Array, z: jax.Array) -> jax.Array:
     return f32.rounded(jnp.sqrt(x), z)
 
 
-def over(a: jax.Array, b: jax.Array, z: jax.Array) -> jax.Array:
+def over(a: jax.Array, b: jax.Array | np.ndarray, z: jax.Array) -> jax.Array:
     """``a / b``, correctly rounded where ``b`` broadcasts (a scalar, a column): XLA turns a
     division by a broadcast into a product with its reciprocal, which is not. ``b`` is
     spread to the quotient's shape with a zero of each element's own, which XLA cannot see

@@ -864,10 +864,11 @@ class LBSGD(Optimizer):
         below = f32.sub(f32.sub(g_sq, neg(decay), z), neg(f32.pair(1e-18)), z)
         root = f32.sqrt_pair(f32.div(w_sq, below, z), z)
         low, high = f32.pair(0.01), f32.pair(100.0)
-        root = tuple(jnp.where(root[0] < low[0], a, b) for a, b in zip(low, root))
-        root = tuple(jnp.where(root[0] > high[0], a, b) for a, b in zip(high, root))
+        below_low, above_high = root[0] < low[0], root[0] > high[0]
+        root = (jnp.where(below_low, low[0], root[0]), jnp.where(below_low, low[1], root[1]))
+        root = (jnp.where(above_high, high[0], root[0]), jnp.where(above_high, high[1], root[1]))
         lr = (jnp.asarray(s["lr"], f), jnp.asarray(s["lr_lo"], f))
-        return f32.mul(lr, root, z)[0]  # type: ignore[arg-type]
+        return f32.mul(lr, root, z)[0]
 
     def kernel(
         self,

@@ -205,7 +205,7 @@ def _dtype(where: str, dtype: Any, allowed: tuple[str, ...], out: NDArray | None
     if wanted is None or wanted.name not in allowed:
         raise RandomArgumentError(
             f"{where}: expected dtype one of {list(allowed)}, given dtype={dtype!r}"
-            + ("" if dtype is not None else f" (out's dtype {out.dtype})")
+            + ("" if dtype is not None or out is None else f" (out's dtype {out.dtype})")
         )
     if out is not None and held_dtype(out.dtype) != held_dtype(wanted):
         raise RandomArgumentError(
@@ -356,7 +356,7 @@ def uniform(
     low, high = _params(where, ("low", "high"), low, high)
     out = _out(where, out)
     wanted = _dtype(where, dtype, _FLOATS, out)
-    if _is_number(low) and low > high:
+    if _is_number(low) and low > high:  # type: ignore[operator]
         raise RandomArgumentError(f"{where}: expected low <= high, given low={low}, high={high}")
     return _draw(where, _uniform, (low, high), shape, wanted, ctx, out)
 
@@ -387,7 +387,7 @@ def normal(
     loc, scale = _params(where, ("loc", "scale"), loc, scale)
     out = _out(where, out)
     wanted = _dtype(where, dtype, _FLOATS, out)
-    if _is_number(scale) and not scale > 0:
+    if _is_number(scale) and not scale > 0:  # type: ignore[operator]
         raise RandomArgumentError(f"{where}: expected scale > 0, given scale={scale}")
     return _draw(where, _normal, (loc, scale), shape, wanted, ctx, out)
 
