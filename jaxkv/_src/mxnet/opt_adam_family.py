@@ -6,7 +6,7 @@ NDArray expression in float32 in MXNet's order of operations. Adamax and Nadam a
 expressions in MXNet: each scalar a float64 rounded once to float32, each operation rounded on
 its own. FTML and LAMB pass the update count ``t`` to C++ kernels, which raise the betas to it
 with C's ``powf`` (LAMB's two-phase kernels: ``pow`` in double, rounded to float): the store
-computes those powers on the host with the platform's own ``powf`` and ``pow`` (:func:`powf`),
+computes those powers on the host with the platform's own ``powf`` and ``pow`` (``powf``),
 as MXNet's kernels do. ``powf`` is not correctly rounded: glibc's differs from the correctly
 rounded float32 power in about 0.5% of ``(beta, t)`` (``0.999f ** 2958``, for one), so
 computing the power any other way would move some weights.
@@ -288,7 +288,7 @@ class Nadam(Optimizer):
 
     Through a store the host keeps ``m_schedule`` and computes every coefficient in float64 as
     MXNet does: bit for bit. A row-sparse push (MXNet densifies the gradient, every row moves:
-    ``lazy_update`` is False) compiles the key's coefficients in (:meth:`inputs`), so it is
+    ``lazy_update`` is False) compiles the key's coefficients in (``inputs``), so it is
     exact too, and compiles anew at each push.
 
     Called without ``scalars`` in an optax loop (no store), the update cannot know MXNet's
@@ -494,10 +494,10 @@ class FTML(Optimizer):
         d = d_t
         weight = -z / d_t
 
-    Through a store the powers are the platform's ``powf`` on the host (:func:`powf`), as
+    Through a store the powers are the platform's ``powf`` on the host (``powf``), as
     MXNet's kernel computes them. The new weight ``-z / d_t`` is not ``weight + step``: the
     update is the float32 ``u`` for which ``weight + u`` is that weight
-    (:func:`~jaxkv._src.mxnet.opt_momentum.reaching`), MXNet's bits wherever one exists;
+    (``opt_momentum.reaching``), MXNet's bits wherever one exists;
     where none does (a weight crossing zero or at least doubling), ``weight + u`` is the
     nearest float32 it can reach, within an ulp of the step.
 
@@ -613,7 +613,7 @@ class LAMB(Optimizer):
     rounded once to float32; jaxkv computes it in double-float32 (about 44 bits) and rounds
     once: MXNet's except where it lies within about 2**-44 of a rounding boundary (about one
     element in a million). The powers are the platform's ``powf`` on the host
-    (:func:`powf`), as MXNet's kernel computes them.
+    (``powf``), as MXNet's kernel computes them.
 
     With ``aggregate_num`` set to 1 (as MXNet reads it), MXNet runs its two-phase kernels
     instead, and so does jaxkv: ``lamb_update_phase1`` (``beta**t`` as C++'s ``std::pow`` of
