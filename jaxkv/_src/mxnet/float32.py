@@ -25,11 +25,14 @@ __all__ = [
     "mul",
     "next_count",
     "opaque_zero",
+    "over",
     "pair",
     "power",
+    "root",
     "rounded",
     "sqrt_pair",
     "sub",
+    "sum_of_squares",
     "two_prod",
     "two_sum",
 ]
@@ -163,3 +166,31 @@ def bias_corrected_lr(
     c1 = sub(one, power(beta1, t, z), z)
     c2 = sub(one, power(beta2, t, z), z)
     return mul(pair(lr), div(sqrt_pair(c2, z), c1, z), z)[0]
+
+
+def root(x: jax.Array, z: jax.Array) -> jax.Array:
+    """``sqrt(x)``, correctly rounded, kept apart from the division that uses it: XLA rewrites
+    ``a / sqrt(b)`` as ``a * rsqrt(b)``, which is not (an ulp away in some elements)."""
+    return rounded(jnp.sqrt(x), z)
+
+
+def over(a: jax.Array, b: jax.Array | np.ndarray, z: jax.Array) -> jax.Array:
+    """``a / b``, correctly rounded where ``b`` broadcasts (a scalar, a column): XLA turns a
+    division by a broadcast into a product with its reciprocal, which is not. ``b`` is
+    spread to the quotient's shape with a zero of each element's own, which XLA cannot see
+    is one number (``z``: an opaque zero, :func:`opaque_zero`)."""
+    shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b))
+    if tuple(jnp.shape(b)) == tuple(shape):
+        return a / b
+    a = jnp.broadcast_to(a, shape)
+    itype = jnp.dtype(f"int{jnp.dtype(a.dtype).itemsize * 8}")
+    zero = jax.lax.bitcast_convert_type(a, itype) & z.astype(itype)
+    bits = jax.lax.bitcast_convert_type(jnp.broadcast_to(b, shape).astype(a.dtype), itype)
+    return a / jax.lax.bitcast_convert_type(bits | zero, a.dtype)
+
+
+def sum_of_squares(x: jax.Array, z: jax.Array) -> jax.Array:
+    """``sum(x * x)`` in float32, each square rounded. MXNet adds them one by one; XLA adds them
+    in another order: the sum may differ by a few float32 ulps."""
+    x = x.astype(jnp.float32)
+    return jnp.sum(rounded(x * x, z))

@@ -124,29 +124,6 @@ def _maximum(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.where(jnp.isnan(a) | (a > b), a, b)
 
 
-def _over(x: jax.Array, c: jax.Array | np.ndarray, z: jax.Array) -> jax.Array:
-    """``x / c`` for a scalar ``c``, an IEEE division as MXNet's.
-
-    XLA rewrites a division by a broadcast scalar into a product with its reciprocal (which
-    rounds differently in about one element in ten); or-ing the divisor's bits with zeros
-    taken from ``x`` (``x``'s bits and the opaque zero ``z``) makes it an array XLA cannot see
-    is a broadcast, at the cost of two integer operations per element.
-    """
-    x = jnp.asarray(x)
-    itype = jnp.dtype(f"int{x.dtype.itemsize * 8}")
-    mask = jax.lax.bitcast_convert_type(x, itype) & z.astype(itype)  # zero, element by element
-    c = jnp.broadcast_to(jnp.asarray(c, x.dtype), x.shape)
-    c = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(c, itype) | mask, x.dtype)
-    return x / c
-
-
-def _sum_of_squares(x: jax.Array, z: jax.Array) -> jax.Array:
-    """``sum(x * x)`` in float32, each square rounded. MXNet adds them one by one; XLA adds them
-    in another order: the sum may differ by a few float32 ulps."""
-    x = x.astype(jnp.float32)
-    return jnp.sum(f32.rounded(x * x, z))
-
-
 def _clip_arg(clip: float | None) -> tuple[float, float]:
     """``(clip_gradient, clipping)`` for MXNet's NDArray ``clip``, which clips whenever
     ``clip_gradient`` is not None (0 and negative values too)."""
@@ -469,9 +446,9 @@ class Nadam(Optimizer):
         b1, b2 = self.beta1, self.beta2
         mean = r(mean * f32.constant(b1, d)) + r(g * f32.constant(1.0 - b1, d))
         var = r(var * f32.constant(b2, d)) + r(r(g * f32.constant(1.0 - b2, d)) * g)
-        g_prime = _over(g, cast(s["schedule_rest"], d), z)
-        mean_prime = _over(mean, cast(s["schedule_next_rest"], d), z)
-        var_prime = _over(var, cast(s["beta2_rest"], d), z)
+        g_prime = f32.over(g, cast(s["schedule_rest"], d), z)
+        mean_prime = f32.over(mean, cast(s["schedule_next_rest"], d), z)
+        var_prime = f32.over(var, cast(s["beta2_rest"], d), z)
         mean_bar = r(g_prime * cast(s["momentum_rest"], d)) + r(
             mean_prime * cast(s["momentum_next"], d)
         )
@@ -584,7 +561,7 @@ class FTML(Optimizer):
         g = r(cast(s["rescale_grad"], dt) * g) + r(cast(s["wd"], dt) * w)
         g = clipped(g, cast(s["clip_gradient"], dt))
         v = r(b2 * v) + r((one - b2) * r(g * g))
-        root = jnp.sqrt(_over(v, one - cast(s["beta2_t"], dt), z)) + cast(s["epsilon"], dt)
+        root = jnp.sqrt(f32.over(v, one - cast(s["beta2_t"], dt), z)) + cast(s["epsilon"], dt)
         d_t = r(((one - cast(s["beta1_t"], dt)) / cast(s["lr"], dt)) * root)
         zz = (r(b1 * zz) + r((one - b1) * g)) - r((d_t - r(b1 * d)) * w)
         return reaching(w, -zz / d_t, z), (d_t, v, zz)
@@ -782,7 +759,7 @@ class LAMB(Optimizer):
                 # mean / (1. - beta1_t) in double: 1 - beta1_t exact as a pair
                 rest = f32.two_sum(jnp.asarray(one), -p1, z)
                 mean_hat = f32.div((mean, jnp.zeros_like(mean)), rest, z)[0]
-                step = r(mean_hat / (jnp.sqrt(_over(var, one - p2, z)) + eps)) + decay
+                step = r(mean_hat / (jnp.sqrt(f32.over(var, one - p2, z)) + eps)) + decay
             else:
                 step = r(mean / (jnp.sqrt(var) + eps)) + decay
             r1, r2 = self._norm(w, z), self._norm(step, z)
@@ -792,7 +769,7 @@ class LAMB(Optimizer):
             return -r(lr * step), (mean, var)
         # multi_lamb_update
         if self.bias_correction:
-            mean_hat, var_hat = _over(mean, one - p1, z), _over(var, one - p2, z)
+            mean_hat, var_hat = f32.over(mean, one - p1, z), f32.over(var, one - p2, z)
         else:
             mean_hat, var_hat = mean, var
         step = _double_step(mean_hat, var_hat, eps, decay, z)
@@ -806,7 +783,7 @@ class LAMB(Optimizer):
     def _norm(x: jax.Array, z: jax.Array) -> jax.Array:
         """``sqrt(sum(x * x))`` in float32 (MXNet's order of summation differs: see the
         class)."""
-        return jnp.sqrt(_sum_of_squares(x, z))
+        return jnp.sqrt(f32.sum_of_squares(x, z))
 
 
 def _double_step(

@@ -59,27 +59,6 @@ def _kernel_clip(g: jax.Array, s: Scalars) -> jax.Array:
     return jnp.where(c > 0, clipped(g, c), g)
 
 
-def root(x: jax.Array, z: jax.Array) -> jax.Array:
-    """``sqrt(x)``, correctly rounded, kept apart from the division that uses it: XLA rewrites
-    ``a / sqrt(b)`` as ``a * rsqrt(b)``, which is not (an ulp away in some elements)."""
-    return f32.rounded(jnp.sqrt(x), z)
-
-
-def over(a: jax.Array, b: jax.Array | np.ndarray, z: jax.Array) -> jax.Array:
-    """``a / b``, correctly rounded where ``b`` broadcasts (a scalar, a column): XLA turns a
-    division by a broadcast into a product with its reciprocal, which is not. ``b`` is
-    spread to the quotient's shape with a zero of each element's own, which XLA cannot see
-    is one number (``z``: an opaque zero, :func:`float32.opaque_zero`)."""
-    shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b))
-    if tuple(jnp.shape(b)) == tuple(shape):
-        return a / b
-    a = jnp.broadcast_to(a, shape)
-    itype = jnp.dtype(f"int{jnp.dtype(a.dtype).itemsize * 8}")
-    zero = jax.lax.bitcast_convert_type(a, itype) & z.astype(itype)
-    bits = jax.lax.bitcast_convert_type(jnp.broadcast_to(b, shape).astype(a.dtype), itype)
-    return a / jax.lax.bitcast_convert_type(bits | zero, a.dtype)
-
-
 def _optional(owner: str, name: str, value: object) -> float | None:
     return None if value is None else number(owner, name, value)
 
@@ -183,7 +162,7 @@ class AdaGrad(Optimizer):
         g = r(g * cast(s["rescale_grad"], d))
         g = _kernel_clip(g, s) if row_sparse else _ndarray_clip(g, s)
         history = r(slots[0] + r(g * g))
-        div = r(g / root(r(history + eps), z))
+        div = r(g / f32.root(r(history + eps), z))
         if row_sparse:  # weight - div * lr
             return -r(div * lr), (history,)
         return r(r(div + r(w * cast(s["wd"], d))) * -lr), (history,)
@@ -334,9 +313,9 @@ class GroupAdaGrad(Optimizer):
         g = _kernel_clip(g, s) if row_sparse else _ndarray_clip(g, s)
         squares = r(g * g)
         total = _plain_rows(squares, z) if row_sparse else _kahan_rows(squares, z)
-        mean = r(over(total, np.asarray(w.shape[1], d), z))
+        mean = r(f32.over(total, np.asarray(w.shape[1], d), z))
         history = r(slots[0] + mean[:, None])  # every element of a row: the row's history
-        below = root(r(history + cast(s["epsilon"], d)), z)
+        below = f32.root(r(history + cast(s["epsilon"], d)), z)
         return -r(r(cast(s["lr"], d) * g) / below), (history,)
 
 
@@ -464,12 +443,12 @@ class RMSProp(Optimizer):
         rest = r(np.ones((), d) - gamma1)
         if not self.centered:
             n = r(r(rest * r(g * g)) + r(gamma1 * slots[0]))
-            step = -r(lr * r(g / root(r(n + eps), z)))
+            step = -r(lr * r(g / f32.root(r(n + eps), z)))
             new_slots: tuple[jax.Array, ...] = (n,)
         else:
             n = r(r(r(rest * g) * g) + r(gamma1 * slots[0]))
             mean = r(r(rest * g) + r(gamma1 * slots[1]))
-            below = root(r(r(n - r(mean * mean)) + eps), z)
+            below = f32.root(r(r(n - r(mean * mean)) + eps), z)
             step = r(r(cast(s["gamma2"], d) * slots[2]) - r(r(lr * g) / below))
             new_slots = (n, mean, step)
         bound = cast(s["clip_weights"], d)
@@ -570,7 +549,7 @@ class AdaDelta(Optimizer):
         rho, rest, eps = cast(s["rho"], d), cast(s["one_minus_rho"], d), cast(s["epsilon"], d)
         g = _ndarray_clip(r(g * cast(s["rescale_grad"], d)), s)
         acc_g = r(r(slots[0] * rho) + r(r(rest * g) * g))
-        delta = r(r(root(r(slots[1] + eps), z) / root(r(acc_g + eps), z)) * g)
+        delta = r(r(f32.root(r(slots[1] + eps), z) / f32.root(r(acc_g + eps), z)) * g)
         acc_delta = r(r(slots[1] * rho) + r(r(rest * delta) * delta))
         return -r(delta + r(w * cast(s["wd"], d))), (acc_g, acc_delta)
 
@@ -662,10 +641,10 @@ class Ftrl(Optimizer):
         g = clipped(r(g * cast(s["rescale_grad"], d)), cast(s["clip_gradient"], d))
         weight = r(w + residual)  # MXNet's weight
         square = r(g * g)
-        grown = r(root(r(n + square), z) - root(n, z))
-        zs = r(zs + r(g - r(over(r(grown * weight), lr, z))))
+        grown = r(f32.root(r(n + square), z) - f32.root(n, z))
+        zs = r(zs + r(g - r(f32.over(r(grown * weight), lr, z))))
         n = r(n + square)
-        below = r(r(over(r(cast(s["beta"], d) + root(n, z)), lr, z)) + cast(s["wd"], d))
+        below = r(r(f32.over(r(cast(s["beta"], d) + f32.root(n, z)), lr, z)) + cast(s["wd"], d))
         kept = (jnp.abs(zs) > lamda1).astype(d)
         new = r(r(r(r(sign(zs) * lamda1) - zs) / below) * kept)
         u = reaching(w, new, z)

@@ -105,13 +105,6 @@ def _momentum_arg(owner: str, momentum: object) -> float:
     return m
 
 
-def _sum_of_squares(x: jax.Array, z: jax.Array) -> jax.Array:
-    """``sum(x * x)`` in float32, each square rounded (MXNet adds them one by one: the order of
-    the additions differs, within a few float32 ulps)."""
-    x = x.astype(jnp.float32)
-    return jnp.sum(f32.rounded(x * x, z))
-
-
 @register
 class NAG(Optimizer):
     """MXNet's Nesterov accelerated gradient (``mx.optimizer.NAG``).
@@ -691,8 +684,8 @@ class LARS(Optimizer):
         d = w.dtype
         r = lambda x: f32.rounded(x, z)  # noqa: E731
         lr, wd = jnp.asarray(s["lr"], jnp.float32), jnp.asarray(s["wd"], jnp.float32)
-        w_norm = jnp.sqrt(_sum_of_squares(w, z))
-        g_sq = _sum_of_squares(g, z)
+        w_norm = jnp.sqrt(f32.sum_of_squares(w, z))
+        g_sq = f32.sum_of_squares(g, z)
         below = r(r(jnp.sqrt(g_sq) * jnp.asarray(s["rescale_grad"], jnp.float32)) + r(wd * w_norm))
         below = below + jnp.asarray(s["eps"], jnp.float32)
         scaled = r(r(lr * jnp.asarray(s["eta"], jnp.float32)) * w_norm) / below
@@ -857,8 +850,8 @@ class LBSGD(Optimizer):
         MXNet's float64 arithmetic in double-float32 from float32 sums of squares."""
         f = jnp.float32
         zero = jnp.zeros((), f)
-        w_sq = (_sum_of_squares(w, z), zero)
-        g_sq = (_sum_of_squares(g, z), zero)
+        w_sq = (f32.sum_of_squares(w, z), zero)
+        g_sq = (f32.sum_of_squares(g, z), zero)
         neg = lambda x: (-x[0], -x[1])  # noqa: E731
         decay = f32.mul((jnp.asarray(s["wd"], f), zero), w_sq, z)
         below = f32.sub(f32.sub(g_sq, neg(decay), z), neg(f32.pair(1e-18)), z)

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 
+from jaxkv._src.mxnet import float32 as fl
 from jaxkv._src.mxnet import opt_adam_family as fam
 from jaxkv.mx import optimizer
 
@@ -437,11 +438,11 @@ def test_the_two_phase_kernels_use_stdpow_and_the_aggregated_one_powf():
 
 # -- helpers --------------------------------------------------------------------------------
 def test_a_division_by_a_scalar_is_ieees_under_jit():
-    """XLA turns ``x / broadcast(c)`` into ``x * (1 / c)``; ``_over`` keeps MXNet's division."""
+    """XLA turns ``x / broadcast(c)`` into ``x * (1 / c)``; ``float32.over`` keeps the division."""
     x = np.random.default_rng(6).uniform(-1, 1, 10_000).astype(f32)
     for c in (f32(0.5498163), f32(0.001), f32(3.0)):
         # (the kernels' zero is opaque: a traced count's bit 31, here an argument)
-        got = jax.jit(fam._over)(x, c, jnp.int32(0))
+        got = jax.jit(fl.over)(x, c, jnp.int32(0))
         np.testing.assert_array_equal(got, x / c)
 
 

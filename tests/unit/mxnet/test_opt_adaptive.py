@@ -11,7 +11,8 @@ import pytest
 
 import jaxkv.mx as mx
 from jaxkv._src.mxnet import float32 as _f32
-from jaxkv._src.mxnet.opt_adaptive import _kahan_rows, _plain_rows, over, root
+from jaxkv._src.mxnet.float32 import over, root
+from jaxkv._src.mxnet.opt_adaptive import _kahan_rows, _plain_rows
 from jaxkv.mx import optimizer
 
 from ._optimizer_models import G_BIG, GRADS, ONE, W0, W_BIG, _on_cpu, f32
