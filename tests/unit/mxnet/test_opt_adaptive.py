@@ -408,8 +408,11 @@ def test_divisions_stay_correctly_rounded_under_jit():
     count = jnp.int32(3)
     plain_root = jax.jit(lambda a, b: a / jnp.sqrt(b))(a, b)
     plain_over = jax.jit(lambda a, s: a / s)(a, f32(3))
-    assert not np.array_equal(plain_root, a / np.sqrt(b))  # the rewrites are real here
-    assert not np.array_equal(plain_over, a / f32(3))
+    # At least one rewrite is real with this XLA (older XLAs divide by a scalar as written),
+    # so the assertions below can fail.
+    assert not (
+        np.array_equal(plain_root, a / np.sqrt(b)) and np.array_equal(plain_over, a / f32(3))
+    )
 
     def kept(a, b, c, s, count):
         z = _f32.opaque_zero(count)
