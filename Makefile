@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/pip install -q -e '.[test,bench,examples]'
 	touch $(STAMP)
 
 # Test runs use WORKERS processes (pytest-xdist; the multi-process tests start their own).
@@ -100,7 +100,7 @@ test-newest:
 $(NVENV)/.installed: pyproject.toml
 	$(NEWEST_PYTHON) -m venv --clear $(NVENV)
 	echo '*' > $(NVENV)/.gitignore
-	$(NVENV)/bin/pip install -q -e '.[test]'
+	$(NVENV)/bin/pip install -q -e '.[test,examples]'
 	touch $@
 
 _test-newest: $(NVENV)/.installed

@@ -23,9 +23,11 @@ import jax
 import optax
 
 from jaxkv._src.core import plans as _dispatch
+from jaxkv._src.core import trees as _trees
 from jaxkv._src.core.compression import residual_zeros
 from jaxkv._src.core.eager import init_opt_states, push_eager, push_eager_flat
-from jaxkv._src.core.traced import gather, is_block, push_in_trace
+from jaxkv._src.core.traced import gather as gather_blocks
+from jaxkv._src.core.traced import is_block, push_in_trace
 from jaxkv._src.core.updater import Updater, optimizer_group
 from jaxkv._src.errors import DuplicateKeyError, KeyTypeError, KVStoreError, ShapeError
 from jaxkv._src.state import buckets as _fl
@@ -51,7 +53,9 @@ def init(state: KVState, keys: Any, values: Any = MISSING) -> KVState:
 
     Args:
       state: the store.
-      keys: a key, a list of keys, or a mapping ``{key: value}`` (then omit ``values``).
+      keys: a key, a list of keys, a mapping ``{key: value}`` or a tree of arrays such as a
+        flax ``params`` dict (then omit ``values``): a tree's leaves become keys named by
+        their paths, ``'params/Dense_0/kernel'``.
       values: one array per key.
 
     Returns:
@@ -59,7 +63,8 @@ def init(state: KVState, keys: Any, values: Any = MISSING) -> KVState:
 
     Raises:
       DuplicateKeyError: a key is already in the store, or repeats in the call.
-      KeyTypeError: a key is not int/str, or its kind differs from the store's keys.
+      KeyTypeError: a key is not int/str, or its kind differs from the store's keys, or plain
+        keys and trees are mixed in one store.
 
     Examples:
       >>> import jax.numpy as jnp, jaxkv
@@ -76,6 +81,11 @@ def init_keys(
     """:func:`init`; ``defer``: the new keys keep arrays of their own until the state is
     settled (``KVState.replace``'s ``defer``: the imperative store's ``init`` one key at a
     time); ``agreed``: every process gives the same values (``_arrays.put``)."""
+    tree = _trees.split(keys) if values is MISSING else None
+    if tree is not None:
+        keys = tree.mapping
+    first = list(keys)[:1] if isinstance(keys, Mapping | list | tuple) else [keys]
+    _trees.check_init(state, tree, first)
     new = checked_inits(state, keys, values)
     eager = [k for k, x in new.items() if not is_traced(x)]
     if eager:
@@ -90,7 +100,8 @@ def init_keys(
                 "eager values, given traced ones"
             )
         residuals = {k: residual_zeros(state, x) for k, x in new.items()}
-    return state.replace(values=new, residuals=residuals, defer=defer)
+    trees = [tree.paths()] if tree is not None and tree.keys else []
+    return state.replace(values=new, residuals=residuals, defer=defer, trees=trees)
 
 
 def checked_inits(
@@ -143,7 +154,8 @@ def push(
 
     Args:
       state: the store.
-      keys: a key, a list of keys, or a mapping ``{key: value}`` (then omit ``values``).
+      keys: a key, a list of keys, a mapping ``{key: value}``, or a tree of arrays with the
+        structure of a tree given to :func:`init` (then omit ``values``).
       values: per key, an array or a list of per-device arrays.
       updater: an :class:`Updater` or an ``optax.GradientTransformation``; ``None`` assigns.
       axis_name: inside ``pmap``/``shard_map``, the mapped axis (or axes) to sum over. Values
@@ -170,6 +182,10 @@ def push(
       [2.0, 2.0]
     """
     state = state.settled()  # keys added one at a time are laid out now, once
+    tree = _trees.split(keys) if values is MISSING else None
+    if tree is not None:
+        _trees.check_push(state, tree)
+        keys = tree.mapping
     if extra_args is not None and not isinstance(updater, optax.GradientTransformation):
         raise KVStoreError(
             f"extra_args={sorted(extra_args)!r}: expected an optax updater to receive them, "
@@ -228,7 +244,8 @@ def pull(
 
     Args:
       state: the store.
-      keys: a key or a list of keys.
+      keys: a key, a list of keys, or a tree whose leaves' paths are keys (its leaves are not
+        read): the same tree is returned with the stored values as its leaves.
       devices: where to place the result: a device or context, or a list of them; each result
         is one ``jax.Array`` replicated on exactly those devices. ``None`` returns the stored
         arrays themselves (replicated over the store's devices, or sharded across them for
@@ -245,6 +262,10 @@ def pull(
       >>> jaxkv.pull(s, 1, devices=jax.devices()[0]).tolist()
       [0.0, 1.0, 2.0]
     """
+    tree = _trees.structure(keys)
+    if tree is not None:
+        got = pull(state, tree.keys, devices=devices, axis_name=axis_name, local=local)
+        return _trees.fill(tree, got)
     if axis_name is None:
         fast = _dispatch.pull(state, keys, devices)
         if fast is not _dispatch.NO_PLAN:
@@ -253,7 +274,7 @@ def pull(
     keys = [keys] if single else list(keys)
     values = [state[k] for k in keys]
     if not local and any(is_traced(v) and is_block(state, k, v) for k, v in zip(keys, values)):
-        whole = gather(state, {k: state[k] for k in set(keys)}, axis_name)
+        whole = gather_blocks(state, {k: state[k] for k in set(keys)}, axis_name)
         values = [whole[state.keys()[state.index(k)]] for k in keys]
     if devices is not None:
         target = devices_of(devices)
@@ -262,7 +283,20 @@ def pull(
     return values[0] if single else values
 
 
-def specs(state: KVState, axis_name: Any) -> KVState:
+def gather(state: KVState, values: Any, axis_name: Any) -> Any:
+    """The whole value of each key in ``values`` (a mapping ``{key: leaf}`` with leaves as in
+    ``state.values``, or a tree whose leaves' paths are keys), in the same structure: inside
+    ``shard_map``, blocks are all-gathered over ``axis_name``, whole values kept. ``jax.grad``
+    through it gives each block's gradient already summed over the axis (AD's
+    reduce-scatter). The blocks of one split bucket's keys are gathered together."""
+    tree = _trees.split(values)
+    if tree is None:
+        return gather_blocks(state, values, axis_name)
+    whole = gather_blocks(state, tree.mapping, axis_name)
+    return _trees.fill(tree, [whole[k] for k in tree.keys])
+
+
+def specs(state: KVState, axis_name: Any, tree: Any = None) -> Any:
     """The ``PartitionSpec`` of every leaf of ``state``, for ``shard_map``'s ``in_specs`` and
     ``out_specs``: values the store keeps sharded (and their optimizer-state leaves of the same
     shape) are split along ``axis_name`` (``P(axis_name)``), all others replicated (``P()``).
@@ -270,6 +304,10 @@ def specs(state: KVState, axis_name: Any) -> KVState:
     Inside the step each sharded key's leaf is then this device's block; :func:`push` with
     ``axis_name`` updates it in place and the state leaves the step in the same layout. Use
     the store's devices in the same order for the mesh (``state.mesh`` is one).
+
+    With ``tree`` (a tree whose leaves' paths are keys, or a key or list of keys), the
+    ``PartitionSpec`` of each of those keys' values instead, in the same structure: the specs
+    of the blocks :func:`pull` with ``local=True`` gives inside the step.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxkv
@@ -279,7 +317,15 @@ def specs(state: KVState, axis_name: Any) -> KVState:
       >>> tuple(sp.values["b"]), tuple(sp.values["w"])
       ((), ('d',))
     """
-    return _fl.leaf_specs(state, axis_name)
+    every = _fl.leaf_specs(state, axis_name)
+    if tree is None:
+        return every
+    split = _trees.structure(tree)
+    if split is not None:
+        return _trees.fill(split, [every.values[k] for k in split.keys])
+    if isinstance(tree, list | tuple):
+        return [every.values[state.keys()[state.index(k)]] for k in tree]
+    return every.values[state.keys()[state.index(tree)]]
 
 
 def init_optimizer(state: KVState, optimizer: Any, keys: Any = None) -> KVState:
@@ -310,6 +356,9 @@ def init_optimizer(state: KVState, optimizer: Any, keys: Any = None) -> KVState:
         )
     if keys is None:
         keys = state.keys()
+    tree = _trees.structure(keys)
+    if tree is not None:
+        keys = tree.keys
     given = keys if isinstance(keys, list | tuple) else [keys]
     keys = sorted({state.keys()[state.index(k)] for k in given})
     for known in state.opt_states:
@@ -354,6 +403,11 @@ def pushpull(
       >>> v.tolist()
       [1.0, 1.0]
     """
+    tree = _trees.split(keys) if values is MISSING else None
+    if tree is not None:
+        new = push(state, keys, updater=updater, axis_name=axis_name, donate=donate)
+        got = pull(new, tree.keys, devices=devices, axis_name=axis_name)
+        return new, _trees.fill(tree, got)
     if values is MISSING and isinstance(keys, Mapping):
         keys, values = list(keys.keys()), list(keys.values())
     new = push(state, keys, values, updater=updater, axis_name=axis_name, donate=donate)

@@ -312,6 +312,8 @@ def _run_push(
         state.groups,
         state.user_mesh,
         state.policy,  # a per-key state (no flat layout, no packings) under its policy
+        trees=state.trees,
+        reduce=state.reduce,
     )
 
 

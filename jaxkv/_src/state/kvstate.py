@@ -45,7 +45,8 @@ ALL = 1 << 62
 AUTO_CPU_BELOW = 1 << 12
 # A state's aux data: keys, devices, big-array bound, compression, shapes, optimizer groups,
 # the user's mesh (None: the store's own), the layout policy, the flat layout (None: one array
-# per key) and each optimizer group's packing (None: its optax state kept as it is).
+# per key), each optimizer group's packing (None: its optax state kept as it is), the paths of
+# each tree given to init (core/trees.py) and the reduction ('sum' or 'mean').
 _Aux = tuple[
     tuple[Key, ...],
     tuple[jax.Device, ...],
@@ -57,6 +58,8 @@ _Aux = tuple[
     Policy,
     "_fl.FlatLayout | None",
     tuple["_fl.Packing | None", ...],
+    tuple[tuple[str, ...], ...],
+    str,
 ]
 
 
@@ -191,6 +194,8 @@ class KVState:
         "packings",
         "_views",
         "_deferral",
+        "trees",
+        "reduce",
     )
     # The slots' types (annotations only: a class-level value would clash with the slot).
     _keys: tuple[Key, ...]
@@ -210,6 +215,8 @@ class KVState:
     packings: tuple[_fl.Packing | None, ...]
     _views: tuple[Any, ...] | None
     _deferral: bool | None
+    trees: tuple[tuple[str, ...], ...]
+    reduce: str
 
     def __init__(
         self,
@@ -226,6 +233,8 @@ class KVState:
         policy: Policy = KEYS_POLICY,
         flat: _fl.FlatLayout | None = None,
         packings: Sequence[_fl.Packing | None] = (),
+        trees: Sequence[tuple[str, ...]] = (),
+        reduce: str = "sum",
     ):
         # No validation here: pytree transformations rebuild states with arbitrary leaves.
         object.__setattr__(self, "_keys", keys)  # sorted, all int or all str
@@ -252,6 +261,10 @@ class KVState:
         object.__setattr__(self, "packings", tuple(packings) or (None,) * len(self.groups))
         object.__setattr__(self, "_views", None)  # each key's value under a flat layout, cached
         object.__setattr__(self, "_deferral", None)  # `deferred`, once asked
+        # The keys of each tree given to init, sorted (core/trees.py): a tree pushed must be
+        # one of them; plain keys and trees do not mix.
+        object.__setattr__(self, "trees", tuple(trees))
+        object.__setattr__(self, "reduce", reduce)  # how pushed values combine: 'sum', 'mean'
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("KVState is immutable: operations return a new state")
@@ -271,6 +284,7 @@ class KVState:
             (),
             self.user_mesh,
             self.policy,
+            reduce=self.reduce,
         )
 
     # -- pytree protocol -------------------------------------------------------------------
@@ -299,11 +313,14 @@ class KVState:
             self.policy,
             self.flat_layout,
             self.packings,
+            self.trees,
+            self.reduce,
         )
 
     @classmethod
     def tree_unflatten(cls, aux: _Aux, children: Sequence[Sequence[Any]]) -> KVState:
-        keys, devices, bound, compression, shapes, groups, mesh, policy, flat, packings = aux
+        keys, devices, bound, compression, shapes, groups, mesh, policy, flat, packings = aux[:10]
+        trees, reduce = aux[10:]
         values, opt_states, residuals = children
         return cls(
             keys,
@@ -319,6 +336,8 @@ class KVState:
             policy,
             flat,
             packings,
+            trees,
+            reduce,
         )
 
     # -- the flat layout -------------------------------------------------------------------
@@ -510,6 +529,7 @@ class KVState:
         residuals: Mapping[Key, Any] | None = None,
         compression: Any = _KEEP,
         defer: bool = False,
+        trees: Sequence[tuple[str, ...]] = (),
     ) -> KVState:
         """A new state with some keys' leaves replaced or added (and maybe the compression).
 
@@ -523,6 +543,8 @@ class KVState:
         them) keep arrays of their own until a state is :meth:`settled` (an eager push settles
         it): keys added one at a time, each read at once (MXNet's ``init`` then ``pull``),
         cost no computation over the other keys.
+
+        ``trees``: the paths of trees given to ``init`` with these values, added to the state's.
         """
         values = dict(values or {})
         compression = self._compression if compression is _KEEP else compression
@@ -594,6 +616,8 @@ class KVState:
             self.policy,
             flat,
             packings,
+            self.trees + tuple(trees),
+            self.reduce,
         )
         # Placed where the store keeps each leaf: a split bucket and its moments sharded, and
         # values laid out anew (from a flat layout to one array per key, say, when compression
