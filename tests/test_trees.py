@@ -192,3 +192,17 @@ def test_gather_takes_and_gives_trees(cpus):
     fn = jax.shard_map(step, mesh=mesh, in_specs=(spec,), out_specs=out_specs, check_vma=False)
     whole = jax.jit(fn)(state)
     jax.tree.map(np.testing.assert_array_equal, whole, _params())
+
+
+def test_a_checkpoint_names_leaves_by_path_and_keeps_the_trees(tmp_path):
+    tx = optax.sgd(0.1, momentum=0.9)
+    state = jaxkv.init_optimizer(jaxkv.init(jaxkv.empty(), _params()), tx)
+    state = jaxkv.push(state, _grads(0), updater=tx)
+    path = str(tmp_path / "kv.npz")
+    jaxkv.save_state(path, state)
+    loaded = jaxkv.load_state(path, jaxkv.empty(), optimizer=tx)
+    assert loaded.keys() == state.keys() and loaded.trees == state.trees
+    # The loaded store takes the tree, and goes on as the saved one does.
+    a = jaxkv.pull(jaxkv.push(loaded, _grads(1), updater=tx), _params())
+    b = jaxkv.pull(jaxkv.push(state, _grads(1), updater=tx), _params())
+    jax.tree.map(np.testing.assert_array_equal, a, b)

@@ -62,6 +62,15 @@ def check_manifest(
         "'groups' a list of non-empty lists of keys",
         groups,
     )
+    trees = manifest.get("trees", [])
+    expect(
+        isinstance(trees, list)
+        and all(
+            isinstance(t, list) and all(type(k) is str and k in keys for k in t) for t in trees
+        ),
+        "'trees' a list of lists of keys",
+        trees,
+    )
     grouped = [k for g in groups for k in g]
     expect(len(set(grouped)) == len(grouped), "each key in one group at most", groups)
     entries = manifest.get("arrays")

@@ -77,8 +77,9 @@ def _together(fname: str, state: KVState) -> None:
 
 
 def _header(state: KVState, values: bool) -> dict[str, Any]:
-    """The manifest's fields other than the arrays'."""
-    return {
+    """The manifest's fields other than the arrays' (``trees``, the paths of each tree given
+    to init, only where the store holds trees)."""
+    header = {
         "format": FORMAT,
         "version": VERSION,
         "values": values,
@@ -87,6 +88,9 @@ def _header(state: KVState, values: bool) -> dict[str, Any]:
         "arrays": [],
         "compression": list(state.compression or []) or None,
     }
+    if state.trees:
+        header["trees"] = [list(t) for t in state.trees]
+    return header
 
 
 def _sha256(raw: bytes) -> str:
@@ -317,7 +321,8 @@ def _assemble(
         else:
             by_group[e["group"]].append(a)
     if values:
-        base = base.replace(values=new_values, residuals=residuals)
+        trees = [tuple(t) for t in manifest.get("trees", [])]
+        base = base.replace(values=new_values, residuals=residuals, trees=trees)
     opt_states: dict[tuple, Any] = {g: None for g in base.opt_states}
     for group, treedef, placed in zip(groups, treedefs, by_group):
         opt_states[group] = jax.tree_util.tree_unflatten(treedef, placed)
