@@ -1,6 +1,9 @@
 """What runs inside ``shard_map``: summing each key's per-device blocks over the mesh axis
 (fused ``psum`` for small values, reduce-scatter for big ones), and summing over the user's own
-mapped axes exactly once."""
+mapped axes exactly once.
+
+Every sum is traced under ``jax.named_scope(SUM)`` (``jaxkv.sum``), so the HLO's op names and a
+profiler trace show it."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from jaxkv._src.jax_internals import varying_axes
 from jaxkv._src.state.kvstate import AXIS, BIGARRAY_BOUND, KVState
 
 __all__ = [
+    "SUM",
     "axis_arg",
     "axis_names",
     "axis_size",
@@ -26,6 +30,11 @@ __all__ = [
     "sum_over_devices",
     "unsummed_axes",
 ]
+
+
+# The named scope of the sums (``jax.named_scope``): the HLO's op names under it read
+# ``.../jaxkv.sum/psum``.
+SUM = "jaxkv.sum"
 
 
 def axis_names(axis_name: Any) -> tuple:
@@ -68,7 +77,10 @@ def unsummed_axes(x: jax.Array, names: tuple) -> tuple:
 def axis_sum(x: jax.Array, axis_name: Any) -> jax.Array:
     """Sum ``x`` over the mapped axes ``axis_name`` exactly once (see :func:`unsummed_axes`)."""
     todo = unsummed_axes(x, axis_names(axis_name))
-    return jax.lax.psum(x, todo) if todo else x
+    if not todo:
+        return x
+    with jax.named_scope(SUM):
+        return jax.lax.psum(x, todo)
 
 
 # Values below this many elements are summed together through one flat buffer (one collective
@@ -96,11 +108,12 @@ SCATTER_FUSE_LIMIT = 1 << 18
 
 def fused_psum(blocks: list[jax.Array], axis: Any = AXIS) -> list[jax.Array]:
     """``psum`` of several blocks of one dtype through one flat buffer (one collective)."""
-    if len(blocks) == 1:
-        return [jax.lax.psum(blocks[0], axis)]
-    flat = jax.lax.psum(jnp.concatenate([b.reshape(-1) for b in blocks]), axis)
-    offsets = np.cumsum([0] + [b.size for b in blocks])
-    return [flat[a:z].reshape(b.shape) for b, a, z in zip(blocks, offsets[:-1], offsets[1:])]
+    with jax.named_scope(SUM):
+        if len(blocks) == 1:
+            return [jax.lax.psum(blocks[0], axis)]
+        flat = jax.lax.psum(jnp.concatenate([b.reshape(-1) for b in blocks]), axis)
+        offsets = np.cumsum([0] + [b.size for b in blocks])
+        return [flat[a:z].reshape(b.shape) for b, a, z in zip(blocks, offsets[:-1], offsets[1:])]
 
 
 def fused_psum_scatter(blocks: list[jax.Array], n: int, axis: Any = AXIS) -> list[jax.Array]:
@@ -110,15 +123,16 @@ def fused_psum_scatter(blocks: list[jax.Array], n: int, axis: Any = AXIS) -> lis
     holds the rows device ``i`` keeps; the views are concatenated along axis 1, reduce-scattered
     once, and split back.
     """
-    if len(blocks) == 1:
-        return [jax.lax.psum_scatter(blocks[0], axis, scatter_dimension=0, tiled=True)]
-    cat = jnp.concatenate([b.reshape(n, -1) for b in blocks], axis=1)
-    mine = jax.lax.psum_scatter(cat, axis, scatter_dimension=0, tiled=True)[0]
-    offsets = np.cumsum([0] + [b.size // n for b in blocks])
-    return [
-        mine[a:z].reshape((b.shape[0] // n, *b.shape[1:]))
-        for b, a, z in zip(blocks, offsets[:-1], offsets[1:])
-    ]
+    with jax.named_scope(SUM):
+        if len(blocks) == 1:
+            return [jax.lax.psum_scatter(blocks[0], axis, scatter_dimension=0, tiled=True)]
+        cat = jnp.concatenate([b.reshape(n, -1) for b in blocks], axis=1)
+        mine = jax.lax.psum_scatter(cat, axis, scatter_dimension=0, tiled=True)[0]
+        offsets = np.cumsum([0] + [b.size // n for b in blocks])
+        return [
+            mine[a:z].reshape((b.shape[0] // n, *b.shape[1:]))
+            for b, a, z in zip(blocks, offsets[:-1], offsets[1:])
+        ]
 
 
 def sum_over_devices(
@@ -136,9 +150,11 @@ def sum_over_devices(
     groups: dict[tuple, list[int]] = {}
     for i, (b, s) in enumerate(zip(blocks, scatter)):
         if s and b.size >= SCATTER_FUSE_LIMIT:
-            out[i] = jax.lax.psum_scatter(b, axis, scatter_dimension=0, tiled=True)
+            with jax.named_scope(SUM):
+                out[i] = jax.lax.psum_scatter(b, axis, scatter_dimension=0, tiled=True)
         elif b.size >= SCATTER_FUSE_LIMIT and jax.process_count() > 1:
-            out[i] = jax.lax.psum(b, axis)  # across processes: no copy into a fused buffer
+            with jax.named_scope(SUM):  # across processes: no copy into a fused buffer
+                out[i] = jax.lax.psum(b, axis)
         else:
             groups.setdefault((s, b.dtype), []).append(i)
     for (s, _), idx in groups.items():

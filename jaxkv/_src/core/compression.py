@@ -1,4 +1,8 @@
-"""Gradient compression: MXNet's 2-bit error feedback, and fp16/bf16 rounding."""
+"""Gradient compression: MXNet's 2-bit error feedback, and fp16/bf16 rounding.
+
+The compression is traced under ``jax.named_scope(COMPRESS)`` (``jaxkv.compress``), and the
+exchange of compressed sums across processes under ``jaxkv.sum``, so the HLO's op names and a
+profiler trace show them."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxkv._src.core.collectives import SUM
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import single_device
 from jaxkv._src.processes import order as collective_order
@@ -26,6 +31,7 @@ from jaxkv._src.state.kvstate import (
 from jaxkv._src.state.placement import stacked, stacked_sharding
 
 __all__ = [
+    "COMPRESS",
     "compress",
     "exchange",
     "layout_compressed",
@@ -33,6 +39,10 @@ __all__ = [
     "residual_zeros",
     "set_compression",
 ]
+
+
+# The named scope of the compression (``jax.named_scope``).
+COMPRESS = "jaxkv.compress"
 
 
 def set_compression(state: KVState, params: Mapping[str, Any] | None) -> KVState:
@@ -64,6 +74,17 @@ def compress(
     new residual. ``('fp16',)`` / ``('bf16',)``: the block is rounded to that type. ``masks``
     say which devices pushed a value for the key; the others send 0 and keep their residual.
     """
+    with jax.named_scope(COMPRESS):
+        return _compress(config, masks, blocks, residuals, axis)
+
+
+def _compress(
+    config: tuple,
+    masks: list[tuple[bool, ...]],
+    blocks: list[jax.Array],
+    residuals: list[jax.Array],
+    axis: str,
+) -> tuple[list[jax.Array], list[jax.Array]]:
     me = jax.lax.axis_index(axis)
     quantized, kept = [], []
     for block, residual, mask in zip(blocks, residuals, masks):
@@ -100,8 +121,17 @@ def exchange(
     added in the stored dtype. Where ``split`` says so, a process keeps only its rows of the
     sum (the value is split across the processes). Returns the sums and the new residuals.
     """
-    processes = jax.lax.axis_size(axis)
-    me = jax.lax.axis_index(axis)
+    with jax.named_scope(COMPRESS):
+        payload, kept = _encode(config, blocks, residuals)
+    with jax.named_scope(SUM):
+        return _decode_sum(config, split, blocks, payload, axis), kept
+
+
+def _encode(
+    config: tuple, blocks: list[jax.Array], residuals: list[Any]
+) -> tuple[list[jax.Array], list[Any]]:
+    """Each block (plus its residual, for 2-bit) as the words :func:`exchange` sends, and the
+    new residuals."""
     if config[0] == "2bit":
         t = config[1]
         payload, kept = [], []
@@ -111,10 +141,20 @@ def exchange(
             q = jnp.where(up, t, jnp.where(down, -t, 0)).astype(acc.dtype)
             kept.append(acc - q)
             payload.append(_pack(jnp.where(up, 1, jnp.where(down, 2, 0)).astype(jnp.uint32)))
-    else:
-        low = jnp.float16 if config[0] == "fp16" else jnp.bfloat16
-        payload = [jax.lax.bitcast_convert_type(b.astype(low), jnp.uint16).ravel() for b in blocks]
-        kept = list(residuals)
+        return payload, kept
+    low = jnp.float16 if config[0] == "fp16" else jnp.bfloat16
+    payload = [jax.lax.bitcast_convert_type(b.astype(low), jnp.uint16).ravel() for b in blocks]
+    return payload, list(residuals)
+
+
+def _decode_sum(
+    config: tuple, split: list[bool], blocks: list[jax.Array], payload: list[jax.Array], axis: str
+) -> list[jax.Array]:
+    """Every process's words (:func:`_encode`) all-gathered, decoded and added up in process
+    order: each block's sum (where ``split`` says so, this process's rows of it)."""
+    processes = jax.lax.axis_size(axis)
+    me = jax.lax.axis_index(axis)
+    low = jnp.float16 if config[0] == "fp16" else jnp.bfloat16
     sizes = [p.size for p in payload]
     every = jax.lax.all_gather(jnp.concatenate(payload), axis)  # (processes, words)
     out, start = [], 0
@@ -135,7 +175,7 @@ def exchange(
             rows = block.shape[0] // processes
             total = jax.lax.dynamic_slice_in_dim(total, me * rows, rows, axis=0)
         out.append(total)
-    return out, kept
+    return out
 
 
 _CODES_PER_WORD = 16

@@ -10,6 +10,9 @@ whole values, each device keeping its block of the result. Which case applies is
 updater's jaxpr, once per trace, and nothing that depends on a block's number of rows (``x /
 x.size``) runs on blocks; nor does an updater that cannot be traced on a block (it writes the
 whole value's shape into itself, as ``jnp.arange(64)[:, None] < 32`` does).
+
+The updater runs under ``jax.named_scope(UPDATER)`` (``jaxkv.updater``), so the HLO's op names
+and a profiler trace show it.
 """
 
 from __future__ import annotations
@@ -30,9 +33,12 @@ from jaxkv._src.jax_internals import (
     varying_axes,
 )
 
-__all__ = ["run_on_blocks"]
+__all__ = ["UPDATER", "run_on_blocks"]
 
 logger = logging.getLogger("jaxkv")
+
+# The named scope of an updater's run (``jax.named_scope``).
+UPDATER = "jaxkv.updater"
 
 # Primitives whose output element i depends only on the input elements i (scalars broadcast).
 ELEMENTWISE = frozenset(
@@ -289,6 +295,11 @@ def run_on_blocks(fn: Callable, args: Any, blocks: Any, out_blocks: Any, names: 
     gathers the blocks, runs ``fn`` on the whole values, and keeps this device's block of each
     output.
     """
+    with jax.named_scope(UPDATER):
+        return _run_on_blocks(fn, args, blocks, out_blocks, names)
+
+
+def _run_on_blocks(fn: Callable, args: Any, blocks: Any, out_blocks: Any, names: tuple) -> Any:
     flags = jax.tree_util.tree_leaves(blocks)
     if not any(flags) or is_blockwise(fn, args, blocks, out_blocks):
         return fn(*args)

@@ -16,7 +16,7 @@ that mixes keys otherwise does not, and runs per key on views (``_update.apply_u
 the same numbers.
 
 Whether an updater qualifies is read from the jaxpr of its ``update`` on the group's per-key
-tree, once per trace of a push.
+tree, once per trace of a push. The update runs under ``jax.named_scope`` ``jaxkv.updater``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import numpy as np
 import optax
 from jax.extend import core as jex
 
-from jaxkv._src.core.on_blocks import ELEMENTWISE, keeps_shape, sub_jaxpr
+from jaxkv._src.core.on_blocks import ELEMENTWISE, UPDATER, keeps_shape, sub_jaxpr
 from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.buckets import as_blocks
 from jaxkv._src.state.kvstate import Key, KVState
@@ -117,10 +117,11 @@ def update_bucket(
     elif summed is None:  # one after the other (in a chunk: each key's block of the sum)
         assert pushed is not None
         summed = jnp.concatenate([jnp.ravel(g).astype(dtype) for g in pushed])
-    params = {_BUCKET: leaf}
-    opt_state = jax.tree_util.tree_unflatten(treedef, list(packed))
-    updates, opt_state = updater.update({_BUCKET: summed}, opt_state, params)
-    new = optax.apply_updates(params, updates)[_BUCKET].astype(dtype)
+    with jax.named_scope(UPDATER):
+        params = {_BUCKET: leaf}
+        opt_state = jax.tree_util.tree_unflatten(treedef, list(packed))
+        updates, opt_state = updater.update({_BUCKET: summed}, opt_state, params)
+        new = optax.apply_updates(params, updates)[_BUCKET].astype(dtype)
     return _fl.with_leaves(state, {b: new}, {n: tuple(jax.tree_util.tree_leaves(opt_state))})
 
 

@@ -6,6 +6,10 @@ elements in a flat bucket (``InRun``). Inside ``shard_map``, ``plan`` places eac
 the slots of one all-to-all, ``exchange`` sends them (a push's rows beside them) to their owners,
 and ``dedupe`` sums the duplicates an owner gets; ``update_rows`` applies the updater to the
 touched rows (an optax updater also to the same rows of its per-parameter state).
+
+For the HLO's op names and a profiler trace, rows moved between devices are traced under
+``jax.named_scope(ROUTE)`` (``jaxkv.rows.route``), duplicates summed under ``jaxkv.sum`` and the
+update under ``jaxkv.updater``.
 """
 
 from __future__ import annotations
@@ -20,11 +24,16 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxkv._src.core.collectives import SUM
+from jaxkv._src.core.on_blocks import UPDATER
 from jaxkv._src.core.on_buckets import elementwise as _elementwise
 from jaxkv._src.core.updater import apply_updates
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.state.kvstate import Key, KVState
 from jaxkv._src.state.pairing import as_array
+
+# The named scope of the rows moved between devices (``jax.named_scope``).
+ROUTE = "jaxkv.rows.route"
 
 
 def take(x: Any, ids: Any, lo: Any = 0) -> Any:
@@ -105,7 +114,17 @@ def update_rows(
 ) -> tuple[Any, Any]:
     """The new stored value (or block) and optimizer state after a push of ``rows`` at ``ids``
     (the whole push: the same on every device)."""
-    unique, summed = dedupe(ids, rows.astype(stored.dtype), n_rows)
+    with jax.named_scope(SUM):
+        unique, summed = dedupe(ids, rows.astype(stored.dtype), n_rows)
+    with jax.named_scope(UPDATER):
+        return _updated(key, where, stored, opt_state, unique, summed, updater)
+
+
+def _updated(
+    key: Key, where: Where, stored: Any, opt_state: Any, unique: Any, summed: Any, updater: Any
+) -> tuple[Any, Any]:
+    """:func:`update_rows` once the pushed rows are summed: ``summed[i]`` for row
+    ``unique[i]``."""
     if updater is None:
         return where.put(stored, unique, summed), opt_state
     if isinstance(updater, optax.GradientTransformation):
@@ -197,6 +216,7 @@ def routed_take(mesh: Any, axis: str, c: int) -> Any:
     to their owners and the rows back, two all-to-alls of ``parts * c`` slots."""
     parts = mesh.shape[axis]
 
+    @jax.named_scope(ROUTE)
     def body(block: Any, ids: Any) -> Any:
         dest, local = plan(ids, block.shape[0], parts, c)
         asked = jax.lax.all_to_all(local, axis, 0, 0, tiled=True)  # what others ask of me
@@ -220,9 +240,10 @@ def per_device_take(mesh: Any, axis: str, sharded: bool) -> Any:
     def body(table: Any, ids: Any) -> Any:
         if not sharded:
             return take(table, ids)
-        asked = jax.lax.all_gather(ids, axis)
-        part = take(table, asked, jax.lax.axis_index(axis) * table.shape[0])
-        return jax.lax.psum_scatter(part, axis, scatter_dimension=0)
+        with jax.named_scope(ROUTE):
+            asked = jax.lax.all_gather(ids, axis)
+            part = take(table, asked, jax.lax.axis_index(axis) * table.shape[0])
+            return jax.lax.psum_scatter(part, axis, scatter_dimension=0)
 
     split = PartitionSpec(axis)
     table = split if sharded else PartitionSpec()
@@ -247,6 +268,7 @@ def _blockwise(fn: Any, mesh: Any, axis: str, out: PartitionSpec) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def sharded_take(mesh: Any, axis: str) -> Any:
+    @jax.named_scope(ROUTE)
     def summed(block: Any, ids: Any, lo: Any) -> Any:
         return jax.lax.psum(take(block, ids, lo), axis)
 
@@ -305,6 +327,7 @@ def bucket_rows_take(mesh: Any, axis: str, off: int, shape: tuple, split: bool) 
         return jax.jit(take, out_shardings=whole)
     parts = mesh.devices.size
 
+    @jax.named_scope(ROUTE)
     def body(chunk: Any, ids: Any) -> Any:
         rows = shape[0] // parts
         lo = jax.lax.axis_index(axis) * rows
@@ -406,16 +429,18 @@ def routed_push(
     parts = mesh.shape[axis]
 
     def body(block: Any, opt: Any, ids: Any, rows: Any, *pull_ids: Any) -> Any:
-        dest, local = plan(ids, block.shape[0], parts, c)
-        got_ids, got = exchange(local, rows, dest, axis)
+        with jax.named_scope(ROUTE):
+            dest, local = plan(ids, block.shape[0], parts, c)
+            got_ids, got = exchange(local, rows, dest, axis)
         block, opt = update_rows(key, Where(), block, opt, got_ids, got, block.shape[0], updater)
         if back is None:
             return block, opt
-        if pull_ids:
-            dest, local = plan(pull_ids[0], block.shape[0], parts, back)
-            got_ids = jax.lax.all_to_all(local, axis, 0, 0, tiled=True)
-        rows = jax.lax.all_to_all(take(block, got_ids), axis, 0, 0, tiled=True)
-        return block, opt, jnp.take(rows, dest, axis=0, mode="fill", fill_value=0)
+        with jax.named_scope(ROUTE):
+            if pull_ids:
+                dest, local = plan(pull_ids[0], block.shape[0], parts, back)
+                got_ids = jax.lax.all_to_all(local, axis, 0, 0, tiled=True)
+            rows = jax.lax.all_to_all(take(block, got_ids), axis, 0, 0, tiled=True)
+            return block, opt, jnp.take(rows, dest, axis=0, mode="fill", fill_value=0)
 
     def run(table: Any, opt: Any, ids: Any, rows: Any, *pull_ids: Any) -> Any:
         opt_spec = like_table(opt, table, split)

@@ -47,6 +47,7 @@ from jaxkv._src.jax_internals import assemble, per_device
 from jaxkv._src.processes import host as host_collectives
 from jaxkv._src.processes import order as collective_order
 from jaxkv._src.rows.kernels import (
+    ROUTE,
     Where,
     bucket_keep,
     bucket_pusher,
@@ -201,9 +202,10 @@ def pull_rows(
             return take(value, jnp.where(ids >= 0, ids, shape[0]))
         axis = _axis(state, axis_name, key)
         ids = jnp.where(ids >= 0, ids, shape[0])
-        asked = jax.lax.all_gather(ids, axis)  # every device's request
-        part = take(value, asked, jax.lax.axis_index(axis) * block)
-        return jax.lax.psum_scatter(part, axis, scatter_dimension=0)
+        with jax.named_scope(ROUTE):
+            asked = jax.lax.all_gather(ids, axis)  # every device's request
+            part = take(value, asked, jax.lax.axis_index(axis) * block)
+            return jax.lax.psum_scatter(part, axis, scatter_dimension=0)
     if spans_processes(state):
         return _pull_across(state, key, i, shape, row_ids, devices)
     if _per_device(row_ids):
@@ -1002,8 +1004,9 @@ def _push_traced(
         # Each device's own pair, gathered from all; pairs already the same on every device
         # (invariant along the axis) are not gathered, so they count once.
         if unsummed_axes(rows, (axis,)) or unsummed_axes(ids, (axis,)):
-            ids = jax.lax.all_gather(ids, axis, tiled=True)
-            rows = jax.lax.all_gather(rows, axis, tiled=True)
+            with jax.named_scope(ROUTE):
+                ids = jax.lax.all_gather(ids, axis, tiled=True)
+                rows = jax.lax.all_gather(rows, axis, tiled=True)
     if block is None:
         return push_whole(state, key, shape[0], ids, rows, updater)
     opt = None if group is None else state.opt_states[group]
