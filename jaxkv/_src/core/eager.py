@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxkv._src.core.collectives import scatters, sum_over_devices
 from jaxkv._src.core.compression import compress, exchange, layout_compressed, on_one_device
 from jaxkv._src.core.on_buckets import update_bucket
+from jaxkv._src.core.reduce import divide
 from jaxkv._src.core.updater import apply_updater
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import single_device
@@ -229,11 +230,18 @@ _COMPUTATIONS = _Computations()
 
 
 def push_fn(
-    state: KVState, keys: tuple[Key, ...], kinds: tuple[Kind, ...], updater: Any, donate: Donate
+    state: KVState,
+    keys: tuple[Key, ...],
+    kinds: tuple[Kind, ...],
+    updater: Any,
+    donate: Donate,
+    divisors: tuple[int, ...] | None = None,
 ) -> Callable:
     """The cached push computation ``fn(stored, opt_state, residuals, pushed)`` of this
-    signature, for a state with one array per key."""
+    signature, for a state with one array per key; ``divisors``: a mean's, per key
+    (``reduce.divisors``)."""
     sig = (
+        divisors,
         "keys",
         state.devices,
         state.user_mesh,
@@ -246,7 +254,7 @@ def push_fn(
 
     def build() -> Callable:
         logger.debug("jaxkv: new push signature (%d keys, donate=%s)", len(keys), donate)
-        return _build_push(state, keys, kinds, updater, donate)
+        return _build_push(state, keys, kinds, updater, donate, divisors)
 
     return _COMPUTATIONS.get(sig, updater, build)
 
@@ -318,7 +326,12 @@ def _sum_split(
 
 
 def _build_push(
-    state: KVState, keys: tuple[Key, ...], kinds: tuple[Kind, ...], updater: Any, donate: Donate
+    state: KVState,
+    keys: tuple[Key, ...],
+    kinds: tuple[Kind, ...],
+    updater: Any,
+    donate: Donate,
+    divisors: tuple[int, ...] | None,
 ) -> Callable:
     """The jitted push for one signature. ``state`` supplies only static facts (mesh, bound,
     compression); the cached computation keeps none of its arrays."""
@@ -375,6 +388,7 @@ def _build_push(
                 pushed[i], residuals[i] = x.reshape(stored[i].shape), r
         if stacked:
             _sum_stacked(state, stacked, pushed, stored)
+        pushed = divide(pushed, divisors)
         values, opt_state = apply_updater(updater, keys, pushed, stored, opt_state, extra_args)
         # A pushed array returned as is (assign) would be forwarded by jit, and the store would
         # share the caller's buffer; a later donating push would then delete the caller's array.
@@ -393,6 +407,7 @@ def push_eager(
     updater: Any,
     donate: Donate,
     extra_args: Any = None,
+    divisors: tuple[int, ...] | None = None,
 ) -> KVState:
     """``push`` of the validated eager contributions ``grouped`` (keys at ``index`` in
     ``state``, with their stored values and, for an optax updater, their group's optimizer
@@ -412,7 +427,7 @@ def push_eager(
         ]
     kinds, pushed = zip(*layouts)
     residuals = [state.residual_leaves[i] for i in index]
-    fn = push_fn(state, tuple(grouped), kinds, updater, donate)
+    fn = push_fn(state, tuple(grouped), kinds, updater, donate, divisors)
     # Over other processes' devices too, its collectives run after this process's earlier ones.
     new_values, new_opt, new_residuals = collective_order.ordered(
         "push", fn, stored, opt_state, residuals, list(pushed), extra_args
@@ -433,6 +448,7 @@ def push_eager_flat(
     updater: Any,
     donate: Donate,
     extra_args: Any = None,
+    divisors: tuple[int, ...] | None = None,
 ) -> KVState:
     """``push`` of the validated eager contributions ``grouped`` to a state with a flat layout
     (``stored``: the pushed keys' shapes and dtypes): one cached computation that takes the
@@ -444,26 +460,45 @@ def push_eager_flat(
     else:
         layouts = [_layout(state, s, xs) for s, xs in zip(stored, grouped.values())]
     kinds, pushed = zip(*layouts)
-    fn = flat_push_fn(state, tuple(grouped), kinds, updater, donate)
+    fn = flat_push_fn(state, tuple(grouped), kinds, updater, donate, divisors)
     return collective_order.ordered("push", fn, state, list(pushed), extra_args)
 
 
 def flat_push_fn(
-    state: KVState, keys: tuple[Key, ...], kinds: tuple[Kind, ...], updater: Any, donate: Donate
+    state: KVState,
+    keys: tuple[Key, ...],
+    kinds: tuple[Kind, ...],
+    updater: Any,
+    donate: Donate,
+    divisors: tuple[int, ...] | None = None,
 ) -> Callable:
     """The cached flat push computation ``fn(state, pushed) -> new state`` of this signature
     (the state's layout is part of the computation's own cache key: its tree structure)."""
-    sig = ("flat", state.devices, state.user_mesh, state.bigarray_bound, keys, kinds, donate)
+    sig = (
+        "flat",
+        state.devices,
+        state.user_mesh,
+        state.bigarray_bound,
+        keys,
+        kinds,
+        donate,
+        divisors,
+    )
 
     def build() -> Callable:
         logger.debug("jaxkv: new flat push signature (%d keys, donate=%s)", len(keys), donate)
-        return _build_push_flat(state, keys, kinds, updater, donate)
+        return _build_push_flat(state, keys, kinds, updater, donate, divisors)
 
     return _COMPUTATIONS.get(sig, updater, build)
 
 
 def _build_push_flat(
-    state: KVState, keys: tuple[Key, ...], kinds: tuple[Kind, ...], updater: Any, donate: Donate
+    state: KVState,
+    keys: tuple[Key, ...],
+    kinds: tuple[Kind, ...],
+    updater: Any,
+    donate: Donate,
+    divisors: tuple[int, ...] | None,
 ) -> Callable:
     """The jitted push of ``keys`` into a flat state: sums as :func:`_build_push`'s, the
     updater on each key's view (the same numbers as one array per key), the new values
@@ -485,6 +520,9 @@ def _build_push_flat(
         rest = [i for i in stacked if i not in split]
         if rest:
             _sum_stacked(placement, rest, pushed, stored)
+        if divisors is not None:
+            pushed = divide(pushed, divisors)
+            grids = {}  # the bucket's update then reads the divided values
         new = None
         if optax_push and extra_args is None:
             new = update_bucket(state, keys, pushed, updater, grids)

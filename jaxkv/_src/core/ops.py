@@ -23,6 +23,7 @@ import jax
 import optax
 
 from jaxkv._src.core import plans as _dispatch
+from jaxkv._src.core import reduce as _reduce
 from jaxkv._src.core import trees as _trees
 from jaxkv._src.core.compression import residual_zeros
 from jaxkv._src.core.eager import init_opt_states, push_eager, push_eager_flat
@@ -145,6 +146,7 @@ def push(
     axis_name: Any = None,
     donate: bool = False,
     extra_args: dict[str, Any] | None = None,
+    reduce: str | None = None,
 ) -> KVState:
     """A new state with ``values`` pushed to ``keys``.
 
@@ -165,6 +167,9 @@ def push(
         ``GradientTransformationExtraArgs``: a loss for ``reduce_on_plateau``, a learning
         rate fed each step), arrays passed into the computation, not compiled into it.
         Eager pushes only.
+      reduce: ``'sum'`` or ``'mean'`` (default: the store's, :func:`empty`'s ``reduce``): a
+        mean divides each key's sum once by its contributions (the values pushed to it; inside
+        ``pmap``/``shard_map``, times the devices of ``axis_name``), as ``jax.lax.pmean``.
 
     Returns:
       The new state. Unless ``donate=True``, ``state`` stays valid and unchanged.
@@ -182,6 +187,7 @@ def push(
       [2.0, 2.0]
     """
     state = state.settled()  # keys added one at a time are laid out now, once
+    reduce = _reduce.effective(state, reduce)
     tree = _trees.split(keys) if values is MISSING else None
     if tree is not None:
         _trees.check_push(state, tree)
@@ -192,7 +198,7 @@ def push(
             f"given updater {updater!r}"
         )
     if axis_name is None and values is not MISSING:
-        fast = _dispatch.push(state, keys, values, updater, donate, extra_args)
+        fast = _dispatch.push(state, keys, values, updater, donate, extra_args, reduce)
         if fast is not None:
             return fast
     grouped = group(state, keys, values)
@@ -221,15 +227,22 @@ def push(
             )
         if flat:
             stored = [state.stored_values[i] for i in index]
-        return push_in_trace(state, grouped, stored, opt_state, updater, axis_name)
+        return push_in_trace(state, grouped, stored, opt_state, updater, axis_name, reduce)
     if axis_name is not None:
         raise KVStoreError(
             f"axis_name={axis_name!r}: expected to be called inside pmap or shard_map, given an "
             "eager call (eagerly, a list of per-device values is already summed over devices)"
         )
+    if reduce == "mean" and jax.process_count() > 1:
+        raise KVStoreError(
+            f"keys {list(grouped)}: reduce='mean' of an eager push across processes is not "
+            "supported yet (each process counts only its own values); push inside your "
+            "shard_map step with axis_name, or push with reduce='sum' and scale the sum"
+        )
+    means = _reduce.divisors(state, list(grouped), [len(xs) for xs in grouped.values()], reduce)
     if flat:
-        return push_eager_flat(state, grouped, stored, updater, donate, extra_args)
-    return push_eager(state, grouped, index, stored, opt_state, updater, donate, extra_args)
+        return push_eager_flat(state, grouped, stored, updater, donate, extra_args, means)
+    return push_eager(state, grouped, index, stored, opt_state, updater, donate, extra_args, means)
 
 
 def pull(
@@ -390,11 +403,13 @@ def pushpull(
     devices: Any = None,
     axis_name: Any = None,
     donate: bool = False,
+    reduce: str | None = None,
 ) -> tuple[KVState, Any]:
     """``push`` then ``pull`` of the same keys: returns ``(new_state, pulled)``.
 
-    ``donate=True`` lets the push reuse the buffers of ``state``, and ``axis_name`` (inside
-    ``pmap``/``shard_map``) is used by both, as in :func:`push` and :func:`pull`.
+    ``donate=True`` lets the push reuse the buffers of ``state``, ``reduce`` is the push's,
+    and ``axis_name`` (inside ``pmap``/``shard_map``) is used by both, as in :func:`push` and
+    :func:`pull`.
 
     Examples:
       >>> import jax.numpy as jnp, jaxkv
@@ -405,10 +420,12 @@ def pushpull(
     """
     tree = _trees.split(keys) if values is MISSING else None
     if tree is not None:
-        new = push(state, keys, updater=updater, axis_name=axis_name, donate=donate)
+        new = push(state, keys, updater=updater, axis_name=axis_name, donate=donate, reduce=reduce)
         got = pull(new, tree.keys, devices=devices, axis_name=axis_name)
         return new, _trees.fill(tree, got)
     if values is MISSING and isinstance(keys, Mapping):
         keys, values = list(keys.keys()), list(keys.values())
-    new = push(state, keys, values, updater=updater, axis_name=axis_name, donate=donate)
+    new = push(
+        state, keys, values, updater=updater, axis_name=axis_name, donate=donate, reduce=reduce
+    )
     return new, pull(new, keys, devices=devices, axis_name=axis_name)

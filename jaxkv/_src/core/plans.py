@@ -26,6 +26,7 @@ import jax
 import optax
 
 from jaxkv._src.core.eager import Donate, Kind, flat_push_fn, push_fn
+from jaxkv._src.core.reduce import divisors
 from jaxkv._src.core.updater import optimizer_group
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import all_eager, assemble, per_device, single_device
@@ -143,9 +144,10 @@ def push(
     updater: Any,
     donate: Donate,
     extra_args: Any = None,
+    reduce: str = "sum",
 ) -> KVState | None:
     """``jaxkv.push`` of eager values by a plan, or ``None`` where the general path must run
-    (see the module doc)."""
+    (see the module doc); ``reduce``: the push's (``'mean'`` divides by the values per key)."""
     if state.compression is not None or jax.process_count() > 1:
         return None
     call = _call(keys, values)
@@ -165,12 +167,13 @@ def push(
         per,
         id(updater),
         donate,
+        reduce,
     )
     plan = _PUSHES.get(sig)
     if plan is None or (
         plan is not _NO_PLAN and not (_anchored(plan, state) and plan.updater is updater)
     ):
-        plan = _push_plan(state, ckeys, values, per, flat, updater, donate)
+        plan = _push_plan(state, ckeys, values, per, flat, updater, donate, reduce)
         if plan is _NOT_NOW:
             return None
         _PUSHES.put(sig, plan)
@@ -193,6 +196,7 @@ def _push_plan(
     flat: Sequence[jax.Array],
     updater: Any,
     donate: Donate,
+    reduce: str = "sum",
 ) -> Any:
     """The plan for a push like this one, ``_NO_PLAN`` (never for this signature), or
     ``_NOT_NOW`` (not for these values); raises what the general path would raise for this
@@ -242,10 +246,11 @@ def _push_plan(
         if opt_state is None:  # made by the general path's first push; then a new signature
             return _NO_PLAN
         group_at = state.groups.index(group_keys)
+    means = divisors(state, order, [per] * len(order), reduce)
     if state.flat_layout is None:
-        fn = push_fn(state, order, tuple(kinds), updater, donate)
+        fn = push_fn(state, order, tuple(kinds), updater, donate, means)
     else:
-        fn = flat_push_fn(state, order, tuple(kinds), updater, donate)
+        fn = flat_push_fn(state, order, tuple(kinds), updater, donate, means)
     return _PushPlan(
         keys=state.keys(),
         shapes_of=state.key_shapes,

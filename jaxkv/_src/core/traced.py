@@ -43,6 +43,7 @@ from jaxkv._src.core.collectives import (
 )
 from jaxkv._src.core.on_blocks import is_blockwise, run_on_blocks
 from jaxkv._src.core.on_buckets import update_bucket
+from jaxkv._src.core.reduce import axis_count, divide, divisors
 from jaxkv._src.core.updater import apply_updater
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import all_gather_invariant
@@ -228,9 +229,11 @@ def push_in_trace(
     opt_state: Any,
     updater: Any,
     axis_name: Any,
+    reduce: str = "sum",
 ) -> KVState:
     """``push`` of the validated contributions ``grouped`` (with their keys' stored values,
-    and for an optax updater their group's optimizer state) when any of them is traced."""
+    and for an optax updater their group's optimizer state) when any of them is traced;
+    ``reduce``: ``'mean'`` divides each sum by its contributions times the axes' devices."""
     keys = list(grouped)
     if state.compression is not None:
         raise KVStoreError(
@@ -288,6 +291,9 @@ def push_in_trace(
             parts = [totals[i], *parts]
         totals[i] = functools.reduce(operator.add, parts)
     pushed = [totals[i] for i in range(len(keys))]
+    counts = [len(xs) for xs in grouped.values()]
+    each = axis_count(names) if reduce == "mean" else 1
+    pushed = divide(pushed, divisors(state, keys, counts, reduce, each))
 
     # Update: once over the group's bucket where the updater is elementwise (flat layout),
     # else each block as the updater would update the whole value.

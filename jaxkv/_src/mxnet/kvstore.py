@@ -66,12 +66,14 @@ _NOT_YET = {
 }
 
 
-def create(name: str = "local") -> KVStore:
+def create(name: str = "local", *, reduce: str = "sum") -> KVStore:
     """A new :class:`KVStore` of type ``name`` (MXNet's ``mx.kv.create``).
 
     Args:
       name: one of ``local``, ``device`` (aliases ``nccl``, ``local_allreduce_cpu``,
         ``local_allreduce_device``, ``local_update_cpu``), ``dist_sync``, ``dist_device_sync``.
+      reduce: how a push combines a key's values: ``'sum'`` (MXNet's) or ``'mean'`` (the sum
+        divided by how many values were pushed, as ``jax.lax.pmean``; one process only).
 
     Raises:
       KVStoreError: the name is unknown (the message lists the valid ones) or not supported.
@@ -81,7 +83,7 @@ def create(name: str = "local") -> KVStore:
       >>> jaxkv.create("device").type
       'device'
     """
-    return KVStore(_checked_type(name))
+    return KVStore(_checked_type(name), reduce=reduce)
 
 
 def create_drop_in(name: str = "local") -> DropInKVStore:
@@ -151,7 +153,12 @@ class KVStore:
     """
 
     def __init__(
-        self, name: str = "local", devices: Any = None, *, layout: str | None = None
+        self,
+        name: str = "local",
+        devices: Any = None,
+        *,
+        layout: str | None = None,
+        reduce: str = "sum",
     ) -> None:
         if devices is None and name in _DIST_TYPES:
             try:  # under SLURM or Open MPI with no launcher: JAX's own cluster detection
@@ -180,7 +187,7 @@ class KVStore:
         self._deferred: _kvsparse.Held | None = None
         # Per-key inits, pushes and pulls into outs, held until something reads (_queue).
         self._held: _queue.Held | None = None
-        self._stored: KVState = empty(devices, bigarray_bound=bound, layout=layout)
+        self._stored: KVState = empty(devices, bigarray_bound=bound, layout=layout, reduce=reduce)
         self._updater: Any = None
         # An updater that runs as Python on every push (set_updater of a function not marked
         # pure), or None.

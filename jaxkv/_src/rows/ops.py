@@ -591,6 +591,12 @@ def _push(
     pulled rows (else ``None``). ``pull``: ``None`` (no pull), ``_SAME`` (the pushed ids), or
     ``(given, checked)``, the ids to pull per device as given and checked on the host.
     ``checked``: the pairs' ids, already checked on the host (:func:`check_push`)."""
+    if state.reduce != "sum":
+        raise KVStoreError(
+            f"key {key!r}: a row-sparse push sums its rows, given a store with "
+            f"reduce={state.reduce!r}; push the rows to a store with reduce='sum' (and "
+            "scale them), or push the dense value"
+        )
     key, i, shape, pairs, group = _opened(state, key, row_ids, rows, updater)
     dtype = _fl.stored_type(state, i).dtype
     optax_push = isinstance(updater, optax.GradientTransformation)

@@ -731,6 +731,7 @@ def empty(
     mesh: Mesh | None = None,
     axis_name: str | None = None,
     layout: str | None = None,
+    reduce: str = "sum",
 ) -> KVState:
     """An empty store over ``devices`` (JAX devices or contexts; default: all local devices).
 
@@ -756,6 +757,10 @@ def empty(
     flat on accelerators and, on CPU, flat for values below 4096 elements. Values the store
     shards, stores with gradient compression and stores across processes keep one array per
     key in every layout. Every operation gives the same results in every layout.
+
+    ``reduce`` says how a push combines a key's contributions: ``'sum'`` (MXNet's, the
+    default) or ``'mean'`` (their sum divided once by how many there were, as
+    ``jax.lax.pmean``); a push's own ``reduce=`` overrides it.
 
     Examples:
       >>> import jaxkv
@@ -799,7 +804,11 @@ def empty(
     if mesh is None and axis_name is not None and axis_name != AXIS:
         mesh = Mesh(np.array(devs, dtype=object), (axis_name,))
     policy = layout_policy(layout, devs)
-    return KVState((), devs, (), (), bigarray_bound, (), config, (), (), mesh, policy)
+    if reduce not in ("sum", "mean"):
+        raise KVStoreError(f"reduce: expected one of ['sum', 'mean'], given {reduce!r}")
+    return KVState(
+        (), devs, (), (), bigarray_bound, (), config, (), (), mesh, policy, reduce=reduce
+    )
 
 
 def layout_policy(layout: str | None, devices: tuple[jax.Device, ...]) -> Policy:
