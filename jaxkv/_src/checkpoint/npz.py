@@ -253,6 +253,7 @@ def _assemble(
             (),
             state.user_mesh,
             state.policy,
+            reduce=state.reduce,
         )
         like = {
             e["key"]: jax.ShapeDtypeStruct(tuple(e["shape"]), jnp.dtype(e["dtype"]))
