@@ -15,6 +15,7 @@ _join.join_launched_job()
 
 # isort: split
 from jaxkv import nd as nd
+from jaxkv._src.checkpoint.manager import CheckpointManager as CheckpointManager
 from jaxkv._src.checkpoint.npz import load_state as load_state
 from jaxkv._src.checkpoint.npz import save_state as save_state
 from jaxkv._src.core.ops import Updater as Updater
@@ -66,6 +67,7 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = [
+    "CheckpointManager",
     "Context",
     "DuplicateKeyError",
     "KVState",

@@ -30,7 +30,7 @@ from jaxkv._src.errors import KVStoreError
 from jaxkv._src.state.kvstate import Key, KVState, check_compressible
 from jaxkv._src.state.placement import host_copy
 
-__all__ = ["load", "load_state", "save", "save_state"]
+__all__ = ["directory_contents", "load", "load_state", "save", "save_state"]
 
 
 def _entries(state: KVState, values: bool) -> Iterator[tuple[dict[str, Key], str, str, jax.Array]]:
@@ -91,6 +91,14 @@ def _header(state: KVState, values: bool) -> dict[str, Any]:
     if state.trees:
         header["trees"] = [list(t) for t in state.trees]
     return header
+
+
+def directory_contents(fname: str, state: KVState) -> tuple[dict[str, Any], list]:
+    """What a whole-store checkpoint directory of ``state`` at ``fname`` holds, as ``save``
+    writes one: the manifest's store fields and the ``(where, part, tree path, array)`` entries;
+    a state that the job's processes cannot save together is refused first."""
+    _together(fname, state)
+    return _header(state, True), list(_entries(state, True))
 
 
 def _sha256(raw: bytes) -> str:
@@ -254,6 +262,7 @@ def _assemble(
             state.user_mesh,
             state.policy,
             reduce=state.reduce,
+            mesh_axes=state.mesh_axes,
         )
         like = {
             e["key"]: jax.ShapeDtypeStruct(tuple(e["shape"]), jnp.dtype(e["dtype"]))

@@ -42,7 +42,18 @@ from jaxkv._src.errors import KVStoreError
 from jaxkv._src.processes import host as host_collectives
 from jaxkv._src.processes import order as collective_order
 
-__all__ = ["MANIFEST", "is_checkpoint", "open_checkpoint", "save"]
+__all__ = [
+    "MANIFEST",
+    "commit",
+    "data_name",
+    "describe",
+    "digests",
+    "file_records",
+    "is_checkpoint",
+    "open_checkpoint",
+    "orbax",
+    "save",
+]
 
 MANIFEST = "manifest.json"
 FORMAT = "jaxkv-checkpoint"
@@ -53,7 +64,8 @@ _HEX = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 1 << 22
 
 
-def _ocp() -> ModuleType:
+def orbax() -> ModuleType:
+    """``orbax.checkpoint``, or a KVStoreError that says how to install it."""
     try:
         import orbax.checkpoint as ocp
     except ImportError as e:
@@ -119,7 +131,7 @@ def save(path: str, manifest: dict, entries: list) -> None:
     """Write ``entries`` (``(where, part, tree path, array)``, as ``_checkpoint._entries``
     gives them) and ``manifest`` (their store's fields) to the directory ``path``; every
     process of the job calls it."""
-    ocp = _ocp()  # refused before anything is written where orbax is missing
+    ocp = orbax()  # refused before anything is written where orbax is missing
     path = os.path.abspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise KVStoreError(
@@ -135,7 +147,33 @@ def _save(ocp: ModuleType, path: str, manifest: dict, entries: list) -> None:
     token = _token()
     root = os.path.join(path, token, "state")
     os.makedirs(os.path.dirname(root), exist_ok=True)
-    manifest.update(format=FORMAT, version=VERSION, data=token, processes=jax.process_count())
+    tree = describe(manifest, entries, token)
+    if tree:
+        with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+            checkpointer.save(root, args=ocp.args.StandardSave(tree))
+    host_collectives.barrier("jaxkv.save: data written")
+    manifest["files"] = file_records([json.loads(t) for t in _gather(json.dumps(digests(root)))])
+    if jax.process_index() == 0:
+        _commit(path, manifest)
+        for name in os.listdir(path):  # older checkpoints, and saves that were cut short
+            if _DATA.fullmatch(name) and name != token:
+                shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+            elif name.startswith(".jaxkv-") and name.endswith(".tmp"):
+                os.unlink(os.path.join(path, name))
+    host_collectives.barrier("jaxkv.save: committed")
+
+
+def data_name(number: int) -> str:
+    """The data directory's name for ``number`` (below 16**16): ``data-`` and 16 hex digits."""
+    return f"data-{number:016x}"
+
+
+def describe(manifest: dict, entries: list, data: str) -> dict[str, Any]:
+    """Complete ``manifest`` (its store's fields) with the format, the data directory's name
+    ``data``, the count of processes and an entry per array of ``entries`` (``(where, part,
+    tree path, array)``); return the arrays orbax writes, ``{'a<n>': array}`` (empty arrays
+    left out: orbax refuses them, and the manifest alone describes them)."""
+    manifest.update(format=FORMAT, version=VERSION, data=data, processes=jax.process_count())
     tree = {}
     for n, (where, part, tree_path, leaf) in enumerate(entries):
         if not isinstance(leaf, jax.Array):
@@ -149,31 +187,35 @@ def _save(ocp: ModuleType, path: str, manifest: dict, entries: list) -> None:
                 "dtype": str(np.dtype(leaf.dtype)),
             }
         )
-        if leaf.size:  # orbax refuses empty arrays: the manifest alone describes them
+        if leaf.size:
             tree[f"a{n}"] = leaf
-    if tree:
-        with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
-            checkpointer.save(root, args=ocp.args.StandardSave(tree))
-    host_collectives.barrier("jaxkv.save: data written")
-    me = jax.process_index()
-    mine = {}
+    return tree
+
+
+def digests(root: str) -> dict[str, tuple[int, str]]:
+    """The size and SHA-256 of each data file under ``root`` that this process hashes: those
+    under a ``...process_<i>`` name of its own, and process 0 also the shared ones."""
+    me, mine = jax.process_index(), {}
     if os.path.isdir(root):
         for rel in _files(root):
             if _owner(rel) == me or (me == 0 and _owner(rel) >= jax.process_count()):
                 mine[rel] = _digest(os.path.join(root, rel))
+    return mine
+
+
+def file_records(every: list[dict]) -> dict[str, dict[str, Any]]:
+    """The manifest's ``files``: each process's ``digests`` (in process order) as records."""
     files = {}
-    for process, text in enumerate(_gather(json.dumps(mine))):
-        for rel, (size, sha256) in json.loads(text).items():
+    for process, mine in enumerate(every):
+        for rel, (size, sha256) in mine.items():
             files[rel] = {"process": process, "size": size, "sha256": sha256}
-    manifest["files"] = files
-    if me == 0:
-        _commit(path, manifest)
-        for name in os.listdir(path):  # older checkpoints, and saves that were cut short
-            if _DATA.fullmatch(name) and name != token:
-                shutil.rmtree(os.path.join(path, name), ignore_errors=True)
-            elif name.startswith(".jaxkv-") and name.endswith(".tmp"):
-                os.unlink(os.path.join(path, name))
-    host_collectives.barrier("jaxkv.save: committed")
+    return files
+
+
+def commit(path: str, manifest: dict) -> None:
+    """Put ``manifest`` in place in the directory ``path`` (an atomic rename): the save's
+    commit."""
+    _commit(path, manifest)
 
 
 def _commit(path: str, manifest: dict) -> None:
@@ -276,7 +318,7 @@ def open_checkpoint(path: str) -> tuple[dict[str, Any], Callable[[list], list]]:
         try:
             out = {}
             if tree:
-                ocp = _ocp()
+                ocp = orbax()
                 with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
                     _match(path, checkpointer.metadata(root), tree)
                     out = checkpointer.restore(root, args=ocp.args.StandardRestore(tree))
