@@ -136,6 +136,19 @@ def test_a_save_returns_before_the_step_is_written_and_wait_until_finished_compl
     assert_same(kv.state, want)
 
 
+def test_a_state_donated_as_soon_as_save_returns_is_saved_as_it_was(tmp_path, devices):
+    state = state_at(2, devices[:4])
+    want = leaves(state)
+    grads = {k: jnp.ones(shape, jnp.float32) for k, shape in KEYS.items()}
+    with jaxkv.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(1, state)  # the arrays are on the host when it returns
+        jaxkv.push(state, grads, updater=OPT, donate=True)
+        assert any(x.is_deleted() for x in jax.tree_util.tree_leaves(state))
+        got = leaves(ckpt.restore(into=jaxkv.empty(devices[:4]), optimizer=OPT))
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_a_kvstore_restores_in_place_with_its_own_optimizer(tmp_path, devices):
     kv = store(devices)
     train(kv, 1)
@@ -290,8 +303,9 @@ def test_a_job_of_2_processes_keeps_steps_and_resumes_from_the_latest_after_a_ki
         return _jobs.launch(2, os.path.abspath(__file__), mode, tmp_path, timeout=240)
 
     run = launch("save")
-    assert run.returncode != 0  # process 1 killed itself part way through step 4's save
     out = run.stdout + run.stderr
+    # Process 1 killed itself part way through step 4's save, and the launcher stopped the job.
+    assert run.returncode != 0 and "process 1 was killed by SIGKILL" in out, out[-3000:]
     for rank in (0, 1):
         for check in ["max_to_keep", "latest into the store", "step 2 as a state", "refused"]:
             assert f"rank {rank} ok {check}" in out, out[-3000:]
