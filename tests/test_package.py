@@ -75,7 +75,7 @@ def test_an_absent_mxnet_module_says_where_its_job_went():
     unknown names raise Python's usual one."""
     import jaxkv.mx as mx
 
-    for name in ("gluon", "autograd", "symbol", "module", "profiler"):
+    for name in ("gluon", "autograd", "symbol", "module", "io"):
         with pytest.raises(AttributeError, match=rf"jaxkv.mx has no '{name}'.*migrating-from"):
             getattr(mx, name)
         assert not hasattr(mx, name)

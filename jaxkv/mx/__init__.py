@@ -4,9 +4,10 @@ Provides ``mx.kv.create``, ``mx.nd.*``, ``mx.cpu``, ``mx.gpu``, ``mx.Context``,
 ``mx.context.current_context``, ``mx.context.num_gpus``, ``mx.optimizer`` (MXNet's ``SGD``
 and ``Adam``, with its numbers, for ``kv.set_optimizer``), ``mx.lr_scheduler`` (MXNet's
 learning-rate schedulers, with its numbers), ``mx.random`` (``seed`` and MXNet's random
-draws) and ``mx.kv.KVStoreBase`` (stores written in Python). MXNet's other modules (Gluon,
-autograd, symbols, the Module API, the profiler ...) are not here: asking for one raises an
-``AttributeError`` that says where its JAX counterpart is.
+draws), ``mx.profiler`` (MXNet's profiler calls over ``jax.profiler``) and ``mx.kv.KVStoreBase``
+(stores written in Python). MXNet's other modules (Gluon, autograd, symbols, the Module API ...)
+are not here: asking for one raises an ``AttributeError`` that says where its JAX counterpart
+is.
 """
 
 from jaxkv import nd as nd
@@ -19,6 +20,7 @@ from jaxkv.mx import context as context
 from jaxkv.mx import kv as kv
 from jaxkv.mx import lr_scheduler as lr_scheduler
 from jaxkv.mx import optimizer as optimizer
+from jaxkv.mx import profiler as profiler
 from jaxkv.mx import random as random
 
 kvstore = kv
@@ -37,6 +39,7 @@ __all__ = [
     "nd",
     "ndarray",
     "optimizer",
+    "profiler",
     "random",
 ]
 
@@ -50,7 +53,6 @@ _ABSENT = {
     "module": "the Module API's training loop is a jitted step over a KVState",
     "mod": "the Module API's training loop is a jitted step over a KVState",
     "model": "the Module API's training loop is a jitted step over a KVState",
-    "profiler": "use jax.profiler",
     "io": "data loading belongs to grain or tf.data",
     "recordio": "data loading belongs to grain or tf.data",
     "image": "data loading belongs to grain or tf.data",
