@@ -130,7 +130,8 @@ def test_a_trace_of_eager_pushes_carries_every_scope_in_its_hlo(tmp_path, device
     )
     opt = optax.adam(0.1)
     flat = jaxkv.init_optimizer(jaxkv.init(cpu_empty(layout="flat"), {"a": jnp.zeros(4)}), opt)
-    table = jaxkv.init(cpu_empty(), {"e": jnp.zeros((4096, 8))})
+    # One array of its own, sharded (in a bucket its rows are updated where they lie, unrouted).
+    table = jaxkv.init(cpu_empty(layout="keys"), {"e": jnp.zeros((4096, 8))})
     values = [jax.device_put(jnp.ones((8, 4)), d) for d in devices]
     ids = [jax.device_put(np.arange(4, dtype=np.int32) * 100 + i, d) for i, d in enumerate(devices)]
     rows = [jax.device_put(np.ones((4, 8), np.float32), d) for d in devices]

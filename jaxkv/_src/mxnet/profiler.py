@@ -114,7 +114,6 @@ class _Profiler:
         self.groups: dict[Any, str] = {}  # the trace's process names, by pid
         self.stats: dict[tuple[str, str], list[float]] = {}  # count, total, min, max (us)
         self.finished = False  # a finished dump since the last run: the next run starts afresh
-        self.exit_hook = False
 
     # -- where things go ------------------------------------------------------------------
     def filename(self) -> str:
@@ -150,9 +149,9 @@ class _Profiler:
         self.session_start = time.time_ns()
         if self.first_start is None:
             self.first_start = self.session_start
-        if not self.exit_hook:  # MXNet writes its profile at exit: so does this
+        if not _EXIT_HOOK:  # MXNet writes its profile at exit: so does this
             atexit.register(_at_exit)
-            self.exit_hook = True
+            _EXIT_HOOK.append(True)
 
     def stop(self) -> None:
         """Stop the running session and take in its events."""
@@ -221,10 +220,13 @@ class _Profiler:
             prefix = os.fspath(prefix)
             if jax.process_count() > 1:
                 prefix = f"{prefix}.{jax.process_index()}"
+            if os.path.dirname(prefix):
+                os.makedirs(os.path.dirname(prefix), exist_ok=True)
             jax.profiler.save_device_memory_profile(prefix + ".prof")
 
 
 _PROFILER = _Profiler()
+_EXIT_HOOK: list[bool] = []  # whether the exit hook is registered (once per process)
 
 
 def _at_exit() -> None:

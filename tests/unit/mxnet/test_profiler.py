@@ -259,7 +259,6 @@ def test_a_jax_trace_running_elsewhere_is_named_and_the_state_stays_stopped(tmp_
 
 def test_a_memory_profile_is_written_where_its_prefix_says():
     mx.profiler.set_config(gpu_memory_profile_filename_prefix="mem/device", profile_memory=True)
-    os.mkdir("mem")
     mx.profiler.set_state("run")
     x = jnp.ones(1000)
     mx.profiler.set_state("stop")
