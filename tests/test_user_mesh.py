@@ -117,8 +117,8 @@ def test_a_checkpoint_loads_across_meshes(tmp_path, cpus, mesh):
 
 def test_refusals(cpus, mesh):
     two = Mesh(np.array(cpus).reshape(2, 4), ("data", "model"))
-    with pytest.raises(jaxkv.KVStoreError, match="one axis"):
-        jaxkv.empty(mesh=two)
+    with pytest.raises(jaxkv.KVStoreError, match="on a mesh of several axes"):
+        jaxkv.empty(mesh=two)  # which axis is the data axis?
     with pytest.raises(jaxkv.KVStoreError, match="'data'"):
         jaxkv.empty(mesh=mesh, axis_name="batch")
     with pytest.raises(jaxkv.KVStoreError, match="mesh's devices"):

@@ -66,14 +66,19 @@ def init_opt_states(state: KVState, optimizer: Any, keys: Sequence[Key]) -> KVSt
     if not keys:
         return state
     group = tuple(sorted(set(keys)))
-    init = _opt_initialiser(optimizer, state.devices, state.bigarray_bound, state.user_mesh)
+    init = _opt_initialiser(
+        optimizer, state.devices, state.bigarray_bound, state.user_mesh, state.mesh_axes
+    )
     opt_state = collective_order.ordered("optimizer init", init, {k: state[k] for k in group})
     return state.replace(opt_states={group: opt_state})
 
 
 @functools.lru_cache(maxsize=64)
-def _opt_initialiser(optimizer: Any, devices: tuple, bound: int | None, mesh: Any) -> Callable:
-    layout = KVState((), devices, (), (), bound, (), None, (), (), mesh)  # its placement rules
+def _opt_initialiser(
+    optimizer: Any, devices: tuple, bound: int | None, mesh: Any, axes: tuple[str, ...]
+) -> Callable:
+    # Its placement rules.
+    layout = KVState((), devices, (), (), bound, (), None, (), (), mesh, mesh_axes=axes)
     return jax.jit(lambda tree: place(layout, optimizer.init(tree)))
 
 
@@ -245,6 +250,7 @@ def push_fn(
         "keys",
         state.devices,
         state.user_mesh,
+        state.mesh_axes,
         state.bigarray_bound,
         state.compression,
         keys,

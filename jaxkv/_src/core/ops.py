@@ -233,6 +233,14 @@ def push(
             f"axis_name={axis_name!r}: expected to be called inside pmap or shard_map, given an "
             "eager call (eagerly, a list of per-device values is already summed over devices)"
         )
+    if state.multi_axis and any(len(xs) > 1 for xs in grouped.values()):
+        key = next(k for k, xs in grouped.items() if len(xs) > 1)
+        raise KVStoreError(
+            f"key {key!r}: a store on a mesh of several axes {tuple(state.mesh.axis_names)} "
+            f"sums along {state.axis!r} inside shard_map; eagerly it expects one value per "
+            f"key, given {len(grouped[key])}; push them inside your shard_map step with "
+            f"axis_name={state.axis!r}, or sum them first"
+        )
     if reduce == "mean" and jax.process_count() > 1:
         raise KVStoreError(
             f"keys {list(grouped)}: reduce='mean' of an eager push across processes is not "
@@ -389,8 +397,8 @@ def init_optimizer(state: KVState, optimizer: Any, keys: Any = None) -> KVState:
                 f"keys {keys}: expected whole values to make optimizer state for, given this "
                 "device's blocks (inside shard_map); call jaxkv.init_optimizer before the step"
             )
-        tree = dict(zip(keys, values))
-        return state.replace(opt_states={tuple(keys): optimizer.init(tree)})
+        whole = dict(zip(keys, values))
+        return state.replace(opt_states={tuple(keys): optimizer.init(whole)})
     return init_opt_states(state, optimizer, keys)
 
 

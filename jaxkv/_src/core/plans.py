@@ -154,7 +154,7 @@ def push(
     if call is None:
         return None
     ckeys, values, per, flat = call
-    if not all_eager(flat):
+    if not all_eager(flat) or (per > 1 and state.multi_axis):
         return None
     sig = (
         id(state.keys()),
@@ -168,6 +168,7 @@ def push(
         id(updater),
         donate,
         reduce,
+        state.mesh_axes,
     )
     plan = _PUSHES.get(sig)
     if plan is None or (
@@ -319,6 +320,7 @@ def _run_push(
         state.policy,  # a per-key state (no flat layout, no packings) under its policy
         trees=state.trees,
         reduce=state.reduce,
+        mesh_axes=state.mesh_axes,
     )
 
 
@@ -334,6 +336,7 @@ def _planned(plans: _Plans, state: KVState, ckeys: tuple, how: Any, make: Callab
         state.bigarray_bound,
         ckeys,
         how,
+        state.mesh_axes,
     )
     plan = plans.get(sig)
     if plan is None or (plan is not _NO_PLAN and not _anchored(plan, state)):

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from jaxkv._src.errors import KeyTypeError, KVStoreError
-from jaxkv._src.state.kvstate import KVState
+from jaxkv._src.state.kvstate import Key, KVState
 
 __all__ = [
     "SEP",
@@ -99,7 +99,7 @@ class Tree:
             seen[key] = n
 
     @property
-    def mapping(self) -> dict[str, Any]:
+    def mapping(self) -> dict[Key, Any]:
         return dict(zip(self.keys, self.leaves))
 
     def paths(self) -> tuple[str, ...]:

@@ -90,6 +90,12 @@ def _table(state: KVState, key: Any, what: str) -> tuple[Key, int, tuple[int, ..
         raise KVStoreError(
             f"key {key!r}: {what} expects a table of fewer than 2**31 rows, given {shape[0]}"
         )
+    if state.multi_axis:
+        raise KVStoreError(
+            f"key {key!r}: {what} expects a store on one mesh axis, given a store on the axes "
+            f"{tuple(state.mesh.axis_names)}; keep row-sparse tables in a store of their own "
+            "(jaxkv.empty over the same devices)"
+        )
     return key, i, shape
 
 

@@ -46,7 +46,8 @@ AUTO_CPU_BELOW = 1 << 12
 # A state's aux data: keys, devices, big-array bound, compression, shapes, optimizer groups,
 # the user's mesh (None: the store's own), the layout policy, the flat layout (None: one array
 # per key), each optimizer group's packing (None: its optax state kept as it is), the paths of
-# each tree given to init (core/trees.py) and the reduction ('sum' or 'mean').
+# each tree given to init (core/trees.py), the reduction ('sum' or 'mean') and, on a user's mesh
+# of several axes, the axes values are summed along (else ()).
 _Aux = tuple[
     tuple[Key, ...],
     tuple[jax.Device, ...],
@@ -60,6 +61,7 @@ _Aux = tuple[
     tuple["_fl.Packing | None", ...],
     tuple[tuple[str, ...], ...],
     str,
+    tuple[str, ...],
 ]
 
 
@@ -118,8 +120,12 @@ def mesh_over(devices: tuple[jax.Device, ...]) -> Mesh:
 
 
 @functools.lru_cache(maxsize=128)
-def _sharding(mesh: Mesh, sharded: bool) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]) if sharded else PartitionSpec())
+def _sharding(mesh: Mesh, axis: Any, sharded: bool) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(axis) if sharded else PartitionSpec())
+
+
+def _axes_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
 
 
 @functools.lru_cache(maxsize=64)
@@ -196,6 +202,7 @@ class KVState:
         "_deferral",
         "trees",
         "reduce",
+        "mesh_axes",
     )
     # The slots' types (annotations only: a class-level value would clash with the slot).
     _keys: tuple[Key, ...]
@@ -217,6 +224,7 @@ class KVState:
     _deferral: bool | None
     trees: tuple[tuple[str, ...], ...]
     reduce: str
+    mesh_axes: tuple[str, ...]
 
     def __init__(
         self,
@@ -235,6 +243,7 @@ class KVState:
         packings: Sequence[_fl.Packing | None] = (),
         trees: Sequence[tuple[str, ...]] = (),
         reduce: str = "sum",
+        mesh_axes: tuple[str, ...] = (),
     ):
         # No validation here: pytree transformations rebuild states with arbitrary leaves.
         object.__setattr__(self, "_keys", keys)  # sorted, all int or all str
@@ -265,6 +274,8 @@ class KVState:
         # one of them; plain keys and trees do not mix.
         object.__setattr__(self, "trees", tuple(trees))
         object.__setattr__(self, "reduce", reduce)  # how pushed values combine: 'sum', 'mean'
+        # On a user's mesh of several axes, the axes values are summed (and sharded) along.
+        object.__setattr__(self, "mesh_axes", tuple(mesh_axes))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("KVState is immutable: operations return a new state")
@@ -285,6 +296,7 @@ class KVState:
             self.user_mesh,
             self.policy,
             reduce=self.reduce,
+            mesh_axes=self.mesh_axes,
         )
 
     # -- pytree protocol -------------------------------------------------------------------
@@ -315,12 +327,13 @@ class KVState:
             self.packings,
             self.trees,
             self.reduce,
+            self.mesh_axes,
         )
 
     @classmethod
     def tree_unflatten(cls, aux: _Aux, children: Sequence[Sequence[Any]]) -> KVState:
         keys, devices, bound, compression, shapes, groups, mesh, policy, flat, packings = aux[:10]
-        trees, reduce = aux[10:]
+        trees, reduce, mesh_axes = aux[10:]
         values, opt_states, residuals = children
         return cls(
             keys,
@@ -338,6 +351,7 @@ class KVState:
             packings,
             trees,
             reduce,
+            mesh_axes,
         )
 
     # -- the flat layout -------------------------------------------------------------------
@@ -400,16 +414,32 @@ class KVState:
 
     @property
     def mesh(self) -> Mesh:
-        """The store's one-axis mesh over :attr:`devices`: the mesh given to :func:`empty`, or
-        one of its own (axis name ``'kv'``, or the ``axis_name`` given to :func:`empty`)."""
+        """The store's mesh over :attr:`devices`: the mesh given to :func:`empty`, or a one-axis
+        mesh of its own (axis name ``'kv'``, or the ``axis_name`` given to :func:`empty`)."""
         mesh = self.user_mesh
         return mesh_over(self._devices) if mesh is None else mesh
 
     @property
-    def axis(self) -> str:
-        """The name of the mesh axis that sharded values are split along."""
+    def axis(self) -> Any:
+        """The name of the mesh axis that values are summed and sharded values split along (on
+        a mesh of several axes, the ``axis_name`` given: a name, or a tuple of names)."""
+        if self.mesh_axes:
+            return self.mesh_axes[0] if len(self.mesh_axes) == 1 else self.mesh_axes
         mesh = self.user_mesh
         return AXIS if mesh is None else mesh.axis_names[0]
+
+    @property
+    def multi_axis(self) -> bool:
+        """Whether the store lives on a user's mesh of several axes."""
+        mesh = self.user_mesh
+        return mesh is not None and len(mesh.axis_names) > 1
+
+    @property
+    def shards(self) -> int:
+        """How many blocks a sharded value is split into: the devices along :attr:`axis`."""
+        if not self.multi_axis:
+            return len(self._devices)
+        return _axes_size(self.mesh, self.mesh_axes)
 
     @property
     def positions(self) -> dict[jax.Device, int]:
@@ -424,7 +454,7 @@ class KVState:
     @property
     def sharding(self) -> NamedSharding:
         """The replicated sharding over :attr:`devices`, where small values live."""
-        return _sharding(self.mesh, False)
+        return _sharding(self.mesh, self.axis, False)
 
     @property
     def compression(self) -> tuple | None:
@@ -443,11 +473,11 @@ class KVState:
 
     def is_sharded(self, shape: tuple[int, ...]) -> bool:
         """Whether a value (or optimizer-state leaf) of ``shape`` is stored sharded."""
-        return _is_sharded(tuple(shape), len(self._devices), self._bound)
+        return _is_sharded(tuple(shape), self.shards, self._bound)
 
     def sharding_for(self, shape: tuple[int, ...]) -> NamedSharding:
         """Where a stored array of ``shape`` lives: sharded along axis 0, or replicated."""
-        return _sharding(self.mesh, self.is_sharded(tuple(shape)))
+        return _sharding(self.mesh, self.axis, self.is_sharded(tuple(shape)))
 
     @property
     def values(self) -> Mapping[Key, Any]:
@@ -618,6 +648,7 @@ class KVState:
             packings,
             self.trees + tuple(trees),
             self.reduce,
+            self.mesh_axes,
         )
         # Placed where the store keeps each leaf: a split bucket and its moments sharded, and
         # values laid out anew (from a flat layout to one array per key, say, when compression
@@ -729,7 +760,7 @@ def empty(
     bigarray_bound: int | None = BIGARRAY_BOUND,
     compression: Mapping[str, Any] | None = None,
     mesh: Mesh | None = None,
-    axis_name: str | None = None,
+    axis_name: str | tuple[str, ...] | None = None,
     layout: str | None = None,
     reduce: str = "sum",
 ) -> KVState:
@@ -744,11 +775,15 @@ def empty(
     'threshold': t}`` (t > 0; error feedback per device, as MXNet), or ``{'type': 'fp16'}`` /
     ``{'type': 'bf16'}`` (each device's value rounded to that type before the sum).
 
-    ``mesh`` adopts the user's one-axis ``jax.sharding.Mesh``: the store lives on its devices,
-    in its order, and its arrays carry shardings over that very mesh, so a ``shard_map`` step
-    over it (``in_specs=jaxkv.specs(state, axis)``) takes the state in and out unchanged and
-    compiles once. ``axis_name`` alone names the axis of the store's own mesh (default
-    ``'kv'``); with ``mesh`` it must be that mesh's axis.
+    ``mesh`` adopts the user's ``jax.sharding.Mesh``: the store lives on its devices, in its
+    order, and its arrays carry shardings over that very mesh, so a ``shard_map`` step over it
+    (``in_specs=jaxkv.specs(state, axis)``) takes the state in and out unchanged and compiles
+    once. ``axis_name`` alone names the axis of the store's own mesh (default ``'kv'``); with a
+    one-axis ``mesh`` it must be that mesh's axis. On a mesh of several axes (data beside model
+    parallelism), ``axis_name`` names the axis (or a tuple of axes) that values are summed
+    along, and that values above the big-array bound are sharded along (the other axes
+    replicate them); pushes there run inside ``shard_map`` with that ``axis_name``, or eagerly
+    with one value per key, and the layout is ``'keys'``.
 
     ``layout`` says how values are kept: ``'keys'``, one array per key; ``'flat'``, the values
     of one dtype and optimizer group in one contiguous buffer (a *bucket*), each key a view of
@@ -771,14 +806,23 @@ def empty(
 
     if mesh is not None and not isinstance(mesh, Mesh):
         raise KVStoreError(f"mesh: expected a jax.sharding.Mesh, given {type(mesh).__name__}")
-    if mesh is not None and len(mesh.axis_names) != 1:
-        raise KVStoreError(
-            f"mesh: expected a mesh with one axis, given axes {tuple(mesh.axis_names)}; a store "
-            "lives on a one-axis mesh (make one over the same devices for the store)"
-        )
-    if axis_name is not None and not isinstance(axis_name, str):
+    axes: tuple[str, ...] = ()
+    if mesh is not None and len(mesh.axis_names) > 1:
+        axes = _mesh_axes(mesh, axis_name)
+        if layout == "flat":
+            raise KVStoreError(
+                f"layout: on a mesh of several axes {tuple(mesh.axis_names)} expected 'keys' "
+                "or 'auto' (one array per key), given 'flat'"
+            )
+        if compression is not None:
+            raise KVStoreError(
+                f"compression: on a mesh of several axes {tuple(mesh.axis_names)} expected "
+                f"none, given {compression!r}; compress on a one-axis mesh"
+            )
+        layout = "keys"
+    elif axis_name is not None and not isinstance(axis_name, str):
         raise KVStoreError(f"axis_name: expected a str, given {axis_name!r}")
-    if mesh is not None and axis_name is not None and axis_name != mesh.axis_names[0]:
+    if mesh is not None and not axes and axis_name is not None and axis_name != mesh.axis_names[0]:
         raise KVStoreError(
             f"axis_name: expected the mesh's axis {mesh.axis_names[0]!r}, given {axis_name!r}"
         )
@@ -807,8 +851,39 @@ def empty(
     if reduce not in ("sum", "mean"):
         raise KVStoreError(f"reduce: expected one of ['sum', 'mean'], given {reduce!r}")
     return KVState(
-        (), devs, (), (), bigarray_bound, (), config, (), (), mesh, policy, reduce=reduce
+        (),
+        devs,
+        (),
+        (),
+        bigarray_bound,
+        (),
+        config,
+        (),
+        (),
+        mesh,
+        policy,
+        reduce=reduce,
+        mesh_axes=axes,
     )
+
+
+def _mesh_axes(mesh: Mesh, axis_name: Any) -> tuple[str, ...]:
+    """The axes of a mesh of several axes that values are summed along, checked."""
+    names = mesh.axis_names
+    given = (axis_name,) if isinstance(axis_name, str) else axis_name
+    if not isinstance(given, tuple | list) or not given:
+        raise KVStoreError(
+            f"axis_name: on a mesh of several axes {tuple(names)} expected the axis (or a tuple "
+            f"of axes) values are summed along, such as {names[0]!r}, given {axis_name!r}"
+        )
+    for a in given:
+        if a not in names:
+            raise KVStoreError(f"axis_name: expected axes of the mesh {tuple(names)}, given {a!r}")
+    if len(set(given)) != len(given):
+        raise KVStoreError(
+            f"axis_name: expected distinct axes of the mesh {tuple(names)}, given {tuple(given)!r}"
+        )
+    return tuple(given)
 
 
 def layout_policy(layout: str | None, devices: tuple[jax.Device, ...]) -> Policy:
