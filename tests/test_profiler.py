@@ -170,3 +170,45 @@ def test_the_trace_events_of_a_step_are_the_hlo_ops_under_jaxkvs_scopes(tmp_path
     assert ran
     scopes = {s for op in ran for s in SCOPES if s in scope_of.get(op, "")}
     assert {"jaxkv.sum", "jaxkv.updater"} <= scopes
+
+
+@pytest.mark.standard_promotion  # Adam
+def test_a_push_and_a_pull_in_the_users_step_are_named_whole():
+    """The whole push under ``jaxkv.push`` (its sum and updater inside it), the gathers of a
+    pull under ``jaxkv.pull``."""
+    fn, state, grads = data_parallel_step(optax.adam(0.1))
+    text = fn.lower(state, grads).as_text(debug_info=True)
+    assert "jaxkv.push/jaxkv.sum" in text and "jaxkv.push/jaxkv.updater" in text
+
+    def step(state):
+        return jaxkv.pull(state, "w", axis_name=AXIS)
+
+    pull = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=state.mesh,
+            in_specs=(jaxkv.specs(state, AXIS),),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
+    assert "jaxkv.pull" in pull.lower(state).as_text(debug_info=True)
+
+
+@pytest.mark.parametrize("layout", ["keys", "flat"])
+def test_eager_calls_are_on_the_host_timeline_and_their_computation_named(
+    tmp_path, devices, layout
+):
+    state = jaxkv.init(cpu_empty(layout=layout), {"w": jnp.zeros((8, 4))})
+    values = [jax.device_put(jnp.ones((8, 4)), d) for d in devices]
+    opt = optax.sgd(0.1)
+    state = jaxkv.push(state, "w", values, updater=opt)  # compiled here, outside the trace
+
+    def calls():
+        new, got = jaxkv.pushpull(state, "w", values, updater=opt)
+        return jaxkv.pull(new, "w"), got
+
+    events, xplane = traced(tmp_path, calls)
+    names = {e.get("name") for e in events}
+    assert {"jaxkv.push", "jaxkv.pull", "jaxkv.pushpull"} <= names
+    assert b"jaxkv.push/" in xplane  # the push computation's op names

@@ -19,6 +19,8 @@ from jaxkv._src.jax_internals import varying_axes
 from jaxkv._src.state.kvstate import AXIS, BIGARRAY_BOUND, KVState
 
 __all__ = [
+    "PULL",
+    "PUSH",
     "SUM",
     "axis_arg",
     "axis_names",
@@ -35,6 +37,11 @@ __all__ = [
 # The named scope of the sums (``jax.named_scope``): the HLO's op names under it read
 # ``.../jaxkv.sum/psum``.
 SUM = "jaxkv.sum"
+# The scopes of a whole push and of a pull's gathers (the sums and the updater inside a push
+# read ``jaxkv.push/jaxkv.sum``, ``jaxkv.push/jaxkv.updater``), and the host-side trace
+# annotations of the eager calls (``jax.profiler.TraceAnnotation``).
+PUSH = "jaxkv.push"
+PULL = "jaxkv.pull"
 
 
 def axis_names(axis_name: Any) -> tuple:

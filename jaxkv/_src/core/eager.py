@@ -18,8 +18,9 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv._src.core.collectives import scatters, sum_over_devices
+from jaxkv._src.core.collectives import PUSH, SUM, scatters, sum_over_devices
 from jaxkv._src.core.compression import compress, exchange, layout_compressed, on_one_device
+from jaxkv._src.core.on_blocks import UPDATER
 from jaxkv._src.core.on_buckets import update_bucket
 from jaxkv._src.core.reduce import divide
 from jaxkv._src.core.updater import apply_updater
@@ -308,7 +309,8 @@ def _sum_split(
             grid = jnp.concatenate(
                 [as_blocks(x.reshape(s), n) for x, s in zip(part, shapes)], axis=1
             )
-            out.append(jax.lax.psum_scatter(grid, axis, scatter_dimension=0, tiled=True))
+            with jax.named_scope(SUM):
+                out.append(jax.lax.psum_scatter(grid, axis, scatter_dimension=0, tiled=True))
         return out
 
     summed = jax.shard_map(
@@ -329,6 +331,17 @@ def _sum_split(
         if len(by_bucket[b]) == sum(1 for w in flat.where if w[0] == b):
             grids[b] = grid.reshape(-1)
     return grids
+
+
+def _scoped(run: Callable) -> Callable:
+    """``run`` traced under the scope ``jaxkv.push``."""
+
+    @functools.wraps(run)
+    def scoped(*args: Any, **kwargs: Any) -> Any:
+        with jax.named_scope(PUSH):
+            return run(*args, **kwargs)
+
+    return scoped
 
 
 def _build_push(
@@ -395,13 +408,14 @@ def _build_push(
         if stacked:
             _sum_stacked(state, stacked, pushed, stored)
         pushed = divide(pushed, divisors)
-        values, opt_state = apply_updater(updater, keys, pushed, stored, opt_state, extra_args)
+        with jax.named_scope(UPDATER):
+            values, opt_state = apply_updater(updater, keys, pushed, stored, opt_state, extra_args)
         # A pushed array returned as is (assign) would be forwarded by jit, and the store would
         # share the caller's buffer; a later donating push would then delete the caller's array.
         values = [jnp.copy(v) if id(v) in inputs else v for v in values]
         return place(state, values), place(state, opt_state), residuals
 
-    return jax.jit(run, donate_argnums=_donated(donate))
+    return jax.jit(_scoped(run), donate_argnums=_donated(donate))
 
 
 def push_eager(
@@ -534,7 +548,10 @@ def _build_push_flat(
             new = update_bucket(state, keys, pushed, updater, grids)
         if new is None:  # per key, on the views
             opt_state = state.opt_states[keys] if optax_push else None
-            values, opt_state = apply_updater(updater, keys, pushed, stored, opt_state, extra_args)
+            with jax.named_scope(UPDATER):
+                values, opt_state = apply_updater(
+                    updater, keys, pushed, stored, opt_state, extra_args
+                )
             values = [jnp.copy(v) if id(v) in inputs else v for v in values]
             new = state.replace(dict(zip(keys, values)), {keys: opt_state} if optax_push else None)
         mesh = placement.mesh
@@ -544,6 +561,7 @@ def _build_push_flat(
             new,
         )
 
+    run = _scoped(run)
     if donate != KEEP_VALUES:
         return jax.jit(run, donate_argnums=(0,) if donate else ())
 

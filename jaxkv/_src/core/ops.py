@@ -16,8 +16,9 @@ the caller's trace, and ``axis_name`` sums each value over the mapped axis exact
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import jax
 import optax
@@ -25,6 +26,7 @@ import optax
 from jaxkv._src.core import plans as _dispatch
 from jaxkv._src.core import reduce as _reduce
 from jaxkv._src.core import trees as _trees
+from jaxkv._src.core.collectives import PULL, PUSH
 from jaxkv._src.core.compression import residual_zeros
 from jaxkv._src.core.eager import init_opt_states, push_eager, push_eager_flat
 from jaxkv._src.core.traced import gather as gather_blocks
@@ -47,6 +49,24 @@ __all__ = [
     "pushpull",
     "specs",
 ]
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _annotated(name: str) -> Callable[[_F], _F]:
+    """The call on the host timeline of a profiler trace, as ``name``
+    (``jax.profiler.TraceAnnotation``: nearly free while no trace runs)."""
+
+    def wrap(f: _F) -> _F:
+        @functools.wraps(f)
+        def annotated(*args: Any, **kwargs: Any) -> Any:
+            with jax.profiler.TraceAnnotation(name):
+                return f(*args, **kwargs)
+
+        return annotated  # type: ignore[return-value]
+
+    return wrap
 
 
 def init(state: KVState, keys: Any, values: Any = MISSING) -> KVState:
@@ -137,6 +157,7 @@ def checked_inits(
     return new
 
 
+@_annotated(PUSH)
 def push(
     state: KVState,
     keys: Any,
@@ -253,6 +274,7 @@ def push(
     return push_eager(state, grouped, index, stored, opt_state, updater, donate, extra_args, means)
 
 
+@_annotated(PULL)
 def pull(
     state: KVState,
     keys: Any,
@@ -402,6 +424,7 @@ def init_optimizer(state: KVState, optimizer: Any, keys: Any = None) -> KVState:
     return init_opt_states(state, optimizer, keys)
 
 
+@_annotated("jaxkv.pushpull")
 def pushpull(
     state: KVState,
     keys: Any,

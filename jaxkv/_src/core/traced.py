@@ -33,7 +33,10 @@ import jax.numpy as jnp
 import optax
 
 from jaxkv._src.core.collectives import (
+    PULL,
+    PUSH,
     SCATTER_FUSE_LIMIT,
+    SUM,
     axis_arg,
     axis_names,
     axis_size,
@@ -95,6 +98,12 @@ def _block_size(state: KVState, leaves: Mapping[Key, Any], names: tuple) -> int:
 
 
 def gather(state: KVState, values: Mapping[Key, Any], axis_name: Any) -> dict[Key, Any]:
+    """:func:`_gather` under the scope ``jaxkv.pull``."""
+    with jax.named_scope(PULL):
+        return _gather(state, values, axis_name)
+
+
+def _gather(state: KVState, values: Mapping[Key, Any], axis_name: Any) -> dict[Key, Any]:
     """The whole value of each key in ``values`` (leaves as in ``state.values``): blocks are
     all-gathered over ``axis_name``, whole values kept. ``jax.grad`` through it gives each
     block's gradient already summed over the axis (AD's reduce-scatter). The blocks of one
@@ -144,12 +153,14 @@ def _sum_blocks(
         todo = unsummed_axes(x, names)
         if set(todo) == set(names):
             if x.size >= SCATTER_FUSE_LIMIT and not fuse_all:
-                out[i] = jax.lax.psum_scatter(x, axis_arg(names), tiled=True)
+                with jax.named_scope(SUM):
+                    out[i] = jax.lax.psum_scatter(x, axis_arg(names), tiled=True)
             else:
                 small.setdefault(x.dtype, []).append(i)
             continue
         if todo:
-            x = jax.lax.psum(x, todo)
+            with jax.named_scope(SUM):
+                x = jax.lax.psum(x, todo)
         rows = x.shape[0] // n
         me = jax.lax.axis_index(axis_arg(names))
         out[i] = jax.lax.dynamic_slice_in_dim(x, me * rows, rows, 0)
@@ -223,6 +234,20 @@ def _opt_blocks(
 
 
 def push_in_trace(
+    state: KVState,
+    grouped: dict[Key, list[jax.Array]],
+    stored: list[Any],
+    opt_state: Any,
+    updater: Any,
+    axis_name: Any,
+    reduce: str = "sum",
+) -> KVState:
+    """:func:`_push_in_trace` under the scope ``jaxkv.push``."""
+    with jax.named_scope(PUSH):
+        return _push_in_trace(state, grouped, stored, opt_state, updater, axis_name, reduce)
+
+
+def _push_in_trace(
     state: KVState,
     grouped: dict[Key, list[jax.Array]],
     stored: list[Any],
