@@ -147,3 +147,14 @@ def test_refusals_on_a_mesh_of_several_axes(mesh):
     with pytest.raises(jaxkv.KVStoreError, match="key 'w': push_rows expects a store on one"):
         jaxkv.push_rows(state, "w", [0], jnp.ones((1, 2)))
     np.testing.assert_array_equal(jaxkv.pull(state, "w"), np.zeros((8, 2)))
+
+
+def test_a_tensor_parallel_sharding_is_not_kept_and_says_so(mesh, caplog):
+    """Not yet kept: the value is placed by the store's rules (right numbers, replicated along
+    'model'), and a warning says so."""
+    w = jax.device_put(jnp.arange(32.0).reshape(4, 8), NamedSharding(mesh, P(None, "model")))
+    with caplog.at_level("WARNING", logger="jaxkv"):
+        state = jaxkv.init(jaxkv.empty(mesh=mesh, axis_name="data"), {"w": w})
+    assert "key 'w': its sharding along ['model'] is not kept" in caplog.text
+    assert state["w"].sharding == NamedSharding(mesh, P())
+    np.testing.assert_array_equal(jaxkv.pull(state, "w"), np.arange(32.0).reshape(4, 8))
