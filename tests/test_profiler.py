@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 from _devices import cpu_empty
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxkv
@@ -82,7 +82,7 @@ def test_a_push_with_an_optax_updater_names_its_sum_and_its_updater_in_the_hlo()
 
 
 def test_compression_is_named_in_the_hlo_and_its_exchange_under_the_sum(devices):
-    mesh = jax.make_mesh((D,), (AXIS,), devices=devices)
+    mesh = Mesh(np.array(devices), (AXIS,))
     blocks = jax.device_put(np.ones((D * 4, 3), np.float32), NamedSharding(mesh, P(AXIS)))
     for config in (("2bit", 0.5), ("fp16",)):
         mask = (True,) * D
