@@ -128,5 +128,7 @@ def test_mxnet_optimizers_with_a_schedule_across_processes(names):
         for name in names.split(","):
             assert f"rank {rank} ok {name} with a schedule" in run.stdout
         if names == "sgd":
-            assert f"rank {rank} ok different learning rates refused" in run.stdout
+            for refused in ("", " in a pushpull", " in a row-sparse push"):
+                assert f"rank {rank} ok different learning rates refused{refused}" in run.stdout
+            assert f"rank {rank} ok alike learning rates pushed" in run.stdout
         assert f"rank {rank} done" in run.stdout

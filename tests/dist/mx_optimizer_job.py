@@ -129,6 +129,31 @@ def main():
             check("different learning rates refused", kv.pull(0), before)
         else:
             raise AssertionError("different learning rates were accepted")
+        # The same for the pushes that are not held: a pushpull, and a row-sparse push.
+        out = mx.nd.zeros(SHAPES[0])
+        try:
+            kv.pushpull(0, mx.nd.ones(SHAPES[0]), out=out)
+            mx.nd.waitall()
+        except jaxkv.KVStoreError as e:
+            assert "the same numbers" in str(e), e
+            assert plain.num_update == 0 and plain._index_update_count == {}  # not counted
+            check("different learning rates refused in a pushpull", kv.pull(0), before)
+        else:
+            raise AssertionError("different learning rates were accepted by a pushpull")
+        rows = mx.nd.sparse.row_sparse_array((np.ones((2, 3), np.float32), [0, 2]), shape=SHAPES[0])
+        try:
+            kv.push(0, rows)
+            mx.nd.waitall()
+        except jaxkv.KVStoreError as e:
+            assert "the same numbers" in str(e), e
+            assert plain.num_update == 0 and plain._index_update_count == {}  # not counted
+            check("different learning rates refused in a row-sparse push", kv.pull(0), before)
+        else:
+            raise AssertionError("different learning rates were accepted by a row-sparse push")
+        plain.set_learning_rate(0.1)  # alike again: both pushes go through
+        kv.pushpull(0, mx.nd.ones(SHAPES[0]), out=out)
+        kv.push(0, rows)
+        check("alike learning rates pushed", plain.num_update, 2)
     kv.barrier()
     print(f"rank {rank} done", flush=True)
 

@@ -143,6 +143,33 @@ def agree(held: Held, gathered: list[list[Key]]) -> None:
     )
 
 
+def agree_numbers(keys: list[Key], table: Any) -> None:
+    """Across processes, for a push that is not held (a row-sparse push, ``pushpull``): check
+    that every process's MXNet optimizer worked out the same numbers for ``keys`` (a row of
+    ``table`` each), else every process raises ``KVStoreError`` naming the first key that
+    differs and each process's numbers. One host all-gather of a digest, two more only where
+    they differ. Every process of the store calls it at the same point of its calls."""
+    mine = {"numbers": [[[repr(k), np.asarray(row).tolist()] for k, row in zip(keys, table)]]}
+    text = json.dumps(mine, sort_keys=True).encode()
+    digest = np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
+    every = host_collectives.all_gather(digest, "the optimizer's numbers of a push")
+    if (every == digest).all():
+        return
+    sizes = host_collectives.all_gather(np.array([len(text)], np.int64), "sizes of the numbers")
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: len(text)] = np.frombuffer(text, np.uint8)
+    texts = host_collectives.all_gather(padded, "the optimizer's numbers")
+    everyone = [json.loads(bytes(row[: int(n)]).decode()) for row, n in zip(texts, sizes[:, 0])]
+    given = [[k for k, _ in t["numbers"][0]] for t in everyone]
+    if any(g != given[0] for g in given):
+        per = "; ".join(f"process {p}: {_names(g)}" for p, g in enumerate(given))
+        raise KVStoreError(
+            f"dist_sync: expected every process to push the same keys, given {per}. Nothing "
+            "was pushed"
+        )
+    _numbers_differ(everyone)
+
+
 def _numbers_differ(everyone: list[dict]) -> None:
     """Every process holds pushes of the same keys, but its MXNet optimizer worked out other
     numbers for some of them: raise, naming the first such key and each process's numbers."""

@@ -777,6 +777,12 @@ class KVStore:
                 if scalars is None:
                     saved = opt.bookkeeping()
                     table = opt.next_update(keys)
+                    if spans_processes(state.devices):  # not held: agreed here
+                        try:
+                            _queue.agree_numbers(keys, table)
+                        except BaseException:
+                            opt.restore_bookkeeping(saved)  # refused: not counted either
+                            raise
                 else:
                     table = np.stack([scalars[k] for k in keys])
                 extra = {"scalars": table}  # a row per key, in key order (per_key's)
@@ -905,6 +911,8 @@ class KVStore:
         if opt is not None:  # MXNet's bookkeeping, in key order; the rows' kernels then
             keys = sorted(grouped)  # compile in what the key's update reads (its inputs)
             table = opt.next_update(keys)
+            if spans_processes(self._state.devices):  # not held: agreed here
+                _queue.agree_numbers(keys, table)
             lazy = opt.lazy_update
             updater_of = {
                 k: opt.transformation(row_sparse=True, inputs=opt.inputs(k)) for k in sparse
