@@ -102,6 +102,19 @@ def main():
     state = jaxkv.push(state, "w", [jax.device_put(r, d) for r, d in zip(rows, local)])
     want = sum(np.arange(36, dtype=np.float32).reshape(12, 3) + d.id for d in jax.devices())
     check("flat split store", jaxkv.pull(state, "w", devices=local), want)
+    # A mean counts every process's values: here process r pushes from its first r + 1
+    # devices (all of them from the last), so the counts differ across processes.
+    state = jaxkv.init(jaxkv.empty(jax.devices(), reduce="mean"), {"m": np.zeros(3, np.float32)})
+    mine = [jax.device_put(np.full(3, 2.0 * (rank + 1), np.float32), d) for d in local[: rank + 1]]
+    state = jaxkv.push(state, "m", mine)
+    counts = [min(r + 1, len(local)) for r in range(workers)]
+    total = np.float32(sum(2.0 * (r + 1) * c for r, c in enumerate(counts)))  # exact
+    want = total / np.float32(sum(counts))  # divided once, in float32
+    # Within an ulp: XLA divides by a constant as a product with its reciprocal (as pmean's
+    # division); exact where the count is a power of two.
+    got = jaxkv.pull(state, "m", devices=local[:1])
+    np.testing.assert_allclose(np.asarray(got), np.full(3, want), rtol=2**-23, atol=0)
+    print(f"rank {rank} ok mean across processes", flush=True)
     # A value spread over several processes' devices is refused: it is nobody's contribution.
     before = np.asarray(kv.pull("v"))
     whole = jax.device_put(np.ones(SHAPES["v"], np.float32), kv.state.sharding)

@@ -35,7 +35,7 @@ from jaxkv._src.core.traced import is_block, push_in_trace
 from jaxkv._src.core.updater import Updater, optimizer_group
 from jaxkv._src.errors import DuplicateKeyError, KeyTypeError, KVStoreError, ShapeError
 from jaxkv._src.state import buckets as _fl
-from jaxkv._src.state.kvstate import Key, KVState, check_compressible, key_kind
+from jaxkv._src.state.kvstate import Key, KVState, check_compressible, key_kind, spans_processes
 from jaxkv._src.state.pairing import MISSING, as_array, devices_of, group, is_traced, pairs
 from jaxkv._src.state.placement import copies, put, replicate
 
@@ -287,13 +287,10 @@ def push(
             f"key, given {len(grouped[key])}; push them inside your shard_map step with "
             f"axis_name={state.axis!r}, or sum them first"
         )
-    if reduce == "mean" and jax.process_count() > 1:
-        raise KVStoreError(
-            f"keys {list(grouped)}: reduce='mean' of an eager push across processes is not "
-            "supported yet (each process counts only its own values); push inside your "
-            "shard_map step with axis_name, or push with reduce='sum' and scale the sum"
-        )
-    means = _reduce.divisors(state, list(grouped), [len(xs) for xs in grouped.values()], reduce)
+    counts = [len(xs) for xs in grouped.values()]
+    if reduce == "mean" and spans_processes(state.devices):
+        counts = _reduce.job_counts(counts)  # every process's values counted
+    means = _reduce.divisors(state, list(grouped), counts, reduce)
     if flat:
         return push_eager_flat(state, grouped, stored, updater, donate, extra_args, means)
     return push_eager(state, grouped, index, stored, opt_state, updater, donate, extra_args, means)

@@ -5,7 +5,8 @@ Eagerly a key's contributions are the values pushed to it in the call (one per d
 list, duplicates of a key counted too); inside ``pmap``/``shard_map`` with ``axis_name``, each
 device's values count once per device of the named axes, as ``jax.lax.pmean`` counts them, also
 where JAX has already summed them (values invariant along the axes). The division is in the
-sum's dtype (the stored one), so a mean of float values equals ``pmean``'s.
+sum's dtype (the stored one), so a mean of float values equals ``pmean``'s. Across processes,
+an eager push adds every process's counts first (:func:`job_counts`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv._src.errors import KVStoreError
+from jaxkv._src.processes import host as host_collectives
 from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.kvstate import Key, KVState
 
-__all__ = ["REDUCES", "axis_count", "check", "divide", "divisors", "effective"]
+__all__ = ["REDUCES", "axis_count", "check", "divide", "divisors", "effective", "job_counts"]
 
 REDUCES = ("sum", "mean")
 
@@ -59,6 +61,13 @@ def divisors(
                 "reduce='sum'"
             )
     return out
+
+
+def job_counts(counts: Sequence[int]) -> list[int]:
+    """Across processes, each key's contributions from every process together (each process
+    counts only its own values): one host all-gather, in the store's order of collectives."""
+    every = host_collectives.all_gather(np.asarray(counts, np.int64), "the counts of a mean")
+    return [int(n) for n in np.asarray(every).reshape(-1, len(counts)).sum(0)]
 
 
 def divide(pushed: list[Any], divisors: Sequence[int] | None) -> list[Any]:

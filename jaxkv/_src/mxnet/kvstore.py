@@ -73,7 +73,7 @@ def create(name: str = "local", *, reduce: str = "sum") -> KVStore:
       name: one of ``local``, ``device`` (aliases ``nccl``, ``local_allreduce_cpu``,
         ``local_allreduce_device``, ``local_update_cpu``), ``dist_sync``, ``dist_device_sync``.
       reduce: how a push combines a key's values: ``'sum'`` (MXNet's) or ``'mean'`` (the sum
-        divided by how many values were pushed, as ``jax.lax.pmean``; one process only).
+        divided by how many values were pushed, across processes too, as ``jax.lax.pmean``).
 
     Raises:
       KVStoreError: the name is unknown (the message lists the valid ones) or not supported.
