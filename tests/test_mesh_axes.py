@@ -149,12 +149,125 @@ def test_refusals_on_a_mesh_of_several_axes(mesh):
     np.testing.assert_array_equal(jaxkv.pull(state, "w"), np.zeros((8, 2)))
 
 
-def test_a_tensor_parallel_sharding_is_not_kept_and_says_so(mesh, caplog):
-    """Not yet kept: the value is placed by the store's rules (right numbers, replicated along
-    'model'), and a warning says so."""
-    w = jax.device_put(jnp.arange(32.0).reshape(4, 8), NamedSharding(mesh, P(None, "model")))
-    with caplog.at_level("WARNING", logger="jaxkv"):
-        state = jaxkv.init(jaxkv.empty(mesh=mesh, axis_name="data"), {"w": w})
-    assert "key 'w': its sharding along ['model'] is not kept" in caplog.text
-    assert state["w"].sharding == NamedSharding(mesh, P())
-    np.testing.assert_array_equal(jaxkv.pull(state, "w"), np.arange(32.0).reshape(4, 8))
+# -- tensor parallelism: a leaf's own sharding along "model" kept, the store's added on top ------
+def _tp_params(mesh):
+    """An MLP split Megatron-style along 'model': the first kernel by columns (and its bias),
+    the second by rows."""
+    p = _params()
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    return {
+        "dense": {
+            "kernel": put(p["dense"]["kernel"], P(None, "model")),
+            "bias": put(p["dense"]["bias"], P("model")),
+        },
+        "out": put(p["out"], P("model", None)),
+    }
+
+
+def _tp_loss(p, x):
+    """The loss of :func:`_loss` on this device's columns of the hidden layer: the partial
+    outputs summed over 'model'."""
+    h = jnp.tanh(x @ p["dense"]["kernel"] + p["dense"]["bias"])
+    return jnp.mean(jax.lax.psum(h @ p["out"], "model") ** 2)
+
+
+def test_a_leafs_own_sharding_is_kept_and_the_store_shards_on_top(mesh):
+    state = jaxkv.empty(mesh=mesh, axis_name="data", bigarray_bound=256)
+    state = jaxkv.init(state, _tp_params(mesh))
+    state = jaxkv.init_optimizer(state, optax.adam(0.1))
+    specs = jaxkv.specs(state, "data", _params())
+    # Column-split kernel (64, 512): 'model' on its columns, the store's 'data' on its rows;
+    # the row-split one (512, 2): both on its rows; the bias (128 per device: below the bound)
+    # keeps its own split only.
+    assert specs == {
+        "dense": {"kernel": P("data", "model"), "bias": P("model")},
+        "out": P(("model", "data")),
+    }
+    assert state["dense/kernel"].sharding.spec == P("data", "model")
+    ((adam, _),) = state.opt_states.values()
+    kernel_size = 64 * 512
+    for moment in (adam.mu, adam.nu):
+        shard = moment["dense/kernel"].addressable_shards[0].data
+        assert shard.size == kernel_size // D  # ZeRO over tensor parallelism: 1/8 per device
+    # The values as given.
+    jax.tree.map(np.testing.assert_array_equal, jaxkv.pull(state, _params()), _params())
+
+
+@pytest.mark.standard_promotion
+def test_a_tensor_parallel_step_equals_optax_and_compiles_once(mesh, compiles):
+    tx = optax.adam(0.01)
+    state = jaxkv.empty(mesh=mesh, axis_name="data", bigarray_bound=256)
+    state = jaxkv.init_optimizer(jaxkv.init(state, _tp_params(mesh)), tx)
+    spec = jaxkv.specs(state, "data")
+
+    def step(state, x):
+        params = jaxkv.pull(state, _params(), axis_name="data")  # this device's columns
+        return jaxkv.push(state, jax.grad(_tp_loss)(params, x), updater=tx, axis_name="data")
+
+    fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, P("data")), out_specs=spec))
+    x = jax.device_put(_batch(), NamedSharding(mesh, P("data")))
+    counts = []
+    for _ in range(3):
+        with compiles() as c:
+            state = fn(state, x)
+            jax.block_until_ready(state)
+        counts.append(c.count)
+    assert counts[1:] == [0, 0]
+    assert state["dense/kernel"].sharding.spec == P("data", "model")
+
+    params, opt = _params(), tx.init(_params())
+    halves = _batch().reshape(2, 8, 64)
+    for _ in range(3):
+        g = jax.tree.map(lambda a, b: a + b, *[jax.grad(_loss)(params, h) for h in halves])
+        updates, opt = tx.update(g, opt, params)
+        params = optax.apply_updates(params, updates)
+    got = jaxkv.pull(state, _params())
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), got, params)
+
+
+def test_eager_pushes_and_checkpoints_keep_a_leafs_own_sharding(mesh, tmp_path):
+    tx = optax.sgd(0.5, momentum=0.9)
+    state = jaxkv.empty(mesh=mesh, axis_name="data", bigarray_bound=256)
+    state = jaxkv.init_optimizer(jaxkv.init(state, _tp_params(mesh)), tx)
+    grads = jax.tree.map(jnp.ones_like, _params())
+    state = jaxkv.push(state, grads, updater=tx)  # one value per key, eagerly
+    assert state["dense/kernel"].sharding.spec == P("data", "model")
+    ((trace, _),) = state.opt_states.values()
+    assert trace.trace["dense/kernel"].sharding.spec == P("data", "model")
+    want = jax.tree.map(lambda p: p - 0.5, _params())
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+        jaxkv.pull(state, _params()),
+        want,
+    )
+    path = str(tmp_path / "kv.npz")
+    jaxkv.save_state(path, state)
+    like = jaxkv.empty(mesh=mesh, axis_name="data", bigarray_bound=256)
+    loaded = jaxkv.load_state(path, like, optimizer=tx)
+    assert loaded.tp_specs == state.tp_specs
+    assert loaded["out"].sharding.spec == state["out"].sharding.spec
+    ((trace, _),) = loaded.opt_states.values()
+    assert trace.trace["dense/kernel"].sharding.spec == P("data", "model")
+    a = jaxkv.pull(jaxkv.push(loaded, grads, updater=tx), _params())
+    b = jaxkv.pull(jaxkv.push(state, grads, updater=tx), _params())
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+    # Onto a one-axis store: placed by its rules, the same numbers.
+    flat = jaxkv.load_state(path, jaxkv.empty(jax.devices("cpu")), optimizer=tx)
+    assert flat.tp_specs == ()
+    jax.tree.map(np.testing.assert_array_equal, jaxkv.pull(flat, _params()), want)
+
+
+def test_a_plain_jit_push_of_whole_values_keeps_a_leafs_own_sharding(mesh, compiles):
+    tx = optax.sgd(0.5)
+    state = jaxkv.empty(mesh=mesh, axis_name="data", bigarray_bound=256)
+    state = jaxkv.init_optimizer(jaxkv.init(state, _tp_params(mesh)), tx)
+    grads = jax.tree.map(jnp.ones_like, _params())
+    fn = jax.jit(lambda s, g: jaxkv.push(s, g, updater=tx))
+    state = fn(state, grads)
+    with compiles() as c:
+        state = fn(state, grads)
+    assert c.count == 0
+    assert state["dense/kernel"].sharding.spec == P("data", "model")
+    want = jax.tree.map(lambda p: p - 1.0, _params())
+    got = jaxkv.pull(state, _params())
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, want)

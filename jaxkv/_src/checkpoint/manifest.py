@@ -71,6 +71,24 @@ def check_manifest(
         "'trees' a list of lists of keys",
         trees,
     )
+    tp = manifest.get("tp", [])
+
+    def axis_entry(e: Any) -> bool:
+        return e is None or type(e) is str or (type(e) is list and all(type(a) is str for a in e))
+
+    expect(
+        isinstance(tp, list)
+        and all(
+            isinstance(t, list)
+            and len(t) == 2
+            and t[0] in keys
+            and isinstance(t[1], list)
+            and all(axis_entry(e) for e in t[1])
+            for t in tp
+        ),
+        "'tp' a list of [key, [axis entries]]",
+        tp,
+    )
     grouped = [k for g in groups for k in g]
     expect(len(set(grouped)) == len(grouped), "each key in one group at most", groups)
     entries = manifest.get("arrays")

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv._src.checkpoint import orbax_dirs as _orbax
 from jaxkv._src.checkpoint.manifest import FORMAT, VERSION, Malformed, check_manifest
@@ -90,7 +91,38 @@ def _header(state: KVState, values: bool) -> dict[str, Any]:
     }
     if state.trees:
         header["trees"] = [list(t) for t in state.trees]
+    if state.tp_specs:  # each key's own sharding along other mesh axes than the store's
+        header["tp"] = [[k, [_entry(e) for e in spec]] for k, spec in state.tp_specs]
     return header
+
+
+def _entry(entry: Any) -> Any:
+    return entry if entry is None or isinstance(entry, str) else list(entry)
+
+
+def _kept_tp(base: KVState, manifest: dict, like: dict) -> dict[Any, PartitionSpec]:
+    """The saved keys' own shardings that the store loaded into keeps: those whose axes its
+    mesh of several axes has, other than its own, and which divide the value (elsewhere a
+    value is placed by the store's rules: the same numbers)."""
+    kept: dict[Any, PartitionSpec] = {}
+    if not base.multi_axis:
+        return kept
+    names = set(base.mesh.axis_names) - set(base.mesh_axes)
+    for key, entries in manifest.get("tp", []):
+        spec = PartitionSpec(*[e if e is None or isinstance(e, str) else tuple(e) for e in entries])
+        used = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+        if not used <= names or key not in like:
+            continue
+        shape = tuple(like[key].shape)
+        if any(
+            e is not None
+            and shape[d]
+            % math.prod(base.mesh.shape[a] for a in ((e,) if isinstance(e, str) else e))
+            for d, e in enumerate(spec)
+        ):
+            continue
+        kept[key] = spec
+    return kept
 
 
 def directory_contents(fname: str, state: KVState) -> tuple[dict[str, Any], list]:
@@ -283,12 +315,16 @@ def _assemble(
             "optimizer to load it into, given none; call set_optimizer first"
         )
 
+    kept = _kept_tp(base, manifest, like) if values else {}
     targets = []
     for e in entries:
         shape, dtype = tuple(e["shape"]), jnp.dtype(e["dtype"])
         if e["part"] == "value":
             check_compressible(base.compression, e["key"], dtype)
-            sharding = base.sharding_for(shape)
+            if e["key"] in kept:
+                sharding = NamedSharding(base.mesh, base.spec_with(shape, kept[e["key"]]))
+            else:
+                sharding = base.sharding_for(shape)
         elif e["part"] == "residual":
             value = like[e["key"]]
             expected, sharding = residual_layout(base, value.shape)
@@ -318,6 +354,18 @@ def _assemble(
                 f"given {given}"
             )
         treedefs.append(treedef)
+        if kept or (not values and base.tp_specs):  # leaves of a key's shape: as its value
+            where: list[int] = [
+                i for i, e in enumerate(entries) if e["part"] == "opt" and e["group"] == n
+            ]
+            for i, (path, x) in zip(where, leaves):
+                k: Any = next((p.key for p in reversed(path) if hasattr(p, "key")), None)
+                spec = kept.get(k) if values else base.tp_spec(k) if k in like else None
+                if spec is not None and tuple(x.shape) == tuple(like[k].shape):
+                    sharding = NamedSharding(base.mesh, base.spec_with(tuple(x.shape), spec))
+                    targets[i] = jax.ShapeDtypeStruct(
+                        targets[i].shape, targets[i].dtype, sharding=sharding
+                    )
 
     arrays = restore(targets)
     new_values: dict[Any, Any] = {}
@@ -332,7 +380,9 @@ def _assemble(
             by_group[e["group"]].append(a)
     if values:
         trees = [tuple(t) for t in manifest.get("trees", [])]
-        base = base.replace(values=new_values, residuals=residuals, trees=trees)
+        base = base.replace(
+            values=new_values, residuals=residuals, trees=trees, tp_specs=kept or None
+        )
     opt_states: dict[tuple, Any] = {g: None for g in base.opt_states}
     for group, treedef, placed in zip(groups, treedefs, by_group):
         opt_states[group] = jax.tree_util.tree_unflatten(treedef, placed)

@@ -30,7 +30,14 @@ from jaxkv._src.processes import order as collective_order
 from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.buckets import as_blocks, block, from_blocks
 from jaxkv._src.state.kvstate import Key, KVState
-from jaxkv._src.state.placement import host_empty, place, stacked
+from jaxkv._src.state.placement import (
+    Keyed,
+    host_empty,
+    keyed_shardings,
+    place,
+    place_keyed,
+    stacked,
+)
 
 __all__ = ["KEEP_VALUES", "check_laid_out", "init_opt_states", "push_eager", "push_eager_flat"]
 
@@ -68,7 +75,12 @@ def init_opt_states(state: KVState, optimizer: Any, keys: Sequence[Key]) -> KVSt
         return state
     group = tuple(sorted(set(keys)))
     init = _opt_initialiser(
-        optimizer, state.devices, state.bigarray_bound, state.user_mesh, state.mesh_axes
+        optimizer,
+        state.devices,
+        state.bigarray_bound,
+        state.user_mesh,
+        state.mesh_axes,
+        keyed_shardings(state, group),
     )
     opt_state = collective_order.ordered("optimizer init", init, {k: state[k] for k in group})
     return state.replace(opt_states={group: opt_state})
@@ -76,14 +88,21 @@ def init_opt_states(state: KVState, optimizer: Any, keys: Sequence[Key]) -> KVSt
 
 @functools.lru_cache(maxsize=64)
 def _opt_initialiser(
-    optimizer: Any, devices: tuple, bound: int | None, mesh: Any, axes: tuple[str, ...]
+    optimizer: Any,
+    devices: tuple,
+    bound: int | None,
+    mesh: Any,
+    axes: tuple[str, ...],
+    keyed: Keyed,
 ) -> Callable:
-    # Its placement rules.
+    # Its placement rules (and the keys with their own sharding: their leaves placed so).
     layout = KVState((), devices, (), (), bound, (), None, (), (), mesh, mesh_axes=axes)
-    return jax.jit(lambda tree: place(layout, optimizer.init(tree)))
+    return jax.jit(lambda tree: place_keyed(layout, optimizer.init(tree), keyed))
 
 
-def _layout(state: KVState, stored: jax.Array, xs: list[jax.Array]) -> tuple[str, jax.Array]:
+def _layout(
+    state: KVState, stored: jax.Array, xs: list[jax.Array], target: Any = None
+) -> tuple[str, jax.Array]:
     """Prepare one key's eager contributions for the push computation.
 
     Returns ``('one', x)`` with ``x`` on the store's devices (no reduction needed), or
@@ -92,7 +111,7 @@ def _layout(state: KVState, stored: jax.Array, xs: list[jax.Array]) -> tuple[str
     """
     multiprocess = jax.process_count() > 1  # each worker's values are summed over workers
     if len(xs) == 1 and not multiprocess:
-        return "one", jax.device_put(xs[0], state.sharding_for(stored.shape))
+        return "one", jax.device_put(xs[0], target or state.sharding_for(stored.shape))
     devices = [single_device(x) for x in xs]
     positions = state.local_positions
     if len(set(devices)) == len(devices) and all(d in positions for d in devices):
@@ -103,7 +122,7 @@ def _layout(state: KVState, stored: jax.Array, xs: list[jax.Array]) -> tuple[str
             return "stacked", stacked(state, stored, xs, dtype)  # one per device, in order
         return "stacked", stacked(state, stored, dict(zip(devices, xs)), dtype)
     # Several values on one device, or off the store's devices: sum them in call order there.
-    target = state.sharding_for(stored.shape)
+    target = target or state.sharding_for(stored.shape)
     placed = [jax.device_put(x.astype(stored.dtype), target) for x in xs]
     return "one", functools.reduce(operator.add, placed)
 
@@ -257,6 +276,7 @@ def push_fn(
         keys,
         kinds,
         donate,
+        keyed_shardings(state, keys) if state.tp_specs else (),
     )
 
     def build() -> Callable:
@@ -354,6 +374,8 @@ def _build_push(
 ) -> Callable:
     """The jitted push for one signature. ``state`` supplies only static facts (mesh, bound,
     compression); the cached computation keeps none of its arrays."""
+    keyed = keyed_shardings(state, keys) if state.tp_specs else ()
+    targets = [state.sharding_of(k) for k in keys] if keyed else None
     state = state.emptied()
     axis = state.axis
     masks = {
@@ -413,6 +435,9 @@ def _build_push(
         # A pushed array returned as is (assign) would be forwarded by jit, and the store would
         # share the caller's buffer; a later donating push would then delete the caller's array.
         values = [jnp.copy(v) if id(v) in inputs else v for v in values]
+        if targets is not None:  # keys with their own sharding: each placed as its key
+            placed = [jax.lax.with_sharding_constraint(v, t) for v, t in zip(values, targets)]
+            return placed, place_keyed(state, opt_state, keyed), residuals
         return place(state, values), place(state, opt_state), residuals
 
     return jax.jit(_scoped(run), donate_argnums=_donated(donate))
@@ -440,7 +465,10 @@ def push_eager(
             (kind, stacked(state, s, [x], x.dtype)) for s, x in zip(stored, sums)
         ]
     elif state.compression is None:
-        layouts = [_layout(state, s, xs) for s, xs in zip(stored, grouped.values())]
+        layouts = [
+            _layout(state, s, xs, state.sharding_of(k) if state.tp_specs else None)
+            for (k, xs), s in zip(grouped.items(), stored)
+        ]
     else:
         layouts = [
             layout_compressed(state, k, s, xs) for (k, xs), s in zip(grouped.items(), stored)

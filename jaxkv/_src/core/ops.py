@@ -17,12 +17,12 @@ the caller's trace, and ``axis_name`` sums each value over the mapped axis exact
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import jax
 import optax
+from jax.sharding import NamedSharding
 
 from jaxkv._src.core import plans as _dispatch
 from jaxkv._src.core import reduce as _reduce
@@ -38,8 +38,6 @@ from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.kvstate import Key, KVState, check_compressible, key_kind, spans_processes
 from jaxkv._src.state.pairing import MISSING, as_array, devices_of, group, is_traced, pairs
 from jaxkv._src.state.placement import copies, put, replicate
-
-logger = logging.getLogger("jaxkv")
 
 __all__ = [
     "Updater",
@@ -112,11 +110,17 @@ def init_keys(
     _trees.check_init(state, tree, first)
     new = checked_inits(state, keys, values)
     eager = [k for k, x in new.items() if not is_traced(x)]
-    if state.multi_axis:
-        _warn_unkept(state, {k: new[k] for k in eager})
+    # On a mesh of several axes, a value's own sharding along the other axes is kept.
+    own = {k: spec for k in eager if (spec := state.own_spec(k, new[k])) is not None}
     if eager:
         xs = [new[k] for k in eager]
-        placed = put(xs, [state.sharding_for(x.shape) for x in xs], agreed)
+        targets = [
+            NamedSharding(state.mesh, state.spec_with(tuple(x.shape), own[k]))
+            if k in own
+            else state.sharding_for(x.shape)
+            for k, x in zip(eager, xs)
+        ]
+        placed = put(xs, targets, agreed)
         new.update(zip(eager, copies(placed)))
     residuals = {}
     if state.compression is not None and state.compression[0] == "2bit":
@@ -127,27 +131,9 @@ def init_keys(
             )
         residuals = {k: residual_zeros(state, x) for k, x in new.items()}
     trees = [tree.paths()] if tree is not None and tree.keys else []
-    return state.replace(values=new, residuals=residuals, defer=defer, trees=trees)
-
-
-def _warn_unkept(state: KVState, values: Mapping[Key, Any]) -> None:
-    """Log the values whose sharding along other axes than the store's a store on a mesh of
-    several axes does not keep (it places them by its own rules: replicated along those)."""
-    for key, x in values.items():
-        spec = getattr(getattr(x, "sharding", None), "spec", None)
-        if spec is None:
-            continue
-        used = {a for entry in spec if entry is not None for a in jax.tree_util.tree_leaves(entry)}
-        other = sorted(used - set(state.mesh_axes))
-        if other:
-            logger.warning(
-                "jaxkv: key %r: its sharding along %s is not kept (the store keeps it "
-                "replicated along the axes other than %r); tensor-parallel leaves are not "
-                "kept sharded yet",
-                key,
-                other,
-                state.axis,
-            )
+    return state.replace(
+        values=new, residuals=residuals, defer=defer, trees=trees, tp_specs=own or None
+    )
 
 
 def checked_inits(

@@ -232,7 +232,7 @@ def _push_plan(
         if per == 1:
             kinds.append("one")
             if not (n_devices == 1 and devices[perm[p]] == state.devices[0]):
-                puts.append((p, state.sharding_for(shape)))
+                puts.append((p, state.sharding_of(state.keys()[i])))
             continue
         if devices[perm[p] * per : (perm[p] + 1) * per] != state.devices:
             return _NOT_NOW

@@ -54,7 +54,18 @@ from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.buckets import as_blocks, block_shape, from_blocks
 from jaxkv._src.state.kvstate import Key, KVState
 
-__all__ = ["gather", "is_block", "push_in_trace"]
+__all__ = ["gather", "is_block", "push_in_trace", "whole_shape"]
+
+
+def whole_shape(state: KVState, key: Key, leaf: Any = None) -> tuple[int, ...]:
+    """The shape of ``key``'s whole value in this trace: its shape, or for a key with its own
+    sharding along other axes (tensor parallelism), inside ``shard_map`` over them, its value
+    on this device of those axes (``KVState.local_shape``); ``leaf`` of the whole shape says
+    the trace is not such a ``shard_map`` (a plain ``jit``)."""
+    shape = state.shapes[key]
+    if state.tp_spec(key) is None or (leaf is not None and tuple(leaf.shape) == shape):
+        return shape
+    return state.local_shape(key)
 
 
 def is_block(state: KVState, key: Key, leaf: Any) -> bool:
@@ -62,13 +73,13 @@ def is_block(state: KVState, key: Key, leaf: Any) -> bool:
     i = state.index(key)
     if _fl.split_parts(state, i) > 1:  # in a split bucket: a block where the bucket is a chunk
         return _fl.chunked(state, i)
-    return tuple(leaf.shape) != state.shapes[key]
+    return tuple(leaf.shape) != whole_shape(state, key, leaf)
 
 
 def _expected_block(state: KVState, key: Key, n: int) -> tuple[int, ...] | None:
     """The shape of ``key``'s block over ``n`` devices, or ``None`` if it cannot have one: rows
     along axis 0, or in a split bucket its flattened value's ``1/n`` (padded)."""
-    whole = state.shapes[key]
+    whole = whole_shape(state, key)
     parts = _fl.split_parts(state, state.index(key))
     if parts > 1:
         return block_shape(whole, parts) if parts == n else None
@@ -87,7 +98,7 @@ def _block_size(state: KVState, leaves: Mapping[Key, Any], names: tuple) -> int:
         )
     n = axis_size(names)
     for key, leaf in leaves.items():
-        whole = state.shapes[key]
+        whole = whole_shape(state, key)
         if tuple(leaf.shape) != _expected_block(state, key, n):
             raise KVStoreError(
                 f"key {key!r}: its leaf has shape {tuple(leaf.shape)}, expected the whole "
@@ -195,7 +206,7 @@ def _check_structure(
     ``opt_state`` of another tree structure."""
     whole = jax.eval_shape(
         optimizer.init,
-        {k: jax.ShapeDtypeStruct(state.shapes[k], s.dtype) for k, s in zip(keys, stored)},
+        {k: jax.ShapeDtypeStruct(whole_shape(state, k, s), s.dtype) for k, s in zip(keys, stored)},
     )
     want = jax.tree_util.tree_structure(whole)
     # jaxlib ships no stub for PyTreeDef, so mypy cannot type the comparison.
@@ -284,8 +295,9 @@ def _push_in_trace(
     owner: list[int] = []  # each sum's key position
     for i, (key, xs, s, b) in enumerate(zip(keys, grouped.values(), stored, blocks)):
         xs = [x.astype(s.dtype) for x in xs]
-        full = [x for x in xs if tuple(x.shape) == state.shapes[key]]
-        parts = [x for x in xs if tuple(x.shape) != state.shapes[key]]  # blocks: summed
+        entire = whole_shape(state, key, s)
+        full = [x for x in xs if tuple(x.shape) == entire]
+        parts = [x for x in xs if tuple(x.shape) != entire]  # blocks: summed
         by_axes: dict[tuple, list[Any]] = {}
         for x in full:
             by_axes.setdefault(unsummed_axes(x, names) if names else (), []).append(x)

@@ -600,6 +600,8 @@ def leaf_specs(state: KVState, axis_name: Any) -> KVState:
         return split if state.is_sharded(tuple(x.shape)) else PartitionSpec()
 
     flat = state.flat_layout
+    if flat is None and state.tp_specs:  # keys with their own sharding (tensor parallelism)
+        return _keyed_specs(state, axis_name)
     if flat is None:
         leaves = [
             split if state.is_sharded(shape) else PartitionSpec() for shape in state.key_shapes
@@ -617,6 +619,27 @@ def leaf_specs(state: KVState, axis_name: Any) -> KVState:
             family = split if packing.parts > 1 else PartitionSpec()
             opts.append(tuple(family if j in bucket else spec(x) for j, x in enumerate(opt)))
     residuals = [None if r is None else split for r in state.residual_leaves]
+    return type(state).tree_unflatten(state.tree_flatten()[1], (leaves, opts, residuals))
+
+
+def _keyed_specs(state: KVState, axis_name: Any) -> KVState:
+    """:func:`leaf_specs` of a state of one array per key where some keys have their own
+    sharding along other axes: each value's spec is its key's (``KVState.key_spec``), and so is
+    that of each optimizer-state leaf of the key's shape below the key."""
+    keys = state.keys()
+    leaves = [state.key_spec(k, axis_name) for k in keys]
+    specs = dict(zip(keys, leaves))
+    shapes = dict(zip(keys, state.key_shapes))
+
+    def one(path: Any, x: Any) -> PartitionSpec:
+        for entry in reversed(path):
+            k = getattr(entry, "key", None)
+            if isinstance(k, int | str) and k in specs and tuple(x.shape) == shapes[k]:
+                return specs[k]
+        return PartitionSpec(axis_name) if state.is_sharded(tuple(x.shape)) else PartitionSpec()
+
+    opts = [jax.tree_util.tree_map_with_path(one, opt) for opt in state.group_states]
+    residuals = [None for _ in state.residual_leaves]
     return type(state).tree_unflatten(state.tree_flatten()[1], (leaves, opts, residuals))
 
 

@@ -47,7 +47,8 @@ AUTO_CPU_BELOW = 1 << 12
 # the user's mesh (None: the store's own), the layout policy, the flat layout (None: one array
 # per key), each optimizer group's packing (None: its optax state kept as it is), the paths of
 # each tree given to init (core/trees.py), the reduction ('sum' or 'mean') and, on a user's mesh
-# of several axes, the axes values are summed along (else ()).
+# of several axes, the axes values are summed along (else ()), and there each key's own sharding
+# along the other axes (tensor parallelism: (key, spec) pairs, sorted; other keys have none).
 _Aux = tuple[
     tuple[Key, ...],
     tuple[jax.Device, ...],
@@ -62,6 +63,7 @@ _Aux = tuple[
     tuple[tuple[str, ...], ...],
     str,
     tuple[str, ...],
+    tuple[tuple[Key, PartitionSpec], ...],
 ]
 
 
@@ -126,6 +128,29 @@ def _sharding(mesh: Mesh, axis: Any, sharded: bool) -> NamedSharding:
 
 def _axes_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
     return math.prod(mesh.shape[a] for a in axes)
+
+
+def _trimmed(entries: list[Any]) -> PartitionSpec:
+    """A ``PartitionSpec`` of ``entries`` without trailing ``None``s (one spelling of each)."""
+    while entries and entries[-1] is None:
+        entries = entries[:-1]
+    return PartitionSpec(*entries)
+
+
+def _by_key(item: tuple[Any, Any]) -> Any:
+    return item[0]
+
+
+def split_shape(mesh: Mesh, spec: PartitionSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` with each dimension divided by the devices of the axes ``spec`` splits it
+    along."""
+    out = list(shape)
+    for d, entry in enumerate(spec):
+        if entry is None:
+            continue
+        names = (entry,) if isinstance(entry, str) else tuple(entry)
+        out[d] //= _axes_size(mesh, names)
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=64)
@@ -203,6 +228,8 @@ class KVState:
         "trees",
         "reduce",
         "mesh_axes",
+        "tp_specs",
+        "_tp",
     )
     # The slots' types (annotations only: a class-level value would clash with the slot).
     _keys: tuple[Key, ...]
@@ -225,6 +252,8 @@ class KVState:
     trees: tuple[tuple[str, ...], ...]
     reduce: str
     mesh_axes: tuple[str, ...]
+    tp_specs: tuple[tuple[Key, PartitionSpec], ...]
+    _tp: dict[Key, PartitionSpec] | None
 
     def __init__(
         self,
@@ -244,6 +273,7 @@ class KVState:
         trees: Sequence[tuple[str, ...]] = (),
         reduce: str = "sum",
         mesh_axes: tuple[str, ...] = (),
+        tp_specs: Sequence[tuple[Key, PartitionSpec]] = (),
     ):
         # No validation here: pytree transformations rebuild states with arbitrary leaves.
         object.__setattr__(self, "_keys", keys)  # sorted, all int or all str
@@ -276,6 +306,8 @@ class KVState:
         object.__setattr__(self, "reduce", reduce)  # how pushed values combine: 'sum', 'mean'
         # On a user's mesh of several axes, the axes values are summed (and sharded) along.
         object.__setattr__(self, "mesh_axes", tuple(mesh_axes))
+        object.__setattr__(self, "tp_specs", tuple(tp_specs))
+        object.__setattr__(self, "_tp", None)  # tp_specs as a dict, on first use
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("KVState is immutable: operations return a new state")
@@ -328,12 +360,13 @@ class KVState:
             self.trees,
             self.reduce,
             self.mesh_axes,
+            self.tp_specs,
         )
 
     @classmethod
     def tree_unflatten(cls, aux: _Aux, children: Sequence[Sequence[Any]]) -> KVState:
         keys, devices, bound, compression, shapes, groups, mesh, policy, flat, packings = aux[:10]
-        trees, reduce, mesh_axes = aux[10:]
+        trees, reduce, mesh_axes, tp_specs = aux[10:]
         values, opt_states, residuals = children
         return cls(
             keys,
@@ -352,6 +385,7 @@ class KVState:
             trees,
             reduce,
             mesh_axes,
+            tp_specs,
         )
 
     # -- the flat layout -------------------------------------------------------------------
@@ -433,6 +467,87 @@ class KVState:
         """Whether the store lives on a user's mesh of several axes."""
         mesh = self.user_mesh
         return mesh is not None and len(mesh.axis_names) > 1
+
+    def tp_spec(self, key: Key) -> PartitionSpec | None:
+        """``key``'s own sharding along other axes than the store's (its tensor-parallel
+        split, kept from the value given to ``init``), or ``None``."""
+        if not self.tp_specs:
+            return None
+        tp = self._tp
+        if tp is None:
+            tp = dict(self.tp_specs)
+            object.__setattr__(self, "_tp", tp)
+        return tp.get(key)
+
+    def local_shape(self, key: Key) -> tuple[int, ...]:
+        """The shape of ``key``'s value on one device of the axes it is split along by its own
+        sharding (inside ``shard_map`` over the whole mesh, before the store's axis splits it):
+        its whole shape where it has none."""
+        shape = self.key_shapes[self.index(key)]
+        spec = self.tp_spec(key)
+        return shape if spec is None else split_shape(self.mesh, spec, shape)
+
+    def key_spec(self, key: Key, axis: Any = None) -> PartitionSpec:
+        """Where ``key``'s value (and each optimizer-state leaf of its shape) lives: its own
+        sharding, with the store's axis (or ``axis``) added along dimension 0 where the store
+        shards it (its value on one device of the other axes is big enough, and its rows
+        divide by the store's devices)."""
+        return self.spec_with(self.key_shapes[self.index(key)], self.tp_spec(key), axis)
+
+    def spec_with(
+        self, shape: tuple[int, ...], tp: PartitionSpec | None, axis: Any = None
+    ) -> PartitionSpec:
+        """:meth:`key_spec` of a value of ``shape`` with its own sharding ``tp``."""
+        axis = self.axis if axis is None else axis
+        local = shape if tp is None else split_shape(self.mesh, tp, shape)
+        sharded = self.is_sharded(local)
+        if tp is None:
+            return PartitionSpec(axis) if sharded else PartitionSpec()
+        if not sharded:
+            return tp
+        entries = list(tp) + [None] * (len(shape) - len(tp))
+        first = entries[0]
+        mine = (axis,) if isinstance(axis, str) else tuple(axis)
+        theirs = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+        entries[0] = (*theirs, *mine)
+        return _trimmed(entries)
+
+    def own_spec(self, key: Any, x: Any) -> PartitionSpec | None:
+        """The sharding along other axes than the store's that a value ``x`` given to ``init``
+        for ``key`` carries (a ``NamedSharding`` over the store's mesh of several axes), or
+        ``None``; refused where it does not divide the value."""
+        sharding = getattr(x, "sharding", None)
+        if not self.multi_axis or not isinstance(sharding, NamedSharding):
+            return None
+        if sharding.mesh.shape != self.mesh.shape or tuple(sharding.mesh.axis_names) != tuple(
+            self.mesh.axis_names
+        ):
+            return None
+        mine = set(self.mesh_axes)
+        entries: list[Any] = []
+        for entry in sharding.spec:
+            names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            kept = tuple(a for a in names if a not in mine)
+            entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+        if all(e is None for e in entries):
+            return None
+        spec = _trimmed(entries)
+        shape = tuple(x.shape)
+        for d, entry in enumerate(entries):
+            if entry is not None:
+                n = _axes_size(self.mesh, (entry,) if isinstance(entry, str) else tuple(entry))
+                if shape[d] % n:
+                    raise KVStoreError(
+                        f"key {key!r}: its sharding {spec} splits dimension {d} of shape "
+                        f"{shape} over {n} devices, expected a size that divides"
+                    )
+        return spec
+
+    def sharding_of(self, key: Key) -> NamedSharding:
+        """:meth:`key_spec` over the store's mesh."""
+        if self.tp_spec(key) is None:
+            return self.sharding_for(self.key_shapes[self.index(key)])
+        return NamedSharding(self.mesh, self.key_spec(key))
 
     @property
     def shards(self) -> int:
@@ -560,6 +675,7 @@ class KVState:
         compression: Any = _KEEP,
         defer: bool = False,
         trees: Sequence[tuple[str, ...]] = (),
+        tp_specs: Mapping[Key, PartitionSpec] | None = None,
     ) -> KVState:
         """A new state with some keys' leaves replaced or added (and maybe the compression).
 
@@ -574,7 +690,8 @@ class KVState:
         it): keys added one at a time, each read at once (MXNet's ``init`` then ``pull``),
         cost no computation over the other keys.
 
-        ``trees``: the paths of trees given to ``init`` with these values, added to the state's.
+        ``trees``: the paths of trees given to ``init`` with these values, added to the state's;
+        ``tp_specs``: the new keys' own shardings along other axes than the store's.
         """
         values = dict(values or {})
         compression = self._compression if compression is _KEEP else compression
@@ -649,6 +766,7 @@ class KVState:
             self.trees + tuple(trees),
             self.reduce,
             self.mesh_axes,
+            tuple(sorted({**dict(self.tp_specs), **(tp_specs or {})}.items(), key=_by_key)),
         )
         # Placed where the store keeps each leaf: a split bucket and its moments sharded, and
         # values laid out anew (from a flat layout to one array per key, say, when compression

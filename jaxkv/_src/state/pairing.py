@@ -93,6 +93,8 @@ def group(
         else:
             i = state.index(key)
             stored, whole = _fl.stored_type(state, i), state.key_shapes[i]
+            if state.tp_spec(key) is not None and tuple(stored.shape) != whole:
+                whole = state.local_shape(key)  # in shard_map over the axes of its own split
         arrays = []
         for n, v in enumerate(vs):
             x = as_array(v)

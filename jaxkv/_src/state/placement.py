@@ -23,10 +23,12 @@ from jaxkv._src.state.pairing import is_traced
 __all__ = [
     "copies",
     "for_outs",
-    "put",
     "host_copy",
     "host_empty",
+    "keyed_shardings",
     "place",
+    "place_keyed",
+    "put",
     "replicate",
     "replicated_copies",
     "stacked",
@@ -129,6 +131,36 @@ def place(state: KVState, tree: Any) -> Any:
     return jax.tree_util.tree_map(
         lambda x: jax.lax.with_sharding_constraint(x, state.sharding_for(x.shape)), tree
     )
+
+
+Keyed = tuple[tuple[Key, tuple[int, ...], NamedSharding], ...]
+
+
+def keyed_shardings(state: KVState, keys: Sequence[Key]) -> Keyed:
+    """For the keys of ``keys`` that have their own sharding along other axes (tensor
+    parallelism): each key, its shape and where its value lives (hashable: a cache key)."""
+    return tuple(
+        (k, state.key_shapes[state.index(k)], state.sharding_of(k))
+        for k in keys
+        if state.tp_spec(k) is not None
+    )
+
+
+def place_keyed(state: KVState, tree: Any, keyed: Keyed) -> Any:
+    """:func:`place`, where a leaf of a key's shape below that key in ``tree`` (an optax
+    state's ``{key: leaf}``) lives as that key's value does (``keyed``)."""
+    if not keyed:
+        return place(state, tree)
+    where = {k: (shape, sharding) for k, shape, sharding in keyed}
+
+    def one(path: Any, x: Any) -> Any:
+        for entry in reversed(path):
+            k = getattr(entry, "key", None)
+            if isinstance(k, int | str) and k in where and tuple(x.shape) == where[k][0]:
+                return jax.lax.with_sharding_constraint(x, where[k][1])
+        return jax.lax.with_sharding_constraint(x, state.sharding_for(x.shape))
+
+    return jax.tree_util.tree_map_with_path(one, tree)
 
 
 @functools.lru_cache(maxsize=256)
