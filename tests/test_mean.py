@@ -109,7 +109,7 @@ def _grads_in_shard_map(mesh, reduce_on_store, tx):
     push_kw = {} if reduce_on_store else {"reduce": "mean"}
 
     def step(state, x):
-        b = jaxkv.pull(state, "b")
+        b = jaxkv.pull(state, "b", axis_name="data")  # (a block under JAXKV_LAYOUT=flat)
         gb = jax.grad(lambda b: jnp.sum(b * jnp.sum(x)))(b)  # invariant in 'data': summed
         gw = jnp.full((64, 512), jnp.sum(x))  # varying
         return jaxkv.push(state, ["w", "b"], [gw, gb], updater=tx, axis_name="data", **push_kw)

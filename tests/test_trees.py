@@ -154,7 +154,8 @@ def test_a_shard_map_step_on_a_tree_compiles_once_and_matches_optax(cpus, compil
     # Big leaves are sharded: the specs of a tree say so.
     leaf_specs = jaxkv.specs(state, "data", _params())
     assert leaf_specs["params"]["Dense_0"]["kernel"] == P("data")
-    assert leaf_specs["params"]["Dense_1"]["bias"] == P()
+    if state.flat_layout is None:  # (JAXKV_LAYOUT=flat splits a bucket of the small ones)
+        assert leaf_specs["params"]["Dense_1"]["bias"] == P()
 
     def step(state, x):
         params = jaxkv.pull(state, _params(), axis_name="data")  # whole values
