@@ -58,7 +58,7 @@ test-layouts: $(STAMP)
 FLAT_TESTS := tests/test_stateful.py tests/test_in_trace.py tests/test_in_trace_mixed.py \
 	tests/test_training.py tests/test_block_updaters.py tests/test_checkpoint.py \
 	tests/test_checkpoint_dist.py tests/test_mxnet_unittests.py tests/test_seeds.py \
-	tests/test_sharded.py tests/test_mxnet_sparse_unittests.py
+	tests/test_sharded.py tests/test_mxnet_sparse_unittests.py tests/test_trees.py tests/test_mean.py
 
 # The suite with the oldest JAX pyproject.toml claims: its "jax>=X.Y[.Z]" floor, pinned as
 # jax==X.Y[.Z].* (and jaxlib; "0.8.1" pins jax==0.8.1.*), in a venv of its own.
