@@ -1,0 +1,90 @@
+"""``notebooks/flax_mesh.ipynb`` runs top to bottom in a fresh kernel: a flax MLP on a 2 x 4 mesh
+through jaxkv equals one-device optax, its step compiles once, and it draws the loss curves.
+flax is the ``examples`` extra."""
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+from _jobs import cpu_env
+from test_notebook import _kernel_manager, _text
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("flax", reason="flax (the examples extra) is not installed")
+pytest.importorskip("matplotlib", reason="matplotlib (the examples extra) is not installed")
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK = ROOT / "notebooks" / "flax_mesh.ipynb"
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """The notebook after running every cell (cwd = the repository root, on CPU devices), and
+    the seconds it took."""
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    km = _kernel_manager(tmp_path_factory.mktemp("kernelspec"))
+    client = nbclient.NotebookClient(
+        nb, km=km, timeout=300, resources={"metadata": {"path": str(ROOT)}}
+    )
+    start = time.perf_counter()
+    client.execute(cleanup_kc=True, env=cpu_env(MPLBACKEND="Agg"))  # headless: no display
+    return nb, time.perf_counter() - start
+
+
+def test_saved_without_outputs_and_devices_set_first():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code)
+    first = nb.cells[0]
+    assert first.cell_type == "code"
+    assert 'jax.config.update("jax_num_cpu_devices", 8)' in first.source
+    assert "jaxkv" not in first.source
+
+
+def test_the_store_and_its_specs(executed):
+    nb, _ = executed
+    assert "8 devices" in _text(nb, "imports")
+    assert "{'data': 2, 'model': 4}" in _text(nb, "store")
+    specs = _text(nb, "specs")
+    assert "params/hidden_1/kernel   P('data',)" in specs
+    assert "params/hidden_0/kernel   P()" in specs
+    assert "(128, 128) -> per device (64, 128)" in specs
+
+
+def test_the_loss_falls_and_the_step_compiles_once(executed):
+    nb, _ = executed
+    text = _text(nb, "train-loop")
+    losses = [float(v) for v in re.findall(r"^step +\d+ +loss (\S+)$", text, re.M)]
+    assert len(losses) >= 5, text
+    assert losses[-1] < losses[0] / 10, text
+    assert "compilations of the step: 1 at the first call, 0 after" in text
+
+
+def test_the_params_equal_one_device_optax(executed):
+    nb, _ = executed
+    found = re.search(r"from one-device optax: (\S+)", _text(nb, "train-check"))
+    assert found is not None and float(found.group(1)) < 1e-5
+
+
+def test_the_loss_curves_are_drawn(executed):
+    nb, _ = executed
+    (cell,) = [c for c in nb.cells if c.get("id") == "plot"]
+    images = [o for o in cell.outputs if o.output_type == "display_data" and "image/png" in o.data]
+    assert len(images) == 1, [o.output_type for o in cell.outputs]
+    assert len(images[0].data["image/png"]) > 10_000  # a drawn figure, base64
+
+
+def test_mean_against_sum(executed):
+    nb, _ = executed
+    text = _text(nb, "mean-vs-sum")
+    ratios = dict(re.findall(r"reduce='(\w+)': pushed gradient = (\S+) x", text))
+    assert ratios.keys() == {"sum", "mean"}, text
+    assert abs(float(ratios["sum"]) - 2) < 1e-3 and abs(float(ratios["mean"]) - 1) < 1e-3
+
+
+def test_it_runs_in_under_a_minute(executed):
+    _, seconds = executed
+    assert seconds < 90, seconds  # about 10 s on 2 cores
