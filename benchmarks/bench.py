@@ -12,6 +12,9 @@ Workloads (8 simulated CPU devices):
             (and pmap): hand-written lax.psum beside jaxkv.push with a replicated and with a
             sharded store, with and without GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (each in a
             fresh process; benchmarks/injit.py says what each row does)
+  mesh      the 2-axis in-jit step of examples/flax_mesh.py (a flax MLP on a 2 x 4 mesh, data x
+            model, tensor parallel along model inside the step): jaxkv.push with axis_name beside
+            the same step with lax.pmean and optax by hand (benchmarks/mesh_step.py)
 
 Columns: jaxkv imperative (jaxkv.mx KVStore with nd outs, as in the MXNet tutorial), jaxkv
 functional (jaxkv.pushpull with per-device jax.Arrays), a naive per-key JAX loop, a
@@ -62,7 +65,7 @@ on 8 CPU devices, jaxkv (JAXKV_LAYOUT=auto and keys) beside MXNet 1.9.1 (benchma
             --gluon-keys N takes the first N keys, to try it quickly
 
 Usage: python benchmarks/bench.py [--steps 7] [--quick]
-         [--only in-jit|dist|proxy|gpu|step|rows|gluon] [--eager-steps 200] [--step-steps 200]
+         [--only in-jit|mesh|dist|proxy|gpu|step|rows|gluon] [--eager-steps 200] [--step-steps 200]
          [--gluon-scale 1] [--gluon-keys N] [--gluon-timeout 900] [--gluon-mem-gb G]
          [--gluon-dist-devices 1 [2]]
 --only proxy / --only gpu / --only step exit 1 where a hand-written or jaxkv row fails or its
@@ -90,6 +93,7 @@ import dist  # noqa: E402  (benchmarks/dist.py)
 import eager  # noqa: E402  (benchmarks/eager.py)
 import gluon  # noqa: E402  (benchmarks/gluon.py)
 import jax.numpy as jnp  # noqa: E402
+import mesh_step  # noqa: E402  (benchmarks/mesh_step.py)
 import numpy as np  # noqa: E402
 import rows as sparse_rows  # noqa: E402  (benchmarks/rows.py)
 import step  # noqa: E402  (benchmarks/step.py)
@@ -374,7 +378,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip the slow baselines")
     parser.add_argument(
         "--only",
-        choices=["in-jit", "dist", "no-fast-paths", "proxy", "gpu", "step", "rows", "gluon"],
+        choices=[
+            "in-jit",
+            "mesh",
+            "dist",
+            "no-fast-paths",
+            "proxy",
+            "gpu",
+            "step",
+            "rows",
+            "gluon",
+        ],
         help="run only this section; print it, write no report",
     )
     parser.add_argument(
@@ -441,6 +455,9 @@ def main() -> None:
         return 1 if step.failed(res) else 0
     if args.only == "in-jit":
         log("\n".join(in_jit_lines(in_jit(steps))))
+        return
+    if args.only == "mesh":
+        log("\n".join(mesh_step.lines(mesh_step.run(CompileCounter, steps, log=log))))
         return
     if args.only == "rows":
         log("\n".join(sparse_rows.report(sparse_rows.run_section(steps, MXNET_VENV, log=log))))
@@ -514,6 +531,7 @@ def main() -> None:
     slow = no_fast_paths(steps)
     log(f"  {slow}")
     jit_rows = in_jit(steps)
+    mesh_res = mesh_step.run(CompileCounter, steps, log=log)
     with cpu_children():
         dist_rows = dist.run(steps, log=log) + dist.run(steps, log=log, compression="2bit")
     rows_res = sparse_rows.run_section(steps, MXNET_VENV, log=log)
@@ -521,7 +539,9 @@ def main() -> None:
     log("[memory] peak RSS of the imperative resnet50 loop ...")
     mem = memory()
     log(f"  {mem}")
-    write_report(rows, jit_rows, bw, mem, slow, dist_rows, eager_res, step_res, rows_res, gluon_res)
+    write_report(
+        rows, jit_rows, bw, mem, slow, dist_rows, eager_res, step_res, rows_res, gluon_res, mesh_res
+    )
     return 1 if any(eager.failed(r) for r in eager_res) or step.failed(step_res) else 0
 
 
@@ -534,7 +554,7 @@ def _ratio(a, b):
 
 
 def write_report(
-    rows, jit_rows, bw, mem, slow, dist_rows, eager_res, step_res, rows_res, gluon_res
+    rows, jit_rows, bw, mem, slow, dist_rows, eager_res, step_res, rows_res, gluon_res, mesh_res
 ) -> None:
     lines = [
         "# jaxkv benchmark results",
@@ -580,6 +600,7 @@ def write_report(
         )
     lines += ["", *dist_report(dist_rows)]
     lines += ["", *in_jit_report(jit_rows)]
+    lines += ["", *mesh_step.report(mesh_res)]
     lines += [
         "",
         "| workload | path | " + " | ".join(f"round {i + 1} ms" for i in range(ROUNDS)) + " |",

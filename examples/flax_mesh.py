@@ -120,9 +120,14 @@ def make_data(seed: int = 0) -> tuple[jax.Array, jax.Array]:
     return jnp.asarray(x), jnp.asarray(y.astype(np.float32))
 
 
-def init_params(seed: int = 0):
+def init_params(seed: int = 0, hidden: int = HIDDEN):
     """The flax parameter tree of :class:`MLP` (the same for the mesh and the one device)."""
-    return MLP().init(jax.random.key(seed), jnp.zeros((1, FEATURES), jnp.float32))
+    return MLP(hidden).init(jax.random.key(seed), jnp.zeros((1, FEATURES), jnp.float32))
+
+
+def hidden_of(params) -> int:
+    """The hidden width of :class:`MLP`'s parameter tree."""
+    return params["params"]["hidden_0"]["kernel"].shape[1]
 
 
 def make_mesh(devices=None) -> Mesh:
@@ -162,9 +167,10 @@ def make_step(
 
     ``x`` and ``y`` are the whole batch, split along ``"data"`` (``P("data")``): each row of
     the mesh gets half of it, the same half on its 4 ``"model"`` devices. ``loss`` is the
-    full batch's loss before the update. The state is donated.
+    full batch's loss before the update. The state is donated. The hidden width is that of
+    ``params``.
     """
-    model = MLP(model_axis="model")
+    model = MLP(hidden_of(params), model_axis="model")
     like = jax.eval_shape(lambda: params)  # pull reads only the tree's structure
     specs = jaxkv.specs(state, "data")  # where the store keeps each of its arrays
 
