@@ -551,7 +551,8 @@ class KVState:
 
     @property
     def shards(self) -> int:
-        """How many blocks a sharded value is split into: the devices along :attr:`axis`."""
+        """The number of blocks a sharded value is split into (the devices along
+        :attr:`axis`)."""
         if not self.multi_axis:
             return len(self._devices)
         return _axes_size(self.mesh, self.mesh_axes)
