@@ -23,7 +23,7 @@ from jaxkv._src.core.compression import compress, exchange, layout_compressed, o
 from jaxkv._src.core.on_blocks import UPDATER
 from jaxkv._src.core.on_buckets import update_bucket
 from jaxkv._src.core.reduce import divide
-from jaxkv._src.core.updater import apply_updater
+from jaxkv._src.core.updater import apply_updater, init_state
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import single_device
 from jaxkv._src.processes import order as collective_order
@@ -97,7 +97,7 @@ def _opt_initialiser(
 ) -> Callable:
     # Its placement rules (and the keys with their own sharding: their leaves placed so).
     layout = KVState((), devices, (), (), bound, (), None, (), (), mesh, mesh_axes=axes)
-    return jax.jit(lambda tree: place_keyed(layout, optimizer.init(tree), keyed))
+    return jax.jit(lambda tree: place_keyed(layout, init_state(optimizer, tree), keyed))
 
 
 def _layout(

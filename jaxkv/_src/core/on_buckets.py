@@ -120,8 +120,11 @@ def update_bucket(
     with jax.named_scope(UPDATER):
         params = {_BUCKET: leaf}
         opt_state = jax.tree_util.tree_unflatten(treedef, list(packed))
-        updates, opt_state = updater.update({_BUCKET: summed}, opt_state, params)
-        new = optax.apply_updates(params, updates)[_BUCKET].astype(dtype)
+        try:
+            updates, opt_state = updater.update({_BUCKET: summed}, opt_state, params)
+            new = optax.apply_updates(params, updates)[_BUCKET].astype(dtype)
+        except Exception:  # an update that reads the tree's keys: per key, where an error of
+            return None  # its own is raised again, as a KVStoreError (``updater.py``)
     return _fl.with_leaves(state, {b: new}, {n: tuple(jax.tree_util.tree_leaves(opt_state))})
 
 

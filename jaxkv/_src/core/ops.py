@@ -32,7 +32,13 @@ from jaxkv._src.core.compression import residual_zeros
 from jaxkv._src.core.eager import init_opt_states, push_eager, push_eager_flat
 from jaxkv._src.core.traced import gather as gather_blocks
 from jaxkv._src.core.traced import is_block, push_in_trace
-from jaxkv._src.core.updater import Updater, optimizer_group
+from jaxkv._src.core.updater import (
+    Updater,
+    as_transformation,
+    as_updater,
+    init_state,
+    optimizer_group,
+)
 from jaxkv._src.errors import DuplicateKeyError, KeyTypeError, KVStoreError, ShapeError
 from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.kvstate import Key, KVState, check_compressible, key_kind, spans_processes
@@ -191,7 +197,9 @@ def push(
       keys: a key, a list of keys, a mapping ``{key: value}``, or a tree of arrays with the
         structure of a tree given to :func:`init` (then omit ``values``).
       values: per key, an array or a list of per-device arrays.
-      updater: an :class:`Updater` or an ``optax.GradientTransformation``; ``None`` assigns.
+      updater: an :class:`Updater` or an ``optax.GradientTransformation`` (or an optax
+        wrapper with a ``gradient_transformation()`` method, ``optax.MultiSteps``: its
+        transformation); ``None`` assigns.
       axis_name: inside ``pmap``/``shard_map``, the mapped axis (or axes) to sum over. Values
         that JAX has already made invariant along it (``shard_map``) are not summed again.
       donate: let the computation reuse the buffers of ``state`` (which then becomes invalid).
@@ -218,6 +226,7 @@ def push(
       >>> jaxkv.pull(s, "w").tolist()
       [2.0, 2.0]
     """
+    updater = as_updater(updater)  # an optax wrapper (MultiSteps): its transformation
     state = state.settled()  # keys added one at a time are laid out now, once
     reduce = _reduce.effective(state, reduce)
     tree = _trees.split(keys) if values is MISSING else None
@@ -390,7 +399,9 @@ def init_optimizer(state: KVState, optimizer: Any, keys: Any = None) -> KVState:
     ``keys`` are replaced.
 
     Raises:
-      KVStoreError: ``optimizer`` is not an optax transformation, or a key already belongs to
+      KVStoreError: ``optimizer`` is not an optax transformation (nor a wrapper of one with
+        a ``gradient_transformation()`` method, ``optax.MultiSteps``), its ``init`` raised
+        (the original as the ``__cause__``), or a key already belongs to
         a group that reaches beyond ``keys``.
 
     Examples:
@@ -400,11 +411,7 @@ def init_optimizer(state: KVState, optimizer: Any, keys: Any = None) -> KVState:
       >>> list(s.opt_states)
       [('a', 'b')]
     """
-    if not isinstance(optimizer, optax.GradientTransformation):
-        raise KVStoreError(
-            "init_optimizer: expected an optax.GradientTransformation such as optax.adam(1e-3), "
-            f"given {type(optimizer).__name__}"
-        )
+    optimizer = as_transformation(optimizer, "init_optimizer")
     if keys is None:
         keys = state.keys()
     tree = _trees.structure(keys)
@@ -428,7 +435,7 @@ def init_optimizer(state: KVState, optimizer: Any, keys: Any = None) -> KVState:
                 "device's blocks (inside shard_map); call jaxkv.init_optimizer before the step"
             )
         whole = dict(zip(keys, values))
-        return state.replace(opt_states={tuple(keys): optimizer.init(whole)})
+        return state.replace(opt_states={tuple(keys): init_state(optimizer, whole)})
     return init_opt_states(state, optimizer, keys)
 
 

@@ -1,10 +1,15 @@
 """Running an updater: an optax transformation over one optimizer group as one tree, or an
 MXNet-style ``updater(key, pushed, stored)`` key by key; the one piece of code the eager push
-(``_push.py``) and the push inside the user's trace (``_trace.py``) share."""
+(``eager.py``) and the push inside the user's trace (``traced.py``) share. Also what is taken
+as an updater (an optax wrapper such as ``optax.MultiSteps`` as its transformation), and an
+updater's own errors, traced or run, as ``KVStoreError``s naming the keys and the updater."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import collections
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -18,9 +23,13 @@ __all__ = [
     "Updater",
     "apply_updater",
     "apply_updates",
+    "as_transformation",
+    "as_updater",
+    "init_state",
     "is_pure_updater",
     "optimizer_group",
     "pure_updater",
+    "updater_errors",
     "updater_name",
 ]
 
@@ -64,9 +73,149 @@ def is_pure_updater(updater: Any) -> bool:
     return bool(getattr(updater, _PURE, False))
 
 
+def _qualname(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
 def updater_name(updater: Any) -> str:
-    """How a message names ``updater``: its qualified name, else its type's."""
-    return getattr(updater, "__qualname__", None) or type(updater).__name__
+    """How a message names ``updater``: its qualified name, else its type's; an optax
+    transformation by its type and the qualified names of its ``init`` and ``update``
+    (``optax.GradientTransformation(init=MultiSteps.init, update=MultiSteps.update)``)."""
+    if isinstance(updater, optax.GradientTransformation):
+        kind = type(updater).__name__
+        return f"optax.{kind}(init={_qualname(updater.init)}, update={_qualname(updater.update)})"
+    return _qualname(updater)
+
+
+def _given(thing: Any) -> str:
+    """``thing`` as a message names what was given: its type, then its qualified name (a
+    function, a class) or its repr, cut short (``int 3``, ``function <lambda>``)."""
+    shown = getattr(thing, "__qualname__", None) or repr(thing)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return f"{type(thing).__name__} {shown}"
+
+
+# The transformations of wrappers (``optax.MultiSteps``): the same object for the same wrapper,
+# so that its pushes find their compiled computations and optimizer states again. The wrapper
+# is held beside its transformation, so its id is not reused while it is here.
+_WRAPPED: collections.OrderedDict[int, tuple[Any, optax.GradientTransformation]] = (
+    collections.OrderedDict()
+)
+_WRAPPED_MAX = 64
+_WRAPPED_LOCK = threading.Lock()
+
+
+def _transformation_of(wrapper: Any, what: str) -> optax.GradientTransformation | None:
+    """``wrapper.gradient_transformation()`` (optax's ``MultiSteps`` and the like), the same
+    object for the same wrapper while it is among the last 64; ``None`` if ``wrapper`` has
+    no such method."""
+    make = getattr(wrapper, "gradient_transformation", None)
+    if not callable(make):
+        return None
+    with _WRAPPED_LOCK:
+        known = _WRAPPED.get(id(wrapper))  # (held there: the id is this wrapper's)
+        if known is not None:
+            _WRAPPED.move_to_end(id(wrapper))
+            return known[1]
+    try:
+        tx = make()
+    except Exception as e:
+        raise KVStoreError(
+            f"{what} {_given(wrapper)}: gradient_transformation() raised {type(e).__name__}: {e}"
+        ) from e
+    if not isinstance(tx, optax.GradientTransformation):
+        raise KVStoreError(
+            f"{what} {_given(wrapper)}: gradient_transformation() gave {type(tx).__name__}, "
+            "expected an optax.GradientTransformation"
+        )
+    with _WRAPPED_LOCK:  # (another thread's, made meanwhile, stays the one)
+        known = _WRAPPED.setdefault(id(wrapper), (wrapper, tx))
+        _WRAPPED.move_to_end(id(wrapper))
+        while len(_WRAPPED) > _WRAPPED_MAX:
+            _WRAPPED.popitem(last=False)
+    return known[1]
+
+
+_UPDATERS = (
+    "None (assign), a callable updater(key, pushed, stored), an optax "
+    "GradientTransformation such as optax.sgd(0.1), or an object with a "
+    "gradient_transformation() method such as optax.MultiSteps"
+)
+
+
+def as_updater(updater: Any, what: str = "updater") -> Any:
+    """``updater`` as a push runs it: ``None``, an optax transformation or a callable as it
+    is, and for an optax wrapper that is not a transformation itself (``optax.MultiSteps``)
+    the transformation its ``gradient_transformation()`` gives (the same object each time for
+    the same wrapper, so its pushes compile once).
+
+    Raises:
+      KVStoreError: anything else, naming it and what is accepted (``what`` says which
+        argument was given it).
+    """
+    if updater is None or isinstance(updater, optax.GradientTransformation):
+        return updater
+    tx = _transformation_of(updater, what)
+    if tx is not None:
+        return tx
+    if callable(updater):
+        return updater
+    raise KVStoreError(f"{what}: expected {_UPDATERS}, given {_given(updater)}")
+
+
+def as_transformation(
+    optimizer: Any, what: str, example: str = "optax.adam(1e-3)", also: str = ""
+) -> optax.GradientTransformation:
+    """``optimizer`` as an optax transformation: itself, or what the ``gradient_transformation()``
+    of a wrapper (``optax.MultiSteps``) gives, as in :func:`as_updater`.
+
+    Raises:
+      KVStoreError: anything else, naming it and what is accepted: ``what`` is the call
+        refusing it, ``example`` a transformation to name, ``also`` what else the call takes.
+    """
+    if isinstance(optimizer, optax.GradientTransformation):
+        return optimizer
+    tx = _transformation_of(optimizer, what)
+    if tx is not None:
+        return tx
+    raise KVStoreError(
+        f"{what}: expected an optax.GradientTransformation such as {example}, "
+        f"{also}or an object with a gradient_transformation() method such as "
+        f"optax.MultiSteps, given {_given(optimizer)}"
+    )
+
+
+def _keys_named(keys: Sequence[Key], group: bool) -> str:
+    if len(keys) == 1 and not group:
+        return f"key {keys[0]!r}"
+    return f"keys {_group_names(keys)}"
+
+
+@contextlib.contextmanager
+def updater_errors(updater: Any, keys: Sequence[Key], group: bool | None = None) -> Iterator[None]:
+    """Any exception that ``updater`` raises inside (traced or run: a Python updater, an
+    optax transformation's ``init`` or ``update``) becomes a ``KVStoreError`` naming ``keys``
+    and the updater, the original as its ``__cause__``; jaxkv's own ``KVStoreError`` passes
+    as it is. ``group``: name the keys as an optimizer group (default: for optax)."""
+    try:
+        yield
+    except KVStoreError:
+        raise
+    except Exception as e:
+        optax_updater = isinstance(updater, optax.GradientTransformation)
+        names = _keys_named(list(keys), optax_updater if group is None else group)
+        kind = "optimizer" if optax_updater else "updater"
+        raise KVStoreError(
+            f"{names}: the {kind} {updater_name(updater)} raised {type(e).__name__}: {e}"
+        ) from e
+
+
+def init_state(optimizer: Any, params: dict) -> Any:
+    """``optimizer.init(params)``, an exception it raises a ``KVStoreError`` naming the keys
+    of ``params`` and the optimizer (:func:`updater_errors`)."""
+    with updater_errors(optimizer, list(params), group=True):
+        return optimizer.init(params)
 
 
 class Updater(Protocol):
@@ -159,51 +308,44 @@ def apply_updater(
     ``optax.update`` + ``optax.apply_updates`` would, ``extra_args`` passed to its ``update``
     as keyword arguments (optax's ``GradientTransformationExtraArgs``); any other updater runs
     key by key.
+
+    Raises:
+      ShapeError: the updater gave a key a value of another shape than the stored one.
+      KVStoreError: the updater returned ``None`` or raised (traced or run), naming the keys
+        and the updater, the original exception as its ``__cause__``.
     """
     if updater is None:
         new = list(pushed)
     elif isinstance(updater, optax.GradientTransformation):
         params = dict(zip(keys, stored))
-        try:
+        with updater_errors(updater, keys):
             if opt_state is None:
                 opt_state = updater.init(params)
             updates, opt_state = updater.update(
                 dict(zip(keys, pushed)), opt_state, params, **(extra_args or {})
             )
-        except KVStoreError:
-            raise
-        except Exception as e:
-            raise KVStoreError(
-                f"keys {_group_names(keys)}: the optimizer raised {type(e).__name__}: {e}"
-            ) from e
-        result = apply_updates(params, updates)
+            result = apply_updates(params, updates)  # updates of a shape that does not add
         new = [result[k] for k in keys]
     else:
         new = []
         for key, p, s in zip(keys, pushed, stored):
-            try:
+            with updater_errors(updater, [key]):
                 value = updater(key, p, s)
-            except KVStoreError:
-                raise
-            except Exception as e:
-                name = updater_name(updater)
-                raise KVStoreError(
-                    f"key {key!r}: the updater {name} raised {type(e).__name__}: {e}"
-                ) from e
             if value is None:
                 raise KVStoreError(
-                    f"key {key!r}: the updater returned None, expected the new stored value. "
-                    "MXNet-style in-place updaters (stored += ...) work through jaxkv.KVStore; "
-                    "a functional updater must return the new value"
+                    f"key {key!r}: the updater {updater_name(updater)} returned None, expected "
+                    "the new stored value. MXNet-style in-place updaters (stored += ...) work "
+                    "through jaxkv.KVStore; a functional updater must return the new value"
                 )
             new.append(value)
     out = []
     for key, value, s in zip(keys, new, stored):
-        value = as_array(value)
+        with updater_errors(updater, [key]):  # a result that is no array
+            value = as_array(value)
         if tuple(value.shape) != tuple(s.shape):
             raise ShapeError(
                 f"key {key!r}: the updater returned shape {tuple(value.shape)}, expected the "
-                f"stored shape {tuple(s.shape)}"
+                f"stored shape {tuple(s.shape)} (the updater: {updater_name(updater)})"
             )
         out.append(value.astype(s.dtype))
     return out, opt_state

@@ -27,7 +27,13 @@ from jaxkv._src.core import compression as _compression
 from jaxkv._src.core import ops as _ops
 from jaxkv._src.core import plans as _dispatch
 from jaxkv._src.core.eager import KEEP_VALUES, check_laid_out
-from jaxkv._src.core.updater import is_pure_updater, optimizer_group, updater_name
+from jaxkv._src.core.updater import (
+    as_transformation,
+    as_updater,
+    is_pure_updater,
+    optimizer_group,
+    updater_name,
+)
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.mxnet import held as _queue
 from jaxkv._src.mxnet import kvstore_rows as _kvsparse
@@ -576,11 +582,15 @@ class KVStore:
         MXNet. A function marked with :func:`jaxkv.pure_updater` (it computes only from its
         arguments) is traced instead: compiled once, with the pushes held and run together
         like those of an optimizer. An exception raised in either is a ``KVStoreError``
-        naming the key, the original as its ``__cause__``.
+        naming the key and the updater, the original as its ``__cause__``, and the push
+        changes nothing. An optax transformation, or a wrapper with a
+        ``gradient_transformation()`` method (``optax.MultiSteps``), is taken as
+        :meth:`set_optimizer` takes it; anything else that is not callable is refused.
         """
         if isinstance(updater, MXNetUpdater):  # mx.optimizer.get_updater(opt): MXNet's way
             self.set_optimizer(updater.optimizer)  # of setting opt on a local store
             return
+        updater = as_updater(updater, "set_updater")  # optax.MultiSteps: its transformation
         with self._lock:
             if self._held is not None:
                 self.run_held()
@@ -614,18 +624,19 @@ class KVStore:
         As in the functional core, the keys of one push are updated as one tree (one optimizer
         group, made by the first push of those keys): code that pushes key by key gets one
         state per key, which is MXNet's semantics; code that pushes a list of keys gets
-        ``optax.update`` on that list. A push of part of a group is refused.
+        ``optax.update`` on that list. A push of part of a group is refused. An optax wrapper
+        that is not a transformation itself but has a ``gradient_transformation()`` method
+        (``optax.MultiSteps``) is taken as the transformation it gives. An exception the
+        optimizer raises is a ``KVStoreError`` naming the keys and the optimizer, the original
+        as its ``__cause__``, and the push changes nothing.
         """
         mxnet = None
         if isinstance(optimizer, MXNetOptimizer):  # mx.optimizer.SGD / Adam, on optax
             mxnet = optimizer
             optimizer = mxnet.transformation()
-        if not isinstance(optimizer, optax.GradientTransformation):
-            raise KVStoreError(
-                "set_optimizer: expected an optax.GradientTransformation such as "
-                "optax.sgd(0.1), or mx.optimizer.SGD / Adam, given "
-                f"{type(optimizer).__name__}"
-            )
+        optimizer = as_transformation(  # optax.MultiSteps: its transformation
+            optimizer, "set_optimizer", "optax.sgd(0.1)", "mx.optimizer.SGD / Adam, "
+        )
         with self._lock:
             if self._held is not None:
                 self.run_held()

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import optax
 
+from jaxkv._src.core.updater import init_state
 from jaxkv._src.state.kvstate import Key, KVState
 
 __all__ = ["PerKeyState", "alone", "holds_per_key", "per_key", "regroup"]
@@ -81,6 +82,9 @@ def per_key(inner: optax.GradientTransformation) -> optax.GradientTransformation
             updates[k] = u[k]
         return updates, PerKeyState(states)
 
+    # Messages name it by inner's functions: per_key(chain.<locals>.update_fn).
+    for fn, of in ((init, inner.init), (update, inner.update)):
+        fn.__qualname__ = f"per_key({getattr(of, '__qualname__', None) or type(of).__name__})"
     return optax.GradientTransformationExtraArgs(init, update)
 
 
@@ -137,7 +141,7 @@ def _joined(states: dict[Key, Any]) -> Any:
 @functools.lru_cache(maxsize=64)
 def _fresh(inner: optax.GradientTransformation, keys: tuple[Key, ...]) -> Any:
     """One computation making ``inner``'s fresh state for each of ``keys`` alone."""
-    return jax.jit(lambda values: {k: inner.init({k: values[k]}) for k in keys})
+    return jax.jit(lambda values: {k: init_state(inner, {k: values[k]}) for k in keys})
 
 
 def kept_per_key(state: KVState) -> list[tuple[Key, ...]]:

@@ -137,12 +137,14 @@ def test_a_result_of_any_other_shape_is_refused_even_of_the_same_size(returned):
             lambda k, p, s: jnp.zeros(returned), ["w"], [jnp.ones(3)], [jnp.ones(3)], None
         )
     assert str(err.value) == (
-        f"key 'w': the updater returned shape {returned}, expected the stored shape (3,)"
+        f"key 'w': the updater returned shape {returned}, expected the stored shape (3,) "
+        "(the updater: test_a_result_of_any_other_shape_is_refused_even_of_the_same_size."
+        "<locals>.<lambda>)"
     )
 
 
 def test_an_updater_returning_none_is_refused_naming_the_key():
-    with pytest.raises(jaxkv.KVStoreError, match=r"key 'w': the updater returned None"):
+    with pytest.raises(jaxkv.KVStoreError, match=r"key 'w': the updater .*<lambda> returned None"):
         updater.apply_updater(lambda k, p, s: None, ["w"], [jnp.ones(1)], [jnp.ones(1)], None)
 
 
@@ -176,10 +178,138 @@ def test_an_optax_updater_updates_the_keys_as_one_tree():
     assert state is not None  # made by init, as optax.update would need
 
 
-def test_an_optax_updaters_error_is_wrapped_naming_the_keys():
+def _empty_init(params):
+    return ()
+
+
+def test_an_optax_updaters_error_is_wrapped_naming_the_keys_and_the_optimizer():
     def update(updates, state, params):
         raise RuntimeError("bad step")
 
-    opt = optax.GradientTransformation(lambda params: (), update)
-    with pytest.raises(jaxkv.KVStoreError, match=r"keys \['a', 'b'\]: the optimizer raised"):
+    opt = optax.GradientTransformation(_empty_init, update)
+    with pytest.raises(jaxkv.KVStoreError) as err:
         updater.apply_updater(opt, ["a", "b"], [jnp.ones(1)] * 2, [jnp.ones(1)] * 2, None)
+    assert str(err.value) == (
+        "keys ['a', 'b']: the optimizer optax.GradientTransformation(init=_empty_init, "
+        "update=test_an_optax_updaters_error_is_wrapped_naming_the_keys_and_the_optimizer."
+        "<locals>.update) raised RuntimeError: bad step"
+    )
+    assert isinstance(err.value.__cause__, RuntimeError)
+
+
+def test_updates_that_do_not_add_to_the_values_are_wrapped_with_their_error():
+    # optax.apply_updates of a (5, 7) update onto a (3,) value: jnp refuses to broadcast.
+    opt = optax.GradientTransformation(_empty_init, lambda u, s, p: ({"w": jnp.ones((5, 7))}, s))
+    with pytest.raises(jaxkv.KVStoreError, match=r"keys \['w'\]: the optimizer .* raised") as err:
+        updater.apply_updater(opt, ["w"], [jnp.ones(3)], [jnp.ones(3)], None)
+    assert isinstance(err.value.__cause__, ValueError)
+
+
+def test_an_optax_init_error_is_wrapped_naming_the_group():
+    def init(params):
+        raise ValueError("no state for these")
+
+    opt = optax.GradientTransformation(init, optax.identity().update)
+    with pytest.raises(jaxkv.KVStoreError, match=r"keys \['a'\]: the optimizer .*<locals>\.init, "):
+        updater.apply_updater(opt, ["a"], [jnp.ones(1)], [jnp.ones(1)], None)
+    with pytest.raises(jaxkv.KVStoreError, match=r"keys \['a'\]: .* raised ValueError: no state"):
+        updater.init_state(opt, {"a": jnp.ones(1)})
+    assert updater.init_state(optax.sgd(0.1), {"a": jnp.ones(1)}) == optax.sgd(0.1).init(
+        {"a": jnp.ones(1)}
+    )
+
+
+def test_updater_errors_name_one_key_or_a_group_and_let_jaxkvs_own_errors_pass():
+    def broken(key, pushed, stored):
+        raise AssertionError("no")
+
+    one = pytest.raises(jaxkv.KVStoreError, match=r"^key 'w': the updater .*broken raised")
+    with one, updater.updater_errors(broken, ["w"]):
+        broken("w", 1, 2)
+    group = pytest.raises(jaxkv.KVStoreError, match=r"^keys \['w'\]: the updater .*broken raised")
+    with group, updater.updater_errors(broken, ["w"], group=True):
+        broken("w", 1, 2)
+    mine = jaxkv.UnknownKeyError("key 'x': mine")
+    with pytest.raises(jaxkv.UnknownKeyError) as err, updater.updater_errors(broken, ["w"]):
+        raise mine
+    assert err.value is mine
+    # not an Exception: not the updater's error
+    with pytest.raises(KeyboardInterrupt), updater.updater_errors(broken, ["w"]):
+        raise KeyboardInterrupt
+
+
+def test_an_optax_transformation_is_named_by_its_type_and_functions():
+    tx = optax.MultiSteps(optax.sgd(0.1), 2).gradient_transformation()
+    assert updater.updater_name(tx) == (
+        "optax.GradientTransformation(init=MultiSteps.init, update=MultiSteps.update)"
+    )
+    assert updater.updater_name(optax.sgd(0.1)) == (
+        "optax.GradientTransformationExtraArgs(init=chain.<locals>.init_fn, "
+        "update=chain.<locals>.update_fn)"
+    )
+
+
+# -- what is taken as an updater -------------------------------------------------------------
+class _Wrapper:
+    """An optax wrapper as MultiSteps is: not a transformation, but it gives one."""
+
+    def __init__(self):
+        self.made = 0
+
+    def gradient_transformation(self):
+        self.made += 1
+        return optax.sgd(0.5)
+
+
+def test_none_a_transformation_and_a_callable_are_taken_as_they_are():
+    tx = optax.adam(0.1)
+
+    def f(key, pushed, stored):
+        return stored
+
+    assert updater.as_updater(None) is None
+    assert updater.as_updater(tx) is tx
+    assert updater.as_updater(f) is f
+    assert updater.as_transformation(tx, "init_optimizer") is tx
+
+
+def test_a_wrapper_gives_its_transformation_the_same_object_each_time():
+    wrapper = _Wrapper()
+    tx = updater.as_updater(wrapper)
+    assert isinstance(tx, optax.GradientTransformation)
+    assert updater.as_updater(wrapper) is tx  # so its pushes compile once
+    assert updater.as_transformation(wrapper, "set_optimizer") is tx
+    assert wrapper.made == 1
+    other = _Wrapper()
+    assert updater.as_updater(other) is not tx  # another wrapper, another transformation
+    ms = optax.MultiSteps(optax.sgd(0.1), 2)
+    assert updater.as_updater(ms) is updater.as_updater(ms)
+    assert isinstance(updater.as_updater(ms).init({"a": jnp.ones(1)}), optax.MultiStepsState)
+
+
+@pytest.mark.parametrize("given", [3, "adam", None, object()])
+def test_anything_else_is_refused_naming_it_and_what_is_taken(given):
+    if given is not None:
+        with pytest.raises(jaxkv.KVStoreError) as err:
+            updater.as_updater(given, "set_updater")
+        message = str(err.value)
+        assert message.startswith("set_updater: expected None (assign), a callable updater(")
+        assert "optax GradientTransformation" in message and "optax.MultiSteps" in message
+        assert message.endswith(f"given {type(given).__name__} {given!r}")
+    with pytest.raises(jaxkv.KVStoreError) as err:
+        updater.as_transformation(given, "init_optimizer")
+    assert str(err.value) == (
+        "init_optimizer: expected an optax.GradientTransformation such as optax.adam(1e-3), "
+        "or an object with a gradient_transformation() method such as optax.MultiSteps, "
+        f"given {type(given).__name__} {given!r}"
+    )
+
+
+def test_a_long_given_value_is_cut_short_and_a_class_is_named():
+    with pytest.raises(jaxkv.KVStoreError, match=r"given str '(x){76}\.\.\.$"):
+        updater.as_updater("x" * 200)
+    # the class, not an instance: its gradient_transformation() needs one
+    with pytest.raises(
+        jaxkv.KVStoreError, match=r"^updater type MultiSteps: gradient_transformation\(\) raised"
+    ):
+        updater.as_updater(optax.MultiSteps)
