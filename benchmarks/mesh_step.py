@@ -1,26 +1,33 @@
 """The benchmark's mesh section: the 2-axis in-jit training step of ``examples/flax_mesh.py``
 (a flax MLP on a 2 x 4 mesh ``("data", "model")``: data parallel along "data", its hidden layers
-tensor parallel along "model"), with jaxkv beside the same step written by hand.
+tensor parallel along "model", each device holding only its Megatron blocks), with jaxkv beside
+the same step written by hand.
 
-Rows, each one jitted ``jax.shard_map`` step over the whole mesh, the state donated:
-  hand-written pmean  the parameter tree and Adam's state replicated on every device; AD with
-                      respect to a copy of the parameters varying along "data"
-                      (``jax.lax.pcast``) gives each row of the mesh the gradient of its half of
-                      the batch, ``jax.lax.pmean`` over "data" averages it, and
-                      ``optax.adam``'s ``update`` and ``optax.apply_updates`` run on the
-                      replicated tree
-  jaxkv               the example's step: ``jaxkv.pull(state, params, axis_name="data")``, the
-                      same forward and AD, ``jaxkv.push(state, grads, updater=adam,
-                      axis_name="data")`` on a store with ``reduce="mean"`` (values of 16K
-                      elements and more, and their Adam moments, split along "data")
+Rows, each one jitted ``jax.shard_map`` step over the whole mesh, the state donated, both on the
+same local layout (``hidden_0``'s kernel ``P(None, "model")`` and bias ``P("model")``,
+``hidden_1``'s kernel ``P("model", None)``, the rest replicated; ``shard_map`` hands each device
+its blocks, and the modules take them as they are, slicing nothing):
+  hand-written pmean  the parameter tree in that layout, replicated along "data", and Adam's
+                      state likewise (its moments in their parameters' layout,
+                      ``optax.tree_map_params``); AD with respect to a copy of the blocks
+                      varying along "data" (``jax.lax.pcast``) gives each row of the mesh the
+                      gradient of its half of the batch, ``jax.lax.pmean`` over "data" averages
+                      it, and ``optax.adam``'s ``update`` and ``optax.apply_updates`` run on each
+                      device's blocks
+  jaxkv               the example's step: the tree given to ``jaxkv.init`` in that layout, which
+                      the store keeps, adding "data" on dimension 0 of both hidden kernels (the
+                      example's ``bigarray_bound``: the elements of hidden_0's kernel block), and
+                      of their Adam moments (ZeRO over tensor parallelism: 1/8 of each per
+                      device); ``jaxkv.pull(state, params, axis_name="data")`` gives each device
+                      its blocks, the same forward and AD, ``jaxkv.push(state, grads,
+                      updater=adam, axis_name="data")`` on a store with ``reduce="mean"``
 
 Both rows take the example's model and batch (1024 rows of 16 features), once at the example's
-hidden width (128: only hidden_1's 128 x 128 kernel is split) and once wider (1024: both hidden
-kernels split). Each ms/step is the median of the timed steps of a round after warm-up, the
-best of 3 rounds; within a round the rows are interleaved step by step (the order alternating).
-Compiles are counted over the timed rounds; state is the bytes on the mesh's first device; diff
-is the largest relative difference of jaxkv's final parameters from the hand-written step's
-(both take the same steps from the same parameters).
+hidden width (128) and once wider (1024). Each ms/step is the median of the timed steps of a
+round after warm-up, the best of 3 rounds; within a round the rows are interleaved step by step
+(the order alternating). Compiles are counted over the timed rounds; state is the bytes on the
+mesh's first device; diff is the largest relative difference of jaxkv's final parameters from
+the hand-written step's (both take the same steps from the same parameters).
 
 Run as a script (on 8 simulated CPU devices) it prints the section.
 """
@@ -64,27 +71,30 @@ def example():
 
 
 def hand_written_step(ex, mesh, params, tx):
-    """The example's step by hand: ``step((params, opt_state), x, y) -> (carry, loss)``."""
+    """The example's step by hand on the same local layout, without jaxkv:
+    ``step((params, opt_state), x, y) -> (carry, loss)``; and the carry's ``PartitionSpec``s
+    (the parameters' Megatron layout, Adam's moments in it too, replicated along "data")."""
     model = ex.MLP(ex.hidden_of(params), model_axis="model")
+    param_specs = ex.tensor_parallel_specs(params)
+    opt_specs = optax.tree_map_params(
+        tx, lambda _, spec: spec, tx.init(params), param_specs, transform_non_params=lambda _: P()
+    )
 
     def step(carry, x, y):
-        p, s = carry
-        # AD with respect to a copy varying along "data" gives this row's own gradient (summed
-        # over "model" by AD, as in the example); pmean averages the two rows'.
+        p, s = carry  # this device's blocks, and their moments
+        # AD with respect to a copy varying along "data" gives this row's own gradient
+        # (complete over "model", as in the example); pmean averages the two rows'.
         mine = jax.lax.pcast(p, "data", to="varying")
         loss, g = jax.value_and_grad(lambda q: ex.loss_fn(model, q, x, y))(mine)
         g = jax.lax.pmean(g, "data")
         updates, s = tx.update(g, s, p)
         return (optax.apply_updates(p, updates), s), jax.lax.pmean(loss, "data")
 
-    replicated = (P(), P())
+    specs = (param_specs, opt_specs)
     sharded = jax.shard_map(
-        step,
-        mesh=mesh,
-        in_specs=(replicated, P("data"), P("data")),
-        out_specs=(replicated, P()),
+        step, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=(specs, P())
     )
-    return jax.jit(sharded, donate_argnums=0)
+    return jax.jit(sharded, donate_argnums=0), specs
 
 
 class _Row:
@@ -110,12 +120,22 @@ def _device0_bytes(tree, device) -> int:
 def _rows(ex, mesh, hidden: int) -> dict[str, _Row]:
     params, tx = ex.init_params(hidden=hidden), ex.make_optimizer()
     x, y = ex.put_batch(mesh, *ex.make_data())
-    everywhere = NamedSharding(mesh, P())
-    hand_params = jax.device_put(params, everywhere)
-    hand = _Row(hand_written_step(ex, mesh, params, tx), (hand_params, tx.init(hand_params)), x, y)
+    step, specs = hand_written_step(ex, mesh, params, tx)
+    carry = (params, tx.init(params))
+    carry = jax.tree.map(lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec)), carry, specs)
+    hand = _Row(step, carry, x, y)
     state = ex.make_store(mesh, params, tx)
     kv = _Row(ex.make_step(state, params, tx), state, x, y)
     return {"hand-written pmean": hand, "jaxkv": kv}
+
+
+def _along(state, axis: str) -> list[str]:
+    """The keys whose stored value is split along the mesh axis ``axis``."""
+    return [
+        k
+        for k in state.keys()
+        if any(axis in (e if isinstance(e, tuple) else (e,)) for e in state[k].sharding.spec if e)
+    ]
 
 
 def _max_rel_diff(a, b) -> float:
@@ -178,7 +198,7 @@ def _run_width(ex, mesh, hidden, counter, steps, rounds, log) -> dict:
             for name in rows
         },
         "max_rel_diff": _max_rel_diff(jaxkv.pull(state, hand_params), hand_params),
-        "split": [k for k in state.keys() if not state[k].sharding.is_fully_replicated],
+        "split": {axis: _along(state, axis) for axis in mesh.axis_names},
     }
 
 
@@ -196,7 +216,11 @@ def lines(res: dict) -> list[str]:
         out.append(
             f"2-axis in-jit step  hidden {hidden:<5} hand-written / jaxkv = "
             f"{hand['ms'] / kv['ms']:.2f}x  (max rel. diff of the params {w['max_rel_diff']:.1e}; "
-            f"split along 'data': {', '.join(w['split']) or 'none'})"
+            + "; ".join(
+                f"jaxkv splits along {axis!r}: {', '.join(keys) or 'none'}"
+                for axis, keys in w["split"].items()
+            )
+            + ")"
         )
     return out
 
@@ -207,12 +231,13 @@ def report(res: dict) -> list[str]:
     lines_ = [
         f"2-axis in-jit step: the training step of `examples/flax_mesh.py` on a {mesh} mesh of "
         f"CPU devices (a flax MLP, 16 features, two hidden layers split Megatron-style along "
-        f"'model' inside the step, a batch of {res['batch']} rows split along 'data', "
-        "`optax.adam`), in one jitted `jax.shard_map` step. hand-written pmean keeps the "
-        "parameter tree and Adam's state replicated, averages the gradients with "
-        "`jax.lax.pmean` over 'data' and applies optax by hand; jaxkv is the example's step "
-        "(`jaxkv.pull`/`jaxkv.push` with `axis_name='data'`, `reduce='mean'`; values of 16K "
-        "elements and more, and their Adam moments, split along 'data'). ms/step: median of "
+        f"'model', each device holding its blocks, a batch of {res['batch']} rows split along "
+        "'data', `optax.adam`), in one jitted `jax.shard_map` step. hand-written pmean keeps the "
+        "parameter blocks and Adam's state in that layout, replicated along 'data', averages "
+        "the gradients with `jax.lax.pmean` over 'data' and applies optax by hand; jaxkv is the "
+        "example's step (`jaxkv.pull`/`jaxkv.push` with `axis_name='data'`, `reduce='mean'`; "
+        "the store keeps the 'model' layout and adds 'data' on both hidden kernels, and on their "
+        "Adam moments: 1/8 of each per device). ms/step: median of "
         f"{res['steps']} steps after warm-up, best of {ROUNDS} rounds, the rows interleaved step "
         "by step; compiles: during the timed rounds; state: bytes on the mesh's first device; "
         "diff: the largest relative difference of jaxkv's final parameters from the "

@@ -1,6 +1,7 @@
 """``notebooks/flax_mesh.ipynb`` runs top to bottom in a fresh kernel: a flax MLP on a 2 x 4 mesh
-through jaxkv equals one-device optax, its step compiles once, and it draws the loss curves.
-flax is the ``examples`` extra."""
+through jaxkv (the store keeping the tensor-parallel blocks, and 1/8 of the hidden kernels and
+their Adam moments per device) equals one-device optax, its step compiles once, and it draws the
+loss curves. flax is the ``examples`` extra."""
 
 import re
 import time
@@ -47,11 +48,24 @@ def test_saved_without_outputs_and_devices_set_first():
 def test_the_store_and_its_specs(executed):
     nb, _ = executed
     assert "8 devices" in _text(nb, "imports")
-    assert "{'data': 2, 'model': 4}" in _text(nb, "store")
+    assert "{'data': 2, 'model': 4} bigarray_bound 512" in _text(nb, "store")
     specs = _text(nb, "specs")
-    assert "params/hidden_1/kernel   P('data',)" in specs
-    assert "params/hidden_0/kernel   P()" in specs
-    assert "(128, 128) -> per device (64, 128)" in specs
+    assert "params/hidden_0/kernel   P('data', 'model')" in specs
+    assert "params/hidden_0/bias     P('model',)" in specs
+    assert "params/hidden_1/kernel   P(('model', 'data'),)" in specs
+    assert "params/hidden_1/bias     P()" in specs
+    assert "(16, 128) -> per device (8, 32)" in specs
+    assert "(128, 128) -> per device (16, 128)" in specs
+
+
+def test_each_device_holds_an_eighth_of_the_kernels_adam_moments(executed):
+    nb, _ = executed
+    text = _text(nb, "memory")
+    shares = re.findall(r"^(mu|nu) (\S+) +\d+ of +\d+ = (\S+) x size / 8$", text, re.M)
+    assert sorted((m, k) for m, k, _ in shares) == [
+        (m, f"params/hidden_{i}/kernel") for m in ("mu", "nu") for i in (0, 1)
+    ], text
+    assert all(float(v) <= 1.05 for _, _, v in shares), text
 
 
 def test_the_loss_falls_and_the_step_compiles_once(executed):
