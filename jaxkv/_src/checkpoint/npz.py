@@ -28,6 +28,7 @@ from jaxkv._src.checkpoint import orbax_dirs as _orbax
 from jaxkv._src.checkpoint.manifest import FORMAT, VERSION, Malformed, check_manifest
 from jaxkv._src.core.compression import residual_layout
 from jaxkv._src.errors import KVStoreError
+from jaxkv._src.state.buckets import leaf_owner
 from jaxkv._src.state.kvstate import Key, KVState, check_compressible
 from jaxkv._src.state.placement import host_copy
 
@@ -354,15 +355,14 @@ def _assemble(
                 f"given {given}"
             )
         treedefs.append(treedef)
-        if kept or (not values and base.tp_specs):  # leaves of a key's shape: as its value
-            where: list[int] = [
-                i for i, e in enumerate(entries) if e["part"] == "opt" and e["group"] == n
-            ]
+        own = kept if values else {k: s for k, s in base.tp_specs if k in group}
+        if own:  # the leaves of a key with its own sharding: as its value
+            shapes = {k: tuple(like[k].shape) for k in own}
+            where = [i for i, e in enumerate(entries) if e["part"] == "opt" and e["group"] == n]
             for i, (path, x) in zip(where, leaves):
-                k: Any = next((p.key for p in reversed(path) if hasattr(p, "key")), None)
-                spec = kept.get(k) if values else base.tp_spec(k) if k in like else None
-                if spec is not None and tuple(x.shape) == tuple(like[k].shape):
-                    sharding = NamedSharding(base.mesh, base.spec_with(tuple(x.shape), spec))
+                k = leaf_owner(path, tuple(x.shape), shapes)
+                if k is not None:
+                    sharding = NamedSharding(base.mesh, base.spec_with(tuple(x.shape), own[k]))
                     targets[i] = jax.ShapeDtypeStruct(
                         targets[i].shape, targets[i].dtype, sharding=sharding
                     )

@@ -7,8 +7,10 @@ profiler trace show it."""
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +31,7 @@ __all__ = [
     "fused_psum",
     "fused_psum_scatter",
     "scatters",
+    "scoped",
     "sum_over_devices",
     "unsummed_axes",
 ]
@@ -42,6 +45,22 @@ SUM = "jaxkv.sum"
 # annotations of the eager calls (``jax.profiler.TraceAnnotation``).
 PUSH = "jaxkv.push"
 PULL = "jaxkv.pull"
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def scoped(name: str) -> Callable[[_F], _F]:
+    """A function traced under ``jax.named_scope(name)``."""
+
+    def wrap(f: _F) -> _F:
+        @functools.wraps(f)
+        def in_scope(*args: Any, **kwargs: Any) -> Any:
+            with jax.named_scope(name):
+                return f(*args, **kwargs)
+
+        return in_scope  # type: ignore[return-value]
+
+    return wrap
 
 
 def axis_names(axis_name: Any) -> tuple:

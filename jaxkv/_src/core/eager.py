@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv._src.core.collectives import PUSH, SUM, scatters, sum_over_devices
+from jaxkv._src.core.collectives import PUSH, SUM, scatters, scoped, sum_over_devices
 from jaxkv._src.core.compression import compress, exchange, layout_compressed, on_one_device
 from jaxkv._src.core.on_blocks import UPDATER
 from jaxkv._src.core.on_buckets import update_bucket
@@ -353,17 +353,6 @@ def _sum_split(
     return grids
 
 
-def _scoped(run: Callable) -> Callable:
-    """``run`` traced under the scope ``jaxkv.push``."""
-
-    @functools.wraps(run)
-    def scoped(*args: Any, **kwargs: Any) -> Any:
-        with jax.named_scope(PUSH):
-            return run(*args, **kwargs)
-
-    return scoped
-
-
 def _build_push(
     state: KVState,
     keys: tuple[Key, ...],
@@ -440,7 +429,7 @@ def _build_push(
             return placed, place_keyed(state, opt_state, keyed), residuals
         return place(state, values), place(state, opt_state), residuals
 
-    return jax.jit(_scoped(run), donate_argnums=_donated(donate))
+    return jax.jit(scoped(PUSH)(run), donate_argnums=_donated(donate))
 
 
 def push_eager(
@@ -589,7 +578,7 @@ def _build_push_flat(
             new,
         )
 
-    run = _scoped(run)
+    run = scoped(PUSH)(run)
     if donate != KEEP_VALUES:
         return jax.jit(run, donate_argnums=(0,) if donate else ())
 

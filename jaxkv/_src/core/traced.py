@@ -42,6 +42,7 @@ from jaxkv._src.core.collectives import (
     axis_size,
     fused_psum,
     fused_psum_scatter,
+    scoped,
     unsummed_axes,
 )
 from jaxkv._src.core.on_blocks import is_blockwise, run_on_blocks
@@ -108,13 +109,8 @@ def _block_size(state: KVState, leaves: Mapping[Key, Any], names: tuple) -> int:
     return n
 
 
+@scoped(PULL)
 def gather(state: KVState, values: Mapping[Key, Any], axis_name: Any) -> dict[Key, Any]:
-    """:func:`_gather` under the scope ``jaxkv.pull``."""
-    with jax.named_scope(PULL):
-        return _gather(state, values, axis_name)
-
-
-def _gather(state: KVState, values: Mapping[Key, Any], axis_name: Any) -> dict[Key, Any]:
     """The whole value of each key in ``values`` (leaves as in ``state.values``): blocks are
     all-gathered over ``axis_name``, whole values kept. ``jax.grad`` through it gives each
     block's gradient already summed over the axis (AD's reduce-scatter). The blocks of one
@@ -244,21 +240,8 @@ def _opt_blocks(
     return jax.tree_util.tree_map(block, whole, opt_state)
 
 
+@scoped(PUSH)
 def push_in_trace(
-    state: KVState,
-    grouped: dict[Key, list[jax.Array]],
-    stored: list[Any],
-    opt_state: Any,
-    updater: Any,
-    axis_name: Any,
-    reduce: str = "sum",
-) -> KVState:
-    """:func:`_push_in_trace` under the scope ``jaxkv.push``."""
-    with jax.named_scope(PUSH):
-        return _push_in_trace(state, grouped, stored, opt_state, updater, axis_name, reduce)
-
-
-def _push_in_trace(
     state: KVState,
     grouped: dict[Key, list[jax.Array]],
     stored: list[Any],

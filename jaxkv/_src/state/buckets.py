@@ -50,6 +50,7 @@ Key = int | str  # as kvstate.Key (this module sits below kvstate.py)
 __all__ = [
     "FlatLayout",
     "Packing",
+    "leaf_owner",
     "pack",
     "pack_opt",
     "plan",
@@ -622,6 +623,19 @@ def leaf_specs(state: KVState, axis_name: Any) -> KVState:
     return type(state).tree_unflatten(state.tree_flatten()[1], (leaves, opts, residuals))
 
 
+def leaf_owner(
+    path: Sequence[Any], shape: tuple[int, ...], shapes: Mapping[Key, tuple[int, ...]]
+) -> Key | None:
+    """The key of ``shapes`` that an optimizer-state leaf at ``path`` (a ``jax.tree_util`` key
+    path) of ``shape`` belongs to: the nearest key on its path whose value has that shape (an
+    optax state's ``{key: leaf}``, such as Adam's ``mu[key]``), else ``None``."""
+    for entry in reversed(path):
+        k = getattr(entry, "key", None)
+        if isinstance(k, int | str) and k in shapes and tuple(shape) == shapes[k]:
+            return k
+    return None
+
+
 def _keyed_specs(state: KVState, axis_name: Any) -> KVState:
     """:func:`leaf_specs` of a state of one array per key where some keys have their own
     sharding along other axes: each value's spec is its key's (``KVState.key_spec``), and so is
@@ -632,10 +646,9 @@ def _keyed_specs(state: KVState, axis_name: Any) -> KVState:
     shapes = dict(zip(keys, state.key_shapes))
 
     def one(path: Any, x: Any) -> PartitionSpec:
-        for entry in reversed(path):
-            k = getattr(entry, "key", None)
-            if isinstance(k, int | str) and k in specs and tuple(x.shape) == shapes[k]:
-                return specs[k]
+        k = leaf_owner(path, tuple(x.shape), shapes)
+        if k is not None:
+            return specs[k]
         return PartitionSpec(axis_name) if state.is_sharded(tuple(x.shape)) else PartitionSpec()
 
     opts = [jax.tree_util.tree_map_with_path(one, opt) for opt in state.group_states]

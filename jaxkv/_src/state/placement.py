@@ -151,14 +151,13 @@ def place_keyed(state: KVState, tree: Any, keyed: Keyed) -> Any:
     state's ``{key: leaf}``) lives as that key's value does (``keyed``)."""
     if not keyed:
         return place(state, tree)
-    where = {k: (shape, sharding) for k, shape, sharding in keyed}
+    shapes = {k: shape for k, shape, _ in keyed}
+    shardings = {k: sharding for k, _, sharding in keyed}
 
     def one(path: Any, x: Any) -> Any:
-        for entry in reversed(path):
-            k = getattr(entry, "key", None)
-            if isinstance(k, int | str) and k in where and tuple(x.shape) == where[k][0]:
-                return jax.lax.with_sharding_constraint(x, where[k][1])
-        return jax.lax.with_sharding_constraint(x, state.sharding_for(x.shape))
+        k = _fl.leaf_owner(path, tuple(x.shape), shapes)
+        where = state.sharding_for(x.shape) if k is None else shardings[k]
+        return jax.lax.with_sharding_constraint(x, where)
 
     return jax.tree_util.tree_map_with_path(one, tree)
 
