@@ -43,6 +43,42 @@ def _batch():
     return jnp.asarray(rng.normal(size=(16, 64)), jnp.float32)
 
 
+def _trained(state, loss, tx, mesh, compiles, steps=3):
+    """``state`` after ``steps`` of a ``shard_map`` step over the whole mesh (the batch split
+    along 'data'): pull the tree with ``axis_name='data'``, push the gradients of ``loss``;
+    checks that only the first call compiles."""
+    spec = jaxkv.specs(state, "data")
+
+    def step(state, x):
+        params = jaxkv.pull(state, _params(), axis_name="data")
+        return jaxkv.push(state, jax.grad(loss)(params, x), updater=tx, axis_name="data")
+
+    fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, P("data")), out_specs=spec))
+    x = jax.device_put(_batch(), NamedSharding(mesh, P("data")))
+    counts = []
+    for _ in range(steps):
+        with compiles() as c:
+            state = fn(state, x)
+            jax.block_until_ready(state)
+        counts.append(c.count)
+    assert counts[1:] == [0] * (steps - 1)
+    return state
+
+
+def _optax_on_one_device(tx, reduce="sum", steps=3):
+    """The reference: the two halves' gradients of :func:`_loss` added (and halved for a mean),
+    then ``tx`` on one device."""
+    params, opt = _params(), tx.init(_params())
+    halves = _batch().reshape(2, 8, 64)
+    for _ in range(steps):
+        g = jax.tree.map(lambda a, b: a + b, *[jax.grad(_loss)(params, h) for h in halves])
+        if reduce == "mean":
+            g = jax.tree.map(lambda a: a / 2, g)
+        updates, opt = tx.update(g, opt, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
 def test_values_are_sharded_along_the_named_axis_and_replicated_along_the_others(mesh):
     state = jaxkv.init(jaxkv.empty(mesh=mesh, axis_name="data"), _params())
     assert state.axis == "data" and state.shards == 2
@@ -65,33 +101,9 @@ def test_a_shard_map_step_over_both_axes_equals_optax_and_compiles_once(mesh, co
     devices of a row computing the same gradient (invariant along 'model')."""
     tx = optax.adam(0.01)
     state = jaxkv.init(jaxkv.empty(mesh=mesh, axis_name="data", reduce=reduce), _params())
-    state = jaxkv.init_optimizer(state, tx)
-    spec = jaxkv.specs(state, "data")
-
-    def step(state, x):
-        params = jaxkv.pull(state, _params(), axis_name="data")
-        return jaxkv.push(state, jax.grad(_loss)(params, x), updater=tx, axis_name="data")
-
-    fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, P("data")), out_specs=spec))
-    x = jax.device_put(_batch(), NamedSharding(mesh, P("data")))
-    counts = []
-    for _ in range(3):
-        with compiles() as c:
-            state = fn(state, x)
-            jax.block_until_ready(state)
-        counts.append(c.count)
-    assert counts[1:] == [0, 0]
+    state = _trained(jaxkv.init_optimizer(state, tx), _loss, tx, mesh, compiles)
     assert state["dense/kernel"].sharding == NamedSharding(mesh, P("data"))
-
-    params, opt = _params(), tx.init(_params())
-    halves = _batch().reshape(2, 8, 64)
-    for _ in range(3):
-        grads = [jax.grad(_loss)(params, h) for h in halves]
-        g = jax.tree.map(lambda a, b: a + b, *grads)
-        if reduce == "mean":
-            g = jax.tree.map(lambda a: a / 2, g)
-        updates, opt = tx.update(g, opt, params)
-        params = optax.apply_updates(params, updates)
+    params = _optax_on_one_device(tx, reduce)
     got = jaxkv.pull(state, _params())
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), got, params)
 
@@ -198,29 +210,9 @@ def test_a_tensor_parallel_step_equals_optax_and_compiles_once(mesh, compiles):
     tx = optax.adam(0.01)
     state = jaxkv.empty(mesh=mesh, axis_name="data", bigarray_bound=256)
     state = jaxkv.init_optimizer(jaxkv.init(state, _tp_params(mesh)), tx)
-    spec = jaxkv.specs(state, "data")
-
-    def step(state, x):
-        params = jaxkv.pull(state, _params(), axis_name="data")  # this device's columns
-        return jaxkv.push(state, jax.grad(_tp_loss)(params, x), updater=tx, axis_name="data")
-
-    fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, P("data")), out_specs=spec))
-    x = jax.device_put(_batch(), NamedSharding(mesh, P("data")))
-    counts = []
-    for _ in range(3):
-        with compiles() as c:
-            state = fn(state, x)
-            jax.block_until_ready(state)
-        counts.append(c.count)
-    assert counts[1:] == [0, 0]
+    state = _trained(state, _tp_loss, tx, mesh, compiles)  # pulls: this device's columns
     assert state["dense/kernel"].sharding.spec == P("data", "model")
-
-    params, opt = _params(), tx.init(_params())
-    halves = _batch().reshape(2, 8, 64)
-    for _ in range(3):
-        g = jax.tree.map(lambda a, b: a + b, *[jax.grad(_loss)(params, h) for h in halves])
-        updates, opt = tx.update(g, opt, params)
-        params = optax.apply_updates(params, updates)
+    params = _optax_on_one_device(tx)
     got = jaxkv.pull(state, _params())
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), got, params)
 
