@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 from _jobs import cpu_env
-from test_notebook import _kernel_manager, _text
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("flax", reason="flax (the examples extra) is not installed")
 pytest.importorskip("matplotlib", reason="matplotlib (the examples extra) is not installed")
+pytest.importorskip("jupyter_client")
+from _notebooks import cell_text, kernel_manager, saved_clean  # noqa: E402  (after the skips)
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "flax_mesh.ipynb"
@@ -25,7 +26,7 @@ def executed(tmp_path_factory):
     """The notebook after running every cell (cwd = the repository root, on CPU devices), and
     the seconds it took."""
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    km = _kernel_manager(tmp_path_factory.mktemp("kernelspec"))
+    km = kernel_manager(tmp_path_factory.mktemp("kernelspec"))
     client = nbclient.NotebookClient(
         nb, km=km, timeout=300, resources={"metadata": {"path": str(ROOT)}}
     )
@@ -35,21 +36,14 @@ def executed(tmp_path_factory):
 
 
 def test_saved_without_outputs_and_devices_set_first():
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbformat.validate(nb)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    assert all(not c.outputs and c.execution_count is None for c in code)
-    first = nb.cells[0]
-    assert first.cell_type == "code"
-    assert 'jax.config.update("jax_num_cpu_devices", 8)' in first.source
-    assert "jaxkv" not in first.source
+    saved_clean(NOTEBOOK)
 
 
 def test_the_store_and_its_specs(executed):
     nb, _ = executed
-    assert "8 devices" in _text(nb, "imports")
-    assert "{'data': 2, 'model': 4} bigarray_bound 512" in _text(nb, "store")
-    specs = _text(nb, "specs")
+    assert "8 devices" in cell_text(nb, "imports")
+    assert "{'data': 2, 'model': 4} bigarray_bound 512" in cell_text(nb, "store")
+    specs = cell_text(nb, "specs")
     assert "params/hidden_0/kernel   P('data', 'model')" in specs
     assert "params/hidden_0/bias     P('model',)" in specs
     assert "params/hidden_1/kernel   P(('model', 'data'),)" in specs
@@ -60,7 +54,7 @@ def test_the_store_and_its_specs(executed):
 
 def test_each_device_holds_an_eighth_of_the_kernels_adam_moments(executed):
     nb, _ = executed
-    text = _text(nb, "memory")
+    text = cell_text(nb, "memory")
     shares = re.findall(r"^(mu|nu) (\S+) +\d+ of +\d+ = (\S+) x size / 8$", text, re.M)
     assert sorted((m, k) for m, k, _ in shares) == [
         (m, f"params/hidden_{i}/kernel") for m in ("mu", "nu") for i in (0, 1)
@@ -70,7 +64,7 @@ def test_each_device_holds_an_eighth_of_the_kernels_adam_moments(executed):
 
 def test_the_loss_falls_and_the_step_compiles_once(executed):
     nb, _ = executed
-    text = _text(nb, "train-loop")
+    text = cell_text(nb, "train-loop")
     losses = [float(v) for v in re.findall(r"^step +\d+ +loss (\S+)$", text, re.M)]
     assert len(losses) >= 5, text
     assert losses[-1] < losses[0] / 10, text
@@ -79,7 +73,7 @@ def test_the_loss_falls_and_the_step_compiles_once(executed):
 
 def test_the_params_equal_one_device_optax(executed):
     nb, _ = executed
-    found = re.search(r"from one-device optax: (\S+)", _text(nb, "train-check"))
+    found = re.search(r"from one-device optax: (\S+)", cell_text(nb, "train-check"))
     assert found is not None and float(found.group(1)) < 1e-5
 
 
@@ -93,7 +87,7 @@ def test_the_loss_curves_are_drawn(executed):
 
 def test_mean_against_sum(executed):
     nb, _ = executed
-    text = _text(nb, "mean-vs-sum")
+    text = cell_text(nb, "mean-vs-sum")
     ratios = dict(re.findall(r"reduce='(\w+)': pushed gradient = (\S+) x", text))
     assert ratios.keys() == {"sum", "mean"}, text
     assert abs(float(ratios["sum"]) - 2) < 1e-3 and abs(float(ratios["mean"]) - 1) < 1e-3
