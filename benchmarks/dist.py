@@ -121,7 +121,7 @@ def mxnet_dist(
 
 def jaxkv_dist(devices: int, steps: int, compression: str | None = None) -> tuple[float, bool]:
     """jaxkv's ``dist_sync`` median ms/step and whether its first step was right."""
-    cmd = [sys.executable, "-m", "jaxkv.launch", "-n", str(PROCESSES)]
+    cmd = [sys.executable, "-m", "jaxkv.launch", "-n", str(PROCESSES), "--no-prefix"]
     cmd += ["--devices-per-process", str(devices), __file__, "--worker", str(steps)]
     if compression:
         cmd += ["--compression", compression]

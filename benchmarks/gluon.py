@@ -515,7 +515,7 @@ def run_jaxkv(layout: str, kv: str, devices: int, opts: dict, log=log) -> dict:
     if kv == "device":
         cmd = [sys.executable, *argv]
     else:
-        cmd = [sys.executable, "-m", "jaxkv.launch", "-n", str(PROCESSES)]
+        cmd = [sys.executable, "-m", "jaxkv.launch", "-n", str(PROCESSES), "--no-prefix"]
         cmd += ["--devices-per-process", str(devices), *argv]
     env = dict(os.environ, JAXKV_LAYOUT=layout, JAX_PLATFORMS="cpu")
     label = f"jaxkv {kv} {layout}" + (f" {PROCESSES}x{devices}" if kv != "device" else "")

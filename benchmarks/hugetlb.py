@@ -245,7 +245,7 @@ def _run(work: str, tunable: bool, steps: int) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", work, "--steps", str(steps)]
     env = child_env(tunable)
     if work == "dist":
-        cmd[1:1] = ["-m", "jaxkv.launch", "-n", "2", "--devices-per-process", "2"]
+        cmd[1:1] = ["-m", "jaxkv.launch", "-n", "2", "--no-prefix", "--devices-per-process", "2"]
         if not tunable:
             env["GLIBC_TUNABLES"] = ""  # a value of the user's own: the launcher keeps it
         else:

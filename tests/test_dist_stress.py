@@ -31,7 +31,8 @@ def test_a_random_sequence_of_calls_gives_the_models_values(tmp_path, n, split, 
     args = [str(seed), str(OPS), str(tmp_path)] + ([BOUND] if split else [])
     run = launch(n, "stress_job.py", *args, timeout=120 + 2 * OPS)
     assert run.returncode == 0, f"stress_job.py {' '.join(args)}:\n{run.stdout}{run.stderr}"
-    lines = [line.split() for line in run.stdout.splitlines() if " ok " in line]
+    # "[RANK] rank RANK ok ...": the launcher's prefix, then the job's line.
+    lines = [line.split()[1:] for line in run.stdout.splitlines() if " ok " in line]
     assert sorted(int(line[1]) for line in lines) == list(range(n)), run.stdout + run.stderr
     # Every process ran the same calls and checked as many values.
     assert len({tuple(line[2:]) for line in lines}) == 1, run.stdout

@@ -220,13 +220,13 @@ def test_the_script_runs_as_python_runs_it(tmp_path, capfd):
     for arg, status in [("0", 0), ("4", 4), ("text", 1), ("raise", 1)]:
         assert Launcher(1, [str(script), arg]).run() == status, arg
         out, err = capfd.readouterr()
-        want = f"__main__ {script} {[str(script), arg]} {tmp_path} SourceFileLoader"
+        want = f"[0] __main__ {script} {[str(script), arg]} {tmp_path} SourceFileLoader\n"
         assert want in out, out
         if arg == "text":
-            assert "text" in err.splitlines()
+            assert "[0] text" in err.splitlines()
         if arg == "raise":
-            assert err.split("Traceback (most recent call last):\n")[1].startswith(
-                f'  File "{script}", line 5, in <module>'
+            assert err.split("[0] Traceback (most recent call last):\n")[1].startswith(
+                f'[0]   File "{script}", line 5, in <module>'
             ), err
 
 

@@ -1,36 +1,10 @@
-"""Start a multi-process jaxkv job, on this machine or on several.
+"""``python -m jaxkv.launch``: starting, watching and stopping a job's processes.
 
-    python -m jaxkv.launch -n N [--devices-per-process K] [--max-restarts R] script.py [args...]
-    python -m jaxkv.launch --nnodes M --node-rank R --coordinator HOST:PORT -n N ... script.py
-
-The first form starts N copies of ``script.py`` with a coordinator on 127.0.0.1. The second,
-run once on each of M hosts (node ranks 0 .. M-1), starts N copies on each; process i of node
-R is process R*N + i of the job, and process 0 (on node 0) serves the coordinator at HOST:PORT,
-an address of node 0 that every host can reach. Each process joins the job when it imports
-jaxkv, so ``jaxkv.create('dist_sync')`` spans every process's devices; gloo binds to the
-address on the route toward the coordinator, or to the interface named in JAXKV_IFNAME.
-
-When a process fails, the launcher stops the others and exits with that process's status (128 + n
-for a process killed by signal n); with ``--max-restarts R`` it starts the whole job again
-instead, up to R times, with JAXKV_RESTART_COUNT (0, 1, ...) in the environment. The process it
-names is the first to fail, not a peer whose collective then failed because that one had gone
-(such a peer fails within milliseconds, and may even end first); the others that failed follow
-in its message. To tell them apart, it waits up to :data:`SETTLE` seconds after the first
-failure for the others' statuses. A process that fails in Python (an exception, ``sys.exit(n)``)
-notes when, and which of its peers on this node had begun to exit by then (``/proc/PID/stat``);
-it comes after those. Other failures are ordered by when the launcher saw them end (on Linux, as
-the kernel reports them through one pidfd per process).
-
-Each process runs the script as ``python script.py`` would, except that ``sys.exit(n)``, n not
-0, in a process of a multi-process job exits at once (JAX's shutdown would wait for the other
-processes). SIGTERM, SIGINT and SIGHUP stop every process it started (SIGTERM, then SIGKILL
-after a grace period, to each process's whole process group); the processes also get SIGKILL if
-the launcher itself dies.
-
-Unless GLIBC_TUNABLES is already set, the processes start with
-GLIBC_TUNABLES=glibc.malloc.hugetlb=1: glibc's malloc then takes transparent huge pages, which
-cuts the page faults of XLA's per-run temp buffers on CPU (see docs/distributed.md). Set
-GLIBC_TUNABLES yourself (an empty value too) to keep it off.
+The launcher starts ``-n`` processes on its node, each running the script through runner.py,
+and passes their output on through output.py's relay. When one fails, it names the first to
+fail and stops the others, or restarts the whole job (``--max-restarts``); a stop signal stops
+every process. docs/distributed.md says how, for users: its "One host" and "Failures, hangs and
+restarts" sections. What ``--help`` prints is :data:`USAGE` and :data:`EXAMPLES`.
 """
 
 from __future__ import annotations
@@ -63,6 +37,7 @@ from jaxkv._src.processes.join import (
     heartbeat_timeout,
     split_address,
 )
+from jaxkv._src.processes.output import Relay
 
 logger = logging.getLogger("jaxkv.launch")
 
@@ -103,7 +78,7 @@ def _free_port() -> int:
 #: Run by ``python -S -c`` in each new process before the script: asks the kernel for SIGKILL
 #: when the launcher dies (Linux's ``PR_SET_PDEATHSIG``, kept across ``exec``), gives up if the
 #: launcher is already gone, then replaces itself with the command line after the launcher's PID,
-#: ``python -c _RUN_SCRIPT script.py args...`` (same PID).
+#: ``python runner.py script.py args...`` (same PID).
 #: A ``preexec_fn`` would do it without a second interpreter, but forks from Python, which is
 #: not safe in a process where JAX's threads run (``launch()`` called in-process).
 _DIE_WITH_PARENT = """\
@@ -117,100 +92,8 @@ if os.getppid() != int(sys.argv[1]):
 os.execv(sys.executable, sys.argv[2:])
 """
 
-#: Run by ``python -c`` in each process (after the shim above) instead of ``python script.py
-#: args...`` (``python -c _RUN_SCRIPT NOTES script.py args...``), which it does as Python would
-#: (``__main__``, ``sys.argv``, ``sys.path[0]``, the traceback of an uncaught exception), with
-#: two differences. A process that joined a JAX job and ends with ``sys.exit(n)`` (or ``raise
-#: SystemExit(n)``), n not 0, exits at once with that status, without running its ``atexit``
-#: handlers. JAX's shutdown, an ``atexit`` handler, would otherwise wait, up to 5 minutes, for
-#: every other process to finish, while they wait for it in their next collective (as for an
-#: uncaught exception: ``join.py``). And a process that fails so, or by an uncaught exception,
-#: first writes ``NOTES/failed-RANK`` (unless NOTES is empty): ``time.monotonic()`` (the same
-#: clock in every process of a machine), then the ranks of the peers listed in ``NOTES/pids``
-#: that had begun to exit before (``/proc/PID/stat``: ``PF_EXITING``, a zombie, or gone).
-_RUN_SCRIPT = """\
-def _jaxkv_run_script():
-    import importlib.machinery, io, os, runpy, sys, time
-    globals().pop("_jaxkv_run_script")
-    notes = sys.argv[1]
-    path = os.path.abspath(sys.argv[2])  # as Python makes the __main__ module's __file__
-    sys.argv = sys.argv[2:]
-
-    def note_failure():
-        # The peers that had begun to exit first, then the time: the launcher names the first
-        # process to fail, not one whose collective failed because that one had gone.
-        try:
-            if not notes:
-                return
-            ending = []
-            if os.path.exists("/proc/self/stat"):
-                try:
-                    with open(os.path.join(notes, "pids")) as f:
-                        peers = [line.split() for line in f]
-                except FileNotFoundError:  # this process failed before the others started
-                    peers = []
-                for rank, pid in peers:
-                    if int(pid) == os.getpid():
-                        continue
-                    try:
-                        with open(f"/proc/{pid}/stat") as f:
-                            fields = f.read().rsplit(")", 1)[1].split()
-                    except (FileNotFoundError, ProcessLookupError):
-                        ending.append(rank)  # ended, and the launcher has reaped it
-                        continue
-                    if fields[0] in ("Z", "X") or int(fields[6]) & 4:  # PF_EXITING
-                        ending.append(rank)
-            name = os.path.join(notes, "failed-" + os.environ["JAXKV_PROCESS_ID"])
-            with open(name + ".tmp", "w") as f:
-                f.write(" ".join([repr(time.monotonic()), *ending]))
-            os.replace(name + ".tmp", name)
-        except Exception:
-            pass
-
-    try:
-        if os.path.isfile(path):
-            sys.path[0] = os.path.dirname(os.path.realpath(path))
-            with io.open_code(path) as f:
-                code = compile(f.read(), path, "exec", dont_inherit=True)
-            loader = importlib.machinery.SourceFileLoader("__main__", path)
-            globals().update(__file__=path, __cached__=None, __loader__=loader)
-            exec(code, globals())
-        else:  # a directory or zip file with __main__.py
-            sys.path[0] = path
-            runpy.run_path(sys.argv[0], run_name="__main__")
-    except SystemExit as e:
-        if e.code not in (None, 0):
-            note_failure()
-        jax = sys.modules.get("jax")
-        several = int(os.environ.get("JAXKV_NUM_PROCESSES") or 1) > 1
-        if e.code in (None, 0) or not several or not getattr(jax, "distributed", None):
-            raise
-        try:
-            joined = jax.distributed.is_initialized()
-        except Exception:
-            joined = False
-        if not joined:
-            raise
-        status = e.code
-        if not isinstance(status, int):
-            print(status, file=sys.stderr)
-            status = 1
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(status)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as e:
-        note_failure()
-        # As Python reports it: from the script's own frame.
-        e = e.with_traceback(e.__traceback__.tb_next)
-        sys.excepthook(type(e), e, e.__traceback__)
-        sys.exit(1)
-_jaxkv_run_script()
-"""
+#: The program each process runs: the script, as ``python script.py`` would (runner.py).
+RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runner.py")
 
 
 def _write_atomically(path: str, text: str) -> None:
@@ -253,7 +136,7 @@ def _ending(pid: int) -> bool:
 
 
 def _read_notes(directory: str) -> dict[int, tuple[float, frozenset[int]]]:
-    """The failure notes in ``directory`` (see :data:`_RUN_SCRIPT`): rank -> (the time it
+    """The failure notes in ``directory`` (see runner.py): rank -> (the time it
     failed, the ranks that had begun to exit before)."""
     notes = {}
     with contextlib.suppress(OSError):
@@ -275,7 +158,7 @@ def _order_failures(
     Args:
       ended: rank -> (exit status, ``time.monotonic()`` when the launcher saw it end).
       notes: rank -> (when it noted its failure, the ranks that had begun to exit before), for
-        the processes that failed in Python (see :data:`_RUN_SCRIPT`).
+        the processes that failed in Python (see runner.py).
 
     The first is the earliest (noted, else seen) of the failures that came after no other
     failure; the rest follow in the order they failed.
@@ -407,9 +290,12 @@ class Launcher:
         coordinator: str | None = None,
         max_restarts: int = 0,
         restart_delay: float | None = None,
+        prefix: bool = True,
+        verbose: bool = False,
     ) -> None:
         """``restart_delay``: seconds to wait before a restart; by default none on one node,
-        and JAX's heartbeat timeout plus 5 s on several (see :meth:`run`)."""
+        and JAX's heartbeat timeout plus 5 s on several (see :meth:`run`). ``prefix`` and
+        ``verbose``: as ``--no-prefix`` (False) and ``--verbose`` (see :class:`.output.Relay`)."""
         if n < 1:
             raise ValueError(f"-n: expected at least 1 process, given {n}")
         if nnodes < 1 or not 0 <= node_rank < nnodes:
@@ -428,6 +314,7 @@ class Launcher:
         if restart_delay is None:
             restart_delay = heartbeat_timeout() + 5.0 if nnodes > 1 else 0.0
         self.restart_delay = restart_delay
+        self.prefix, self.verbose = prefix, verbose
 
     def run(self) -> int:
         """Run the job, restarting it up to ``max_restarts`` times; returns its exit status."""
@@ -461,10 +348,15 @@ class Launcher:
         total = self.nnodes * self.n
         procs: list[subprocess.Popen] = []
         ranks: list[int] = []
-        try:  # where the processes note their failures (see _RUN_SCRIPT)
+        try:  # where the processes note their failures (see runner.py)
             notes = tempfile.mkdtemp(prefix="jaxkv-launch-")
         except OSError:
             notes = ""
+        # Output as it is, to the launcher's own stdout and stderr, only when nothing is to be
+        # prefixed or dropped.
+        relay = Relay(self.prefix, gloo_lines=self.verbose)
+        piped = self.prefix or not self.verbose
+        pipe = subprocess.PIPE if piped else None
         try:
             for i in range(self.n):
                 if signals.received is not None:
@@ -483,15 +375,23 @@ class Launcher:
                 )
                 if self.devices_per_process:
                     env[ENV_DEVICES_PER_PROCESS] = str(self.devices_per_process)
+                if notes:
+                    env["JAXKV_LAUNCH_NOTES"] = notes
+                if piped:  # each print reaches the pipe at once, not at exit
+                    env.setdefault("PYTHONUNBUFFERED", "1")
                 shim = [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid())]
-                procs.append(
-                    subprocess.Popen(
-                        [*shim, sys.executable, "-c", _RUN_SCRIPT, notes, *self.script],
-                        env=env,
-                        start_new_session=True,
-                    )
+                p = subprocess.Popen(
+                    [*shim, sys.executable, RUNNER, *self.script],
+                    env=env,
+                    start_new_session=True,
+                    stdout=pipe,
+                    stderr=pipe,
                 )
+                procs.append(p)
                 ranks.append(rank)
+                relay.watch(rank, p.stdout, p.stderr)
+                logger.debug("jaxkv.launch: process %d is PID %d", rank, p.pid)
+            relay.start()
             logger.info(
                 "jaxkv.launch: processes %d-%d of %d, coordinator %s%s",
                 ranks[0] if ranks else 0,
@@ -508,6 +408,7 @@ class Launcher:
             return self._watch(ranks, procs, notes, signals)
         finally:
             _stop(procs)
+            relay.close()
             if notes:
                 shutil.rmtree(notes, ignore_errors=True)
 
@@ -560,6 +461,37 @@ class Launcher:
         return code if code > 0 else 128 - code
 
 
+#: ``--help``'s description.
+USAGE = """\
+Start a multi-process jaxkv job: N copies of a Python script, on this machine, or on each of
+several machines. In the script, jaxkv.create("dist_sync") spans every process's devices and
+kv.rank says which process it is.
+
+Each line a process prints is passed on with its rank in front ("[1] loss 0.25"). When a process
+fails, the launcher stops the others and exits with that process's status, naming it; Ctrl-C
+stops every process."""
+
+#: ``--help``'s closing lines.
+EXAMPLES = """\
+examples:
+  one machine, 2 processes of 4 simulated CPU devices each:
+    python -m jaxkv.launch -n 2 --devices-per-process 4 train.py --lr 0.1
+
+  two machines, 4 processes each: on machine 0 (10.0.0.1, an address the other reaches),
+    python -m jaxkv.launch --nnodes 2 --node-rank 0 --coordinator 10.0.0.1:29500 -n 4 train.py
+  and on machine 1 the same with --node-rank 1.
+
+  start the job again, up to 3 times, when a process fails (train.py resumes from its
+  checkpoints):
+    python -m jaxkv.launch -n 2 --max-restarts 3 train.py ckpt/
+
+  each process's output as it is, for a program that reads it:
+    python -m jaxkv.launch -n 2 --no-prefix train.py > out.txt
+
+The guide to processes (docs/distributed.md) has SLURM, restarts, the environment variables
+and how the launcher names the process that failed first."""
+
+
 def launch(
     n: int,
     script: list[str],
@@ -569,8 +501,14 @@ def launch(
     node_rank: int = 0,
     coordinator: str | None = None,
     max_restarts: int = 0,
+    prefix: bool = True,
+    verbose: bool = False,
 ) -> int:
-    """Run ``script`` (argv) in ``n`` processes on this node; returns the job's exit status."""
+    """Run ``script`` (argv) in ``n`` processes on this node; returns the job's exit status.
+
+    The arguments are ``python -m jaxkv.launch``'s options (``prefix=False`` is
+    ``--no-prefix``); the processes' output goes to this process's ``sys.stdout`` and
+    ``sys.stderr``."""
     return Launcher(
         n,
         script,
@@ -579,13 +517,16 @@ def launch(
         node_rank=node_rank,
         coordinator=coordinator,
         max_restarts=max_restarts,
+        prefix=prefix,
+        verbose=verbose,
     ).run()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jaxkv.launch",
-        description=__doc__,
+        description=USAGE,
+        epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-n", type=int, required=True, help="number of processes on this node")
@@ -593,25 +534,48 @@ def main(argv: list[str] | None = None) -> int:
         "--devices-per-process",
         type=int,
         default=None,
+        metavar="K",
         help="CPU devices each process simulates (default: JAX's)",
     )
-    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
-    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank (default 0)")
+    parser.add_argument(
+        "--nnodes", type=int, default=1, metavar="M", help="number of machines (default 1)"
+    )
+    parser.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="this machine's rank, 0 .. M-1 (default 0)",
+    )
     parser.add_argument(
         "--coordinator",
         default=None,
-        help="HOST:PORT of the coordinator on node 0 (default, one node: 127.0.0.1:a free port)",
+        metavar="HOST:PORT",
+        help="an address of machine 0 and a free port there (default, one machine: "
+        "127.0.0.1 and a free port)",
     )
     parser.add_argument(
         "--max-restarts",
         type=int,
         default=0,
-        help="restart the whole job up to this many times when a process fails (default 0)",
+        metavar="R",
+        help="start the whole job again up to R times when a process fails (default 0)",
+    )
+    parser.add_argument(
+        "--no-prefix",
+        action="store_true",
+        help="pass each process's output on as it is, without the [rank] in front",
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="keep gloo's connection lines ([Gloo] Rank N is connected ...) and log each "
+        "process's PID",
     )
     parser.add_argument("script", help="the Python script each process runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     try:
         launcher = Launcher(
             args.n,
@@ -621,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
             node_rank=args.node_rank,
             coordinator=args.coordinator,
             max_restarts=args.max_restarts,
+            prefix=not args.no_prefix,
+            verbose=args.verbose,
         )
     except ValueError as e:
         parser.error(str(e))

@@ -37,8 +37,10 @@ def test_processes_get_huge_page_malloc_unless_glibc_tunables_is_set_even_empty(
 class _Popen:
     """Stands in for ``subprocess.Popen``: records each process's command line and env."""
 
-    def __init__(self, args, env, start_new_session):
+    def __init__(self, args, env, start_new_session, stdout, stderr):
         self.args, self.env, self.new_session = args, env, start_new_session
+        self.piped = (stdout, stderr)
+        self.stdout = self.stderr = None  # nothing to relay
         self.pid = 50000 + int(env[join.ENV_PROCESS_ID])
 
 
@@ -102,12 +104,35 @@ def test_each_process_runs_the_script_with_its_arguments_after_the_shim(attempt)
     (p,) = seen["procs"]
     shim = [sys.executable, "-S", "-c", launcher._DIE_WITH_PARENT, str(os.getpid())]
     assert p.args[: len(shim)] == shim  # killed with this launcher, whose pid it checks
-    rest = p.args[len(shim) :]
-    assert rest[:3] == [sys.executable, "-c", launcher._RUN_SCRIPT]
-    assert rest[4:] == ["train.py", "-n", "7"]  # after the notes directory
-    assert os.path.basename(rest[3]).startswith("jaxkv-launch-")
-    assert not os.path.exists(rest[3])  # removed once the attempt is over
+    # What ps shows: python, the runner, the script and its arguments.
+    assert p.args[len(shim) :] == [sys.executable, launcher.RUNNER, "train.py", "-n", "7"]
+    assert os.path.basename(launcher.RUNNER) == "runner.py" and os.path.isfile(launcher.RUNNER)
+    notes = p.env["JAXKV_LAUNCH_NOTES"]
+    assert os.path.basename(notes).startswith("jaxkv-launch-")
+    assert not os.path.exists(notes)  # removed once the attempt is over
     assert p.new_session
+    assert p.piped == (subprocess.PIPE, subprocess.PIPE)  # relayed, prefixed
+    assert p.env["PYTHONUNBUFFERED"] == "1"  # each line reaches the relay when printed
+
+
+@pytest.mark.parametrize(
+    "prefix, verbose, piped",
+    [(True, False, True), (True, True, True), (False, False, True)] + [(False, True, False)],
+)
+def test_output_is_relayed_unless_nothing_is_to_be_prefixed_or_dropped(
+    attempt, monkeypatch, prefix, verbose, piped
+):
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    seen = attempt(launcher.Launcher(1, ["train.py"], prefix=prefix, verbose=verbose), 0)
+    (p,) = seen["procs"]
+    assert p.piped == ((subprocess.PIPE,) * 2 if piped else (None, None))
+    assert ("PYTHONUNBUFFERED" in p.env) == piped
+
+
+def test_a_users_pythonunbuffered_is_kept(attempt, monkeypatch):
+    monkeypatch.setenv("PYTHONUNBUFFERED", "")
+    (p,) = attempt(launcher.Launcher(1, ["train.py"]), 0)["procs"]
+    assert p.env["PYTHONUNBUFFERED"] == ""
 
 
 # ---- the command line ----
@@ -399,3 +424,16 @@ def test_a_process_proc_cannot_tell_about_is_not_ending(monkeypatch, tmp_path):
     short.write_text("1 (py) S 1")
     monkeypatch.setattr(launcher, "open", lambda path: short.open(), raising=False)
     assert launcher._ending(1) is False  # too few fields
+
+
+def test_help_is_usage_and_examples_within_100_columns(capsys, monkeypatch):
+    """``--help`` says how to use the launcher, with examples; how it works is in the docs."""
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit):
+        launcher.main(["--help"])
+    text = capsys.readouterr().out
+    assert "examples:" in text and "--no-prefix" in text and "--verbose" in text
+    assert "python -m jaxkv.launch -n 2 --devices-per-process 4 train.py" in text
+    for internal in ("/proc", "pidfd", "PR_SET_PDEATHSIG", "atexit", "GLIBC_TUNABLES"):
+        assert internal not in text
+    assert max(map(len, text.splitlines())) <= 100
