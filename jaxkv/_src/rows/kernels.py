@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxkv._src.core.collectives import SUM
 from jaxkv._src.core.on_blocks import UPDATER
 from jaxkv._src.core.on_buckets import elementwise as _elementwise
-from jaxkv._src.core.updater import apply_updates
+from jaxkv._src.core.updater import apply_updates, init_state, updater_errors, updater_name
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.state.kvstate import Key, KVState
 from jaxkv._src.state.pairing import as_array
@@ -128,49 +128,63 @@ def _updated(
     if updater is None:
         return where.put(stored, unique, summed), opt_state
     if isinstance(updater, optax.GradientTransformation):
-        tree_map_params = optax.tree_utils.tree_map_params
-        # Each device's own rows of a sharded table (zeros for the others'), where the updater
-        # is elementwise: a row's update then needs nothing of another device's rows, and the
-        # rows it gets wrong are rows this device does not write back. Else every device gets
-        # every touched row (one psum), and runs the updater on them all.
-        take = where.take_own
-        opt_rows = tree_map_params(updater, lambda x: take(x, unique), opt_state)
-        name = np.dtype(stored.dtype).name
-        if where.axis is not None and not _elementwise(
-            updater, (key,), (tuple(summed.shape),), name, opt_rows
-        ):
-            take = where.take
-            opt_rows = tree_map_params(updater, lambda x: take(x, unique), opt_state)
-        old = take(stored, unique)
-        updates, new_opt = updater.update({key: summed}, opt_rows, {key: old})
-        new_rows = apply_updates({key: old}, updates)[key]
-        # The per-parameter leaves: their touched rows written back; the others (a step
-        # count) as the update left them.
-        per_row = tree_map_params(
-            updater, lambda x: True, opt_state, transform_non_params=lambda x: False
-        )
-        opt_state = jax.tree_util.tree_map(
-            lambda rowwise, x, new: where.put(x, unique, new) if rowwise else new,
-            per_row,
-            opt_state,
-            new_opt,
-        )
+        with updater_errors(updater, [key]):  # init (tree_map_params traces it) and update
+            new_rows, opt_state = _optax_rows(
+                key, where, stored, opt_state, unique, summed, updater
+            )
         return where.put(stored, unique, new_rows), opt_state
     pushed = where.put(jnp.zeros_like(stored), unique, summed)
-    value = updater(key, pushed, stored)
+    with updater_errors(updater, [key]):
+        value = updater(key, pushed, stored)
     if value is None:
         raise KVStoreError(
-            f"key {key!r}: the updater returned None, expected the new stored value. "
-            "MXNet-style in-place updaters (stored += ...) work through jaxkv.KVStore; "
-            "a functional updater must return the new value"
+            f"key {key!r}: the updater {updater_name(updater)} returned None, expected the new "
+            "stored value. MXNet-style in-place updaters (stored += ...) work through "
+            "jaxkv.KVStore; a functional updater must return the new value"
         )
-    value = as_array(value)
+    with updater_errors(updater, [key]):  # a result that is no array
+        value = as_array(value)
     if tuple(value.shape) != tuple(stored.shape):
         raise ShapeError(
             f"key {key!r}: the updater returned shape {tuple(value.shape)}, expected the stored "
-            f"shape {tuple(stored.shape)}"
+            f"shape {tuple(stored.shape)} (the updater: {updater_name(updater)})"
         )
     return value.astype(stored.dtype), opt_state
+
+
+def _optax_rows(
+    key: Key, where: Where, stored: Any, opt_state: Any, unique: Any, summed: Any, updater: Any
+) -> tuple[Any, Any]:
+    """The optax updater on the touched rows: their new values, and the optimizer state with
+    the same rows of its per-parameter leaves written back."""
+    tree_map_params = optax.tree_utils.tree_map_params
+    # Each device's own rows of a sharded table (zeros for the others'), where the updater
+    # is elementwise: a row's update then needs nothing of another device's rows, and the
+    # rows it gets wrong are rows this device does not write back. Else every device gets
+    # every touched row (one psum), and runs the updater on them all.
+    take = where.take_own
+    opt_rows = tree_map_params(updater, lambda x: take(x, unique), opt_state)
+    name = np.dtype(stored.dtype).name
+    if where.axis is not None and not _elementwise(
+        updater, (key,), (tuple(summed.shape),), name, opt_rows
+    ):
+        take = where.take
+        opt_rows = tree_map_params(updater, lambda x: take(x, unique), opt_state)
+    old = take(stored, unique)
+    updates, new_opt = updater.update({key: summed}, opt_rows, {key: old})
+    new_rows = apply_updates({key: old}, updates)[key]
+    # The per-parameter leaves: their touched rows written back; the others (a step
+    # count) as the update left them.
+    per_row = tree_map_params(
+        updater, lambda x: True, opt_state, transform_non_params=lambda x: False
+    )
+    opt_state = jax.tree_util.tree_map(
+        lambda rowwise, x, new: where.put(x, unique, new) if rowwise else new,
+        per_row,
+        opt_state,
+        new_opt,
+    )
+    return new_rows, opt_state
 
 
 def plan(ids: Any, block: int, parts: int, c: int) -> tuple[Any, Any]:
@@ -522,7 +536,7 @@ def push_whole(state: KVState, key: Key, n_rows: int, ids: Any, rows: Any, updat
     group = state.opt_group(key) if isinstance(updater, optax.GradientTransformation) else None
     opt = None if group is None else state.opt_states[group]
     if isinstance(updater, optax.GradientTransformation) and opt is None:
-        opt = updater.init({key: stored})
+        opt = init_state(updater, {key: stored})
         group = (key,)
     value, opt = update_rows(key, Where(), stored, opt, ids, rows, n_rows, updater)
     return state.replace({key: value}, None if group is None else {group: opt})

@@ -41,7 +41,7 @@ from jaxkv._src.core.collectives import axis_names, unsummed_axes
 from jaxkv._src.core.on_buckets import abstract as _abstract
 from jaxkv._src.core.on_buckets import elementwise as _elementwise
 from jaxkv._src.core.on_buckets import structure as _structure
-from jaxkv._src.core.updater import optimizer_group
+from jaxkv._src.core.updater import as_updater, optimizer_group, updater_errors
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.jax_internals import assemble, per_device
 from jaxkv._src.processes import host as host_collectives
@@ -491,7 +491,9 @@ def push_rows(
       row_ids: integer row ids of any shape (flattened), or a list of them (one per device).
       rows: the rows, ``(n, *shape[1:])`` for ``n`` ids, or a list of them.
       updater: ``None`` (assign), an ``optax.GradientTransformation`` (lazy: only the touched
-        rows; the key must be an optimizer group of its own), or ``updater(key, pushed, stored)``.
+        rows; the key must be an optimizer group of its own), or ``updater(key, pushed, stored)``;
+        an optax wrapper with a ``gradient_transformation()`` method (``optax.MultiSteps``) is
+        taken as its transformation, as :func:`jaxkv.push` takes it.
       axis_name: inside ``pmap``/``shard_map``: the mapped axis. Each device pushes its own
         pair; pairs that JAX has made invariant along it (the same on every device) count once.
       donate: let the computation reuse the buffers of ``state`` (which then becomes invalid);
@@ -499,8 +501,10 @@ def push_rows(
 
     Raises:
       KVStoreError: eagerly, an id that is not a whole number in ``[0, rows)``; rows of another
-        shape; a key in an optimizer group with other keys. Inside ``jit``, an id outside
-        ``[0, rows)`` cannot be refused: it updates nothing. Nothing changes on a refusal.
+        shape; a key in an optimizer group with other keys; an updater that is none of the
+        above; an exception the updater raises (traced or run), naming the key and the updater,
+        the original as its ``__cause__``. Inside ``jit``, an id outside ``[0, rows)`` cannot be
+        refused: it updates nothing. Nothing changes on a refusal.
 
     Examples:
       >>> import jax.numpy as jnp, jaxkv
@@ -543,6 +547,7 @@ def pushpull_rows(
       >>> got.tolist()
       [[2.0, 2.0], [1.0, 1.0], [2.0, 2.0]]
     """
+    updater = as_updater(updater)  # an optax wrapper (MultiSteps): its transformation
     asked = row_ids if pull_ids is None else pull_ids
     many = isinstance(rows, list | tuple)
     if (
@@ -597,6 +602,7 @@ def _push(
     pulled rows (else ``None``). ``pull``: ``None`` (no pull), ``_SAME`` (the pushed ids), or
     ``(given, checked)``, the ids to pull per device as given and checked on the host.
     ``checked``: the pairs' ids, already checked on the host (:func:`check_push`)."""
+    updater = as_updater(updater)  # an optax wrapper (MultiSteps): its transformation
     if state.reduce != "sum":
         raise KVStoreError(
             f"key {key!r}: a row-sparse push sums its rows, given a store with "
@@ -700,6 +706,7 @@ def check_push(state: KVState, key: Any, row_ids: Any, rows: Any, updater: Any) 
     """Every refusal of an eager ``push_rows(state, key, row_ids, rows, updater=updater)``,
     raised now, for a push that runs later (the imperative store's held push); returns the
     checked ids on the host, one array per pair, for :func:`pushpull_checked`."""
+    updater = as_updater(updater)  # an optax wrapper (MultiSteps): its transformation
     key, i, shape, pairs, _ = _opened(state, key, row_ids, rows, updater)
     with checking(state, key):
         host = _host_pairs(key, shape, _fl.stored_type(state, i).dtype, pairs)
@@ -781,9 +788,10 @@ def _owners_alone(
 def _elementwise_rows(updater: Any, key: Key, shape: tuple, name: str, sig: tuple) -> bool:
     """Whether ``updater`` updates one row of a table of ``shape`` (its state's structure
     ``sig``) from that row alone (``tree_map_params`` traces ``updater.init``: 0.3 ms a push)."""
-    rows_state = optax.tree_utils.tree_map_params(
-        updater, lambda x: jax.ShapeDtypeStruct((1, *shape[1:]), x.dtype), _abstract(sig)
-    )
+    with updater_errors(updater, [key]):  # tree_map_params calls updater.init
+        rows_state = optax.tree_utils.tree_map_params(
+            updater, lambda x: jax.ShapeDtypeStruct((1, *shape[1:]), x.dtype), _abstract(sig)
+        )
     return _elementwise(updater, (key,), ((1, *shape[1:]),), name, rows_state)
 
 

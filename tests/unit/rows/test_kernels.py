@@ -1,9 +1,12 @@
-"""jaxkv/_src/rows/kernels.py: the all-to-all route of each id, edges included."""
+"""jaxkv/_src/rows/kernels.py: the all-to-all route of each id, edges included, and an
+updater's own errors where the touched rows are updated."""
 
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+import jaxkv
 from jaxkv._src.rows import kernels
 
 
@@ -52,3 +55,48 @@ def test_rows_outside_a_block_read_as_zeros_and_writes_there_are_dropped():
     np.testing.assert_array_equal(got, [[0, 0], [1, 2], [5, 6], [0, 0]])
     put = np.asarray(kernels.put(block, np.array([3, 6, 7]), np.full((3, 2), 9.0), lo=4))
     np.testing.assert_array_equal(put, [[1, 2], [3, 4], [9, 9]])
+
+
+# -- an updater's own errors, where update_rows runs it -------------------------------------------
+def _raising(key, pushed, stored):
+    raise ValueError("this updater refuses")
+
+
+def _returning_none(key, pushed, stored):
+    return None
+
+
+def _returning_a_row(key, pushed, stored):
+    return stored[0]
+
+
+def _update_raising(updates, state, params=None):
+    raise ValueError("this optimizer refuses")
+
+
+def _update_rows(updater, opt_state=None):
+    table = jnp.arange(8, dtype=jnp.float32).reshape(4, 2)
+    ids = jnp.array([1, 3, 1], jnp.int32)
+    return kernels.update_rows(
+        "e", kernels.Where(), table, opt_state, ids, jnp.ones((3, 2)), 4, updater
+    )
+
+
+def test_an_updater_that_raises_is_a_kvstore_error_naming_the_key_and_the_updater():
+    with pytest.raises(jaxkv.KVStoreError, match=r"key 'e': the updater _raising raised Val") as e:
+        _update_rows(_raising)
+    assert isinstance(e.value.__cause__, ValueError)
+
+
+def test_an_optax_update_that_raises_is_a_kvstore_error_naming_the_key_and_the_optimizer():
+    tx = optax.GradientTransformation(optax.init_empty_state, _update_raising)
+    with pytest.raises(jaxkv.KVStoreError, match=r"'e'.*the optimizer .*_update_raising") as e:
+        _update_rows(tx, optax.EmptyState())
+    assert isinstance(e.value.__cause__, ValueError)
+
+
+def test_an_updater_that_returns_none_or_another_shape_is_named():
+    with pytest.raises(jaxkv.KVStoreError, match=r"the updater _returning_none returned None"):
+        _update_rows(_returning_none)
+    with pytest.raises(jaxkv.ShapeError, match=r"\(the updater: _returning_a_row\)"):
+        _update_rows(_returning_a_row)

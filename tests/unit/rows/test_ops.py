@@ -1,8 +1,12 @@
-"""jaxkv/_src/rows/ops.py: how many slots a route is given."""
+"""jaxkv/_src/rows/ops.py: how many slots a route is given, and what a held row push takes as
+its updater."""
 
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+import jaxkv
 from jaxkv._src.rows import ops
 
 
@@ -19,3 +23,22 @@ def test_busiest_counts_the_most_ids_one_device_sends_one_owner():
     assert ops.busiest(ids, block=4, parts=2) == 4  # the first device's 4 ids for owner 0
     assert ops.busiest([np.array([3, 4])], block=4, parts=2) == 1
     assert ops.busiest([np.array([], np.int64)], block=4, parts=2) == 1
+
+
+class _Wrapper:
+    """An optax wrapper in the way of ``optax.MultiSteps``: no transformation itself."""
+
+    def gradient_transformation(self):
+        return optax.sgd(0.1)
+
+
+def _state():
+    return jaxkv.init(jaxkv.empty(), {"e": jnp.zeros((4, 2))})
+
+
+def test_a_held_row_push_takes_a_wrapper_and_refuses_what_is_no_updater():
+    # check_push: every refusal of a push the imperative store runs later, raised now
+    ids = ops.check_push(_state(), "e", [1, 3], jnp.ones((2, 2)), _Wrapper())
+    assert [x.tolist() for x in ids] == [[1, 3]]
+    with pytest.raises(jaxkv.KVStoreError, match=r"updater: expected None \(assign\).*int 3"):
+        ops.check_push(_state(), "e", [1, 3], jnp.ones((2, 2)), 3)
