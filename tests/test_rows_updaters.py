@@ -29,6 +29,11 @@ IDS = {
     for name, (rows, _) in TABLES.items()
 }
 STEPS = 6  # with MultiSteps(k=2): the 1st, 3rd and 5th only accumulate
+# Each layout with each table: a replicated array or one split over the devices, per key; a
+# bucket kept whole or one split over the devices, flat. Every push form runs on the split
+# bucket (the most bookkeeping); the plain push on all four.
+SETUPS = [(layout, table) for layout in LAYOUTS for table in TABLES]
+SPLIT_BUCKET = ("flat", "sharded")
 
 
 def _table(rows, width):
@@ -135,12 +140,9 @@ INNERS = {"sgd": lambda: optax.sgd(0.1), "momentum": lambda: optax.sgd(0.1, mome
 # jit pushes need the optimizer state made before the step: the eager hows only, with each
 # inner optimizer; jit below with init_optimizer.
 _MULTISTEPS = [
-    (layout, table, how, inner)
-    for layout in LAYOUTS
-    for table in TABLES
-    for how in HOWS
-    if how != "jit"
-    for inner in (INNERS if how == "push" else ["momentum"])
+    *[(layout, table, "push", "momentum") for layout, table in SETUPS],
+    *[(*SPLIT_BUCKET, how, "momentum") for how in HOWS if how not in ("push", "jit")],
+    (*SPLIT_BUCKET, "push", "sgd"),
 ]
 
 
@@ -172,8 +174,7 @@ def test_multisteps_pushed_by_rows_equals_its_transformation_by_hand(
 
 
 @pytest.mark.standard_promotion  # MultiSteps counts in int32 beside float32
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("table", list(TABLES))
+@pytest.mark.parametrize(("layout", "table"), [SPLIT_BUCKET, ("keys", "small")])
 def test_multisteps_pushed_by_rows_inside_jit(layout, table, compiles):
     ms = optax.MultiSteps(optax.sgd(0.1, momentum=0.9), every_k_schedule=2)
     want = _by_hand(ms, table, 4)
@@ -200,8 +201,7 @@ def _rs_values(table, rows):
 
 
 @pytest.mark.standard_promotion  # MultiSteps counts in int32 beside float32
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("setter", ["set_optimizer", "set_updater"])
+@pytest.mark.parametrize(("layout", "setter"), [("keys", "set_optimizer"), ("flat", "set_updater")])
 def test_multisteps_on_the_imperative_stores_row_sparse_push(layout, setter):
     table = "sharded"
     ms = optax.MultiSteps(optax.sgd(0.1, momentum=0.9), every_k_schedule=2)
@@ -337,10 +337,17 @@ def _check(err, name, cause):
         assert type(err.value.__cause__).__name__ in message
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("table", list(TABLES))
-@pytest.mark.parametrize("error", list(ERRORS))
-@pytest.mark.parametrize("how", list(HOWS))
+# Every error on the plain push of each layout and table; two (a Python updater's and an optax
+# one's) through every push form on the split bucket.
+_FAILING = [(layout, table, error, "push") for layout, table in SETUPS for error in ERRORS] + [
+    (*SPLIT_BUCKET, error, how)
+    for error in ("raise", "optax-update")
+    for how in HOWS
+    if how != "push"
+]
+
+
+@pytest.mark.parametrize(("layout", "table", "error", "how"), _FAILING)
 def test_a_row_updaters_error_is_a_kvstore_error_and_the_push_changes_nothing(
     layout, table, error, how
 ):
