@@ -114,13 +114,14 @@ _test-newest: $(NVENV)/.installed
 wheel-check: $(STAMP)
 	bash tools/wheel_check.sh $(BIN)/python
 
-# The property tests with thousands of examples, and the multi-process stress test with many
-# long sequences of calls: run before a change to the arithmetic or to collectives lands.
+# The property tests with thousands of examples, the multi-process stress test with many long
+# sequences of calls, and the launcher naming the first process to fail ten times over each way
+# it fails: run before a change to the arithmetic, to collectives or to the launcher lands.
 # Each stateful run draws its store's layout (auto, flat or keys), so both layouts are covered.
 # Then the whole suite with the oldest and the newest JAX (CI runs the selection with each).
 test-deep: $(STAMP)
 	HYPOTHESIS_PROFILE=deep JAXKV_STRESS=deep $(BIN)/python -m pytest -q -p no:cacheprovider \
-	  tests/test_stateful.py tests/test_dist_stress.py
+	  tests/test_stateful.py tests/test_dist_stress.py tests/test_launch_cause.py
 	$(MAKE) --no-print-directory test-oldest test-newest VERSIONS_SUITE=
 
 demo: $(STAMP)

@@ -14,6 +14,8 @@ from jaxkv._src.processes.launcher import _order_failures
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCH = [sys.executable, "-m", "jaxkv.launch", "-n", "2"]
+# Runs of each failure: one in make test; make test-deep (JAXKV_STRESS=deep) makes ten.
+RUNS = 10 if os.environ.get("JAXKV_STRESS") == "deep" else 1
 
 
 def job(name):
@@ -56,12 +58,12 @@ FAILURES = {
 
 @pytest.mark.parametrize("how", FAILURES)
 def test_the_failed_process_is_named_not_its_peer(how):
-    """cause_job.py, twice: rank 1 fails after a push while rank 0 waits for it in the next,
+    """cause_job.py, RUNS times: rank 1 fails after a push while rank 0 waits for it in the next,
     whose collective then fails within milliseconds; rank 0 often ends first, or at the same
     moment (the launcher that named the first process it found ended named rank 0 in 2 to 7
     of 20 runs of ``exit`` on a loaded 2-core machine)."""
     status, named = FAILURES[how]
-    for _ in range(2):
+    for _ in range(RUNS):
         run = subprocess.run(
             [*LAUNCH, "--devices-per-process", "1", job("cause_job.py"), how],
             env=cpu_env(),
