@@ -151,7 +151,9 @@ def test_the_last_line_without_its_end_is_ended_when_prefixed(job):
     j.wait_for(b"[0] no end\n[1] next\n")
 
 
-class _Broken(_Stream):
+class _Broken:
+    """``sys.stdout`` once the reader of the launcher's output has gone."""
+
     def write(self, text):
         raise BrokenPipeError(32, "Broken pipe")
 
