@@ -159,8 +159,11 @@ class Relay:
             target = self._streams[stream - 1]
         else:
             target = sys.stdout if stream == 1 else sys.stderr
+        try:  # a text stream without bytes beneath (a notebook's, io.StringIO)
+            buffer = target.buffer
+        except (AttributeError, OSError, ValueError):
+            buffer = None
         try:  # a closed or broken stream: the pipes are still read, the output is lost
-            buffer = getattr(target, "buffer", None)
             target.flush()  # what was written as text first comes first
             if buffer is not None:
                 buffer.write(data)

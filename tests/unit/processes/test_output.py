@@ -151,6 +151,27 @@ def test_the_last_line_without_its_end_is_ended_when_prefixed(job):
     j.wait_for(b"[0] no end\n[1] next\n")
 
 
+class _TextOnly(io.StringIO):
+    """A text stream with no bytes beneath, as a notebook's ``sys.stdout`` may be."""
+
+    @property
+    def buffer(self):
+        raise io.UnsupportedOperation("no buffer")
+
+
+@pytest.mark.parametrize("stream", [io.StringIO, _TextOnly])
+def test_a_text_stream_without_bytes_beneath_gets_the_lines_as_text(stream):
+    out = stream()
+    relay = Relay(streams=(out, stream()))
+    r, w = os.pipe()
+    relay.watch(2, os.fdopen(r, "rb"), None)
+    relay.start()
+    os.write(w, "caf\xe9 \u2713\n".encode() + b"\xff\n")
+    os.close(w)
+    relay.close()
+    assert out.getvalue() == "[2] caf\xe9 \u2713\n[2] \ufffd\n"
+
+
 class _Broken:
     """``sys.stdout`` once the reader of the launcher's output has gone."""
 
