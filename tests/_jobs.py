@@ -39,3 +39,17 @@ def launch(n, script, *args, per_process=2, timeout=240):
         text=True,
         timeout=timeout,
     )
+
+
+def run_example(name, timeout=300):
+    """``python examples/NAME`` from the repository's root, on CPU devices, its output captured
+    as text: an example run as the README tells a user to run it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run(
+        [sys.executable, os.path.join(root, "examples", name)],
+        cwd=root,
+        env=cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -1,14 +1,9 @@
 """``examples/demo.py`` (``make demo``) runs to the end and prints what each step shows."""
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
-from _jobs import cpu_env
-
-ROOT = Path(__file__).resolve().parent.parent
+from _jobs import run_example
 
 
 def _filled(value) -> str:
@@ -19,14 +14,7 @@ def _filled(value) -> str:
 def test_demo_runs_and_shows_each_step():
     # The demo is a tour of 8 simulated CPU devices (jax.devices()): on CPU whatever this
     # machine's default backend is.
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "demo.py")],
-        cwd=ROOT,
-        env=cpu_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_example("demo.py")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
 

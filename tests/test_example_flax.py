@@ -5,7 +5,6 @@ step once, and runs as a script. flax is the ``examples`` extra."""
 
 import importlib.util
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _jobs import cpu_env
+from _jobs import run_example
 from jax.sharding import PartitionSpec as P
 
 import jaxkv
@@ -165,14 +164,7 @@ def test_the_modules_declare_local_shapes_only_with_a_model_axis(store):
 
 
 def test_the_script_prints_the_losses_and_the_difference():
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLE)],
-        cwd=ROOT,
-        env=cpu_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_example(EXAMPLE.name)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "mesh {'data': 2, 'model': 4} over 8 cpu devices" in out
