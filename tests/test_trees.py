@@ -97,6 +97,8 @@ def test_a_pushed_tree_of_another_structure_is_refused_naming_the_first_path():
     del grads["params"]["Dense_1"]
     with pytest.raises(jaxkv.KVStoreError, match="no leaf at path 'params/Dense_1/bias'"):
         jaxkv.push(state, grads)
+    with pytest.raises(jaxkv.KVStoreError, match="no leaf at path 'params/Dense_1/bias'"):
+        jaxkv.pushpull(state, grads)
     grads = _grads(0)
     grads["params"]["Dense_2"] = {"kernel": jnp.ones(3)}
     with pytest.raises(jaxkv.KVStoreError, match="path 'params/Dense_2/kernel', which the stored"):

@@ -465,8 +465,11 @@ def pushpull(
       [1.0, 1.0]
     """
     tree = _trees.split(keys) if values is MISSING else None
-    if tree is not None:
-        new = push(state, keys, updater=updater, axis_name=axis_name, donate=donate, reduce=reduce)
+    if tree is not None:  # flattened once: the push gets its leaves by path
+        _trees.check_push(state, tree)
+        new = push(
+            state, tree.mapping, updater=updater, axis_name=axis_name, donate=donate, reduce=reduce
+        )
         got = pull(new, tree.keys, devices=devices, axis_name=axis_name)
         return new, _trees.fill(tree, got)
     if values is MISSING and isinstance(keys, Mapping):
