@@ -13,6 +13,14 @@ import numpy as np
 import optax
 import pytest
 from _devices import cpu_empty, cpu_store
+from _updaters import (
+    FAILING_OPTAX,
+    WRAPPER_NAMED,
+    BrokenWrapper,
+    NoTransformation,
+    in_place,
+    transformation,
+)
 
 import jaxkv
 import jaxkv.mx as mx
@@ -215,22 +223,6 @@ def test_multisteps_on_the_imperative_stores_row_sparse_push(layout, setter):
 
 
 # -- what is refused as an updater --------------------------------------------------------------
-class _NoTransformation:
-    def gradient_transformation(self):
-        return "not one"
-
-    def __repr__(self):
-        return "_NoTransformation()"
-
-
-class _Broken:
-    def gradient_transformation(self):
-        raise RuntimeError("cannot make one")
-
-    def __repr__(self):
-        return "_Broken()"
-
-
 ACCEPTED = r"expected None \(assign\), a callable updater\(key, pushed, stored\), an optax"
 REFUSED = {
     "int": (3, r"given int 3(\n|$)"),
@@ -266,14 +258,14 @@ def test_anything_else_is_refused_as_a_row_updater_naming_it_and_what_is_accepte
 @pytest.mark.parametrize(
     ("wrapper", "why"),
     [
-        (_NoTransformation(), r"gradient_transformation\(\) gave str, expected an optax"),
-        (_Broken(), r"gradient_transformation\(\) raised RuntimeError: cannot make one"),
+        (NoTransformation(), r"gradient_transformation\(\) gave str, expected an optax"),
+        (BrokenWrapper(), r"gradient_transformation\(\) raised RuntimeError: cannot make one"),
     ],
 )
 @pytest.mark.parametrize("how", ["push", "pushpull"])
 def test_a_wrapper_that_gives_no_transformation_is_refused_by_a_row_push(wrapper, why, how):
     state = _state("keys", "small")
-    with pytest.raises(jaxkv.KVStoreError, match=f"updater _(NoTransformation|Broken).*{why}"):
+    with pytest.raises(jaxkv.KVStoreError, match=f"{WRAPPER_NAMED}.*{why}"):
         HOWS[how](state, "small", wrapper, _grads("small", 0))
     _unchanged(state, "small")
 
@@ -291,24 +283,8 @@ def returns_none(key, pushed, stored):
     return None
 
 
-def _update_converting_a_tracer(updates, state, params=None):
-    return {k: np.asarray(u) for k, u in updates.items()}, state
-
-
 def _update_raising(updates, state, params=None):
     raise ValueError("this optimizer refuses")
-
-
-def _init_raising(params):
-    raise ValueError("this optimizer cannot start")
-
-
-def _update_fine(updates, state, params=None):
-    return updates, state
-
-
-def _tx(init, update):
-    return optax.GradientTransformation(init, update)
 
 
 # name: (updater, what names it in the message, the cause's type (None: jaxkv's own check))
@@ -316,13 +292,12 @@ ERRORS = {
     "tracer": (converts_a_tracer, "converts_a_tracer", jax.errors.ConcretizationTypeError),
     "raise": (raises, "raises", ValueError),
     "none": (returns_none, "returns_none", None),
-    "optax-tracer": (
-        _tx(optax.init_empty_state, _update_converting_a_tracer),
-        "_update_converting_a_tracer",
-        jax.errors.TracerArrayConversionError,
+    "optax-update": (
+        transformation(optax.init_empty_state, _update_raising),
+        "_update_raising",
+        ValueError,
     ),
-    "optax-update": (_tx(optax.init_empty_state, _update_raising), "_update_raising", ValueError),
-    "optax-init": (_tx(_init_raising, _update_fine), "_init_raising", ValueError),
+    **FAILING_OPTAX,
 }
 
 
@@ -365,16 +340,6 @@ def test_a_row_updaters_error_is_a_kvstore_error_and_the_push_changes_nothing(
     )
 
 
-def _in_place(update):
-    """The imperative store's updaters get NDArray handles."""
-
-    def imperative(key, inp, stored):
-        return update(key, inp.asjax(), stored.asjax())
-
-    imperative.__qualname__ = update.__qualname__
-    return imperative
-
-
 # The imperative store's updaters: Python ones are traced for a row push (they see the rows
 # summed into a dense value), pure ones too; optax ones through set_optimizer.
 _IMPERATIVE = [
@@ -397,9 +362,9 @@ def test_a_row_updaters_error_on_the_imperative_store_changes_nothing(layout, er
     if setter == "set_optimizer":
         kv.set_optimizer(updater)
     elif setter == "set_updater":
-        kv.set_updater(_in_place(updater))
+        kv.set_updater(in_place(updater))
     else:
-        kv.set_updater(jaxkv.pure_updater(_in_place(updater)))
+        kv.set_updater(jaxkv.pure_updater(in_place(updater)))
     with pytest.raises(jaxkv.KVStoreError) as err:
         kv.push("e", _rs_values(table, _grads(table, 0)))
         kv.pull("e")  # the store may hold the push until something reads

@@ -10,6 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _updaters import (
+    FAILING_OPTAX,
+    WRAPPER_NAMED,
+    BrokenWrapper,
+    NoTransformation,
+    in_place,
+    transformation,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -127,22 +135,6 @@ def test_multisteps_on_the_imperative_store(layout, setter, keys):
     assert not np.allclose(want[5][keys[0]], want[4][keys[0]])
 
 
-class _NoTransformation:
-    def gradient_transformation(self):
-        return "not one"
-
-    def __repr__(self):
-        return "_NoTransformation()"
-
-
-class _Broken:
-    def gradient_transformation(self):
-        raise RuntimeError("cannot make one")
-
-    def __repr__(self):
-        return "_Broken()"
-
-
 ACCEPTED = r"expected None \(assign\), a callable updater\(key, pushed, stored\), an optax"
 REFUSED = [
     (3, r"given int 3(\n|$)"),
@@ -181,13 +173,13 @@ def test_anything_else_is_refused_as_an_updater_naming_it_and_what_is_accepted(
 @pytest.mark.parametrize(
     ("wrapper", "why"),
     [
-        (_NoTransformation(), r"gradient_transformation\(\) gave str, expected an optax"),
-        (_Broken(), r"gradient_transformation\(\) raised RuntimeError: cannot make one"),
+        (NoTransformation(), r"gradient_transformation\(\) gave str, expected an optax"),
+        (BrokenWrapper(), r"gradient_transformation\(\) raised RuntimeError: cannot make one"),
     ],
 )
 def test_a_wrapper_that_gives_no_transformation_is_refused(wrapper, why):
     state = _state("keys")
-    with pytest.raises(jaxkv.KVStoreError, match=f"updater _(NoTransformation|Broken).*{why}"):
+    with pytest.raises(jaxkv.KVStoreError, match=f"{WRAPPER_NAMED}.*{why}"):
         jaxkv.push(state, "a", jnp.ones(3), updater=wrapper)
     with pytest.raises(jaxkv.KVStoreError, match=why):
         jaxkv.init_optimizer(state, wrapper)
@@ -209,10 +201,6 @@ def returns_another_shape(key, pushed, stored):
     return jnp.zeros((7,))
 
 
-def _update_converting_a_tracer(updates, state, params=None):
-    return {k: np.asarray(u) for k, u in updates.items()}, state
-
-
 def _update_of_another_shape(updates, state, params=None):
     return {k: jnp.zeros((5, 7)) for k in updates}, state
 
@@ -222,39 +210,22 @@ def _update_asserting(updates, state, params=None):
     return updates, state
 
 
-def _init_raising(params):
-    raise ValueError("this optimizer cannot start")
-
-
-def _update_fine(updates, state, params=None):
-    return updates, state
-
-
-def _tx(init, update):
-    return optax.GradientTransformation(init, update)
-
-
 # name: (updater, what names it in the message, the cause's type (None: jaxkv's own check))
 ERRORS = {
     "tracer": (converts_a_tracer, "converts_a_tracer", jax.errors.TracerArrayConversionError),
     "assert": (asserts, "asserts", AssertionError),
     "shape": (returns_another_shape, "returns_another_shape", None),
-    "optax-tracer": (
-        _tx(optax.init_empty_state, _update_converting_a_tracer),
-        "_update_converting_a_tracer",
-        jax.errors.TracerArrayConversionError,
-    ),
     "optax-shape": (
-        _tx(optax.init_empty_state, _update_of_another_shape),
+        transformation(optax.init_empty_state, _update_of_another_shape),
         "_update_of_another_shape",
         ValueError,
     ),
     "optax-assert": (
-        _tx(optax.init_empty_state, _update_asserting),
+        transformation(optax.init_empty_state, _update_asserting),
         "_update_asserting",
         AssertionError,
     ),
-    "optax-init": (_tx(_init_raising, _update_fine), "_init_raising", ValueError),
+    **FAILING_OPTAX,
 }
 KEYS = {"one": "a", "list": ["a", "b"]}
 
@@ -307,16 +278,6 @@ def test_an_updaters_error_is_a_kvstore_error_and_the_push_changes_nothing(
     np.testing.assert_array_equal(np.asarray(new["a"]), np.ones(3))
 
 
-def _in_place(update):
-    """The imperative store's updaters get NDArray handles."""
-
-    def imperative(key, inp, stored):
-        return update(key, inp.asjax(), stored.asjax())
-
-    imperative.__qualname__ = update.__qualname__
-    return imperative
-
-
 # A Python updater sees concrete values (no tracer to convert), and optax is always traced.
 _IMPERATIVE = [
     (error, python)
@@ -340,9 +301,9 @@ def test_an_updaters_error_on_the_imperative_store_changes_nothing(layout, keys,
     if isinstance(updater, optax.GradientTransformation):
         kv.set_optimizer(updater)
     elif python:
-        kv.set_updater(_in_place(updater))
+        kv.set_updater(in_place(updater))
     else:
-        kv.set_updater(jaxkv.pure_updater(_in_place(updater)))
+        kv.set_updater(jaxkv.pure_updater(in_place(updater)))
     outs = [nd.zeros((3,))] if isinstance(keys, str) else [nd.zeros((3,)), nd.zeros((1, 2))]
     with pytest.raises(jaxkv.KVStoreError) as err:
         # The store may hold the push until something reads: the error comes at the read.
@@ -392,7 +353,9 @@ def _only_named_keys(updates, state, params=None):
 
 
 def test_an_update_that_cannot_run_over_a_bucket_runs_per_key_with_the_same_numbers():
-    tx = optax.chain(_tx(optax.init_empty_state, _only_named_keys), optax.sgd(0.1, momentum=0.9))
+    tx = optax.chain(
+        transformation(optax.init_empty_state, _only_named_keys), optax.sgd(0.1, momentum=0.9)
+    )
     keys = ["a", "b"]
     got = {}
     for layout in LAYOUTS:
