@@ -34,7 +34,6 @@ class _Pipe:
     pipe: IO[bytes]
     pending: bytearray = field(default_factory=bytearray)
     since: float = 0.0  # when the first byte of ``pending`` came
-    mid_line: bool = False  # the start of its current line has been passed on
 
 
 class Relay:
@@ -64,7 +63,8 @@ class Relay:
         self.prefix, self.gloo_lines, self._streams = prefix, gloo_lines, streams
         self._selector = selectors.DefaultSelector()
         self._pipes: dict[int, _Pipe] = {}
-        self._mid_line: dict[int, _Pipe | None] = {1: None, 2: None}  # per stream
+        # Per stream: the pipe whose line's start was passed on without its end, if any.
+        self._mid_line: dict[int, _Pipe | None] = {1: None, 2: None}
         self._abandon = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -127,7 +127,7 @@ class Relay:
         if p.pending:
             self._pass_on(p, bytes(p.pending) + (b"\n" if self.prefix else b""), whole=True)
             p.pending.clear()
-        elif p.mid_line and self.prefix:
+        elif self._mid_line[p.stream] is p and self.prefix:
             self._pass_on(p, b"\n", whole=True)
         self._selector.unregister(p.pipe.fileno())
         del self._pipes[p.pipe.fileno()]
@@ -140,17 +140,15 @@ class Relay:
     def _pass_on(self, p: _Pipe, data: bytes, whole: bool) -> None:
         """Writes ``data``, a whole line (``whole``) or the start of one, of ``p``."""
         out = b""
-        other = self._mid_line[p.stream]
-        if other is not None and other is not p:
-            out += b"\n"  # another process's line was left open: end it first
-            other.mid_line = False
-        if not p.mid_line:
+        open_line = self._mid_line[p.stream]  # the pipe whose line was left open, if any
+        if open_line is not p:  # a new line of p
             if whole and not self.gloo_lines and GLOO_CONNECTED.fullmatch(data):
                 return
+            if open_line is not None:
+                out += b"\n"  # another process's line was left open: end it first
             if self.prefix:
                 out += f"[{p.rank}] ".encode()
         out += data
-        p.mid_line = not whole
         self._mid_line[p.stream] = None if whole else p
         self._write(p.stream, out)
 

@@ -123,6 +123,17 @@ def test_a_line_never_mixes_with_another_processs(job, monkeypatch):
     j.wait_for(seen + b"[0]  20%\n")
 
 
+def test_a_dropped_gloo_line_leaves_another_processs_open_line_open(job, monkeypatch):
+    monkeypatch.setattr(output, "PARTIAL_WAIT", 0.05)
+    j = job()
+    j.write(0, b"prompt> ")
+    j.wait_for(b"[0] prompt> ")
+    j.write(1, GLOO)  # dropped: nothing is written, nor is rank 0's line ended
+    time.sleep(0.2)
+    j.write(0, b"yes\n")
+    j.wait_for(b"[0] prompt> yes\n")
+
+
 def test_gloos_connection_lines_are_dropped_unless_asked_for(job):
     j = job()
     j.write(0, GLOO + b"[Gloo] a line of the user's\n")
