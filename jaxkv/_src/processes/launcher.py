@@ -558,8 +558,8 @@ def main(argv: list[str] | None = None) -> int:
         "--max-restarts",
         type=int,
         default=0,
-        metavar="R",
-        help="start the whole job again up to R times when a process fails (default 0)",
+        metavar="TIMES",
+        help="start the whole job again up to TIMES times when a process fails (default 0)",
     )
     parser.add_argument(
         "--no-prefix",
@@ -575,7 +575,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("script", help="the Python script each process runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.verbose:  # the launcher's own debug lines, not every library's
+        logger.setLevel(logging.DEBUG)
     try:
         launcher = Launcher(
             args.n,
