@@ -547,7 +547,6 @@ def pushpull_rows(
       >>> got.tolist()
       [[2.0, 2.0], [1.0, 1.0], [2.0, 2.0]]
     """
-    updater = as_updater(updater)  # an optax wrapper (MultiSteps): its transformation
     asked = row_ids if pull_ids is None else pull_ids
     many = isinstance(rows, list | tuple)
     if (
