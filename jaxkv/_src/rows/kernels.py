@@ -134,15 +134,14 @@ def _updated(
             )
         return where.put(stored, unique, new_rows), opt_state
     pushed = where.put(jnp.zeros_like(stored), unique, summed)
-    with updater_errors(updater, [key]):
+    with updater_errors(updater, [key]):  # its call, and a result that is no array
         value = updater(key, pushed, stored)
-    if value is None:
-        raise KVStoreError(
-            f"key {key!r}: the updater {updater_name(updater)} returned None, expected the new "
-            "stored value. MXNet-style in-place updaters (stored += ...) work through "
-            "jaxkv.KVStore; a functional updater must return the new value"
-        )
-    with updater_errors(updater, [key]):  # a result that is no array
+        if value is None:
+            raise KVStoreError(
+                f"key {key!r}: the updater {updater_name(updater)} returned None, expected the "
+                "new stored value. MXNet-style in-place updaters (stored += ...) work through "
+                "jaxkv.KVStore; a functional updater must return the new value"
+            )
         value = as_array(value)
     if tuple(value.shape) != tuple(stored.shape):
         raise ShapeError(
