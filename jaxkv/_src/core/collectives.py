@@ -2,6 +2,12 @@
 (fused ``psum`` for small values, reduce-scatter for big ones), and summing over the user's own
 mapped axes exactly once.
 
+Every reduce-scatter jaxkv puts in a computation goes through :func:`psum_scatter`, and every
+all-gather whose gradient AD takes through :func:`all_gather`: across processes on CPU devices
+(XLA:CPU's collectives are gloo's) the reduce-scatter is an all-reduce and a slice, because
+gloo's reduce-scatter intermittently leaves wrong values at the end of rank 0's part
+(docs/distributed.md, "Reduce-scatters across processes").
+
 Every sum is traced under ``jax.named_scope(SUM)`` (``jaxkv.sum``), so the HLO's op names and a
 profiler trace show it."""
 
@@ -9,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -29,7 +36,10 @@ __all__ = [
     "axis_size",
     "axis_sum",
     "fused_psum",
+    "all_gather",
     "fused_psum_scatter",
+    "psum_scatter",
+    "reduce_scatter_safe",
     "scatters",
     "scoped",
     "sum_over_devices",
@@ -109,6 +119,66 @@ def axis_sum(x: jax.Array, axis_name: Any) -> jax.Array:
         return jax.lax.psum(x, todo)
 
 
+# Set to 1, this lets jaxkv emit gloo's reduce-scatter across processes again: only for the tests
+# that show what the all-reduce in its place prevents.
+ENV_GLOO_REDUCE_SCATTER = "JAXKV_GLOO_REDUCE_SCATTER"
+
+
+def reduce_scatter_safe() -> bool:
+    """Whether a reduce-scatter in this job's computations gives the right sums.
+
+    Not across processes on CPU devices: XLA:CPU runs them with gloo's reduce-scatter
+    (``ReduceScatterHalvingDoubling``), which sends from the caller's buffer while the other
+    ranks write into it, and intermittently leaves the end of rank 0's part wrong, silently
+    (measured: most runs of 2 processes summing 16 MiB values on a loaded 2-core machine).
+    There an all-reduce and a slice take its place, which measured faster on gloo too (25.6M
+    float32, 2 processes: ``psum`` 223 ms, ``psum_scatter`` 368 ms).
+    """
+    if jax.process_count() == 1 or jax.default_backend() != "cpu":
+        return True
+    return os.environ.get(ENV_GLOO_REDUCE_SCATTER) == "1"
+
+
+def psum_scatter(
+    x: jax.Array, axis: Any, *, scatter_dimension: int = 0, tiled: bool = False
+) -> jax.Array:
+    """``jax.lax.psum_scatter``, or where that is not safe (:func:`reduce_scatter_safe`) the
+    same values by a ``psum`` and this device's slice of the sum."""
+    if reduce_scatter_safe():
+        return jax.lax.psum_scatter(x, axis, scatter_dimension=scatter_dimension, tiled=tiled)
+    n = axis_size(axis_names(axis))
+    whole = jax.lax.psum(x, axis)
+    size = x.shape[scatter_dimension] // n
+    me = jax.lax.axis_index(axis)
+    part = jax.lax.dynamic_slice_in_dim(whole, me * size, size, scatter_dimension)
+    return part if tiled else jnp.squeeze(part, scatter_dimension)
+
+
+def all_gather(x: jax.Array, axis: Any, *, tiled: bool = False) -> jax.Array:
+    """``jax.lax.all_gather`` whose gradient is summed by :func:`psum_scatter` (AD's own
+    transpose of an all-gather is ``lax.psum_scatter``, which is not safe everywhere)."""
+    if reduce_scatter_safe():
+        return jax.lax.all_gather(x, axis, tiled=tiled)
+    return _gathered(x, axis, tiled)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gathered(x: jax.Array, axis: Any, tiled: bool) -> jax.Array:
+    return jax.lax.all_gather(x, axis, tiled=tiled)
+
+
+def _gathered_fwd(x: jax.Array, axis: Any, tiled: bool) -> tuple[jax.Array, None]:
+    return jax.lax.all_gather(x, axis, tiled=tiled), None
+
+
+def _gathered_bwd(axis: Any, tiled: bool, _: None, g: jax.Array) -> tuple[jax.Array]:
+    with jax.named_scope(SUM):
+        return (psum_scatter(g, axis, scatter_dimension=0, tiled=tiled),)
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
+
+
 # Values below this many elements are summed together through one flat buffer (one collective
 # for many small arrays); larger ones are reduce-scattered one by one, which XLA's CPU
 # collectives do much faster than an all-reduce.
@@ -151,9 +221,9 @@ def fused_psum_scatter(blocks: list[jax.Array], n: int, axis: Any = AXIS) -> lis
     """
     with jax.named_scope(SUM):
         if len(blocks) == 1:
-            return [jax.lax.psum_scatter(blocks[0], axis, scatter_dimension=0, tiled=True)]
+            return [psum_scatter(blocks[0], axis, scatter_dimension=0, tiled=True)]
         cat = jnp.concatenate([b.reshape(n, -1) for b in blocks], axis=1)
-        mine = jax.lax.psum_scatter(cat, axis, scatter_dimension=0, tiled=True)[0]
+        mine = psum_scatter(cat, axis, scatter_dimension=0, tiled=True)[0]
         offsets = np.cumsum([0] + [b.size // n for b in blocks])
         return [
             mine[a:z].reshape((b.shape[0] // n, *b.shape[1:]))
@@ -177,7 +247,7 @@ def sum_over_devices(
     for i, (b, s) in enumerate(zip(blocks, scatter)):
         if s and b.size >= SCATTER_FUSE_LIMIT:
             with jax.named_scope(SUM):
-                out[i] = jax.lax.psum_scatter(b, axis, scatter_dimension=0, tiled=True)
+                out[i] = psum_scatter(b, axis, scatter_dimension=0, tiled=True)
         elif b.size >= SCATTER_FUSE_LIMIT and jax.process_count() > 1:
             with jax.named_scope(SUM):  # across processes: no copy into a fused buffer
                 out[i] = jax.lax.psum(b, axis)

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv._src.core.collectives import PUSH, SUM, scatters, scoped, sum_over_devices
+from jaxkv._src.core.collectives import PUSH, SUM, psum_scatter, scatters, scoped, sum_over_devices
 from jaxkv._src.core.compression import compress, exchange, layout_compressed, on_one_device
 from jaxkv._src.core.on_blocks import UPDATER
 from jaxkv._src.core.on_buckets import update_bucket
@@ -330,7 +330,7 @@ def _sum_split(
                 [as_blocks(x.reshape(s), n) for x, s in zip(part, shapes)], axis=1
             )
             with jax.named_scope(SUM):
-                out.append(jax.lax.psum_scatter(grid, axis, scatter_dimension=0, tiled=True))
+                out.append(psum_scatter(grid, axis, scatter_dimension=0, tiled=True))
         return out
 
     summed = jax.shard_map(

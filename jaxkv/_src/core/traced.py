@@ -37,11 +37,13 @@ from jaxkv._src.core.collectives import (
     PUSH,
     SCATTER_FUSE_LIMIT,
     SUM,
+    all_gather,
     axis_arg,
     axis_names,
     axis_size,
     fused_psum,
     fused_psum_scatter,
+    psum_scatter,
     scoped,
     unsummed_axes,
 )
@@ -131,7 +133,7 @@ def gather(state: KVState, values: Mapping[Key, Any], axis_name: Any) -> dict[Ke
     whole: dict[Key, Any] = {}
     for members in together.values():
         cat = jnp.concatenate([jnp.ravel(given[k]) for k in members])
-        grid = jax.lax.all_gather(cat, axis_arg(names))  # (devices, blocks side by side)
+        grid = all_gather(cat, axis_arg(names))  # (devices, blocks side by side)
         # Split, not sliced: AD's transpose of a split is one concatenation, where each
         # slice's would be a padding to the whole grid (measured: 8 s a step on ResNet-50).
         widths = [math.prod(given[k].shape) for k in members]
@@ -142,7 +144,7 @@ def gather(state: KVState, values: Mapping[Key, Any], axis_name: Any) -> dict[Ke
         if key in whole:
             value = whole[key]
         elif key in blocked:
-            value = jax.lax.all_gather(value, axis_arg(names), tiled=True)
+            value = all_gather(value, axis_arg(names), tiled=True)
         out[key] = value
     return out
 
@@ -161,7 +163,7 @@ def _sum_blocks(
         if set(todo) == set(names):
             if x.size >= SCATTER_FUSE_LIMIT and not fuse_all:
                 with jax.named_scope(SUM):
-                    out[i] = jax.lax.psum_scatter(x, axis_arg(names), tiled=True)
+                    out[i] = psum_scatter(x, axis_arg(names), tiled=True)
             else:
                 small.setdefault(x.dtype, []).append(i)
             continue

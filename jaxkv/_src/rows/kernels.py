@@ -24,7 +24,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv._src.core.collectives import SUM
+from jaxkv._src.core.collectives import SUM, psum_scatter
 from jaxkv._src.core.on_blocks import UPDATER
 from jaxkv._src.core.on_buckets import elementwise as _elementwise
 from jaxkv._src.core.updater import apply_updates, init_state, updater_errors, updater_name
@@ -256,7 +256,7 @@ def per_device_take(mesh: Any, axis: str, sharded: bool) -> Any:
         with jax.named_scope(ROUTE):
             asked = jax.lax.all_gather(ids, axis)
             part = take(table, asked, jax.lax.axis_index(axis) * table.shape[0])
-            return jax.lax.psum_scatter(part, axis, scatter_dimension=0)
+            return psum_scatter(part, axis, scatter_dimension=0)
 
     split = PartitionSpec(axis)
     table = split if sharded else PartitionSpec()

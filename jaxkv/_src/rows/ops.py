@@ -37,7 +37,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv._src.core.collectives import axis_names, unsummed_axes
+from jaxkv._src.core.collectives import axis_names, psum_scatter, unsummed_axes
 from jaxkv._src.core.on_buckets import abstract as _abstract
 from jaxkv._src.core.on_buckets import elementwise as _elementwise
 from jaxkv._src.core.on_buckets import structure as _structure
@@ -211,7 +211,7 @@ def pull_rows(
         with jax.named_scope(ROUTE):
             asked = jax.lax.all_gather(ids, axis)  # every device's request
             part = take(value, asked, jax.lax.axis_index(axis) * block)
-            return jax.lax.psum_scatter(part, axis, scatter_dimension=0)
+            return psum_scatter(part, axis, scatter_dimension=0)
     if spans_processes(state):
         return _pull_across(state, key, i, shape, row_ids, devices)
     if _per_device(row_ids):
