@@ -36,3 +36,22 @@ def test_the_sharded_step_is_exact_run_after_run(n, loaded):
         assert run.returncode == 0, f"run {run_index}:\n{run.stdout}{run.stderr}"
         ok = [line for line in run.stdout.splitlines() if " ok 12 steps" in line]
         assert len(ok) == n, run.stdout + run.stderr
+
+
+def test_verified_sums_catch_gloos_reduce_scatter(monkeypatch, loaded):
+    """With jaxkv's reduce-scatters given back to gloo (JAXKV_GLOO_REDUCE_SCATTER=1, the code
+    before the fix), every run is right or ends in a SumError naming the key and the device,
+    never silently wrong; and within a few runs one does end so."""
+    monkeypatch.setenv("JAXKV_GLOO_REDUCE_SCATTER", "1")
+    caught = 0
+    for run_index in range(10):
+        run = launch(2, "sharded_step_job.py", "jaxkv", 12, per_process=1, timeout=300)
+        text = run.stdout + run.stderr
+        assert "AssertionError" not in text, f"run {run_index}, silently wrong:\n{text}"
+        if run.returncode == 0:
+            continue
+        assert "jaxkv.SumError: key 'w" in text, f"run {run_index}:\n{text}"
+        assert "failed its checksum on device 0 (process 0)" in text, text
+        caught += 1
+        break
+    assert caught, "10 runs and no wrong sum: the stress no longer shows gloo's defect"

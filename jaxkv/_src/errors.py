@@ -14,6 +14,7 @@ __all__ = [
     "KVStoreError",
     "KeyTypeError",
     "ShapeError",
+    "SumError",
     "UnknownKeyError",
 ]
 
@@ -44,8 +45,13 @@ class ShapeError(KVStoreError, ValueError):
     """A value or ``out`` has the wrong shape, or lists do not pair up."""
 
 
+class SumError(KVStoreError):
+    """A sum across devices failed its checksum: a collective of the backend gave wrong values
+    (verified sums, docs/distributed.md). Unlike other refusals it reports a step that ran."""
+
+
 # Tracebacks and reprs name the classes where users import them from (``jaxkv.KVStoreError``).
-for _cls in (KVStoreError, UnknownKeyError, DuplicateKeyError, KeyTypeError, ShapeError):
+for _cls in (KVStoreError, UnknownKeyError, DuplicateKeyError, KeyTypeError, ShapeError, SumError):
     _cls.__module__ = "jaxkv"
 del _cls
 

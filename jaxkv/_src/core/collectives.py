@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._src.errors import KVStoreError
+from jaxkv._src.errors import KVStoreError, SumError  # noqa: F401 (SumError: collectives.SumError)
 from jaxkv._src.jax_internals import varying_axes
 from jaxkv._src.state.kvstate import AXIS, BIGARRAY_BOUND, KVState
 
@@ -40,6 +40,7 @@ __all__ = [
     "fused_psum_scatter",
     "psum_scatter",
     "reduce_scatter_safe",
+    "verify_sums",
     "scatters",
     "scoped",
     "sum_over_devices",
@@ -140,43 +141,176 @@ def reduce_scatter_safe() -> bool:
 
 
 def psum_scatter(
-    x: jax.Array, axis: Any, *, scatter_dimension: int = 0, tiled: bool = False
+    x: jax.Array,
+    axis: Any,
+    *,
+    scatter_dimension: int = 0,
+    tiled: bool = False,
+    what: str = "",
+    owners: tuple[int, ...] | None = None,
 ) -> jax.Array:
     """``jax.lax.psum_scatter``, or where that is not safe (:func:`reduce_scatter_safe`) the
-    same values by a ``psum`` and this device's slice of the sum."""
+    same values by a ``psum`` and this device's slice of the sum. Where :func:`verify_sums`
+    says so, the result is checked (:func:`check_sum`); ``what`` names the values and
+    ``owners`` the process of each device along ``axis``, for the error."""
     if reduce_scatter_safe():
-        return jax.lax.psum_scatter(x, axis, scatter_dimension=scatter_dimension, tiled=tiled)
-    n = axis_size(axis_names(axis))
-    whole = jax.lax.psum(x, axis)
-    size = x.shape[scatter_dimension] // n
-    me = jax.lax.axis_index(axis)
-    part = jax.lax.dynamic_slice_in_dim(whole, me * size, size, scatter_dimension)
-    return part if tiled else jnp.squeeze(part, scatter_dimension)
+        out = jax.lax.psum_scatter(x, axis, scatter_dimension=scatter_dimension, tiled=tiled)
+    else:
+        n = axis_size(axis_names(axis))
+        whole = jax.lax.psum(x, axis)
+        size = x.shape[scatter_dimension] // n
+        me = jax.lax.axis_index(axis)
+        part = jax.lax.dynamic_slice_in_dim(whole, me * size, size, scatter_dimension)
+        out = part if tiled else jnp.squeeze(part, scatter_dimension)
+    if verify_sums() and scatter_dimension == 0:
+        check_sum(x, out, axis, what or "a reduce-scatter", owners)
+    return out
 
 
-def all_gather(x: jax.Array, axis: Any, *, tiled: bool = False) -> jax.Array:
+def all_gather(
+    x: jax.Array,
+    axis: Any,
+    *,
+    tiled: bool = False,
+    what: str = "",
+    owners: tuple[int, ...] | None = None,
+) -> jax.Array:
     """``jax.lax.all_gather`` whose gradient is summed by :func:`psum_scatter` (AD's own
-    transpose of an all-gather is ``lax.psum_scatter``, which is not safe everywhere)."""
-    if reduce_scatter_safe():
+    transpose of an all-gather is ``lax.psum_scatter``, which is neither safe everywhere nor
+    verified); ``what`` and ``owners`` as there."""
+    if reduce_scatter_safe() and not verify_sums():
         return jax.lax.all_gather(x, axis, tiled=tiled)
-    return _gathered(x, axis, tiled)
+    return _gathered(x, axis, tiled, what, owners)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _gathered(x: jax.Array, axis: Any, tiled: bool) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _gathered(x: jax.Array, axis: Any, tiled: bool, what: str, owners: Any) -> jax.Array:
     return jax.lax.all_gather(x, axis, tiled=tiled)
 
 
-def _gathered_fwd(x: jax.Array, axis: Any, tiled: bool) -> tuple[jax.Array, None]:
+def _gathered_fwd(
+    x: jax.Array, axis: Any, tiled: bool, what: str, owners: Any
+) -> tuple[jax.Array, None]:
     return jax.lax.all_gather(x, axis, tiled=tiled), None
 
 
-def _gathered_bwd(axis: Any, tiled: bool, _: None, g: jax.Array) -> tuple[jax.Array]:
+def _gathered_bwd(
+    axis: Any, tiled: bool, what: str, owners: Any, _: None, g: jax.Array
+) -> tuple[jax.Array]:
     with jax.named_scope(SUM):
-        return (psum_scatter(g, axis, scatter_dimension=0, tiled=tiled),)
+        return (psum_scatter(g, axis, tiled=tiled, what=what, owners=owners),)
 
 
 _gathered.defvjp(_gathered_fwd, _gathered_bwd)
+
+
+# Verified sums. ``JAXKV_VERIFY_SUMS=1`` checks every sum jaxkv makes across devices, ``0``
+# none; by default those across processes are checked.
+ENV_VERIFY_SUMS = "JAXKV_VERIFY_SUMS"
+
+
+def verify_sums() -> bool:
+    """Whether jaxkv checks its reduce-scatters and all-reduces with a checksum
+    (:func:`check_sum`): ``JAXKV_VERIFY_SUMS`` if set to 0 or 1, else across processes only,
+    where the sums are an engine's network collectives (gloo's, NCCL's)."""
+    setting = os.environ.get(ENV_VERIFY_SUMS)
+    if setting in ("0", "1"):
+        return setting == "1"
+    return jax.process_count() > 1
+
+
+def _weights(size: int) -> jax.Array:
+    """A fixed pseudo-random vector in [-1, 1) of ``size``, the same on every device: an
+    integer hash of each position (computed where it is used, never stored)."""
+    h = jax.lax.iota(jnp.uint32, size) * jnp.uint32(0x9E3779B1)
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-23) - 1.0
+
+
+def _dots(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's dot with :func:`_weights`, and its dot of absolute values (the scale of the
+    rounding errors), in float32; elementwise products and sums, so no matrix unit rounds."""
+    r = _weights(rows.shape[-1])
+    rows = rows.astype(jnp.float32)
+    return jnp.sum(rows * r, axis=-1), jnp.sum(jnp.abs(rows) * jnp.abs(r), axis=-1)
+
+
+# Each device's part of a checked sum is dotted in this many segments (where its size divides),
+# so that a few wrong elements stand out against the rounding of a segment, not of the part.
+SEGMENTS = 64
+
+
+def check_sum(
+    x: jax.Array, out: jax.Array, axis: Any, what: str, owners: tuple[int, ...] | None = None
+) -> None:
+    """Inside ``shard_map``: check that ``out`` is this device's part of the sum of ``x`` over
+    ``axis`` (a reduce-scatter along axis 0; ``out`` of ``x``'s shape: an all-reduce).
+
+    A sum is linear, so the checksum of a sum is the sum of the inputs' checksums: each device
+    dots its ``x`` (each device's part, in :data:`SEGMENTS` segments) with a fixed
+    pseudo-random vector; a small all-reduce adds those dots, and an all-gather brings every
+    device's dots of its part of the result. A part whose dots differ from the expected ones by
+    more than float rounding raises a :class:`SumError` on the host, in every process, naming
+    ``what`` and the devices (and ``owners``' processes) whose part was wrong. JAX raises it
+    when the step's results are read, as a ``JaxRuntimeError`` carrying its text.
+    """
+    names = axis_names(axis)
+    n = axis_size(names)
+    whole = tuple(out.shape) == tuple(x.shape)
+    size = out.size
+    segments = next(s for s in (SEGMENTS, 32, 16, 8, 4, 2, 1) if size % s == 0)
+    expected, scale = _dots(x.reshape(1 if whole else n, segments, -1))
+    with jax.named_scope(SUM):
+        totals = jax.lax.psum(jnp.stack([expected, scale]), axis)
+        got = jax.lax.all_gather(_dots(out.reshape(segments, -1))[0], axis)
+    eps = float(jnp.finfo(x.dtype).eps) if jnp.issubdtype(x.dtype, jnp.floating) else 0.0
+    jax.debug.callback(
+        functools.partial(_compare, what=what, owners=owners, eps=eps, devices=n, whole=whole),
+        totals,
+        got,
+    )
+
+
+def _compare(
+    totals: Any,
+    got: Any,
+    *,
+    what: str,
+    owners: tuple[int, ...] | None,
+    eps: float,
+    devices: int,
+    whole: bool,
+) -> None:
+    """On the host: refuse parts of a sum whose checksum is off by more than rounding."""
+    expected, scale = np.asarray(totals, np.float64)  # (parts, segments) each
+    got = np.asarray(got, np.float64).reshape(-1, expected.shape[-1])  # (devices, segments)
+    if whole:  # every device holds the whole sum: each is checked against the one total
+        expected = np.broadcast_to(expected, got.shape)
+        scale = np.broadcast_to(scale, got.shape)
+    # The sum's own rounding (in the values' dtype, over the devices) and the checksum's.
+    tolerance = (2 * devices * eps + 64 * float(np.finfo(np.float32).eps)) * scale + 1e-30
+    with np.errstate(invalid="ignore"):  # inf - inf: a sum that cannot be checked
+        off = np.isfinite(expected) & ~(np.abs(got - expected) <= tolerance)
+    wrong = np.flatnonzero(off.any(axis=1))
+    if wrong.size:
+        where = ", ".join(
+            f"device {d}" + (f" (process {owners[d]})" if owners and d < len(owners) else "")
+            for d in wrong
+        )
+        first = [int(np.flatnonzero(off[d])[0]) for d in wrong]
+
+        def listed(a: Any) -> str:
+            return ", ".join(f"{a[d, j]:.7g}" for d, j in zip(wrong, first))
+
+        raise SumError(
+            f"{what}: the sum across {devices} devices failed its checksum on {where}: in "
+            f"segment {', '.join(map(str, first))} of {off.shape[1]}, expected "
+            f"{listed(expected)}, given {listed(got)} (tolerance {listed(tolerance)}); a "
+            "collective of this backend gave wrong values. Rerun; if it recurs, report it with "
+            "docs/distributed.md's repro"
+        )
 
 
 # Values below this many elements are summed together through one flat buffer (one collective
@@ -202,12 +336,21 @@ def scatters(state: KVState, shape: tuple[int, ...]) -> bool:
 SCATTER_FUSE_LIMIT = 1 << 18
 
 
-def fused_psum(blocks: list[jax.Array], axis: Any = AXIS) -> list[jax.Array]:
-    """``psum`` of several blocks of one dtype through one flat buffer (one collective)."""
+def fused_psum(
+    blocks: list[jax.Array], axis: Any = AXIS, what: str = "an all-reduce"
+) -> list[jax.Array]:
+    """``psum`` of several blocks of one dtype through one flat buffer (one collective),
+    checked where :func:`verify_sums` says so."""
     with jax.named_scope(SUM):
         if len(blocks) == 1:
-            return [jax.lax.psum(blocks[0], axis)]
-        flat = jax.lax.psum(jnp.concatenate([b.reshape(-1) for b in blocks]), axis)
+            out = jax.lax.psum(blocks[0], axis)
+            if verify_sums():
+                check_sum(blocks[0], out, axis, what)
+            return [out]
+        cat = jnp.concatenate([b.reshape(-1) for b in blocks])
+        flat = jax.lax.psum(cat, axis)
+        if verify_sums():
+            check_sum(cat, flat, axis, what)
         offsets = np.cumsum([0] + [b.size for b in blocks])
         return [flat[a:z].reshape(b.shape) for b, a, z in zip(blocks, offsets[:-1], offsets[1:])]
 

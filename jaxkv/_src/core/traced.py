@@ -130,10 +130,14 @@ def gather(state: KVState, values: Mapping[Key, Any], axis_name: Any) -> dict[Ke
         if _fl.split_parts(state, state.index(key)) > 1:
             assert flat is not None  # split buckets exist only in a flat state
             together.setdefault(flat.where[state.index(key)][0], []).append(key)
+    owners = None
+    if len(state.mesh.axis_names) == 1 and names == tuple(state.mesh.axis_names):
+        owners = tuple(d.process_index for d in state.mesh.devices.flat)
     whole: dict[Key, Any] = {}
     for members in together.values():
         cat = jnp.concatenate([jnp.ravel(given[k]) for k in members])
-        grid = all_gather(cat, axis_arg(names))  # (devices, blocks side by side)
+        # (devices, blocks side by side)
+        grid = all_gather(cat, axis_arg(names), what=f"keys {members}", owners=owners)
         # Split, not sliced: AD's transpose of a split is one concatenation, where each
         # slice's would be a padding to the whole grid (measured: 8 s a step on ResNet-50).
         widths = [math.prod(given[k].shape) for k in members]
@@ -144,7 +148,9 @@ def gather(state: KVState, values: Mapping[Key, Any], axis_name: Any) -> dict[Ke
         if key in whole:
             value = whole[key]
         elif key in blocked:
-            value = all_gather(value, axis_arg(names), tiled=True)
+            value = all_gather(
+                value, axis_arg(names), tiled=True, what=f"key {key!r}", owners=owners
+            )
         out[key] = value
     return out
 

@@ -1,0 +1,139 @@
+"""jaxkv/_src/core/collectives.py across processes on CPU devices: the reduce-scatter that
+replaces gloo's (an all-reduce and a slice) gives lax.psum_scatter's values, all_gather's
+gradient is that sum, and verified sums pass right sums and refuse wrong ones, naming the values
+and the device whose part was wrong.
+
+One process stands in for a job: ``reduce_scatter_safe`` and ``JAXKV_VERIFY_SUMS`` are set as
+across processes on CPU devices."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxkv._src.core import collectives
+
+N = 4  # devices
+
+
+@pytest.fixture
+def as_across_processes(monkeypatch):
+    monkeypatch.setattr(collectives, "reduce_scatter_safe", lambda: False)
+    monkeypatch.setenv(collectives.ENV_VERIFY_SUMS, "1")
+
+
+def _mesh():
+    return Mesh(np.array(jax.devices("cpu")[:N]), ("kv",))
+
+
+def _run(fn, x):
+    body = jax.shard_map(fn, mesh=_mesh(), in_specs=P("kv"), out_specs=P("kv"))
+    return np.asarray(jax.jit(body)(x))
+
+
+def _blocks(shape, seed=0):
+    return (
+        np.random.default_rng(seed).integers(-50, 50, (N * shape[0], *shape[1:])).astype(np.float32)
+    )
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_the_all_reduce_in_place_of_a_reduce_scatter_gives_its_values(as_across_processes, tiled):
+    x = _blocks((N * 3, 5)) if tiled else _blocks((N, 6))
+
+    def fn(safe, b):
+        if safe:
+            return jax.lax.psum_scatter(b, "kv", scatter_dimension=0, tiled=tiled)
+        return collectives.psum_scatter(b, "kv", tiled=tiled, what="key 'w'")
+
+    want = _run(functools.partial(fn, True), x)
+    got = _run(functools.partial(fn, False), x)
+    np.testing.assert_array_equal(got, want)
+    assert collectives.reduce_scatter_safe() is False
+
+
+def test_the_gathers_gradient_is_the_sum_of_every_devices_gradient(as_across_processes):
+    x = _blocks((3, 4))
+    data = _blocks((N * 3, 4), seed=1)  # device d's data: rows d*N*3 .. (d+1)*N*3
+
+    def grads(gather):
+        def fn(block, mine):
+            return jax.grad(lambda b: jnp.sum(gather(b) * mine))(block)
+
+        body = jax.shard_map(fn, mesh=_mesh(), in_specs=(P("kv"), P("kv")), out_specs=P("kv"))
+        return np.asarray(jax.jit(body)(x, data))
+
+    got = grads(lambda b: collectives.all_gather(b, "kv", tiled=True, what="key 'w'"))
+    want = grads(lambda b: jax.lax.all_gather(b, "kv", tiled=True))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, data.reshape(N, N * 3, 4).sum(0))
+
+
+@pytest.mark.parametrize("kind", ["reduce-scatter", "all-reduce"])
+def test_a_right_sum_passes_its_checksum(as_across_processes, kind):
+    x = np.random.default_rng(2).standard_normal((N * N * 64, 33)).astype(np.float32) * 1e3
+
+    def fn(b):
+        if kind == "all-reduce":
+            return collectives.fused_psum([b], "kv", what="key 'w'")[0]
+        return collectives.psum_scatter(b, "kv", tiled=True, what="key 'w'")
+
+    got = _run(fn, x)
+    whole = x.reshape(N, N * 64, 33).sum(0, dtype=np.float64)
+    np.testing.assert_allclose(got.reshape(-1, 33)[: N * 64], whole, rtol=1e-5, atol=1e-2)
+
+
+@pytest.mark.parametrize("wrong", [1, 0, 3])
+def test_a_wrong_part_of_a_sum_fails_its_checksum_naming_the_key_and_device(
+    as_across_processes, wrong
+):
+    """The reduce-scatter's defect: a few elements at the end of one device's part."""
+    x = _blocks((N * 256, 8))
+
+    def fn(b):
+        out = jax.lax.psum_scatter(b, "kv", scatter_dimension=0, tiled=True)
+        me = jax.lax.axis_index("kv")
+        out = out.at[-1, -3:].add(jnp.where(me == wrong, 7.0, 0.0))
+        collectives.check_sum(b, out, "kv", "key 'w'", owners=(0, 0, 1, 1))
+        return out
+
+    with pytest.raises(Exception, match="SumError") as caught:
+        _run(fn, x)
+    text = str(caught.value)
+    assert "key 'w'" in text and f"device {wrong} (process {(0, 0, 1, 1)[wrong]})" in text
+    assert "segment 63 of 64" in text
+
+
+def test_a_non_finite_sum_is_not_refused(as_across_processes):
+    x = _blocks((N, 8))
+    x[0, 0] = np.inf
+    got = _run(lambda b: collectives.psum_scatter(b, "kv", tiled=True, what="key 'w'"), x)
+    assert np.isinf(got[0, 0])
+
+
+def test_the_checksums_compare_on_the_host():
+    """``_compare`` directly: the tolerance follows the dtype's rounding and the scale."""
+    totals = np.array([[[10.0, 20.0]], [[1e3, 1e3]]])  # expected, scale: 1 part, 2 segments
+    collectives._compare(  # noqa: SLF001
+        totals,
+        np.array([[10.0, 20.0], [10.0, 20.0]]),
+        what="w",
+        owners=None,
+        eps=1e-7,
+        devices=2,
+        whole=True,
+    )
+    with pytest.raises(collectives.SumError, match=r"device 1: in segment 1 of 2"):
+        collectives._compare(  # noqa: SLF001
+            totals,
+            np.array([[10.0, 20.0], [10.0, 21.0]]),
+            what="w",
+            owners=None,
+            eps=1e-7,
+            devices=2,
+            whole=True,
+        )
