@@ -32,7 +32,7 @@ test: $(STAMP)
 # split buckets, the flat store's own suite (make test-layouts runs flat stores), the demo and
 # the notebook.
 SLOW_TESTS := tests/test_stateful.py tests/test_rows.py tests/test_per_key.py \
-	tests/test_dist_stress.py tests/test_launch.py tests/test_launch_cause.py \
+	tests/test_dist_stress.py tests/test_dist_sums.py tests/test_launch.py tests/test_launch_cause.py \
 	tests/test_launch_hosts.py tests/test_launch_env.py tests/test_launch_output.py \
 	tests/test_checkpoint_dist.py \
 	tests/test_split_buckets.py tests/test_flat_store.py tests/test_demo.py tests/test_notebook.py
@@ -121,7 +121,8 @@ wheel-check: $(STAMP)
 # Then the whole suite with the oldest and the newest JAX (CI runs the selection with each).
 test-deep: $(STAMP)
 	HYPOTHESIS_PROFILE=deep JAXKV_STRESS=deep $(BIN)/python -m pytest -q -p no:cacheprovider \
-	  tests/test_stateful.py tests/test_dist_stress.py tests/test_launch_cause.py
+	  tests/test_stateful.py tests/test_dist_stress.py tests/test_dist_sums.py \
+	  tests/test_launch_cause.py
 	$(MAKE) --no-print-directory test-oldest test-newest VERSIONS_SUITE=
 
 demo: $(STAMP)

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxkv
-from jaxkv._src.core import collectives
+from jaxkv._src.core import verified
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 10
 WIDTHS = [256, 2048, 2048, 2048, 16]
@@ -106,7 +106,7 @@ def main():
     steps["gspmd"] = (gspmd, (p, s))
 
     for name, verify in (("jaxkv", "1"), ("jaxkv-unverified", "0")):
-        os.environ[collectives.ENV_VERIFY_SUMS] = verify
+        os.environ[verified.ENV_VERIFY_SUMS] = verify
         state = jaxkv.init(jaxkv.empty(devices, bigarray_bound=1 << 20), params0())
         state = jaxkv.init_optimizer(state, opt)
         specs = jaxkv.specs(state, "kv")

@@ -1,7 +1,7 @@
-"""jaxkv/_src/core/collectives.py across processes on CPU devices: the reduce-scatter that
-replaces gloo's (an all-reduce and a slice) gives lax.psum_scatter's values, all_gather's
-gradient is that sum, and verified sums pass right sums and refuse wrong ones, naming the values
-and the device whose part was wrong.
+"""jaxkv/_src/core/collectives.py and verified.py across processes on CPU devices: the
+reduce-scatter that replaces gloo's (an all-reduce and a slice) gives lax.psum_scatter's values,
+all_gather's gradient is that sum, and verified sums pass right sums and refuse wrong ones,
+naming the values and the device whose part was wrong.
 
 One process stands in for a job: ``reduce_scatter_safe`` and ``JAXKV_VERIFY_SUMS`` are set as
 across processes on CPU devices."""
@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxkv._src.core import collectives
+from jaxkv._src.core import collectives, verified
 
 N = 4  # devices
 
@@ -23,7 +23,7 @@ N = 4  # devices
 @pytest.fixture
 def as_across_processes(monkeypatch):
     monkeypatch.setattr(collectives, "reduce_scatter_safe", lambda: False)
-    monkeypatch.setenv(collectives.ENV_VERIFY_SUMS, "1")
+    monkeypatch.setenv(verified.ENV_VERIFY_SUMS, "1")
 
 
 def _mesh():
@@ -98,7 +98,7 @@ def test_a_wrong_part_of_a_sum_fails_its_checksum_naming_the_key_and_device(
         out = jax.lax.psum_scatter(b, "kv", scatter_dimension=0, tiled=True)
         me = jax.lax.axis_index("kv")
         out = out.at[-1, -3:].add(jnp.where(me == wrong, 7.0, 0.0))
-        collectives.check_sum(b, out, "kv", "key 'w'", owners=(0, 0, 1, 1))
+        verified.check_sum(b, out, "kv", "key 'w'", owners=(0, 0, 1, 1))
         return out
 
     with pytest.raises(Exception, match="SumError") as caught:
@@ -118,7 +118,7 @@ def test_a_non_finite_sum_is_not_refused(as_across_processes):
 def test_the_checksums_compare_on_the_host():
     """``_compare`` directly: the tolerance follows the dtype's rounding and the scale."""
     totals = np.array([[[10.0, 20.0]], [[1e3, 1e3]]])  # expected, scale: 1 part, 2 segments
-    collectives._compare(  # noqa: SLF001
+    verified._compare(  # noqa: SLF001
         totals,
         np.array([[10.0, 20.0], [10.0, 20.0]]),
         what="w",
@@ -127,8 +127,8 @@ def test_the_checksums_compare_on_the_host():
         devices=2,
         whole=True,
     )
-    with pytest.raises(collectives.SumError, match=r"device 1: in segment 1 of 2"):
-        collectives._compare(  # noqa: SLF001
+    with pytest.raises(verified.SumError, match=r"device 1: in segment 1 of 2"):
+        verified._compare(  # noqa: SLF001
             totals,
             np.array([[10.0, 20.0], [10.0, 21.0]]),
             what="w",

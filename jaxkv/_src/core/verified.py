@@ -1,0 +1,150 @@
+"""Verified sums: checksums of jaxkv's sums across devices, and the error a wrong one raises.
+
+A sum is linear, so the checksum of a sum is the sum of the inputs' checksums. jaxkv checks its
+reduce-scatters and all-reduces across processes this way (docs/distributed.md, "Verified
+sums"): an engine's collective that gives wrong values is then a :class:`SumError`, not a
+silently wrong number."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv._src.errors import SumError
+
+__all__ = ["ENV_VERIFY_SUMS", "SumError", "check_sum", "verify_sums"]
+
+
+# The named scope of the checks' computations (in the HLO's op names and profiler traces).
+CHECK = "jaxkv.check"
+
+# ``JAXKV_VERIFY_SUMS=1`` checks every sum jaxkv makes across devices, ``0``
+# none; by default those across processes are checked.
+ENV_VERIFY_SUMS = "JAXKV_VERIFY_SUMS"
+
+
+def verify_sums() -> bool:
+    """Whether jaxkv checks its reduce-scatters and all-reduces with a checksum
+    (:func:`check_sum`): ``JAXKV_VERIFY_SUMS`` if set to 0 or 1, else across processes only,
+    where the sums are an engine's network collectives (gloo's, NCCL's)."""
+    setting = os.environ.get(ENV_VERIFY_SUMS)
+    if setting in ("0", "1"):
+        return setting == "1"
+    return jax.process_count() > 1
+
+
+def _weights(size: int) -> jax.Array:
+    """A fixed pseudo-random vector in [-1, 1) of ``size``, the same on every device: an
+    integer hash of each position (computed where it is used, never stored)."""
+    h = jax.lax.iota(jnp.uint32, size) * jnp.uint32(0x9E3779B1)
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-23) - 1.0
+
+
+def _dots(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's dot (over its last axis) with :func:`_weights`, and its dot of absolute values
+    (the scale of the rounding errors), in float32; elementwise products and sums, so no matrix
+    unit rounds. The vector repeats with a period of up to ``PERIOD`` elements (the largest
+    power of two that divides the row), so that it costs nothing to make."""
+    size = rows.shape[-1]
+    period = math.gcd(size, PERIOD)
+    r = _weights(period)
+    rows = rows.astype(jnp.float32).reshape(*rows.shape[:-1], size // period, period)
+    return jnp.sum(rows * r, axis=(-2, -1)), jnp.sum(jnp.abs(rows) * jnp.abs(r), axis=(-2, -1))
+
+
+# The period of the checksums' pseudo-random vector.
+PERIOD = 4096
+
+
+# Each device's part of a checked sum is dotted in this many segments (where its size divides),
+# so that a few wrong elements stand out against the rounding of a segment, not of the part.
+SEGMENTS = 64
+
+
+def check_sum(
+    x: jax.Array, out: jax.Array, axis: Any, what: str, owners: tuple[int, ...] | None = None
+) -> None:
+    """Inside ``shard_map``: check that ``out`` is this device's part of the sum of ``x`` over
+    ``axis`` (a reduce-scatter along axis 0; ``out`` of ``x``'s shape: an all-reduce).
+
+    A sum is linear, so the checksum of a sum is the sum of the inputs' checksums: each device
+    dots its ``x`` (each device's part, in :data:`SEGMENTS` segments) with a fixed
+    pseudo-random vector, and its part of the result; one small all-gather brings every
+    device's dots, and the inputs' are added. A part whose dots differ from the expected ones
+    by more than float rounding raises a :class:`SumError` on the host, in every process, naming
+    ``what`` and the devices (and ``owners``' processes) whose part was wrong. JAX raises it
+    when the step's results are read, as a ``JaxRuntimeError`` carrying its text.
+    """
+    names = tuple(axis) if isinstance(axis, tuple | list) else (axis,)
+    n = math.prod(jax.lax.axis_size(name) for name in names)
+    whole = tuple(out.shape) == tuple(x.shape)
+    size = out.size
+    segments = next(s for s in (SEGMENTS, 32, 16, 8, 4, 2, 1) if size % s == 0)
+    expected, scale = _dots(x.reshape(1 if whole else n, segments, -1))  # (parts, segments)
+    got = _dots(out.reshape(segments, -1))[0]
+    # One all-gather of every device's dots: the inputs' are summed here.
+    with jax.named_scope(CHECK):
+        every = jax.lax.all_gather(jnp.concatenate([expected.ravel(), scale.ravel(), got]), axis)
+    k = expected.size
+    expected = every[:, :k].sum(0).reshape(expected.shape)
+    scale = every[:, k : 2 * k].sum(0).reshape(expected.shape)
+    got = every[:, 2 * k :]  # (devices, segments)
+    eps = float(jnp.finfo(x.dtype).eps) if jnp.issubdtype(x.dtype, jnp.floating) else 0.0
+    tolerance = (2 * n * eps + 64 * float(jnp.finfo(jnp.float32).eps)) * scale + 1e-30
+    off = jnp.isfinite(expected) & ~(jnp.abs(got - expected) <= tolerance)
+    report = functools.partial(_compare, what=what, owners=owners, eps=eps, devices=n, whole=whole)
+    # The host is called only when a part is off: a right sum costs no host round trip.
+    jax.lax.cond(
+        jnp.any(off),
+        lambda: jax.debug.callback(report, jnp.stack([expected, scale]), got),
+        lambda: None,
+    )
+
+
+def _compare(
+    totals: Any,
+    got: Any,
+    *,
+    what: str,
+    owners: tuple[int, ...] | None,
+    eps: float,
+    devices: int,
+    whole: bool,
+) -> None:
+    """On the host: refuse parts of a sum whose checksum is off by more than rounding."""
+    expected, scale = np.asarray(totals, np.float64)  # (parts, segments) each
+    got = np.asarray(got, np.float64).reshape(-1, expected.shape[-1])  # (devices, segments)
+    if whole:  # every device holds the whole sum: each is checked against the one total
+        expected = np.broadcast_to(expected, got.shape)
+        scale = np.broadcast_to(scale, got.shape)
+    # The sum's own rounding (in the values' dtype, over the devices) and the checksum's.
+    tolerance = (2 * devices * eps + 64 * float(np.finfo(np.float32).eps)) * scale + 1e-30
+    with np.errstate(invalid="ignore"):  # inf - inf: a sum that cannot be checked
+        off = np.isfinite(expected) & ~(np.abs(got - expected) <= tolerance)
+    wrong = np.flatnonzero(off.any(axis=1))
+    if wrong.size:
+        where = ", ".join(
+            f"device {d}" + (f" (process {owners[d]})" if owners and d < len(owners) else "")
+            for d in wrong
+        )
+        first = [int(np.flatnonzero(off[d])[0]) for d in wrong]
+
+        def listed(a: Any) -> str:
+            return ", ".join(f"{a[d, j]:.7g}" for d, j in zip(wrong, first))
+
+        raise SumError(
+            f"{what}: the sum across {devices} devices failed its checksum on {where}: in "
+            f"segment {', '.join(map(str, first))} of {off.shape[1]}, expected "
+            f"{listed(expected)}, given {listed(got)} (tolerance {listed(tolerance)}); a "
+            "collective of this backend gave wrong values. Rerun; if it recurs, report it with "
+            "docs/distributed.md's repro"
+        )
