@@ -35,6 +35,7 @@ from jaxkv._src.errors import DuplicateKeyError as DuplicateKeyError
 from jaxkv._src.errors import KeyTypeError as KeyTypeError
 from jaxkv._src.errors import KVStoreError as KVStoreError
 from jaxkv._src.errors import ShapeError as ShapeError
+from jaxkv._src.errors import SumError as SumError
 from jaxkv._src.errors import UnknownKeyError as UnknownKeyError
 from jaxkv._src.mxnet.kvstore import KVStore as KVStore
 from jaxkv._src.mxnet.kvstore import create as create
@@ -75,6 +76,7 @@ __all__ = [
     "KVStoreError",
     "KeyTypeError",
     "ShapeError",
+    "SumError",
     "UnknownKeyError",
     "Updater",
     "cpu",
