@@ -139,6 +139,11 @@ def _unwrap_values(values: Any) -> Any:
     return unwrap(values)
 
 
+# MXNet's default for MXNET_KVSTORE_BIGARRAY_BOUND: the elements from which its servers split
+# an array (a dist store's bound across processes).
+MXNET_BIGARRAY_BOUND = 1_000_000
+
+
 class KVStore:
     """MXNet's KVStore: ``init``, ``push``, ``pull`` and friends, over a :class:`KVState`.
 
@@ -177,16 +182,18 @@ class KVStore:
                     "before the first JAX computation"
                 ) from None
             devices = job.process_devices()
+        elif devices is None:  # MXNet's local and device stores: this process's devices
+            devices = jax.local_devices()
         self._type = name
         self._lock = threading.RLock()
         # MXNet's knob for which arrays are big enough to be split across devices. Across
-        # processes a split costs an all-gather at each pull and saves nothing in the push, so
-        # a multi-process dist store splits only when the knob is set.
+        # processes a dist store splits from MXNet's own default, as MXNet's servers do: each
+        # process then keeps 1/P of every big value and of its optimizer state.
         bound: int | None = BIGARRAY_BOUND
         if "MXNET_KVSTORE_BIGARRAY_BOUND" in os.environ:
             bound = int(os.environ["MXNET_KVSTORE_BIGARRAY_BOUND"])
         elif name in _DIST_TYPES and jax.process_count() > 1:
-            bound = None
+            bound = MXNET_BIGARRAY_BOUND
         # A row-sparse push under MXNet's optimizer, checked and held until the next call: a
         # row_sparse_pull of its key then runs both in one computation (pushpull_rows); any
         # other use of the state runs it first (see _state).

@@ -883,7 +883,9 @@ def empty(
     layout: str | None = None,
     reduce: str = "sum",
 ) -> KVState:
-    """An empty store over ``devices`` (JAX devices or contexts; default: all local devices).
+    """An empty store over ``devices`` (JAX devices or contexts; default: ``jax.devices()``,
+    every device of the job, so in a joined multi-process job every process's; a store over
+    one process's devices alone is ``empty(jax.local_devices())``).
 
     Values with at least ``bigarray_bound`` elements (whose first dimension divides by the
     number of devices) are stored sharded across the devices; smaller ones are replicated.
@@ -946,7 +948,9 @@ def empty(
             f"axis_name: expected the mesh's axis {mesh.axis_names[0]!r}, given {axis_name!r}"
         )
     if devices is None:
-        devs = tuple(jax.local_devices()) if mesh is None else tuple(mesh.devices.flat)
+        # Every device of the job: in a joined multi-process job, every process's (a store
+        # over this process's devices alone is asked for with devices=jax.local_devices()).
+        devs = tuple(jax.devices()) if mesh is None else tuple(mesh.devices.flat)
     else:
         devs = tuple(d.device if isinstance(d, Context) else d for d in devices)
         if mesh is not None and devs != tuple(mesh.devices.flat):
