@@ -72,6 +72,7 @@ def run(kv, name, steps, workers, rank, local, updater=None, lr=0.5):
 
 
 def main():
+    os.environ["MXNET_KVSTORE_BIGARRAY_BOUND"] = str(1 << 40)  # every value whole
     kv = mx.kv.create("dist_sync")
     rank, workers, local = kv.rank, kv.num_workers, jax.local_devices()
     # One copy per process, on its first device.
@@ -85,8 +86,9 @@ def main():
     kv3.init(["f"], [mx.nd.zeros((4,))])
     kv3.push("f", [mx.nd.ones((4,), mx.cpu(i), dtype=np.float16) for i in range(len(local))])
     check("float16 pushed to float32", kv3.pull("f"), np.full(4, workers * len(local), np.float32))
-    # MXNet's bound set: big values are split across the processes, and sums stay exact.
-    os.environ["MXNET_KVSTORE_BIGARRAY_BOUND"] = "1000000"
+    # By default (MXNet's bound, 1M elements) big values are split across the processes, and
+    # sums stay exact.
+    os.environ.pop("MXNET_KVSTORE_BIGARRAY_BOUND")
     kv4 = mx.kv.create("dist_sync")
     assert kv4.state.is_sharded(SHAPES["big"])
     run(kv4, "split", 2, workers, rank, local, updater=optax.sgd(0.5))
