@@ -54,7 +54,7 @@ def assert_leaves(got, path):
         np.testing.assert_array_equal(g, w)
 
 
-def test_saved_by_2x2_loads_on_1x4_and_4x1_and_training_continues_exactly(tmp_path, devices):
+def test_saved_by_2x2_loads_on_1x4_4x1_and_3x1_and_training_continues_exactly(tmp_path, devices):
     stdout = launch(2, 2, "save", str(tmp_path))
     refused = "damaged checkpoint refused, store unchanged"
     expect(stdout, 2, ["load on the saving topology", "training continues exactly", refused])
@@ -94,11 +94,13 @@ def test_saved_by_2x2_loads_on_1x4_and_4x1_and_training_continues_exactly(tmp_pa
         victim.write_bytes(bytes(raw))
     assert_leaves(kv.state, tmp_path / "after.npz")
 
-    # 4 x 1: a job of 4 processes.
-    stdout = launch(4, 1, "load", str(tmp_path))
+    # 4 x 1 and 3 x 1: jobs of 4 and of 3 processes (3 does not divide the split key's rows).
     checks = ["load on another topology", "load_state on another topology"]
     checks.append("load of a single-process file")
-    expect(stdout, 4, [*checks, "training continues exactly", refused])
+    for n in (4, 3):
+        stdout = launch(n, 1, "load", str(tmp_path))
+        # Training goes on as the saving job's only on its 4 devices (each pushes a gradient).
+        expect(stdout, n, [*checks, refused] + ["training continues exactly"] * (n == 4))
 
 
 def test_a_save_killed_part_way_leaves_the_previous_checkpoint(tmp_path, devices):

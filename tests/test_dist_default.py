@@ -1,6 +1,8 @@
 """A store made with no arguments in a joined job spans every process's devices: each process's
 data reaches every replica (tests/dist/default_store_job.py)."""
 
+import json
+
 import pytest
 from _jobs import launch
 
@@ -39,3 +41,19 @@ def test_a_dist_sync_store_keeps_1_over_p_of_big_values_and_their_state(n):
     ]
     assert len(held) == n, run.stdout + run.stderr
     assert max(held) <= 1.1 / n, held
+
+
+def test_a_dist_sync_store_saved_by_its_processes_restores_onto_1_3_and_4(tmp_path):
+    """Saved by 2 processes, each writing its own half of the big key and of its Adam state;
+    loaded exactly by jobs of 1, 3 and 4 processes."""
+    directory = tmp_path / "ckpt"
+    run = launch(2, "bytes_job.py", 2048, directory, "save", per_process=1, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    with open(directory / "manifest.json") as f:
+        manifest = json.loads(json.load(f)["manifest"])
+    assert manifest["processes"] == 2
+    assert {f["process"] for f in manifest["files"].values()} == {0, 1}
+    for n in (1, 3, 4):
+        run = launch(n, "bytes_job.py", 2048, directory, "load", per_process=1, timeout=300)
+        assert run.returncode == 0, f"{n} processes:\n{run.stdout}{run.stderr}"
+        assert run.stdout.count(" ok held ") == n, run.stdout

@@ -205,8 +205,9 @@ def main():
         single = store()  # a file a single-process job saved: every process reads it whole
         single.load(os.path.join(directory, "single.npz"))
         check("load of a single-process file", whole(single.state), saved(f"{directory}/saved.npz"))
-        train(kv, [2, 3, 4])
-        check("training continues exactly", whole(kv.state), saved(f"{directory}/after.npz"))
+        if len(jax.devices()) == 4:  # the saving job's 4 devices: the same sums
+            train(kv, [2, 3, 4])
+            check("training continues exactly", whole(kv.state), saved(f"{directory}/after.npz"))
     damaged_is_refused(kv, directory)
     print(f"rank {rank} done", flush=True)
 
