@@ -12,6 +12,8 @@ Workloads (8 simulated CPU devices):
             (and pmap): hand-written lax.psum beside jaxkv.push with a replicated and with a
             sharded store, with and without GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (each in a
             fresh process; benchmarks/injit.py says what each row does)
+  processes the in-jit data-parallel step of a 2048-wide MLP in 1, 2, 3 and 4 launched
+            processes: GSPMD beside jaxkv with and without verified sums (benchmarks/processes.py)
   mesh      the 2-axis in-jit step of examples/flax_mesh.py (a flax MLP on a 2 x 4 mesh, data x
             model, tensor parallel along model inside the step): jaxkv.push with axis_name beside
             the same step with lax.pmean and optax by hand (benchmarks/mesh_step.py)
@@ -65,7 +67,8 @@ on 8 CPU devices, jaxkv (JAXKV_LAYOUT=auto and keys) beside MXNet 1.9.1 (benchma
             --gluon-keys N takes the first N keys, to try it quickly
 
 Usage: python benchmarks/bench.py [--steps 7] [--quick]
-         [--only in-jit|mesh|dist|proxy|gpu|step|rows|gluon] [--eager-steps 200] [--step-steps 200]
+         [--only in-jit|mesh|processes|dist|proxy|gpu|step|rows|gluon]
+         [--eager-steps 200] [--step-steps 200]
          [--gluon-scale 1] [--gluon-keys N] [--gluon-timeout 900] [--gluon-mem-gb G]
          [--gluon-dist-devices 1 [2]]
 --only proxy / --only gpu / --only step exit 1 where a hand-written or jaxkv row fails or its
@@ -95,6 +98,7 @@ import gluon  # noqa: E402  (benchmarks/gluon.py)
 import jax.numpy as jnp  # noqa: E402
 import mesh_step  # noqa: E402  (benchmarks/mesh_step.py)
 import numpy as np  # noqa: E402
+import processes  # noqa: E402  (benchmarks/processes.py)
 import rows as sparse_rows  # noqa: E402  (benchmarks/rows.py)
 import step  # noqa: E402  (benchmarks/step.py)
 
@@ -381,6 +385,7 @@ def main() -> None:
         choices=[
             "in-jit",
             "mesh",
+            "processes",
             "dist",
             "no-fast-paths",
             "proxy",
@@ -456,6 +461,9 @@ def main() -> None:
     if args.only == "in-jit":
         log("\n".join(in_jit_lines(in_jit(steps))))
         return
+    if args.only == "processes":
+        log("\n".join(processes.report(processes.collect(steps, log=log))))
+        return 0
     if args.only == "mesh":
         log("\n".join(mesh_step.lines(mesh_step.run(CompileCounter, steps, log=log))))
         return
@@ -532,6 +540,7 @@ def main() -> None:
     log(f"  {slow}")
     jit_rows = in_jit(steps)
     mesh_res = mesh_step.run(CompileCounter, steps, log=log)
+    procs_res = processes.collect(steps, log=log)
     with cpu_children():
         dist_rows = dist.run(steps, log=log) + dist.run(steps, log=log, compression="2bit")
     rows_res = sparse_rows.run_section(steps, MXNET_VENV, log=log)
@@ -540,7 +549,18 @@ def main() -> None:
     mem = memory()
     log(f"  {mem}")
     write_report(
-        rows, jit_rows, bw, mem, slow, dist_rows, eager_res, step_res, rows_res, gluon_res, mesh_res
+        rows,
+        jit_rows,
+        bw,
+        mem,
+        slow,
+        dist_rows,
+        eager_res,
+        step_res,
+        rows_res,
+        gluon_res,
+        mesh_res,
+        procs_res,
     )
     return 1 if any(eager.failed(r) for r in eager_res) or step.failed(step_res) else 0
 
@@ -554,7 +574,18 @@ def _ratio(a, b):
 
 
 def write_report(
-    rows, jit_rows, bw, mem, slow, dist_rows, eager_res, step_res, rows_res, gluon_res, mesh_res
+    rows,
+    jit_rows,
+    bw,
+    mem,
+    slow,
+    dist_rows,
+    eager_res,
+    step_res,
+    rows_res,
+    gluon_res,
+    mesh_res,
+    procs_res,
 ) -> None:
     lines = [
         "# jaxkv benchmark results",
@@ -601,6 +632,7 @@ def write_report(
     lines += ["", *dist_report(dist_rows)]
     lines += ["", *in_jit_report(jit_rows)]
     lines += ["", *mesh_step.report(mesh_res)]
+    lines += ["", *processes.report(procs_res)]
     lines += [
         "",
         "| workload | path | " + " | ".join(f"round {i + 1} ms" for i in range(ROUNDS)) + " |",

@@ -1,22 +1,29 @@
-"""The in-jit data-parallel step across processes, timed: a 256 -> 2048 x 3 -> 16 MLP
+"""The in-jit data-parallel step across processes, measured: a 256 -> 2048 x 3 -> 16 MLP
 (8.95M float32 parameters, AdamW), each process one CPU device, run under the launcher:
 
-    python -m jaxkv.launch -n 2 --devices-per-process 1 --no-prefix \\
-        benchmarks/processes_step.py [STEPS]
+    python -m jaxkv.launch -n P --devices-per-process 1 --no-prefix \\
+        benchmarks/processes_step.py [STEPS] [ROW ...]
 
-Rows, each the median of STEPS steady steps (after 3 warm-up steps, which compile), the best
-of 3 rounds in which the rows take turns:
-  gspmd          plain jit over the global mesh, parameters and AdamW state sharded along rows
-                 (NamedSharding), the batch split: XLA places the collectives
-  jaxkv          the README's step: jaxkv.gather and jaxkv.push inside shard_map over a store
-                 spanning every process's devices, verified sums on (the default across
-                 processes)
+Rows (default: all three), in turns within each of 3 rounds; each row's time is the median of
+STEPS steady steps, the best of the rounds (the first 3 steps, which compile, not timed):
+  gspmd             plain jit over the global mesh, every leaf of at least 1M elements whose
+                    rows divide by the devices split by rows (NamedSharding), the rest and the
+                    batch as the store places them: XLA places the collectives
+  jaxkv             the README's step: jaxkv.gather and jaxkv.push inside shard_map over a store
+                    spanning every process's devices (bigarray_bound 1M, as GSPMD's rule),
+                    verified sums on (the default across processes)
   jaxkv-unverified  the same with JAXKV_VERIFY_SUMS=0
 
-Process 0 prints one line per row: ``ROW ms/step MEDIAN``, and the verified sums' cost.
+Each process prints one line per row, as JSON (``benchmarks/processes.py`` reads them): its
+rank, the row, ms/step, the bytes of parameters and optimizer state on its devices and of the
+whole state, its bytes written (sockets included: gloo's messages) per step, the collectives in
+the compiled step, and its resident set: at the start of the row and its peak (a row run alone
+in a fresh job has its own peak; rows run together share one).
 """
 
+import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -33,8 +40,11 @@ import jaxkv
 from jaxkv._src.core import verified
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+ROWS = sys.argv[2:] or ["gspmd", "jaxkv", "jaxkv-unverified"]
 WIDTHS = [256, 2048, 2048, 2048, 16]
 BATCH = 64  # per device
+BOUND = 1 << 20
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 def params0():
@@ -58,82 +68,117 @@ def loss_fn(p, x, y):
     return jnp.mean((forward(p, x) - y) ** 2)
 
 
+def rss_mb(peak=False):
+    """This process's resident set now, or its peak so far, in MB."""
+    if peak:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def written():
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("wchar:")).split()[1])
+
+
+def held(tree):
+    leaves = jax.tree_util.tree_leaves(tree)
+    mine = sum(s.data.nbytes for x in leaves for s in x.addressable_shards)
+    return mine, sum(x.nbytes for x in leaves)
+
+
+def collectives(step, *args):
+    text = step.lower(*args).compile().as_text()
+    return sum(text.count(f" {op}(") + text.count(f" {op}-start(") for op in COLLECTIVES)
+
+
 def timed(rows, batch, rounds=3):
-    """Each row's median step time, in ms: the best of ``rounds`` rounds, the rows taking
-    turns within a round (the machine's load changes over seconds). Each row is ``(step,
-    carry)``; the first round's first 3 steps (which compile) are not timed."""
+    """Each row's median step time (ms, the best of ``rounds``) and bytes written per step."""
     best = {name: float("inf") for name in rows}
+    sent = {}
     carries = {name: carry for name, (_, carry) in rows.items()}
     for r in range(rounds):
         for name, (step, _) in rows.items():
             times = []
             for i in range((3 if r == 0 else 0) + STEPS):
-                start = time.perf_counter()
+                start, before = time.perf_counter(), written()
                 carries[name] = step(carries[name], *batch)
                 jax.block_until_ready(carries[name])
                 if r or i >= 3:
                     times.append(time.perf_counter() - start)
+                    sent.setdefault(name, []).append(written() - before)
             best[name] = min(best[name], 1e3 * statistics.median(times))
-    return best
+    return best, {name: statistics.median(v) for name, v in sent.items()}, carries
 
 
 def main():
     devices = jax.devices()
     n = len(devices)
     mesh = Mesh(np.array(devices), ("kv",))
-    rows = NamedSharding(mesh, P("kv"))
+    split = NamedSharding(mesh, P("kv"))
     rng = np.random.default_rng(1)
     x = rng.standard_normal((n * BATCH, WIDTHS[0])).astype(np.float32)
     y = rng.standard_normal((n * BATCH, WIDTHS[-1])).astype(np.float32)
-    batch = [jax.make_array_from_callback(a.shape, rows, lambda i, a=a: a[i]) for a in (x, y)]
+    batch = [jax.make_array_from_callback(a.shape, split, lambda i, a=a: a[i]) for a in (x, y)]
     opt = optax.adamw(1e-3)
-    steps = {}
+    steps, info = {}, {}
 
-    # GSPMD: every leaf of at least 1M elements split along rows, as the store splits them.
-    def spec(a):
-        return rows if a.size >= 1 << 20 and a.shape[0] % n == 0 else NamedSharding(mesh, P())
+    for name in ROWS:
+        start = rss_mb()
+        if name == "gspmd":
 
-    p = {k: jax.device_put(v, spec(v)) for k, v in params0().items()}
-    s = jax.jit(opt.init)(p)
+            def where(a):
+                return (
+                    split if a.size >= BOUND and a.shape[0] % n == 0 else NamedSharding(mesh, P())
+                )
 
-    @partial(jax.jit, donate_argnums=0)
-    def gspmd(carry, x, y):
-        p, s = carry
-        g = jax.grad(loss_fn)(p, x, y)
-        u, s = opt.update(g, s, p)
-        return optax.apply_updates(p, u), s
+            p = {k: jax.device_put(v, where(v)) for k, v in params0().items()}
+            carry = (p, jax.jit(opt.init)(p))
 
-    steps["gspmd"] = (gspmd, (p, s))
+            @partial(jax.jit, donate_argnums=0)
+            def step(carry, x, y):
+                p, s = carry
+                g = jax.grad(loss_fn)(p, x, y)
+                u, s = opt.update(g, s, p)
+                return optax.apply_updates(p, u), s
 
-    for name, verify in (("jaxkv", "1"), ("jaxkv-unverified", "0")):
-        os.environ[verified.ENV_VERIFY_SUMS] = verify
-        state = jaxkv.init(jaxkv.empty(devices, bigarray_bound=1 << 20), params0())
-        state = jaxkv.init_optimizer(state, opt)
-        specs = jaxkv.specs(state, "kv")
+        else:
+            os.environ[verified.ENV_VERIFY_SUMS] = "0" if name == "jaxkv-unverified" else "1"
+            state = jaxkv.init(jaxkv.empty(devices, bigarray_bound=BOUND), params0())
+            carry = jaxkv.init_optimizer(state, opt)
+            specs = jaxkv.specs(carry, "kv")
 
-        @jax.jit
-        @partial(
-            jax.shard_map, mesh=state.mesh, in_specs=(specs, P("kv"), P("kv")), out_specs=specs
-        )
-        def step(state, x, y):
-            def loss(local):
-                return loss_fn(jaxkv.gather(state, local, "kv"), x, y) / n
+            @partial(jax.jit, donate_argnums=0)
+            @partial(
+                jax.shard_map,
+                mesh=carry.mesh,
+                in_specs=(specs, P("kv"), P("kv")),
+                out_specs=specs,
+            )
+            def step(state, x, y):
+                def loss(local):
+                    return loss_fn(jaxkv.gather(state, local, "kv"), x, y) / n
 
-            grads = jax.grad(loss)(dict(state.values))
-            return jaxkv.push(state, grads, updater=opt, axis_name="kv")
+                grads = jax.grad(loss)(dict(state.values))
+                return jaxkv.push(state, grads, updater=opt, axis_name="kv")
 
-        jax.block_until_ready(step(state, *batch))  # traced now, with this JAXKV_VERIFY_SUMS
-        steps[name] = (step, state)
-    results = timed(steps, batch)
-    if jax.process_index() == 0:
-        for name, ms in results.items():
-            print(f"{name} ms/step {ms:.1f}", flush=True)
-        cost = results["jaxkv"] / results["jaxkv-unverified"] - 1
-        print(
-            f"verified sums cost {100 * cost:+.1f}% of a step; jaxkv/gspmd speed "
-            f"{results['gspmd'] / results['jaxkv']:.2f}x",
-            flush=True,
-        )
+        info[name] = {"collectives": collectives(step, carry, *batch), "rss_start_mb": start}
+        steps[name] = (step, carry)
+    ms, sent, carries = timed(steps, batch)
+    for name in ROWS:
+        mine, whole = held(carries[name])
+        line = {
+            "rank": jax.process_index(),
+            "processes": jax.process_count(),
+            "row": name,
+            "ms": ms[name],
+            "state_bytes": mine,
+            "whole_state_bytes": whole,
+            "sent_bytes_per_step": sent[name],
+            "rss_peak_mb": rss_mb(peak=True),
+            **info[name],
+        }
+        print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def axis_sum(x: jax.Array, axis_name: Any) -> jax.Array:
     if not todo:
         return x
     with jax.named_scope(SUM):
-        return jax.lax.psum(x, todo)
+        return fused_psum([x], todo, "a sum over the mapped axes")[0]
 
 
 # Set to 1, this lets jaxkv emit gloo's reduce-scatter across processes again: only for the tests
@@ -283,8 +283,8 @@ def sum_over_devices(
             with jax.named_scope(SUM):
                 out[i] = psum_scatter(b, axis, scatter_dimension=0, tiled=True)
         elif b.size >= SCATTER_FUSE_LIMIT and jax.process_count() > 1:
-            with jax.named_scope(SUM):  # across processes: no copy into a fused buffer
-                out[i] = jax.lax.psum(b, axis)
+            # Across processes: no copy into a fused buffer.
+            out[i] = fused_psum([b], axis)[0]
         else:
             groups.setdefault((s, b.dtype), []).append(i)
     for (s, _), idx in groups.items():

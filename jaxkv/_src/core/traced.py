@@ -174,8 +174,7 @@ def _sum_blocks(
                 small.setdefault(x.dtype, []).append(i)
             continue
         if todo:
-            with jax.named_scope(SUM):
-                x = jax.lax.psum(x, todo)
+            x = fused_psum([x], todo)[0]
         rows = x.shape[0] // n
         me = jax.lax.axis_index(axis_arg(names))
         out[i] = jax.lax.dynamic_slice_in_dim(x, me * rows, rows, 0)
