@@ -82,9 +82,10 @@ def report(results):
     ]
 
 
-# Links to extrapolate to (bytes a second each way per host): gloo over 10 Gb/s Ethernet, and
-# NCCL over 200 Gb/s InfiniBand (about 25 GB/s of bus bandwidth per host).
-LINKS = {"gloo, 10 GbE": 1.25e9, "NCCL, 200 Gb/s IB": 25e9}
+# Links to extrapolate to: (bytes a second each way per host, seconds per message round):
+# gloo over 10 Gb/s Ethernet (TCP, about 50 us a round), and NCCL over 200 Gb/s InfiniBand
+# (about 25 GB/s of bus bandwidth per host, about 10 us a round). Assumed, not measured here.
+LINKS = {"gloo, 10 GbE": (1.25e9, 50e-6), "NCCL, 200 Gb/s IB": (25e9, 10e-6)}
 
 
 def fit(results, row="jaxkv-unverified"):
@@ -119,20 +120,24 @@ def fit(results, row="jaxkv-unverified"):
 
 def extrapolate(model, results, hosts=(8, 64)):
     """Step time and state per host at ``hosts`` hosts of one device each, for each of
-    :data:`LINKS`: compute ``c`` (each host its own cores), the bytes a ring sends
-    (all-reduce of the gradients 2 (P - 1) / P of them, all-gather of the split parameters
-    (P - 1) / P), and the fitted latency per further host."""
+    :data:`LINKS`: compute ``c`` (each host its own cores, so no sharing), the bytes a ring
+    sends (all-reduce of the gradients 2 (P - 1) / P of them, all-gather of the split
+    parameters (P - 1) / P) over the link's bandwidth, and the link's latency for the rings'
+    rounds (2 (P - 1) per collective of the compiled step). The fitted ``a`` is not used: on
+    this machine it is mostly processes sharing its cores, not the network."""
     mine = {r["processes"]: r for r in results if r["row"] == "jaxkv-unverified" and r["rank"] == 0}
     whole = mine[min(mine)]["whole_state_bytes"]
     # The state is R replicated and S split bytes: R + S / P on each process (from P = 2).
     two = mine.get(2)
     split = 2 * (whole - two["state_bytes"]) if two else whole
     params, split_params = whole / 3, split / 3  # AdamW: each value and its two moments
+    collectives = mine[max(mine)]["collectives"]
     out = []
     for p in hosts:
         sent = 2 * (p - 1) / p * params + (p - 1) / p * split_params
-        for link, bandwidth in LINKS.items():
-            ms = model["c_ms"] + sent / bandwidth * 1e3 + model["latency_ms"] * (p - 1)
+        for link, (bandwidth, latency) in LINKS.items():
+            rounds = 2 * (p - 1) * collectives
+            ms = model["c_ms"] + (sent / bandwidth + rounds * latency) * 1e3
             out.append((p, link, ms, (whole - split + split / p) / 2**20))
     return out
 
