@@ -18,16 +18,7 @@ def test_the_default_store_spans_every_process(n):
 
 @pytest.mark.parametrize(
     "n",
-    [
-        2,
-        pytest.param(
-            3,
-            marks=pytest.mark.xfail(
-                strict=True, reason="issue 37: a first dimension 3 does not divide is kept whole"
-            ),
-        ),
-        4,
-    ],
+    [2, 3, 4],
 )
 def test_a_dist_sync_store_keeps_1_over_p_of_big_values_and_their_state(n):
     """Adam over one 8M-element key and 20 small ones: at most 1.1/P of the store's bytes per

@@ -54,10 +54,15 @@ def test_a_big_bucket_is_split_and_each_key_held_one_dth_per_device(devices):
     for k, n in blocks.items():
         assert set(held_per_device(s, k).values()) == {4 * n}, k
         np.testing.assert_array_equal(np.asarray(s[k]), START[k])
-    # The per-key layout shards only "w" (rows divisible by D), and replicates the rest.
+    # The per-key layout shards "w" (rows divisible by D) by rows, splits "odd" and "e" (at
+    # least the bound, rows not divisible by D) each in a split bucket of its own, and
+    # replicates the rest (below the bound).
     keys = _store(devices, "keys")
     assert set(held_per_device(keys, "w").values()) == {START["w"].nbytes // D}
-    assert set(held_per_device(keys, "odd").values()) == {START["odd"].nbytes}
+    assert keys.flat_layout.parts == (D, D)
+    for k in ("odd", "e"):
+        assert set(held_per_device(keys, k).values()) == {4 * blocks[k]}, k
+    assert set(held_per_device(keys, "b").values()) == {START["b"].nbytes}
 
 
 def test_auto_on_cpu_splits_no_bucket(devices):

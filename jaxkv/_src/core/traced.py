@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 
 from jaxkv._src.core.collectives import (
     PULL,
@@ -260,6 +261,39 @@ def push_in_trace(
     """``push`` of the validated contributions ``grouped`` (with their keys' stored values,
     and for an optax updater their group's optimizer state) when any of them is traced;
     ``reduce``: ``'mean'`` divides each sum by its contributions times the axes' devices."""
+    return _kept_in_place(
+        _push_in_trace(state, grouped, stored, opt_state, updater, axis_name, reduce)
+    )
+
+
+def _kept_in_place(state: KVState) -> KVState:
+    """Inside ``jit`` (not ``shard_map``), a state with split buckets (seen whole there) with
+    every leaf constrained to where the store keeps it: XLA's propagation may leave a bucket
+    written with a whole value replicated, and a step given its own result would compile
+    again. Elsewhere ``state`` as it is (inside ``shard_map`` its split buckets are chunks)."""
+    flat = state.flat_layout
+    if flat is None or not flat.split:
+        return state
+    for b, (_, size) in enumerate(flat.buckets):
+        if flat.parts_of(b) > 1 and state.leaves[b].shape[0] != size:
+            return state  # this device's chunk: inside shard_map
+    mesh = state.mesh
+    return jax.tree_util.tree_map(
+        lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),
+        _fl.leaf_specs(state, state.axis),
+        state,
+    )
+
+
+def _push_in_trace(
+    state: KVState,
+    grouped: dict[Key, list[jax.Array]],
+    stored: list[Any],
+    opt_state: Any,
+    updater: Any,
+    axis_name: Any,
+    reduce: str,
+) -> KVState:
     keys = list(grouped)
     if state.compression is not None:
         raise KVStoreError(
@@ -440,7 +474,11 @@ def _on_chunks(
         if packing is not None and packing.parts > 1:
             for first, _ in packing.families:
                 family.update((first + j, k) for j, k in enumerate(packing.keys))
-    if gathered:  # a padded piece is a block where the updater is elementwise, and only there
+    # Keys whose value is whole here but whose moments are blocks of a split packing (a
+    # group mixing keys of split buckets with others): their moments are gathered whole for
+    # the update, and each device keeps its block of the new ones.
+    moments = {k for k, s in zip(keys, stored) if family and not is_block(state, k, s)}
+    if gathered and not moments:  # a padded piece is a block where the updater is elementwise
         as_is = [_fl.chunked(state, state.index(k)) for k in keys]
         if optax_push:
             _check_structure(state, updater, keys, stored, opt_state)
@@ -463,7 +501,8 @@ def _on_chunks(
     if optax_push:
         leaves, treedef = jax.tree_util.tree_flatten(opt_state)
         leaves = [
-            whole(family[j], x) if family.get(j) in gathered else x for j, x in enumerate(leaves)
+            whole(family[j], x) if family.get(j) in gathered | moments else x
+            for j, x in enumerate(leaves)
         ]
         opt_state = jax.tree_util.tree_unflatten(treedef, leaves)
     new, new_opt = _updated(state, keys, pushed, stored, opt_state, updater, blocks, n, names)
@@ -471,7 +510,10 @@ def _on_chunks(
     if not optax_push:
         return state.replace(dict(zip(keys, new)))
     leaves, treedef = jax.tree_util.tree_flatten(new_opt)
-    leaves = [mine(family[j], x) if family.get(j) in gathered else x for j, x in enumerate(leaves)]
+    leaves = [
+        mine(family[j], x) if family.get(j) in gathered | moments else x
+        for j, x in enumerate(leaves)
+    ]
     new_opt = jax.tree_util.tree_unflatten(treedef, leaves)
     return state.replace(dict(zip(keys, new)), {tuple(keys): new_opt})
 

@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # (a type only: kvstate imports this module)
     from jaxkv._src.state.kvstate import KVState
 
 Key = int | str  # as kvstate.Key (this module sits below kvstate.py)
+PADDED = 2  # as kvstate.PADDED: a key in a split bucket of its own
 
 __all__ = [
     "FlatLayout",
@@ -102,16 +103,18 @@ def plan(
     shapes: Sequence[tuple[int, ...]],
     dtypes: Sequence[Any],
     groups: Sequence[Sequence[Key]] = (),
-    bucketed: Sequence[bool] | None = None,
+    bucketed: Sequence[int] | None = None,
     split_from: int | None = None,
     devices: int = 1,
 ) -> FlatLayout:
     """The layout of ``keys`` (sorted, with their shapes and dtypes): one bucket per (optimizer
     group or none, dtype), buckets in the order of their first key, keys in key order inside.
-    Keys whose ``bucketed`` is false are kept as arrays of their own. A bucket of at least
-    ``split_from`` elements is split over ``devices`` (see the module doc)."""
+    Keys whose ``bucketed`` is false are kept as arrays of their own; a key whose ``bucketed``
+    is ``PADDED`` has a bucket of its own, split over ``devices`` whatever ``split_from``. A
+    bucket of at least ``split_from`` elements is split over ``devices`` (see the module doc)."""
     group_of = {k: g for g in map(tuple, groups) for k in g}
     bucket_of: dict[tuple, int] = {}
+    padded: list[bool] = []  # whether each bucket is one PADDED key's
     sizes: list[int] = []
     names: list[str] = []
     where = []
@@ -123,17 +126,19 @@ def plan(
             alone += 1
             continue
         name = np.dtype(dtype).name
-        tag = (group_of.get(key), name)
+        pad = bucketed is not None and bucketed[n] == PADDED
+        tag = (group_of.get(key), name, key if pad else None)
         if tag not in bucket_of:
             bucket_of[tag] = len(sizes)
             sizes.append(0)
             names.append(name)
+            padded.append(pad)
         b = bucket_of[tag]
         where.append((b, sizes[b], size))
         sizes[b] += size
     parts = [
-        devices if split_from is not None and devices > 1 and size >= split_from else 1
-        for size in sizes
+        devices if devices > 1 and (pad or split_from is not None and size >= split_from) else 1
+        for size, pad in zip(sizes, padded)
     ]
     if any(p > 1 for p in parts):  # offsets within each device's chunk; sizes padded
         chunks = [0] * len(sizes)

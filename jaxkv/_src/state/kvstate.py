@@ -79,6 +79,24 @@ def _is_sharded(shape: tuple[int, ...], n: int, bound: int | None) -> bool:
     )
 
 
+def _padded(shape: tuple[int, ...], n: int, bound: int | None) -> bool:
+    """Whether a value of ``shape`` is big enough to split over ``n`` devices but cannot be
+    split along its rows (``n`` does not divide its first dimension): it is split flattened
+    and padded instead, in a bucket of its own (``PADDED``), never kept whole."""
+    return (
+        bound is not None
+        and n > 1
+        and len(shape) > 0
+        and shape[0] % n != 0
+        and math.prod(shape) >= bound
+    )
+
+
+# What _bucketed says of a value: an array of its own, a bucket shared under the policy, or a
+# split bucket of its own (a big value whose rows the devices do not divide).
+OWN, SHARED, PADDED = 0, 1, 2
+
+
 @functools.lru_cache(maxsize=256)
 def _bucketed(
     policy: Policy,
@@ -86,17 +104,27 @@ def _bucketed(
     bound: int | None,
     devices: tuple[jax.Device, ...],
     shapes: tuple[tuple[int, ...], ...],
-) -> tuple[bool, ...]:
-    """Whether ``policy`` puts a value of each shape in a bucket (``KVState._bucketed``)."""
+) -> tuple[int, ...]:
+    """Where ``policy`` puts a value of each shape: ``OWN``, ``SHARED`` or ``PADDED``
+    (``KVState._bucketed``); true for the values in buckets."""
     _, below, split = policy
-    if below is None or compression is not None:
-        return (False,) * len(shapes)
-    # Across processes values stay whole in each (as per key: a split would cost an
-    # all-gather at each pull and save nothing in the push).
-    split = split and not spans_processes(devices)
+    if compression is not None:  # each key keeps its own error-feedback residual
+        return (OWN,) * len(shapes)
     n = len(devices)
+    if below is None:
+        return tuple(PADDED if _padded(shape, n, bound) else OWN for shape in shapes)
+    # Across processes no bucket the policy shares is split: a value too small to split
+    # there stays whole in each process (a split would cost an all-gather at each pull).
+    split = split and not spans_processes(devices)
+    # A value to split goes to a bucket the policy shares where that bucket is split (it then
+    # holds at least this value's elements, the bound), else to a split bucket of its own.
     return tuple(
-        math.prod(shape) < below and (split or not _is_sharded(shape, n, bound)) for shape in shapes
+        PADDED
+        if _padded(shape, n, bound) and not (split and math.prod(shape) < below)
+        else SHARED
+        if math.prod(shape) < below and (split or not _is_sharded(shape, n, bound))
+        else OWN
+        for shape in shapes
     )
 
 
@@ -730,7 +758,11 @@ class KVState:
         opts, packings = [], []
         for g in order:
             opt = groups[g]
-            packable = flat is not None and all(flat.where[position[k]][0] >= 0 for k in g)
+            # A group is packed where its keys are in buckets, or where one of them is in a
+            # split bucket (its moments then split as its value is, however the others live).
+            where = [flat.where[position[k]][0] for k in g] if flat is not None else []
+            split_parts = max((flat.parts_of(b) for b in where if b >= 0), default=1) if flat else 1
+            packable = bool(where) and (all(b >= 0 for b in where) or split_parts > 1)
             if opt is _KEEP:
                 n = old_n[g]
                 if (self.packings[n] is not None) == packable:
@@ -740,8 +772,7 @@ class KVState:
                 opt = self.group_state(n)
             if packable:
                 assert flat is not None  # packable says so
-                buckets = {flat.where[position[k]][0] for k in g}
-                parts = flat.parts_of(min(buckets)) if len(buckets) == 1 else 1
+                parts = split_parts
                 packing, packed = _fl.packed_group_state(
                     g, [shapes[k] for k in g], opt, self, old_n.get(g), parts
                 )
@@ -784,8 +815,8 @@ class KVState:
         leaves = jax.tree_util.tree_leaves(self)
         if not leaves or not all(isinstance(x, jax.Array) for x in leaves):
             return self  # traced, or abstract: a computation places its own results
-        if any(isinstance(x, jax.core.Tracer) for x in leaves) or spans_processes(self._devices):
-            return self  # (across processes buckets are whole: their views are replicated)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return self
         mesh = self.mesh
         shardings = jax.tree_util.tree_map(
             lambda spec: NamedSharding(mesh, spec), _fl.leaf_specs(self, self.axis)
@@ -808,7 +839,7 @@ class KVState:
         does not, a value the store shards keeps an array of its own. ``inside``: only these
         keys may be in buckets (:meth:`replace`'s ``defer``)."""
         _, below, split = self.policy
-        if below is None or compression is not None or not keys:
+        if compression is not None or not keys:
             return None
         bucketed = self._bucketed(shapes, compression)
         if inside is not None:
@@ -829,9 +860,9 @@ class KVState:
             return self.flat_layout  # the same object: cached computations key on it
         return flat
 
-    def _bucketed(self, shapes: Sequence[tuple[int, ...]], compression: Any = _KEEP) -> list[bool]:
-        """Whether this state's policy puts a value of each shape in a bucket (with this
-        state's compression, or ``compression``)."""
+    def _bucketed(self, shapes: Sequence[tuple[int, ...]], compression: Any = _KEEP) -> list[int]:
+        """Where this state's policy puts a value of each shape (``OWN``, ``SHARED`` or
+        ``PADDED``; with this state's compression, or ``compression``)."""
         compression = self._compression if compression is _KEEP else compression
         return list(_bucketed(self.policy, compression, self._bound, self._devices, tuple(shapes)))
 

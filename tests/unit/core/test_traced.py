@@ -55,7 +55,9 @@ def test_the_expected_block_is_the_rows_per_key_and_a_padded_piece_in_a_split_bu
     assert traced._expected_block(keys, "w", 4) == (2, 3)
     assert traced._expected_block(keys, "w", 8) == (1, 3)
     assert traced._expected_block(keys, "w", 3) is None  # 8 rows do not divide by 3
-    assert traced._expected_block(keys, "v", 4) is None  # 6 rows do not divide by 4
+    # 6 rows do not divide by 4: a split bucket of its own, a padded quarter of 12 elements
+    assert keys.flat_layout.parts == (D,)
+    assert traced._expected_block(keys, "v", 4) == (3,)
     assert traced._expected_block(keys, "s", 1) is None  # a scalar has no rows
     flat = _store(devices, "flat", w=W, v=np.zeros((6, 2), np.float32), b=B)
     assert flat.flat_layout.parts == (D,)

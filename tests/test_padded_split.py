@@ -1,0 +1,137 @@
+"""A value big enough to split whose first dimension the device count does not divide (7 rows
+over 3 devices) is split all the same, flattened and padded in a split bucket, in every layout,
+with its optimizer state: never kept whole (issue 37). Its numbers are one device's optax
+numbers, eagerly, in the imperative store and inside ``shard_map``, with no recompiles."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _devices import held_per_device
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxkv
+
+D = 3
+BOUND = 64
+# 84 elements in 7 rows (3 does not divide them: padded), 96 in 6 rows (split by rows where
+# the layout keeps arrays of their own), 5 (below the bound: whole).
+SHAPES = {"odd": (7, 12), "w": (6, 16), "b": (5,)}
+LAYOUTS = ["auto", "flat", "keys"]
+OPT = optax.adam(0.05)
+_rng = np.random.default_rng(3)
+START = {k: _rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+@pytest.fixture
+def three(devices):
+    return devices[:D]
+
+
+def _store(devices, layout):
+    s = jaxkv.empty(devices, layout=layout, bigarray_bound=BOUND)
+    s = jaxkv.init(s, {k: jnp.asarray(v) for k, v in START.items()})
+    return jaxkv.init_optimizer(s, OPT)
+
+
+def _grads(step):
+    rng = np.random.default_rng(100 + step)
+    return [{k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()} for _ in range(D)]
+
+
+def _reference(steps):
+    params = {k: jnp.asarray(v) for k, v in START.items()}
+    state = OPT.init(params)
+    for step in range(steps):
+        total = {k: sum(g[k] for g in _grads(step)) for k in SHAPES}
+        updates, state = OPT.update(total, state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+def _close(state, want, tol=2e-6):
+    for k in SHAPES:
+        np.testing.assert_allclose(np.asarray(state[k]), np.asarray(want[k]), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_big_value_three_does_not_divide_is_split_with_its_moments(layout, three):
+    s = _store(three, layout)
+    assert set(held_per_device(s, "odd").values()) == {-(-84 // D) * 4}  # its padded third
+    assert len(held_per_device(s, "odd")) == D
+    # No array of at least the bound's elements is whole on every device: values, moments.
+    for x in jax.tree_util.tree_leaves(s):
+        if x.size >= BOUND:
+            assert x.sharding.spec == P("kv"), (layout, x.shape)
+            assert {sh.data.size for sh in x.addressable_shards} == {x.size // D}
+    ((adam, _),) = jaxkv.specs(s, "kv").opt_states.values()
+    assert adam.mu["odd"] == adam.nu["odd"] == P("kv")
+
+
+@pytest.mark.standard_promotion
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_eager_pushes_from_three_devices_give_optax_numbers(layout, three, compiles):
+    s = _store(three, layout)
+    for step in range(3):
+        grads = {
+            k: [jax.device_put(g[k], d) for g, d in zip(_grads(step), three)] for k in SHAPES
+        }
+        if step == 2:
+            with compiles() as counted:
+                s = jaxkv.push(s, grads, updater=OPT)
+            assert counted.count == 0, layout
+        else:
+            s = jaxkv.push(s, grads, updater=OPT)
+    _close(s, _reference(3))
+    assert set(held_per_device(s, "odd").values()) == {-(-84 // D) * 4}
+
+
+@pytest.mark.standard_promotion
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_shard_map_step_over_three_devices_matches_one_device_optax(layout, three, compiles):
+    s = _store(three, layout)
+    spec = jaxkv.specs(s, "kv")
+    mesh = s.mesh
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(spec, P("kv")), out_specs=spec)
+    def step(state, g):
+        (g,) = jax.tree_util.tree_map(lambda x: x[0], [g])  # this device's own gradients
+        return jaxkv.push(state, g, updater=OPT, axis_name="kv")
+
+    for n in range(3):
+        stacked = {k: np.stack([g[k] for g in _grads(n)]) for k in SHAPES}
+        g = jax.device_put(stacked, NamedSharding(mesh, P("kv")))
+        if n == 2:
+            with compiles() as counted:
+                s = step(s, g)
+            assert counted.count == 0, layout
+        else:
+            s = step(s, g)
+    _close(s, _reference(3), tol=2e-5)
+    assert set(held_per_device(s, "odd").values()) == {-(-84 // D) * 4}
+
+
+@pytest.mark.standard_promotion
+def test_the_imperative_store_over_three_devices_splits_and_pulls_whole(three, monkeypatch):
+    """One key at a time, as MXNet code pushes: each key is its own optimizer group."""
+    monkeypatch.setenv("MXNET_KVSTORE_BIGARRAY_BOUND", str(BOUND))
+    kv = jaxkv.KVStore("device", devices=three)
+    kv.set_optimizer(OPT)
+    for k in SHAPES:
+        kv.init(k, jaxkv.nd.array(START[k]))
+    for step in range(3):
+        grads = _grads(step)
+        for k in SHAPES:
+            kv.push(k, [jaxkv.nd.array(g[k], jaxkv.cpu(i)) for i, g in enumerate(grads)])
+    want = _reference(3)
+    for k in SHAPES:
+        outs = [jaxkv.nd.zeros(SHAPES[k], jaxkv.cpu(i)) for i in range(D)]
+        kv.pull(k, out=outs)
+        for o in outs:
+            np.testing.assert_allclose(o.asnumpy(), np.asarray(want[k]), rtol=2e-6, atol=2e-6)
+    assert set(held_per_device(kv.state, "odd").values()) == {-(-84 // D) * 4}
