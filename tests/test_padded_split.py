@@ -77,9 +77,7 @@ def test_a_big_value_three_does_not_divide_is_split_with_its_moments(layout, thr
 def test_eager_pushes_from_three_devices_give_optax_numbers(layout, three, compiles):
     s = _store(three, layout)
     for step in range(3):
-        grads = {
-            k: [jax.device_put(g[k], d) for g, d in zip(_grads(step), three)] for k in SHAPES
-        }
+        grads = {k: [jax.device_put(g[k], d) for g, d in zip(_grads(step), three)] for k in SHAPES}
         if step == 2:
             with compiles() as counted:
                 s = jaxkv.push(s, grads, updater=OPT)
