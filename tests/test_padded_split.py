@@ -133,3 +133,12 @@ def test_the_imperative_store_over_three_devices_splits_and_pulls_whole(three, m
         for o in outs:
             np.testing.assert_allclose(o.asnumpy(), np.asarray(want[k]), rtol=2e-6, atol=2e-6)
     assert set(held_per_device(kv.state, "odd").values()) == {-(-84 // D) * 4}
+
+
+def test_a_compressed_store_keeps_it_whole_and_says_so(three, caplog):
+    s = jaxkv.empty(three, bigarray_bound=BOUND, compression={"type": "2bit", "threshold": 0.5})
+    with caplog.at_level("WARNING", logger="jaxkv"):
+        s = jaxkv.init(s, {k: jnp.asarray(v) for k, v in START.items()})
+    assert s.flat_layout is None
+    assert set(held_per_device(s, "odd").values()) == {START["odd"].nbytes}
+    assert "(7, 12)" in caplog.text and "kept whole" in caplog.text

@@ -7,6 +7,7 @@ on them; stored values and optimizer states are the leaves, so ``tree_map`` only
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import numbers
 import os
@@ -23,6 +24,8 @@ from jaxkv._src.errors import KeyTypeError, KVStoreError, unknown_key
 from jaxkv._src.state import buckets as _fl
 
 __all__ = ["AXIS", "LAYOUTS", "LAYOUT_ENV", "KVState", "empty"]
+
+logger = logging.getLogger("jaxkv")
 
 Key = int | str
 AXIS = "kv"  # The name of the store's one mesh axis.
@@ -108,9 +111,19 @@ def _bucketed(
     """Where ``policy`` puts a value of each shape: ``OWN``, ``SHARED`` or ``PADDED``
     (``KVState._bucketed``); true for the values in buckets."""
     _, below, split = policy
-    if compression is not None:  # each key keeps its own error-feedback residual
-        return (OWN,) * len(shapes)
     n = len(devices)
+    if compression is not None:  # each key keeps its own error-feedback residual
+        whole = [shape for shape in shapes if _padded(shape, n, bound)]
+        if whole:  # (cached: said once per key set)
+            logger.warning(
+                "values of shapes %s are kept whole on each of the %d devices: a store with "
+                "gradient compression keeps one array per key, and %d does not divide their "
+                "first dimension",
+                whole,
+                n,
+                n,
+            )
+        return (OWN,) * len(shapes)
     if below is None:
         return tuple(PADDED if _padded(shape, n, bound) else OWN for shape in shapes)
     # Across processes no bucket the policy shares is split: a value too small to split
@@ -221,8 +234,10 @@ class KVState:
     :func:`jaxkv.specs`, a sharded value's leaf is this device's block; the shapes in aux data
     still say the whole value's shape. A value with at least ``bigarray_bound`` elements whose
     first dimension divides by the number of devices is stored sharded along that dimension
-    (each device holds 1/D of it, and of its optimizer state); smaller values are replicated
-    on every device.
+    (each device holds 1/D of it, and of its optimizer state); one whose first dimension does
+    not divide is split all the same, flattened and padded to a multiple of D in a split bucket
+    (its own, or one its layout shares), with its optimizer state; smaller values are
+    replicated on every device.
 
     Make one with :func:`jaxkv.empty` and :func:`jaxkv.init`; every operation returns a new state.
 
@@ -839,9 +854,11 @@ class KVState:
         does not, a value the store shards keeps an array of its own. ``inside``: only these
         keys may be in buckets (:meth:`replace`'s ``defer``)."""
         _, below, split = self.policy
-        if compression is not None or not keys:
+        if not keys:
             return None
-        bucketed = self._bucketed(shapes, compression)
+        bucketed = self._bucketed(shapes, compression)  # (compressed: warns of whole values)
+        if compression is not None:
+            return None
         if inside is not None:
             bucketed = [b and k in inside for k, b in zip(keys, bucketed)]
         split = split and not spans_processes(self._devices)
@@ -918,8 +935,9 @@ def empty(
     every device of the job, so in a joined multi-process job every process's; a store over
     one process's devices alone is ``empty(jax.local_devices())``).
 
-    Values with at least ``bigarray_bound`` elements (whose first dimension divides by the
-    number of devices) are stored sharded across the devices; smaller ones are replicated.
+    Values with at least ``bigarray_bound`` elements are stored split across the devices, with
+    their optimizer state: along their first dimension where it divides by the number of
+    devices, else flattened and padded (a split bucket); smaller ones are replicated.
     ``bigarray_bound=None`` replicates everything, which ``pmap`` needs: it accepts a state
     passed with ``in_axes=None`` only if every leaf is replicated.
 
