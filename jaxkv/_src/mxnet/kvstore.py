@@ -431,7 +431,7 @@ class KVStore:
                 if spans_processes(state.devices):
                     # A pull of a value split across processes gathers it: a collective too.
                     gathered = [
-                        sorted({k for k, _ in pulls if state.is_sharded(self._held_shape(k, held))})
+                        sorted({k for k, _ in pulls if state.splits(self._held_shape(k, held))})
                         for pulls in held.pulls
                     ]
                     _queue.agree(held, gathered)

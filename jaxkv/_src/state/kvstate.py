@@ -107,11 +107,14 @@ def _bucketed(
     bound: int | None,
     devices: tuple[jax.Device, ...],
     shapes: tuple[tuple[int, ...], ...],
+    pad: bool = True,
 ) -> tuple[int, ...]:
     """Where ``policy`` puts a value of each shape: ``OWN``, ``SHARED`` or ``PADDED``
-    (``KVState._bucketed``); true for the values in buckets."""
+    (``KVState._bucketed``); true for the values in buckets. ``pad``: whether a big value
+    whose rows the devices do not divide gets a split bucket (not on a user's mesh of several
+    axes, where the store's devices are not one axis)."""
     _, below, split = policy
-    n = len(devices)
+    n = len(devices) if pad else 1
     if compression is not None:  # each key keeps its own error-feedback residual
         whole = [shape for shape in shapes if _padded(shape, n, bound)]
         if whole:  # (cached: said once per key set)
@@ -149,11 +152,12 @@ def _deferred(
     devices: tuple[jax.Device, ...],
     shapes: tuple[tuple[int, ...], ...],
     flat: _fl.FlatLayout | None,
+    pad: bool,
 ) -> bool:
     """``KVState.deferred``: whether a key that ``policy`` puts in a bucket lies outside
     ``flat``'s buckets. Cached: a push's state shares its layout with the state pushed."""
     inside = set(_fl.in_buckets(flat)) if flat is not None else set()
-    bucketed = _bucketed(policy, compression, bound, devices, shapes)
+    bucketed = _bucketed(policy, compression, bound, devices, shapes, pad)
     return any(b and i not in inside for i, b in enumerate(bucketed))
 
 
@@ -634,6 +638,18 @@ class KVState:
         """Whether a value (or optimizer-state leaf) of ``shape`` is stored sharded."""
         return _is_sharded(tuple(shape), self.shards, self._bound)
 
+    def splits(self, shape: tuple[int, ...]) -> bool:
+        """Whether a value of ``shape`` is stored split across the devices for its size alone:
+        sharded by rows (:meth:`is_sharded`), or padded in a split bucket of its own (rows the
+        devices do not divide; not in a compressed store, which keeps it whole). A layout may
+        split smaller values too, in the buckets it shares (``buckets.is_split``)."""
+        shape = tuple(shape)
+        return self.is_sharded(shape) or (
+            self._compression is None
+            and not self.multi_axis
+            and _padded(shape, self.shards, self._bound)
+        )
+
     def sharding_for(self, shape: tuple[int, ...]) -> NamedSharding:
         """Where a stored array of ``shape`` lives: sharded along axis 0, or replicated."""
         return _sharding(self.mesh, self.axis, self.is_sharded(tuple(shape)))
@@ -881,7 +897,16 @@ class KVState:
         """Where this state's policy puts a value of each shape (``OWN``, ``SHARED`` or
         ``PADDED``; with this state's compression, or ``compression``)."""
         compression = self._compression if compression is _KEEP else compression
-        return list(_bucketed(self.policy, compression, self._bound, self._devices, tuple(shapes)))
+        return list(
+            _bucketed(
+                self.policy,
+                compression,
+                self._bound,
+                self._devices,
+                tuple(shapes),
+                not self.multi_axis,
+            )
+        )
 
     def _in_buckets(self) -> frozenset[Key]:
         """The keys that live in buckets."""
@@ -902,6 +927,7 @@ class KVState:
                 self._devices,
                 self.key_shapes,
                 self.flat_layout,
+                not self.multi_axis,
             )
             object.__setattr__(self, "_deferral", deferral)
         return bool(self._deferral)
