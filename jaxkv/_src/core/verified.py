@@ -50,15 +50,18 @@ def _weights(size: int) -> jax.Array:
 
 
 def _dots(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each row's dot (over its last axis) with :func:`_weights`, and its dot of absolute values
-    (the scale of the rounding errors), in float32; elementwise products and sums, so no matrix
-    unit rounds. The vector repeats with a period of up to ``PERIOD`` elements (the largest
-    power of two that divides the row), so that it costs nothing to make."""
+    """Each row's dot (over its last axis) with :func:`_weights`, and the sum of its absolute
+    values (which bounds the dot of absolute values, the scale of the rounding errors: the
+    weights lie in [-1, 1)), in float32; elementwise products and sums, so no matrix unit
+    rounds. The vector repeats with a period of up to ``PERIOD`` elements (the largest power of
+    two that divides the row), so that it costs nothing to make. Two plain reductions: a dot
+    with the absolute weights took 7x as long on XLA:CPU."""
     size = rows.shape[-1]
     period = math.gcd(size, PERIOD)
     r = _weights(period)
-    rows = rows.astype(jnp.float32).reshape(*rows.shape[:-1], size // period, period)
-    return jnp.sum(rows * r, axis=(-2, -1)), jnp.sum(jnp.abs(rows) * jnp.abs(r), axis=(-2, -1))
+    rows = rows.astype(jnp.float32)
+    grid = rows.reshape(*rows.shape[:-1], size // period, period)
+    return jnp.sum(grid * r, axis=(-2, -1)), jnp.sum(jnp.abs(rows), axis=-1)
 
 
 # The period of the checksums' pseudo-random vector.
