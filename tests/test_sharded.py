@@ -6,14 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _devices import cpu_empty, cpu_store, held_per_device, split_buckets
+from _devices import cpu_empty, cpu_store, held_per_device
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxkv
 from jaxkv import nd
 
-BIG, SMALL, ODD = (16, 4), (3,), (9, 8)  # with bound 16: sharded, replicated, replicated
+# With bound 16: sharded by rows, replicated, split padded (9 rows do not divide by 8).
+BIG, SMALL, ODD = (16, 4), (3,), (9, 8)
 
 
 def device_bytes(x):
@@ -22,6 +23,14 @@ def device_bytes(x):
     for s in x.addressable_shards:
         per[s.device] = per.get(s.device, 0) + s.data.nbytes
     return per
+
+
+def in_split_bucket(state, key):
+    """Whether ``key`` lies in a bucket split over the devices (a flat layout's shared one, or
+    a padded value's own)."""
+    flat = state.flat_layout
+    b = flat.where[state.keys().index(key)][0] if flat is not None else -1
+    return b >= 0 and flat.parts_of(b) > 1
 
 
 @pytest.fixture
@@ -36,12 +45,14 @@ def test_big_values_are_stored_one_eighth_per_device(state, devices):
     big = state["big"]
     assert set(held_per_device(state, "big")) == set(devices)
     assert all(b == big.nbytes // 8 for b in held_per_device(state, "big").values())
-    if split_buckets(state):  # flat: one bucket of 139 elements, split; any shape is split
-        assert all(b == state["odd"].nbytes // 8 for b in held_per_device(state, "odd").values())
+    # At least the bound but 9 rows: split all the same, flattened and padded, in every layout.
+    assert in_split_bucket(state, "odd")
+    assert all(b == state["odd"].nbytes // 8 for b in held_per_device(state, "odd").values())
+    if in_split_bucket(state, "small"):  # flat: one bucket of 139 elements, split
         assert all(b == 4 for b in held_per_device(state, "small").values())  # 1 of 3 + pad
-    else:
-        for k in ("small", "odd"):  # below the bound, or not divisible by 8: replicated
-            assert all(b == state[k].nbytes for b in held_per_device(state, k).values())
+    else:  # below the bound: replicated
+        small = state["small"].nbytes
+        assert all(b == small for b in held_per_device(state, "small").values())
     np.testing.assert_array_equal(state["big"], np.arange(64.0).reshape(BIG))
 
 
@@ -96,7 +107,7 @@ def test_non_elementwise_updaters_see_the_whole_array(state, devices):
 def test_optimizer_state_is_sharded_too(state, devices):
     opt = optax.adam(0.1)
     new = jaxkv.push(state, ["big", "small"], [jnp.ones(BIG), jnp.ones(SMALL)], updater=opt)
-    if split_buckets(new):  # the group's bucket and its moments' buckets: split
+    if in_split_bucket(new, "big"):  # the group's bucket and its moments' buckets: split
         (packed,) = [o for g, o in zip(new.groups, new.group_states) if g == ("big", "small")]
         mus = [x for x in packed if x.ndim == 1 and x.size > 1]
         assert len(mus) == 2  # mu and nu, one bucket each

@@ -14,7 +14,8 @@ It also reaches two private hooks of ``jax.distributed`` (:func:`gloo_cpu_backen
 them gloo binds to the host name's address.
 
 It also holds the feature detection of public names that moved between JAX versions
-(:func:`varying_axes`, :func:`to_varying`, :func:`all_gather_invariant`): each detected by
+(:func:`varying_axes`, :func:`to_varying`, :func:`all_gather_invariant`, :func:`manual_axes`):
+each detected by
 attribute, or by trying the keyword, never by version. Where a JAX has a public route, it is
 taken whatever ``JAXKV_NO_FAST_PATHS`` says.
 """
@@ -38,6 +39,7 @@ __all__ = [
     "cluster_environments",
     "distributed_state",
     "gloo_cpu_backend",
+    "manual_axes",
     "per_device",
     "single_device",
     "to_varying",
@@ -208,3 +210,14 @@ def cluster_environments() -> list[Any] | None:
     if kinds is None:
         return None
     return [env for env in kinds if not getattr(env, "opt_in_only_method", False)]
+
+
+def manual_axes() -> frozenset | None:
+    """The mesh axes the trace being built is manual along (inside ``shard_map``; empty in
+    plain ``jit`` or eagerly), from the public ``jax.sharding.get_abstract_mesh``; ``None``
+    where this JAX has no such name (callers then take the manual case, the safe one)."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    if get is None:
+        return None
+    axes = getattr(get(), "manual_axes", None)
+    return None if axes is None else frozenset(axes)

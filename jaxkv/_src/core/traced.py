@@ -53,7 +53,7 @@ from jaxkv._src.core.on_buckets import update_bucket
 from jaxkv._src.core.reduce import axis_count, divide, divisors
 from jaxkv._src.core.updater import apply_updater
 from jaxkv._src.errors import KVStoreError
-from jaxkv._src.jax_internals import all_gather_invariant
+from jaxkv._src.jax_internals import all_gather_invariant, manual_axes
 from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.buckets import as_blocks, block_shape, from_blocks
 from jaxkv._src.state.kvstate import Key, KVState
@@ -267,16 +267,15 @@ def push_in_trace(
 
 
 def _kept_in_place(state: KVState) -> KVState:
-    """Inside ``jit`` (not ``shard_map``), a state with split buckets (seen whole there) with
-    every leaf constrained to where the store keeps it: XLA's propagation may leave a bucket
-    written with a whole value replicated, and a step given its own result would compile
-    again. Elsewhere ``state`` as it is (inside ``shard_map`` its split buckets are chunks)."""
+    """Inside ``jit`` (not ``shard_map``), a state with split buckets with every leaf
+    constrained to where the store keeps it: XLA's propagation may leave a bucket written with
+    a whole value replicated, and a step given its own result would compile again. Elsewhere
+    ``state`` as it is (inside ``shard_map`` the mesh's axes are manual: no constraint)."""
     flat = state.flat_layout
     if flat is None or not flat.split:
         return state
-    for b, (_, size) in enumerate(flat.buckets):
-        if flat.parts_of(b) > 1 and state.leaves[b].shape[0] != size:
-            return state  # this device's chunk: inside shard_map
+    if manual_axes() != frozenset():  # inside shard_map (or a JAX that cannot say)
+        return state
     mesh = state.mesh
     return jax.tree_util.tree_map(
         lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),
