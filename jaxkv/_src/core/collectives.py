@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._src.core.verified import check_sum, verify_sums
+from jaxkv._src.core.verified import check_sum, check_sums, verify_sums
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import varying_axes
 from jaxkv._src.state.kvstate import AXIS, BIGARRAY_BOUND, KVState
@@ -277,15 +277,22 @@ def sum_over_devices(
     n = jax.lax.axis_size(axis)
     out: list[Any] = [None] * len(blocks)
     groups: dict[tuple, list[int]] = {}
+    alone: list[int] = []  # big blocks summed one by one across processes
     for i, (b, s) in enumerate(zip(blocks, scatter)):
         if s and b.size >= SCATTER_FUSE_LIMIT:
             with jax.named_scope(SUM):
                 out[i] = psum_scatter(b, axis, scatter_dimension=0, tiled=True)
         elif b.size >= SCATTER_FUSE_LIMIT and jax.process_count() > 1:
             # Across processes: no copy into a fused buffer.
-            out[i] = fused_psum([b], axis)[0]
+            with jax.named_scope(SUM):
+                out[i] = jax.lax.psum(b, axis)
+            alone.append(i)
         else:
             groups.setdefault((s, b.dtype), []).append(i)
+    if alone and verify_sums():  # their checks in one collective, not one each
+        check_sums(
+            [(blocks[i], out[i], f"an all-reduce of {blocks[i].shape}") for i in alone], axis
+        )
     for (s, _), idx in groups.items():
         parts = [blocks[i] for i in idx]
         summed = fused_psum_scatter(parts, n, axis) if s else fused_psum(parts, axis)

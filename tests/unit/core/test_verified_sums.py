@@ -108,6 +108,32 @@ def test_a_wrong_part_of_a_sum_fails_its_checksum_naming_the_key_and_device(
     assert "segment 63 of 64" in text
 
 
+@pytest.mark.parametrize("wrong", [None, 0, 1])
+def test_several_sums_are_checked_with_one_all_gather_naming_the_wrong_one(
+    as_across_processes, wrong
+):
+    """A push of many keys across processes: every key's check rides one all-gather."""
+    xs = [_blocks((1, 8)), _blocks((1, 16), seed=1)]
+
+    def fn(a, b):
+        outs = [jax.lax.psum(a, "kv"), jax.lax.psum(b, "kv")]
+        if wrong is not None:
+            me = jax.lax.axis_index("kv")
+            outs[wrong] = outs[wrong].at[0, -1].add(jnp.where(me == 2, 9.0, 0.0))
+        verified.check_sums([(a, outs[0], "key 'a'"), (b, outs[1], "key 'b'")], "kv")
+        return outs
+
+    body = jax.jit(jax.shard_map(fn, mesh=_mesh(), in_specs=P("kv"), out_specs=P("kv")))
+    assert body.lower(*xs).as_text().count("stablehlo.all_gather") == 1
+    if wrong is None:
+        got = body(*xs)
+        np.testing.assert_array_equal(np.asarray(got[0])[:1], xs[0].sum(0, keepdims=True))
+        return
+    with pytest.raises(Exception, match="SumError") as caught:
+        jax.block_until_ready(body(*xs))
+    assert f"key '{'ab'[wrong]}'" in str(caught.value) and "device 2" in str(caught.value)
+
+
 def test_a_non_finite_sum_is_not_refused(as_across_processes):
     x = _blocks((N, 8))
     x[0, 0] = np.inf
