@@ -248,24 +248,6 @@ def _opt_blocks(
     return jax.tree_util.tree_map(block, whole, opt_state)
 
 
-@scoped(PUSH)
-def push_in_trace(
-    state: KVState,
-    grouped: dict[Key, list[jax.Array]],
-    stored: list[Any],
-    opt_state: Any,
-    updater: Any,
-    axis_name: Any,
-    reduce: str = "sum",
-) -> KVState:
-    """``push`` of the validated contributions ``grouped`` (with their keys' stored values,
-    and for an optax updater their group's optimizer state) when any of them is traced;
-    ``reduce``: ``'mean'`` divides each sum by its contributions times the axes' devices."""
-    return _kept_in_place(
-        _push_in_trace(state, grouped, stored, opt_state, updater, axis_name, reduce)
-    )
-
-
 def _kept_in_place(state: KVState) -> KVState:
     """Inside ``jit`` (not ``shard_map``), a state with split buckets with every leaf
     constrained to where the store keeps it: XLA's propagation may leave a bucket written with
@@ -284,15 +266,30 @@ def _kept_in_place(state: KVState) -> KVState:
     )
 
 
-def _push_in_trace(
+def _placed(push: Any) -> Any:
+    """``push`` with its new state kept where the store keeps it (:func:`_kept_in_place`)."""
+
+    @functools.wraps(push)
+    def placed(*args: Any, **kwargs: Any) -> KVState:
+        return _kept_in_place(push(*args, **kwargs))
+
+    return placed
+
+
+@scoped(PUSH)
+@_placed
+def push_in_trace(
     state: KVState,
     grouped: dict[Key, list[jax.Array]],
     stored: list[Any],
     opt_state: Any,
     updater: Any,
     axis_name: Any,
-    reduce: str,
+    reduce: str = "sum",
 ) -> KVState:
+    """``push`` of the validated contributions ``grouped`` (with their keys' stored values,
+    and for an optax updater their group's optimizer state) when any of them is traced;
+    ``reduce``: ``'mean'`` divides each sum by its contributions times the axes' devices."""
     keys = list(grouped)
     if state.compression is not None:
         raise KVStoreError(
