@@ -1,12 +1,13 @@
-"""Where a store keeps each value: sharded from exactly the big-array bound on (when the rows divide
-by the devices), replicated otherwise; and which devices and bounds a store accepts."""
+"""Where a store keeps each value: sharded by rows from exactly the big-array bound on (when the
+rows divide by the devices), split padded in a bucket of its own where they do not, replicated
+below the bound; and which devices and bounds a store accepts."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _devices import cpu_empty
+from _devices import cpu_empty, held_per_device
 
 import jaxkv
 
@@ -15,31 +16,40 @@ def sharded(state, key):
     return not state[key].sharding.is_fully_replicated
 
 
+ROWS, PADDED, WHOLE = "rows", "padded", "whole"
+
+
 @pytest.mark.parametrize(
     "shape, bound, expected",
     [
-        ((8, 2), 16, True),  # exactly the bound
-        ((8, 2), 17, False),  # one element short
-        ((16,), 16, True),
-        ((24, 1), 16, True),
-        ((12, 2), 16, False),  # 12 rows do not divide by 8 devices
-        ((4, 4), 16, False),  # nor do 4
-        ((2, 8, 8), 16, False),
-        ((8, 8, 8), 16, True),
-        ((), 1, False),  # a scalar has no rows
-        ((8,), 1, True),
-        ((8,), None, False),  # no bound: everything replicated
-        ((1024, 64), None, False),
+        ((8, 2), 16, ROWS),  # exactly the bound
+        ((8, 2), 17, WHOLE),  # one element short
+        ((16,), 16, ROWS),
+        ((24, 1), 16, ROWS),
+        ((12, 2), 16, PADDED),  # 12 rows do not divide by 8 devices
+        ((4, 4), 16, PADDED),  # nor do 4
+        ((2, 8, 8), 16, PADDED),
+        ((8, 8, 8), 16, ROWS),
+        ((), 1, WHOLE),  # a scalar has no rows
+        ((8,), 1, ROWS),
+        ((8,), None, WHOLE),  # no bound: everything replicated
+        ((1024, 64), None, WHOLE),
     ],
 )
 def test_values_are_sharded_from_the_bound_on(devices, shape, bound, expected):
     s = jaxkv.init(cpu_empty(bigarray_bound=bound), {"k": jnp.ones(shape)})
-    assert sharded(s, "k") is expected
-    assert s.is_sharded(shape) is expected
-    assert s["k"].sharding.device_set == set(devices)
-    if expected:
+    assert s.is_sharded(shape) is (expected == ROWS)
+    assert s.splits(shape) is (expected != WHOLE)
+    held = held_per_device(s, "k")
+    assert set(held) == set(devices)
+    if expected == ROWS:
+        assert sharded(s, "k")
         rows = shape[0] // 8
         assert [x.data.shape[0] for x in s["k"].addressable_shards] == [rows] * 8
+    elif expected == PADDED:  # its flattened value's padded eighth on each device
+        assert set(held.values()) == {-(-int(np.prod(shape)) // 8) * 4}
+    else:
+        assert not sharded(s, "k") and set(held.values()) == {4 * int(np.prod(shape))}
     np.testing.assert_array_equal(np.asarray(s["k"]), np.ones(shape))
 
 
