@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from jaxkv._src.core.collectives import PUSH, SUM, psum_scatter, scatters, scoped, sum_over_devices
 from jaxkv._src.core.compression import compress, exchange, layout_compressed, on_one_device
@@ -36,6 +36,7 @@ from jaxkv._src.state.placement import (
     keyed_shardings,
     place,
     place_keyed,
+    place_leaves,
     stacked,
 )
 
@@ -541,7 +542,6 @@ def _build_push_flat(
     updater on each key's view (the same numbers as one array per key), the new values
     written into the buckets, every leaf placed where the store keeps it."""
     placement = state.emptied()
-    axis = placement.axis
     stacked = [i for i, kind in enumerate(kinds) if kind != "one"]
     optax_push = isinstance(updater, optax.GradientTransformation)
 
@@ -571,12 +571,7 @@ def _build_push_flat(
                 )
             values = [jnp.copy(v) if id(v) in inputs else v for v in values]
             new = state.replace(dict(zip(keys, values)), {keys: opt_state} if optax_push else None)
-        mesh = placement.mesh
-        return jax.tree_util.tree_map(
-            lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),
-            _fl.leaf_specs(new, axis),
-            new,
-        )
+        return place_leaves(new)
 
     run = scoped(PUSH)(run)
     if donate != KEEP_VALUES:

@@ -31,7 +31,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
 
 from jaxkv._src.core.collectives import (
     PULL,
@@ -57,6 +56,7 @@ from jaxkv._src.jax_internals import all_gather_invariant, manual_axes
 from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.buckets import as_blocks, block_shape, from_blocks
 from jaxkv._src.state.kvstate import Key, KVState
+from jaxkv._src.state.placement import place_leaves
 
 __all__ = ["gather", "is_block", "push_in_trace", "whole_shape"]
 
@@ -258,12 +258,7 @@ def _kept_in_place(state: KVState) -> KVState:
         return state
     if manual_axes() != frozenset():  # inside shard_map (or a JAX that cannot say)
         return state
-    mesh = state.mesh
-    return jax.tree_util.tree_map(
-        lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),
-        _fl.leaf_specs(state, state.axis),
-        state,
-    )
+    return place_leaves(state)
 
 
 def _placed(push: Any) -> Any:

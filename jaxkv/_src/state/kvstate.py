@@ -70,29 +70,23 @@ _Aux = tuple[
 ]
 
 
+def _splittable(shape: tuple[int, ...], n: int, bound: int | None) -> bool:
+    """Whether a value of ``shape`` is big enough to split over ``n`` devices (at least
+    ``bound`` elements, not a scalar, ``n`` > 1)."""
+    return bound is not None and n > 1 and len(shape) > 0 and math.prod(shape) >= bound
+
+
 @functools.lru_cache(maxsize=4096)
 def _is_sharded(shape: tuple[int, ...], n: int, bound: int | None) -> bool:
     # Asked for every value of every push and pull: cached, since shapes repeat.
-    return (
-        bound is not None
-        and n > 1
-        and len(shape) > 0
-        and shape[0] % n == 0
-        and math.prod(shape) >= bound
-    )
+    return _splittable(shape, n, bound) and shape[0] % n == 0
 
 
 def _padded(shape: tuple[int, ...], n: int, bound: int | None) -> bool:
     """Whether a value of ``shape`` is big enough to split over ``n`` devices but cannot be
     split along its rows (``n`` does not divide its first dimension): it is split flattened
     and padded instead, in a bucket of its own (``PADDED``), never kept whole."""
-    return (
-        bound is not None
-        and n > 1
-        and len(shape) > 0
-        and shape[0] % n != 0
-        and math.prod(shape) >= bound
-    )
+    return _splittable(shape, n, bound) and shape[0] % n != 0
 
 
 # What _bucketed says of a value: an array of its own, a bucket shared under the policy, or a
@@ -803,9 +797,8 @@ class KVState:
                 opt = self.group_state(n)
             if packable:
                 assert flat is not None  # packable says so
-                parts = split_parts
                 packing, packed = _fl.packed_group_state(
-                    g, [shapes[k] for k in g], opt, self, old_n.get(g), parts
+                    g, [shapes[k] for k in g], opt, self, old_n.get(g), split_parts
                 )
                 opts.append(tuple(packed))
                 packings.append(packing)
@@ -852,7 +845,9 @@ class KVState:
         shardings = jax.tree_util.tree_map(
             lambda spec: NamedSharding(mesh, spec), _fl.leaf_specs(self, self.axis)
         )
-        return jax.device_put(self, shardings)
+        # Over several processes' devices a reshard is a computation there: it takes its
+        # collective turn, as the layout's other eager computations do.
+        return _fl.run("placement of split buckets", jax.device_put, self, shardings)
 
     def _plan(
         self,

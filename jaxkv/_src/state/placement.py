@@ -28,6 +28,7 @@ __all__ = [
     "keyed_shardings",
     "place",
     "place_keyed",
+    "place_leaves",
     "put",
     "replicate",
     "replicated_copies",
@@ -130,6 +131,17 @@ def place(state: KVState, tree: Any) -> Any:
     """Inside ``jit``: constrain every leaf of ``tree`` to where the store keeps such a leaf."""
     return jax.tree_util.tree_map(
         lambda x: jax.lax.with_sharding_constraint(x, state.sharding_for(x.shape)), tree
+    )
+
+
+def place_leaves(state: KVState) -> KVState:
+    """Inside ``jit``: ``state`` with every leaf constrained to where the store keeps it
+    (``buckets.leaf_specs``: split buckets and their moments sharded, and so on)."""
+    mesh = state.mesh
+    return jax.tree_util.tree_map(
+        lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),
+        _fl.leaf_specs(state, state.axis),
+        state,
     )
 
 
