@@ -34,10 +34,12 @@ def held_per_device(state, key):
         for s in leaf.addressable_shards:
             per[s.device] = per.get(s.device, 0) + s.data.nbytes
         return per
+    from jaxkv._src.state.buckets import block
+
     b, _, size = flat.where[i]
     parts = flat.parts_of(b)
     itemsize = state.leaves[b].dtype.itemsize
-    count = -(-size // parts) if parts > 1 else size
+    count = block(flat.shapes[i], parts) if parts > 1 else size
     return {s.device: count * itemsize for s in state.leaves[b].addressable_shards}
 
 

@@ -69,12 +69,13 @@ def test_dist_sync_sums_within_each_process_then_across(n):
         assert f"rank {rank} done" in run.stdout
 
 
-@pytest.mark.parametrize("bound", [0, 64])
-def test_rows_across_processes(bound):
+@pytest.mark.parametrize(("bound", "rows"), [(0, 64), (64, 64), (64, 66)])
+def test_rows_across_processes(bound, rows):
     """Each process pushes and pulls its own rows of one table (kept whole on every device, or
-    split over every process's devices by MXNet's bound): functionally, and through a dist_sync
-    KVStore's row-sparse values with MXNet's lazy SGD; every process checks the whole table."""
-    run = launch(2, "rows_job.py", bound)
+    split over every process's devices by MXNet's bound; 66 rows do not divide by the 4
+    devices, so blocks of 17 rows, padded): functionally, and through a dist_sync KVStore's
+    row-sparse values with MXNet's lazy SGD; every process checks the whole table."""
+    run = launch(2, "rows_job.py", bound, rows)
     assert run.returncode == 0, run.stdout + run.stderr
     tag = "split" if bound else "whole"
     for rank in range(2):

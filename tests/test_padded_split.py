@@ -1,7 +1,9 @@
-"""A value big enough to split whose first dimension the device count does not divide (7 rows
-over 3 devices) is split all the same, flattened and padded in a split bucket, in every layout,
-with its optimizer state: never kept whole (issue 37). Its numbers are one device's optax
-numbers, eagerly, in the imperative store and inside ``shard_map``, with no recompiles."""
+"""A value big enough to split whose first dimension the device count does not divide is split all
+the same in a split bucket, in every layout, with its optimizer state: never kept whole (issue
+37). A value of few rows (7 over 3 devices) is flattened and padded; a table of many (35 rows)
+is padded by whole rows (blocks of 12 rows, one row of zeros), so its rows are read and written
+in place. Their numbers are one device's optax numbers, eagerly, in the imperative store and
+inside ``shard_map``, with no recompiles."""
 
 import functools
 
@@ -18,9 +20,10 @@ import jaxkv
 
 D = 3
 BOUND = 64
-# 84 elements in 7 rows (3 does not divide them: padded), 96 in 6 rows (split by rows where
-# the layout keeps arrays of their own), 5 (below the bound: whole).
-SHAPES = {"odd": (7, 12), "w": (6, 16), "b": (5,)}
+# 84 elements in 7 rows (3 does not divide them: flattened and padded), 140 in 35 rows (padded
+# by one row), 96 in 6 rows (split by rows where the layout keeps arrays of their own), 5 (below
+# the bound: whole).
+SHAPES = {"odd": (7, 12), "table": (35, 4), "w": (6, 16), "b": (5,)}
 LAYOUTS = ["auto", "flat", "keys"]
 OPT = optax.adam(0.05)
 _rng = np.random.default_rng(3)
@@ -63,6 +66,7 @@ def test_a_big_value_three_does_not_divide_is_split_with_its_moments(layout, thr
     s = _store(three, layout)
     assert set(held_per_device(s, "odd").values()) == {-(-84 // D) * 4}  # its padded third
     assert len(held_per_device(s, "odd")) == D
+    assert set(held_per_device(s, "table").values()) == {12 * 4 * 4}  # 12 of its 36 rows
     # No array of at least the bound's elements is whole on every device: values, moments.
     for x in jax.tree_util.tree_leaves(s):
         if x.size >= BOUND:
@@ -142,3 +146,43 @@ def test_a_compressed_store_keeps_it_whole_and_says_so(three, caplog):
     assert s.flat_layout is None
     assert set(held_per_device(s, "odd").values()) == {START["odd"].nbytes}
     assert "(7, 12)" in caplog.text and "kept whole" in caplog.text
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_rows_of_a_table_padded_by_rows_are_read_and_written_in_place(layout, three):
+    """A push of 2 rows costs its rows, not the table: they are addressed in the table's
+    bucket (device d's block holds rows [12 d, 12 d + 12)), eagerly and inside shard_map."""
+    from jaxkv._src.rows import ops as row_ops
+
+    s = jaxkv.empty(three, layout=layout, bigarray_bound=BOUND)
+    s = jaxkv.init(s, {k: jnp.asarray(v) for k, v in START.items()})
+    assert row_ops._in_bucket(s, s.index("table")) is not None
+    assert row_ops._in_bucket(s, s.index("odd")) is None  # its blocks are not rows
+    want = START["table"].copy()
+    for ids in ([0, 34, 11, 12], [34, 23, 24, 34]):  # each block's edges, the last row, repeats
+        rows = np.arange(len(ids) * 4, dtype=np.float32).reshape(-1, 4) + ids[0]
+        s = jaxkv.push_rows(s, "table", ids, jnp.asarray(rows), updater=lambda k, g, w: w - g)
+        summed = np.zeros_like(want)  # duplicates summed, then the updater once per row
+        np.add.at(summed, ids, rows)
+        want[ids] = want[ids] - summed[ids]
+        np.testing.assert_array_equal(np.asarray(s["table"]), want)
+        np.testing.assert_array_equal(np.asarray(jaxkv.pull_rows(s, "table", ids)), want[ids])
+    assert set(held_per_device(s, "table").values()) == {12 * 4 * 4}
+
+    spec = jaxkv.specs(s, "kv")
+    asked = np.array([[0, 11, 12, 34], [35, 24, 23, 1], [34, 34, 2, 13]], np.int32)
+
+    @jax.jit
+    @functools.partial(
+        jax.shard_map, mesh=s.mesh, in_specs=(spec, P("kv")), out_specs=(P("kv"), P("kv"))
+    )
+    def blocks_and_rows(state, ids):
+        block = state["table"]
+        return block[None], jaxkv.pull_rows(state, "table", ids[0], axis_name="kv")[None]
+
+    blocks, got = blocks_and_rows(s, jnp.asarray(asked))
+    padded = np.concatenate([want, np.zeros((1, 4), np.float32)])
+    np.testing.assert_array_equal(np.asarray(blocks), padded.reshape(D, 12, 4))
+    for d in range(D):  # an id outside the table (35) selects no row: zeros
+        expected = np.stack([padded[i] if i < 35 else np.zeros(4) for i in asked[d]])
+        np.testing.assert_array_equal(np.asarray(got[d]), expected)

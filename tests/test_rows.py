@@ -23,8 +23,8 @@ import jaxkv
 
 NDEV = 8
 # (rows, width): replicated (8 x 3), sharded by rows (2048 x 8 = 16K elements, the big-array
-# bound), and a table of 2050 rows, too big to replicate under "flat" but whose rows do not
-# divide by 8 (a split bucket cuts it across rows; per key it is replicated).
+# bound), and a table of 2050 rows, whose rows do not divide by 8: split all the same, in blocks
+# of 257 rows (the last one ending in 6 rows of zeros), read and written in place.
 TABLES = {"small": (8, 3), "sharded": (2048, 8), "odd": (2050, 8)}
 LAYOUTS = ["keys", "flat", "auto"]
 SGD = optax.sgd(0.5, momentum=0.9)

@@ -6,7 +6,9 @@ Every process pushes its own rows (one pair per local device) and pulls its own,
 ``row_sparse_pull`` into row-sparse outs). Every process draws every process's pairs from one
 seed, so each checks the whole table against a NumPy model. Prints ``ok <name>`` per check.
 
-    rows_job.py BOUND   (BOUND: MXNet's big-array bound; 0 keeps the tables whole everywhere)
+    rows_job.py BOUND [ROWS]   (BOUND: MXNet's big-array bound, 0 keeps the tables whole
+                                everywhere; ROWS: the table's rows, 64 by default; 66 do not
+                                divide by 4 devices: the table is split padded by rows)
 """
 
 import os
@@ -23,7 +25,8 @@ import optax  # noqa: E402
 import jaxkv  # noqa: E402
 import jaxkv.mx as mx  # noqa: E402
 
-ROWS, WIDTH, N, LR = 64, 4, 5, 0.5
+ROWS = int(sys.argv[2]) if len(sys.argv) > 2 else 64
+WIDTH, N, LR = 4, 5, 0.5
 
 
 def check(name, got, want):

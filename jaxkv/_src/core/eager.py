@@ -346,7 +346,7 @@ def _sum_split(
         for i in by_bucket[b]:
             shape = state.shapes[keys[i]]
             size = math.prod(shape)
-            width = block(size, n)
+            width = block(shape, n)
             pushed[i] = from_blocks(grid[:, offset : offset + width], size, shape)
             offset += width
         if len(by_bucket[b]) == sum(1 for w in flat.where if w[0] == b):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,7 +34,7 @@ from jax.extend import core as jex
 
 from jaxkv._src.core.on_blocks import ELEMENTWISE, UPDATER, keeps_shape, sub_jaxpr
 from jaxkv._src.state import buckets as _fl
-from jaxkv._src.state.buckets import as_blocks
+from jaxkv._src.state.buckets import as_blocks, padding
 from jaxkv._src.state.kvstate import Key, KVState
 
 __all__ = ["elementwise", "update_bucket"]
@@ -105,7 +104,7 @@ def update_bucket(
     # completing across devices), not padded (padding would enter a maximum or a minimum, and
     # a sum over values that updates left in the padding).
     parts = flat.parts_of(b)
-    padded = parts > 1 and any(math.prod(s) % parts for s in shapes)
+    padded = parts > 1 and any(padding(tuple(s), parts) for s in shapes)
     if not elementwise(updater, keys, shapes, name, opt_state, not (chunked or padded)):
         return None
     dtype = np.dtype(name)

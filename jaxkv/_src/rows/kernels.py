@@ -29,6 +29,7 @@ from jaxkv._src.core.on_blocks import UPDATER
 from jaxkv._src.core.on_buckets import elementwise as _elementwise
 from jaxkv._src.core.updater import apply_updates, init_state, updater_errors, updater_name
 from jaxkv._src.errors import KVStoreError, ShapeError
+from jaxkv._src.state.buckets import block_rows
 from jaxkv._src.state.kvstate import Key, KVState
 from jaxkv._src.state.pairing import as_array
 
@@ -332,23 +333,28 @@ class InRun(Where):
 
 
 @functools.lru_cache(maxsize=256)
-def bucket_rows_take(mesh: Any, axis: str, off: int, shape: tuple, split: bool) -> Any:
-    """``(bucket, ids) -> rows`` of a key at ``off`` in its bucket, read in place."""
+def bucket_rows_take(
+    mesh: Any, axis: str, off: int, shape: tuple, split: bool, each: bool = False
+) -> Any:
+    """``(bucket, ids) -> rows`` of a key at ``off`` in its bucket, read in place: whole on
+    every device, or (``each``: across processes, the ids one run per device, split along axis
+    0) each device's rows for its own run of ids."""
+    out = NamedSharding(mesh, PartitionSpec(axis) if each else PartitionSpec())
     if not split:  # the result named whole on the devices: with no ids, XLA would pick one
-        whole = NamedSharding(mesh, PartitionSpec())
         take = lambda leaf, ids: run_take(leaf, ids, 0, shape[0], off, shape)  # noqa: E731
-        return jax.jit(take, out_shardings=whole)
+        return jax.jit(take, out_shardings=out)
     parts = mesh.devices.size
 
     @jax.named_scope(ROUTE)
     def body(chunk: Any, ids: Any) -> Any:
-        rows = shape[0] // parts
+        rows = block_rows(shape, parts)
         lo = jax.lax.axis_index(axis) * rows
         return jax.lax.psum(run_take(chunk, ids, lo, rows, off, shape), axis)
 
     spec = PartitionSpec(axis)
     return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=PartitionSpec())
+        jax.shard_map(body, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=PartitionSpec()),
+        out_shardings=out,
     )
 
 
@@ -367,7 +373,7 @@ def bucket_pusher(
 ) -> Any:
     """``(bucket, opt_state, ids, rows) -> (bucket, opt_state)`` for a key at ``off``."""
     parts = mesh.devices.size if split else 1
-    rows_here = shape[0] // parts
+    rows_here = block_rows(shape, parts) if split else shape[0]
 
     def update(leaf: Any, opt: Any, ids: Any, rows: Any) -> Any:
         where = InRun(axis if split else None, rows_here, off, shape)

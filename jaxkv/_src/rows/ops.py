@@ -337,10 +337,11 @@ def _eager_take(state: KVState, key: Key, i: int, ids: np.ndarray) -> jax.Array:
 
 
 # -- rows of a key in a flat bucket, addressed in place -------------------------------------------
-# A key in a bucket is a run of its bucket (whole), or of each device's chunk (split, its rows
-# dividing by the devices: device d's chunk holds rows [d*B, (d+1)*B) at the key's offset). Its
-# rows are read and written there by element, so a step costs its rows, not its bucket. A key
-# whose rows do not divide (a split bucket cuts it across rows) goes through its view.
+# A key in a bucket is a run of its bucket (whole), or of each device's chunk (split, its blocks
+# whole rows: device d's chunk holds rows [d*B, (d+1)*B) at the key's offset, B = ceil(R / D),
+# the last block ending in rows of zeros where D does not divide R). Its rows are read and
+# written there by element, so a step costs its rows, not its bucket. A key whose blocks are not
+# whole rows (few rows: buckets.block_rows) goes through its view.
 def _in_bucket(state: KVState, i: int) -> tuple[int, int, bool] | None:
     """``(bucket, offset, split)`` of key position ``i`` where its rows can be addressed in its
     bucket, else ``None`` (an array of its own, or rows cut across devices)."""
@@ -352,7 +353,7 @@ def _in_bucket(state: KVState, i: int) -> tuple[int, int, bool] | None:
         return None
     parts = flat.parts_of(b)
     shape = state.key_shapes[i]
-    if parts > 1 and shape[0] % parts:
+    if parts > 1 and _fl.block_rows(shape, parts) is None:
         return None
     return b, off, parts > 1
 
@@ -880,10 +881,16 @@ def _pull_across(
         fn = per_device_take(state.mesh, state.axis, False)
         padded = [_padded_ids(x, n, 0) for x in mine]
         out = collective_order.ordered("pull_rows", fn, state.leaves[leaf], _global(state, padded))
-    else:  # in a bucket (whole on every device across processes): read from the view
+    else:  # in a bucket: read in place where its blocks are rows, else from its view
         split = NamedSharding(state.mesh, PartitionSpec(state.axis))
         asked_all = _global(state, [_padded_ids(x, n, 0) for x in mine])
-        out = collective_order.ordered("pull_rows", bucket_take(key, split), state, asked_all)
+        place = _in_bucket(state, i)
+        if place is not None and place[2]:  # a split bucket
+            b, off, _ = place
+            fn = bucket_rows_take(state.mesh, state.axis, off, shape, True, each=True)
+            out = collective_order.ordered("pull_rows", fn, state.leaves[b], asked_all)
+        else:
+            out = collective_order.ordered("pull_rows", bucket_take(key, split), state, asked_all)
     rows = [x[: a.size] for x, a in zip(per_device(out), mine)]
     if per:
         targets = devices_of(devices) if devices is not None else tuple(local)
@@ -952,6 +959,18 @@ def _push_across(
             "push_rows", fn, state.leaves[leaf], opt, stacked_ids, stacked
         )
         return _fl.with_leaves(state, {leaf: value}, {} if n_group is None else {n_group: opt})
+    place = _in_bucket(state, state.index(key))
+    optax_push = isinstance(updater, optax.GradientTransformation)
+    if (
+        place is not None
+        and place[2]  # a split bucket
+        and (
+            updater is None
+            or (optax_push and n_group is not None and state.packings[n_group] is not None)
+        )
+    ):  # its rows written in place (every process's pairs gathered inside the computation)
+        i = state.index(key)
+        return _bucket_push(state, key, i, place, n_group, stacked_ids, stacked, updater, donate)
     fn = state_push(key, shape[0], updater, donate)
     return collective_order.ordered("push_rows", fn, state, stacked_ids, stacked)
 

@@ -145,7 +145,7 @@ def plan(
         for n, (b, _, size) in enumerate(where):
             if b >= 0 and parts[b] > 1:
                 where[n] = (b, chunks[b], size)
-                chunks[b] += block(size, parts[b])
+                chunks[b] += block(tuple(shapes[n]), parts[b])
         sizes = [c * p if p > 1 else size for c, p, size in zip(chunks, parts, sizes)]
     return FlatLayout(
         tuple(zip(names, sizes)),
@@ -156,19 +156,43 @@ def plan(
     )
 
 
-def block(size: int, parts: int) -> int:
-    """The number of elements of each of a ``size``-element value's blocks over ``parts``
-    devices (the value flattened and padded to a multiple of ``parts``)."""
-    return -(-size // parts)
+def block_rows(shape: tuple[int, ...], parts: int) -> int | None:
+    """How many rows (along axis 0) each of a key's blocks over ``parts`` devices holds where
+    its blocks are whole rows, else ``None``. They are whole rows where the rows divide by
+    ``parts`` (the flattened value's ``1/parts`` is then exactly those rows), and also where
+    padding the rows to a multiple of ``parts`` adds at most 1/16 of them (a table of 2048
+    rows over 3 devices: blocks of 683 rows, one row of zeros): a table's rows are then read
+    and written in place, as a sharded table's are. Otherwise (a value of few rows, or none)
+    the flattened value is padded to a multiple of ``parts``."""
+    if not shape:
+        return None
+    rows = -(-shape[0] // parts)
+    return rows if (rows * parts - shape[0]) * 16 <= shape[0] else None
+
+
+def block(shape: tuple[int, ...], parts: int) -> int:
+    """The number of elements of each of a ``shape`` value's blocks over ``parts`` devices:
+    whole rows (:func:`block_rows`), else the flattened value padded to a multiple of
+    ``parts``, cut in ``parts``."""
+    rows = block_rows(shape, parts)
+    if rows is not None:
+        return rows * math.prod(shape[1:])
+    return -(-math.prod(shape) // parts)
+
+
+def padding(shape: tuple[int, ...], parts: int) -> int:
+    """How many zeros pad a ``shape`` value's blocks over ``parts`` devices."""
+    return block(shape, parts) * parts - math.prod(shape)
 
 
 def block_shape(shape: tuple[int, ...], parts: int) -> tuple[int, ...]:
     """The shape of a key's block over ``parts`` devices in a split bucket: its rows (axis 0)
-    where they divide by ``parts``, as a value the store shards has (the flattened value's
-    ``1/parts`` is then exactly those rows); else ``(block(size, parts),)``."""
-    if shape and shape[0] % parts == 0:
-        return (shape[0] // parts, *shape[1:])
-    return (block(math.prod(shape), parts),)
+    where they are whole rows (:func:`block_rows`), as a value the store shards has; else
+    ``(block(shape, parts),)``."""
+    rows = block_rows(shape, parts)
+    if rows is not None:
+        return (rows, *shape[1:])
+    return (block(shape, parts),)
 
 
 def split_view(
@@ -177,7 +201,7 @@ def split_view(
     """A key's value in a bucket of ``total`` elements split over ``parts`` devices: from the
     whole bucket, its blocks gathered into its shape; from one device's chunk (inside
     ``shard_map``), its block there (:func:`block_shape`)."""
-    n = block(size, parts)
+    n = block(shape, parts)
     if leaf.shape[0] != total:  # this device's chunk
         return jax.lax.slice_in_dim(leaf, offset, offset + n).reshape(block_shape(shape, parts))
     blocks = leaf.reshape(parts, -1)[:, offset : offset + n]
@@ -196,10 +220,11 @@ def split_write(leaf: Any, offset: int, value: Any, parts: int, total: int) -> A
 
 
 def as_blocks(value: Any, parts: int) -> Any:
-    """``value`` flattened, padded with zeros to a multiple of ``parts``, as ``(parts, block)``:
-    row d is device d's block."""
+    """``value`` flattened, padded with zeros to ``parts`` blocks (:func:`block`), as
+    ``(parts, block)``: row d is device d's block. The zeros come after the value's elements
+    whether its blocks are whole rows or not (padding rows are appended rows)."""
     flat = jnp.ravel(value)
-    pad = block(flat.shape[0], parts) * parts - flat.shape[0]
+    pad = padding(tuple(value.shape), parts)
     if pad:
         flat = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)])
     return flat.reshape(parts, -1)
@@ -361,7 +386,7 @@ class Packing:
         bucket's size."""
         sizes = [math.prod(s) for s in self.shapes]
         if self.parts > 1:
-            sizes = [block(n, self.parts) for n in sizes]
+            sizes = [block(tuple(s), self.parts) for s in self.shapes]
         starts = np.cumsum([0, *sizes]).tolist()
         return starts[:-1], starts[-1] * self.parts
 

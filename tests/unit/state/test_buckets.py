@@ -1,5 +1,7 @@
 """jaxkv/_src/state/buckets.py: which bucket each key lies in, and which buckets are split."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -52,15 +54,37 @@ def test_keys_lie_in_key_order_one_bucket_per_dtype_and_group():
 
 @pytest.mark.parametrize(("size", "parts", "n"), [(8, 4, 2), (9, 4, 3), (7, 4, 2), (1, 4, 1)])
 def test_a_block_is_the_value_padded_to_a_multiple_of_the_parts(size, parts, n):
-    assert buckets.block(size, parts) == n
+    assert buckets.block((size,), parts) == n
     assert buckets.as_blocks(np.arange(size, dtype=np.float32), parts).shape == (parts, n)
 
 
 @pytest.mark.parametrize(
-    ("shape", "parts", "block"), [((8, 3), 4, (2, 3)), ((6, 3), 4, (5,)), ((5,), 4, (2,))]
+    ("shape", "parts", "block"),
+    [
+        ((8, 3), 4, (2, 3)),
+        ((6, 3), 4, (5,)),
+        ((5,), 4, (2,)),
+        ((2048, 4), 3, (683, 4)),  # one row of zeros: at most 1/16 of the rows, so rows
+        ((17, 2), 4, (9,)),  # three rows of zeros would be 3/17: flattened instead
+        ((32, 2), 3, (11, 2)),  # one row of zeros in 32
+        ((16, 2), 3, (11,)),  # two in 16: flattened
+    ],
 )
-def test_a_block_keeps_its_rows_where_they_divide(shape, parts, block):
+def test_a_block_keeps_its_rows_where_they_divide_or_pad_by_little(shape, parts, block):
     assert buckets.block_shape(shape, parts) == block
+    assert buckets.block(shape, parts) == math.prod(block)
+    blocks = buckets.as_blocks(np.arange(math.prod(shape), dtype=np.float32).reshape(shape), parts)
+    assert blocks.shape == (parts, math.prod(block))
+    whole = buckets.from_blocks(blocks, math.prod(shape), shape)
+    np.testing.assert_array_equal(whole, np.arange(math.prod(shape)).reshape(shape))
+    if len(block) == len(shape):  # device d's block is rows [d*B, (d+1)*B), zeros past the end
+        rows = np.concatenate(
+            [np.asarray(whole), np.zeros((parts * block[0] - shape[0], *shape[1:]))]
+        )
+        for d in range(parts):
+            np.testing.assert_array_equal(
+                np.asarray(blocks[d]).reshape(block), rows[d * block[0] : (d + 1) * block[0]]
+            )
 
 
 @pytest.mark.parametrize("shapes", [[(5,), (8, 3), (3,)], [(4,), (4,)], [(7, 2), (1,)]])
