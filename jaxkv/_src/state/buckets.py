@@ -11,12 +11,14 @@ numbers; what the layout saves is the buffers that cross a computation's boundar
 ResNet-50's 193 tensors with Adam, instead of 580).
 
 A bucket of many bytes is *split* over the store's D devices (``parts`` = D), as FSDP and ZeRO
-split their flat parameters: each key's value is flattened, padded to a multiple of D and cut in
-D blocks, and device d's chunk of the bucket is the d-th block of every key, in key order. So
+split their flat parameters: each key's value is flattened, padded with zeros to D equal blocks
+and cut in them, and device d's chunk of the bucket is the d-th block of every key, in key
+order. A block is whole rows where the rows divide by D or padding them adds at most 1/16 of
+them (:func:`block_rows`), else a piece of the flattened value padded to a multiple of D. So
 every key has a block of its own on every device (``jaxkv.gather``, ``pull(local=True)`` and a
-push of a block work per key), a value of any shape is split, and the sum of a push is one
-reduce-scatter per bucket (every key's ``(D, block)`` view side by side). The padding is at
-most D - 1 elements per key. Seen whole, the bucket is ``(D * chunk,)``, sharded along its one
+push of a block work per key), a value of any shape is split, a table's rows are addressed in
+place, and the sum of a push is one reduce-scatter per bucket (every key's ``(D, block)`` view
+side by side). The padding is at most D - 1 elements, or rows, per key. Seen whole, the bucket is ``(D * chunk,)``, sharded along its one
 axis; inside ``shard_map`` with ``jaxkv.specs`` a device holds its ``(chunk,)``.
 
 Measured on one CPU device (in-jit Adam step with gradients by AD, ResNet-50's structure with
