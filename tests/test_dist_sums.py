@@ -30,10 +30,11 @@ def loaded():
     spin.wait()
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_the_sharded_step_is_exact_run_after_run(n, loaded):
+@pytest.mark.parametrize(("n", "rows"), [(2, 2040), (3, 2040), (3, 2048)])
+def test_the_sharded_step_is_exact_run_after_run(n, rows, loaded):
+    """Keys whose rows divide by the processes, and (2048 over 3) keys split padded by rows."""
     for run_index in range(RUNS):
-        run = launch(n, "sharded_step_job.py", "jaxkv", 12, per_process=1, timeout=300)
+        run = launch(n, "sharded_step_job.py", "jaxkv", 12, rows, per_process=1, timeout=300)
         assert run.returncode == 0, f"run {run_index}:\n{run.stdout}{run.stderr}"
         ok = [line for line in run.stdout.splitlines() if " ok 12 steps" in line]
         assert len(ok) == n, run.stdout + run.stderr

@@ -1,7 +1,7 @@
 """Run by tests/test_dist_sums.py under ``python -m jaxkv.launch -n N``: the README's sharded
 in-jit step across processes, checked exactly against a NumPy model of every process's data.
 
-    sharded_step_job.py PATTERN STEPS
+    sharded_step_job.py PATTERN STEPS [ROWS]
 
 ``PATTERN`` is ``jaxkv`` (``jaxkv.gather`` and ``jaxkv.push`` inside the user's ``shard_map``,
 over a store spanning every process's devices) or ``hand`` (the same step written by hand with
@@ -29,8 +29,9 @@ from jax.sharding import PartitionSpec as P
 import jaxkv
 
 PATTERN, STEPS = sys.argv[1], int(sys.argv[2])
-# Rows divisible by 1 to 4 devices; 16 MiB a key (8 MiB per device at 2 devices: gloo's defect shows from about there).
-BIG = (2040, 2048)
+# 2040 rows divide by 1 to 4 devices; 16 MiB a key (8 MiB per device at 2 devices: gloo's defect
+# shows from about there). ROWS=2048 do not divide by 3: each key is split padded by rows.
+BIG = (int(sys.argv[3]) if len(sys.argv) > 3 else 2040, 2048)
 SHAPES = {"w0": BIG, "w1": BIG, "w2": BIG, "w3": BIG, "b": (16,)}
 
 
