@@ -70,7 +70,7 @@ Usage: python benchmarks/bench.py [--steps 7] [--quick]
          [--only in-jit|mesh|processes|dist|proxy|gpu|step|rows|gluon]
          [--eager-steps 200] [--step-steps 200]
          [--gluon-scale 1] [--gluon-keys N] [--gluon-timeout 900] [--gluon-mem-gb G]
-         [--gluon-dist-devices 1 [2]]
+         [--gluon-dist-devices 1 [2]] [--gluon-dist-processes 1 2 3 4]
 --only proxy / --only gpu / --only step exit 1 where a hand-written or jaxkv row fails or its
 values differ (a missed goal is reported, not an error); the full run does so after writing its
 report.
@@ -435,6 +435,14 @@ def main() -> None:
         default=[1],
         help="the gluon section: devices per process of its dist_sync rows (default 1)",
     )
+    parser.add_argument(
+        "--gluon-dist-processes",
+        type=int,
+        nargs="+",
+        default=[1, 2, 3, 4],
+        help="the gluon section: process counts of its dist_sync rows (default 1 2 3 4; jaxkv's "
+        "second layout at 2 only)",
+    )
     args = parser.parse_args()
     steps = max(args.steps, 7)
 
@@ -447,6 +455,7 @@ def main() -> None:
             args.gluon_mem_gb,
             tuple(args.gluon_dist_devices),
             log=log,
+            dist_processes=tuple(args.gluon_dist_processes),
         )
 
     log(f"jaxkv benchmark: {where()}")
@@ -633,6 +642,7 @@ def write_report(
     lines += ["", *in_jit_report(jit_rows)]
     lines += ["", *mesh_step.report(mesh_res)]
     lines += ["", *processes.report(procs_res)]
+    lines += ["", *gluon.processes_lines(gluon_res)]
     lines += [
         "",
         "| workload | path | " + " | ".join(f"round {i + 1} ms" for i in range(ROUNDS)) + " |",

@@ -74,7 +74,7 @@ TIMEOUT_ENV = "JAXKV_BENCH_GLUON_TIMEOUT"
 LAYOUTS_ENV = "JAXKV_BENCH_GLUON_LAYOUTS"
 TIMEOUT = int(os.environ.get(TIMEOUT_ENV, "900"))  # seconds for one side's start-up
 STEPS_TIMEOUT = 600  # seconds for its steps and checks after the start-up
-PROCESSES, SERVERS = 2, 2  # of the dist_sync jobs, as benchmarks/dist.py
+PROCESSES = 2  # of the dist_sync jobs by default, as benchmarks/dist.py (MXNet: as many servers)
 EVENT = "gluon-event "  # the prefix of a child's result lines on stdout
 HEARTBEAT_S = 10.0
 PROGRESS_KEYS = 20  # a progress event every this many keys of the init and the first step
@@ -507,24 +507,29 @@ def has_mxnet() -> bool:
     return os.path.exists(os.path.join(MXNET_VENV, ".ok"))
 
 
-def run_jaxkv(layout: str, kv: str, devices: int, opts: dict, log=log) -> dict:
-    """jaxkv's side in a process of its own (a ``jaxkv.launch`` job of PROCESSES for
+def run_jaxkv(
+    layout: str, kv: str, devices: int, opts: dict, log=log, processes: int = PROCESSES
+) -> dict:
+    """jaxkv's side in a process of its own (a ``jaxkv.launch`` job of ``processes`` for
     dist_sync), with ``JAXKV_LAYOUT=layout`` and ``JAX_PLATFORMS=cpu``."""
     argv = [__file__, "--side", "jaxkv"]
     argv += _child_args(kv, devices, opts["scale"], opts["keys"], opts["steps"])
     if kv == "device":
         cmd = [sys.executable, *argv]
     else:
-        cmd = [sys.executable, "-m", "jaxkv.launch", "-n", str(PROCESSES), "--no-prefix"]
+        cmd = [sys.executable, "-m", "jaxkv.launch", "-n", str(processes), "--no-prefix"]
         cmd += ["--devices-per-process", str(devices), *argv]
     env = dict(os.environ, JAXKV_LAYOUT=layout, JAX_PLATFORMS="cpu")
-    label = f"jaxkv {kv} {layout}" + (f" {PROCESSES}x{devices}" if kv != "device" else "")
+    label = f"jaxkv {kv} {layout}" + (f" {processes}x{devices}" if kv != "device" else "")
     return watch(cmd, env, label, opts["timeout"], opts["mem"], log=log)
 
 
-def run_mxnet(kv: str, devices: int, opts: dict, log=log) -> dict | None:
+def run_mxnet(
+    kv: str, devices: int, opts: dict, log=log, processes: int = PROCESSES
+) -> dict | None:
     """MXNet's side with its venv's python, or None where that venv is absent; dist_sync as
-    a parameter-server job (a scheduler, SERVERS servers, PROCESSES workers) on loopback."""
+    a parameter-server job (a scheduler, ``processes`` servers and as many workers) on
+    loopback."""
     if not has_mxnet():
         return None
     python = os.path.join(MXNET_VENV, "bin", "python")
@@ -539,8 +544,8 @@ def run_mxnet(kv: str, devices: int, opts: dict, log=log) -> dict | None:
     t0 = time.monotonic()
     roles = dist.mxnet_job(
         argv,
-        servers=SERVERS,
-        workers=PROCESSES,
+        servers=processes,
+        workers=processes,
         env={"OMP_NUM_THREADS": "1"},  # MXNet's faster setting here (benchmarks/dist.py)
         timeout=int(opts["timeout"] + STEPS_TIMEOUT),
     )
@@ -620,30 +625,34 @@ def run_section(
     mem_gb: float | None = None,
     dist_devices: tuple[int, ...] = (1,),
     log=log,
+    dist_processes: tuple[int, ...] = (PROCESSES,),
 ) -> dict:
     """Every row: jaxkv (each layout) and MXNet with the ``device`` store on D devices, then
-    with ``dist_sync`` in PROCESSES processes of each of ``dist_devices`` devices."""
+    with ``dist_sync`` in each of ``dist_processes`` processes of each of ``dist_devices``
+    devices (jaxkv in its first layout only, but at PROCESSES processes)."""
     work = shapes(scale, keys)
     mem = int(mem_gb * 1e9) if mem_gb else int(0.8 * available_bytes())
     opts = {"scale": scale, "keys": keys, "steps": max(steps, STEPS), "timeout": timeout}
     opts["mem"] = mem
     rows = []
-    setups = [("device", D)] + [("dist_sync", d) for d in dist_devices]
-    for kv, devices in setups:
-        pushes = devices * (PROCESSES if kv == "dist_sync" else 1)
-        sides = [(f"jaxkv, JAXKV_LAYOUT={lay}", "jaxkv", lay) for lay in layouts()]
+    setups = [("device", D, 1)]
+    setups += [("dist_sync", d, p) for p in dist_processes for d in dist_devices]
+    for kv, devices, procs in setups:
+        pushes = devices * procs
+        every = layouts() if kv == "device" or procs == PROCESSES else layouts()[:1]
+        sides = [(f"jaxkv, JAXKV_LAYOUT={lay}", "jaxkv", lay) for lay in every]
         sides.append(("MXNet 1.9.1", "mxnet", None))
         results: dict[str, dict | None] = {}
         for name, side, layout in sides:
             log(
                 f"[gluon] {name}: {kv} store, "
-                + (f"{PROCESSES} processes x {devices}" if kv != "device" else f"{devices}")
+                + (f"{procs} processes x {devices}" if kv != "device" else f"{devices}")
                 + f" device(s), {len(work)} keys (scale 1/{scale}) ..."
             )
             if side == "jaxkv":
-                results[name] = run_jaxkv(layout, kv, devices, opts, log=log)
+                results[name] = run_jaxkv(layout, kv, devices, opts, log=log, processes=procs)
             else:
-                results[name] = run_mxnet(kv, devices, opts, log=log)
+                results[name] = run_mxnet(kv, devices, opts, log=log, processes=procs)
                 if results[name] is None:
                     log("  not run (no MXNet venv)")
         mxnet = results["MXNet 1.9.1"]
@@ -653,6 +662,7 @@ def run_section(
                     "name": name,
                     "kv": kv,
                     "devices": devices,
+                    "processes": procs,
                     "res": res,
                     "check": check(res, work, pushes),
                     "vs_mxnet": None if name.startswith("MXNet") else versus(res, mxnet),
@@ -773,7 +783,9 @@ def report(sec: dict) -> list[str]:
     ]
     for row in sec["rows"]:
         res = row["res"]
-        store = row["kv"] if row["kv"] == "device" else f"dist_sync {PROCESSES}x{row['devices']}"
+        store = row["kv"]
+        if row["kv"] != "device":
+            store = f"dist_sync {row['processes']}x{row['devices']}"
         s, r = res and res.get("startup"), res and res.get("result")
         why = _outcome(res)
         total = init = first = ms = "—"
@@ -803,12 +815,73 @@ def report(sec: dict) -> list[str]:
         )
     lines += [
         "",
-        f"dist_sync: {PROCESSES} processes on this machine, each with its own devices; MXNet's "
-        f"store lives in {SERVERS} server processes (started with a scheduler, as "
+        "dist_sync: P x D is P processes on this machine, each with D devices of its own; "
+        "MXNet's store lives in P server processes (started with a scheduler, as "
         "benchmarks/dist.py does), jaxkv's in the workers (started by "
         "`python -m jaxkv.launch`). Times and peak RSS are rank 0's.",
     ]
     return lines
+
+
+def processes_lines(sec: dict) -> list[str]:
+    """The Gluon loop's rows of the "many processes" section: per process count, jaxkv's
+    dist_sync step (its first layout) beside MXNet's, and each one's steps' peak RSS."""
+    one = sec["data"]["set"]
+    by_p: dict[int, dict[str, dict]] = {}
+    first = f"jaxkv, JAXKV_LAYOUT={layouts()[0]}"
+    for row in sec["rows"]:
+        if (
+            row["kv"] == "dist_sync"
+            and row["devices"] == 1
+            and row["name"] in (first, "MXNet 1.9.1")
+        ):
+            by_p.setdefault(row["processes"], {})[row["name"]] = row
+    if not by_p:
+        return []
+    lines = [
+        "The Gluon/Module loop across processes (the section below: ResNet-50's 193 tensors, "
+        "SGD with momentum on the store, `kv.push(i, grads)` then `kv.pull(i, out=weights)` "
+        f"key by key), `dist_sync` in P processes of one CPU device each: jaxkv ({first}, "
+        "gloo, `python -m jaxkv.launch`) beside MXNet 1.9.1 (P workers, P servers). Steady "
+        "step: rank 0's median; steps' peak RSS: rank 0's, and over the data a worker must "
+        "hold (its out and gradient of every key, and for jaxkv the stored weights and "
+        "momentum, counted whole).",
+        "",
+        "| processes | jaxkv ms/step | MXNet ms/step | MXNet / jaxkv | jaxkv steps' peak RSS MB "
+        "(over data) | MXNet worker's (over data) | jaxkv values vs model |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in sorted(by_p):
+        mine, theirs = by_p[p].get(first), by_p[p].get("MXNet 1.9.1")
+
+        def ms(row: dict | None) -> float | None:
+            r = row and row["res"] and row["res"].get("result")
+            return r["step_ms"] if r else None
+
+        def rss(row: dict | None) -> str:
+            if row is None:
+                return "—"
+            res = row["res"]
+            s, r = res and res.get("startup"), res and res.get("result")
+            if not (s and r):
+                return _outcome(res) or "—"
+            steps = r.get("steps_peak") or r["maxrss"]
+            return f"{steps / 1e6:.0f} ({(steps - s['base_rss']) / held_bytes(row, one):.2f}x)"
+
+        a, b = ms(mine), ms(theirs)
+        chk = mine["check"]["model"] if mine else None
+        lines.append(
+            f"| {p} | {_s_ms(a, mine)} | {_s_ms(b, theirs)} | "
+            f"{f'{b / a:.2f}x' if a and b else ''} | {rss(mine)} | {rss(theirs)} | "
+            f"{'—' if chk is None else f'{chk:.1e}'} |"
+        )
+    return lines
+
+
+def _s_ms(x: float | None, row: dict | None) -> str:
+    if x is not None:
+        return f"{x:.1f}"
+    return (_outcome(row["res"]) if row else None) or "—"
 
 
 def main() -> None:
@@ -822,14 +895,21 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=TIMEOUT, help="start-up limit, s")
     parser.add_argument("--mem-gb", type=float, help="memory limit of one side's processes")
     parser.add_argument("--dist-devices", type=int, nargs="*", default=[1])
+    parser.add_argument("--dist-processes", type=int, nargs="*", default=[PROCESSES])
     args = parser.parse_args()
     if args.side == "jaxkv":
         jaxkv_side(args)
         return
     sec = run_section(
-        args.scale, args.keys, args.steps, args.timeout, args.mem_gb, tuple(args.dist_devices)
+        args.scale,
+        args.keys,
+        args.steps,
+        args.timeout,
+        args.mem_gb,
+        tuple(args.dist_devices),
+        dist_processes=tuple(args.dist_processes),
     )
-    print("\n".join(report(sec)), flush=True)
+    print("\n".join([*report(sec), "", *processes_lines(sec)]), flush=True)
 
 
 if __name__ == "__main__":
