@@ -119,22 +119,29 @@ def test_a_shard_map_step_over_three_devices_matches_one_device_optax(layout, th
 
 
 @pytest.mark.standard_promotion
-def test_the_imperative_store_over_three_devices_splits_and_pulls_whole(three, monkeypatch):
-    """One key at a time, as MXNet code pushes: each key is its own optimizer group."""
+def test_the_imperative_store_over_three_devices_splits_and_pulls_whole(
+    three, monkeypatch, compiles
+):
+    """One key at a time, as MXNet code pushes: each key is its own optimizer group. From the
+    third step on, nothing compiles."""
     monkeypatch.setenv("MXNET_KVSTORE_BIGARRAY_BOUND", str(BOUND))
     kv = jaxkv.KVStore("device", devices=three)
     kv.set_optimizer(OPT)
     for k in SHAPES:
         kv.init(k, jaxkv.nd.array(START[k]))
-    for step in range(3):
+    for step in range(4):
         grads = _grads(step)
-        for k in SHAPES:
-            kv.push(k, [jaxkv.nd.array(g[k], jaxkv.cpu(i)) for i, g in enumerate(grads)])
-    want = _reference(3)
+        outs = {k: [jaxkv.nd.zeros(SHAPES[k], jaxkv.cpu(i)) for i in range(D)] for k in SHAPES}
+        with compiles() as counted:
+            for k in SHAPES:
+                kv.push(k, [jaxkv.nd.array(g[k], jaxkv.cpu(i)) for i, g in enumerate(grads)])
+                kv.pull(k, out=outs[k])
+            jaxkv.nd.waitall()
+        if step >= 2:
+            assert counted.count == 0, step
+    want = _reference(4)
     for k in SHAPES:
-        outs = [jaxkv.nd.zeros(SHAPES[k], jaxkv.cpu(i)) for i in range(D)]
-        kv.pull(k, out=outs)
-        for o in outs:
+        for o in outs[k]:
             np.testing.assert_allclose(o.asnumpy(), np.asarray(want[k]), rtol=2e-6, atol=2e-6)
     assert set(held_per_device(kv.state, "odd").values()) == {-(-84 // D) * 4}
 
@@ -186,3 +193,48 @@ def test_the_rows_of_a_table_padded_by_rows_are_read_and_written_in_place(layout
     for d in range(D):  # an id outside the table (35) selects no row: zeros
         expected = np.stack([padded[i] if i < 35 else np.zeros(4) for i in asked[d]])
         np.testing.assert_array_equal(np.asarray(got[d]), expected)
+
+
+@pytest.mark.parametrize("rows", [2, 3])  # each step's batch: the gradients scaled by its rows
+def test_mxnet_sgd_with_a_schedule_over_three_devices_matches_one_device(
+    three, monkeypatch, rows, compiles
+):
+    """The imperative store as MXNet code drives it: ``mx.optimizer.SGD`` with momentum, weight
+    decay, a ``FactorScheduler`` and ``rescale_grad`` set per batch size, one key at a time.
+    Over 3 devices (values split padded) it gives a one-device store's numbers, and changing
+    learning rates compile nothing from the third step on."""
+    import jaxkv.mx as mx
+
+    monkeypatch.setenv("MXNET_KVSTORE_BIGARRAY_BOUND", str(BOUND))
+
+    def run(devices):
+        kv = jaxkv.KVStore("device", devices=devices)
+        sched = mx.lr_scheduler.FactorScheduler(step=1, factor=0.5, base_lr=0.1)
+        kv.set_optimizer(
+            mx.optimizer.SGD(
+                learning_rate=0.1, momentum=0.9, wd=1e-3, rescale_grad=1 / rows, lr_scheduler=sched
+            )
+        )
+        for k in SHAPES:
+            kv.init(k, jaxkv.nd.array(START[k]))
+        counts = []
+        for step in range(4):
+            grads = _grads(step)
+            with compiles() as counted:
+                for k in SHAPES:
+                    total = sum(g[k] for g in grads)  # one device: the three devices' sum
+                    per = [g[k] for g in grads] if len(devices) == D else [total]
+                    kv.push(k, [jaxkv.nd.array(x, jaxkv.cpu(i)) for i, x in enumerate(per)])
+                jaxkv.nd.waitall()
+            counts.append(counted.count)
+        outs = {k: jaxkv.nd.zeros(SHAPES[k], jaxkv.cpu(0)) for k in SHAPES}
+        for k in SHAPES:
+            kv.pull(k, out=outs[k])
+        return {k: o.asnumpy() for k, o in outs.items()}, counts, kv
+
+    split, counts, kv = run(three)
+    assert counts[2:] == [0, 0], counts
+    assert set(held_per_device(kv.state, "table").values()) == {12 * 4 * 4}
+    whole, _, _ = run(three[:1])
+    for k in SHAPES:
+        np.testing.assert_allclose(split[k], whole[k], rtol=2e-6, atol=2e-6, err_msg=k)
