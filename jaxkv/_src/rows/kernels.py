@@ -344,10 +344,10 @@ def bucket_rows_take(
         take = lambda leaf, ids: run_take(leaf, ids, 0, shape[0], off, shape)  # noqa: E731
         return jax.jit(take, out_shardings=out)
     parts = mesh.devices.size
+    rows = _rows_of_block(shape, parts)
 
     @jax.named_scope(ROUTE)
     def body(chunk: Any, ids: Any) -> Any:
-        rows = block_rows(shape, parts)
         lo = jax.lax.axis_index(axis) * rows
         return jax.lax.psum(run_take(chunk, ids, lo, rows, off, shape), axis)
 
@@ -356,6 +356,14 @@ def bucket_rows_take(
         jax.shard_map(body, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=PartitionSpec()),
         out_shardings=out,
     )
+
+
+def _rows_of_block(shape: tuple, parts: int) -> int:
+    """The rows of each device's block of a key of a split bucket, addressed in place (the
+    caller routes only keys whose blocks are whole rows: ``buckets.block_rows``)."""
+    rows = block_rows(shape, parts)
+    assert rows is not None, (shape, parts)
+    return rows
 
 
 @functools.lru_cache(maxsize=256)
@@ -373,7 +381,7 @@ def bucket_pusher(
 ) -> Any:
     """``(bucket, opt_state, ids, rows) -> (bucket, opt_state)`` for a key at ``off``."""
     parts = mesh.devices.size if split else 1
-    rows_here = block_rows(shape, parts) if split else shape[0]
+    rows_here = _rows_of_block(shape, parts) if split else shape[0]
 
     def update(leaf: Any, opt: Any, ids: Any, rows: Any) -> Any:
         where = InRun(axis if split else None, rows_here, off, shape)

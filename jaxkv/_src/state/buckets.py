@@ -18,8 +18,9 @@ them (:func:`block_rows`), else a piece of the flattened value padded to a multi
 every key has a block of its own on every device (``jaxkv.gather``, ``pull(local=True)`` and a
 push of a block work per key), a value of any shape is split, a table's rows are addressed in
 place, and the sum of a push is one reduce-scatter per bucket (every key's ``(D, block)`` view
-side by side). The padding is at most D - 1 elements, or rows, per key. Seen whole, the bucket is ``(D * chunk,)``, sharded along its one
-axis; inside ``shard_map`` with ``jaxkv.specs`` a device holds its ``(chunk,)``.
+side by side). The padding is at most D - 1 elements, or rows, per key. Seen whole, the bucket
+is ``(D * chunk,)``, sharded along its one axis; inside ``shard_map`` with ``jaxkv.specs`` a
+device holds its ``(chunk,)``.
 
 Measured on one CPU device (in-jit Adam step with gradients by AD, ResNet-50's structure with
 each tensor cut to at most 16 elements): per-key layout 0.70 ms, flat storage with per-key math
