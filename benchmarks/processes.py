@@ -4,7 +4,7 @@ and 4 processes of one CPU device each, each row in a job of its own (its own pe
     python benchmarks/processes.py [--steps 10] [--processes 1 2 3 4] [--json FILE]
 
 Prints a markdown table (and writes the rows as JSON with ``--json``): per process count and
-row, the step's ms (median, best of 3 rounds) and its ratio to GSPMD's, the parameters and
+row, the step's ms (mean, best of 3 rounds) and its ratio to GSPMD's, the parameters and
 optimizer state each process holds (the most of any process, and as a fraction of the whole
 state), each process's peak resident set, its bytes written per step (gloo's messages), and
 the collectives in the compiled step.
@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROWS = ["gspmd", "jaxkv", "jaxkv-unverified"]
+ROWS = ["gspmd", "jaxkv", "jaxkv-every-sum", "jaxkv-unverified"]
 
 
 def run(n, row, steps):
@@ -33,7 +33,9 @@ def run(n, row, steps):
 
 
 def collect(steps, processes=(1, 2, 3, 4), log=None):
-    """Every process's row of every job: ``steps`` timed steps per round."""
+    """Every process's row of every job: ``steps`` timed steps per round, rounded up to a
+    multiple of 10 (each round then holds one step the default row checks)."""
+    steps = -(-max(steps, 1) // 10) * 10
     results = []
     for n in processes:
         for row in ROWS:
@@ -70,7 +72,9 @@ def report(results):
         "each, gloo between them (`benchmarks/processes_step.py`, each row a job of its own). "
         "gspmd: plain `jit` over the global mesh, leaves of at least 1M elements split by rows; "
         "jaxkv: the README's `jaxkv.gather` + `jaxkv.push` step in `shard_map` (bound 1M), with "
-        "verified sums (the default across processes) and without. ms/step: median of the "
+        "verified sums as by default across processes (each sum checked at every 10th step), "
+        "every sum checked at every step (`JAXKV_VERIFY_SUMS=1`), and none "
+        "(`JAXKV_VERIFY_SUMS=0`). ms/step: mean of the "
         "timed steps, best of 3 rounds (the slowest process); state: parameters and optimizer "
         "state on a process's devices (the most of any), and as a fraction of the whole; peak "
         "RSS: the process's peak resident set; sent: bytes the process wrote per step (gloo's "

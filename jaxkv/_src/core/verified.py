@@ -3,40 +3,107 @@
 A sum is linear, so the checksum of a sum is the sum of the inputs' checksums. jaxkv checks its
 reduce-scatters and all-reduces across processes this way (docs/distributed.md, "Verified
 sums"): an engine's collective that gives wrong values is then a :class:`SumError`, not a
-silently wrong number."""
+silently wrong number. By default across processes each place that sums is checked at every
+:data:`DEFAULT_EVERY`-th run of its computation (the first included), so that the checks cost
+a few percent of a step; ``JAXKV_VERIFY_SUMS=1`` checks every run."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
+import threading
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
-from jaxkv._src.errors import SumError
+from jaxkv._src.errors import KVStoreError, SumError
+from jaxkv._src.jax_internals import manual_axes
 
-__all__ = ["ENV_VERIFY_SUMS", "SumError", "check_sum", "check_sums", "verify_sums"]
+__all__ = [
+    "DEFAULT_EVERY",
+    "ENV_VERIFY_SUMS",
+    "SumError",
+    "check_sum",
+    "check_sums",
+    "verify_every",
+    "verify_sums",
+]
 
 
 # The named scope of the checks' computations (in the HLO's op names and profiler traces).
 CHECK = "jaxkv.check"
 
-# ``JAXKV_VERIFY_SUMS=1`` checks every sum jaxkv makes across devices, ``0``
-# none; by default those across processes are checked.
+# ``JAXKV_VERIFY_SUMS=1`` checks every sum jaxkv makes across devices, ``0`` none, ``N`` every
+# N-th run of each; by default those across processes, every DEFAULT_EVERY-th run.
 ENV_VERIFY_SUMS = "JAXKV_VERIFY_SUMS"
+
+# Across processes, by default, each place that sums is checked at this run of its computation
+# and every this many after: a check costs 15-20 % of the in-jit step of the many-processes
+# benchmark (a 9M-parameter MLP on this 2-core machine), so about 2 % a step this way. A
+# collective that goes wrong at times is caught within this many steps of going wrong
+# (gloo's reduce-scatter did in most runs of 12 steps; checked at every run in the tests).
+DEFAULT_EVERY = 10
+
+
+def verify_every() -> int:
+    """How often jaxkv checks its reduce-scatters and all-reduces with a checksum
+    (:func:`check_sum`): 0 never, 1 at every run of the computation that sums, N at every
+    N-th run (the first, the (N+1)-th, ...). ``JAXKV_VERIFY_SUMS`` if set, else
+    :data:`DEFAULT_EVERY` across processes, where the sums are an engine's network
+    collectives (gloo's, NCCL's), and 0 in one process. Read when a computation is traced: set
+    it before the first step, alike in every process."""
+    setting = os.environ.get(ENV_VERIFY_SUMS, "").strip()
+    if setting:
+        try:
+            every = int(setting)
+        except ValueError:
+            every = -1
+        if every < 0:
+            raise KVStoreError(
+                f"{ENV_VERIFY_SUMS}={setting!r}: expected 0 (no checks), 1 (every sum checked) "
+                "or N > 1 (every N-th run of each sum checked)"
+            )
+        return every
+    return DEFAULT_EVERY if jax.process_count() > 1 else 0
 
 
 def verify_sums() -> bool:
-    """Whether jaxkv checks its reduce-scatters and all-reduces with a checksum
-    (:func:`check_sum`): ``JAXKV_VERIFY_SUMS`` if set to 0 or 1, else across processes only,
-    where the sums are an engine's network collectives (gloo's, NCCL's)."""
-    setting = os.environ.get(ENV_VERIFY_SUMS)
-    if setting in ("0", "1"):
-        return setting == "1"
-    return jax.process_count() > 1
+    """Whether jaxkv checks its sums at all (:func:`verify_every` above 0)."""
+    return verify_every() > 0
+
+
+# Each place a check is traced gets a number; each device counts its runs of each.
+_sites = itertools.count()
+_runs: dict[tuple[int, tuple[int, ...]], int] = {}
+_runs_lock = threading.Lock()
+
+
+def _count_run(site: int, every: int, *coords: Any) -> np.ndarray:
+    """On the host, for one device (``coords``: its place on the mesh): whether this run of
+    check ``site`` is one to check."""
+    key = (site, tuple(int(c) for c in coords))
+    with _runs_lock:
+        k = _runs.get(key, 0)
+        _runs[key] = k + 1
+    return np.asarray(k % every == 0)
+
+
+def _due(every: int, axis: Any) -> jax.Array:
+    """Inside ``shard_map``: whether this run of the computation checks this place's sums,
+    the same on every device and in every process (each device counts its own runs of the
+    place, and every device runs every computation, in the same order)."""
+    site = next(_sites)
+    names = sorted(manual_axes() or (), key=str)
+    if not names:  # pmap, or a JAX without the abstract mesh: the sum's own axes
+        names = list(axis) if isinstance(axis, tuple | list) else [axis]
+    coords = [jax.lax.axis_index(name) for name in names]
+    counted = functools.partial(_count_run, site, every)
+    return io_callback(counted, jax.ShapeDtypeStruct((), jnp.bool_), *coords)
 
 
 def _weights(size: int) -> jax.Array:
@@ -97,7 +164,20 @@ def check_sums(
 ) -> None:
     """:func:`check_sum` of several sums ``(x, out, what)`` over one ``axis`` at once: one
     all-gather carries every sum's dots (a small collective costs about 3 ms on gloo, so one
-    per sum would cost more than the dots of a push of many keys)."""
+    per sum would cost more than the dots of a push of many keys). At every
+    :func:`verify_every`-th run only, where that is above 1: otherwise nothing is computed."""
+    every = verify_every()
+    if every > 1:
+        jax.lax.cond(_due(every, axis), lambda: _check(sums, axis, owners), lambda: None)
+    else:
+        _check(sums, axis, owners)
+
+
+def _check(
+    sums: list[tuple[jax.Array, jax.Array, str]],
+    axis: Any,
+    owners: tuple[int, ...] | None,
+) -> None:
     names = tuple(axis) if isinstance(axis, tuple | list) else (axis,)
     n = math.prod(jax.lax.axis_size(name) for name in names)
     pieces, shapes, wholes = [], [], []

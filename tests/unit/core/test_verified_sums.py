@@ -1,7 +1,8 @@
 """jaxkv/_src/core/collectives.py and verified.py across processes on CPU devices: the
-reduce-scatter that replaces gloo's (an all-reduce and a slice) gives lax.psum_scatter's values,
-all_gather's gradient is that sum, and verified sums pass right sums and refuse wrong ones,
-naming the values and the device whose part was wrong.
+reduce-scatter that replaces gloo's (an all-to-all and a sum; over several axes an all-reduce and
+a slice) gives lax.psum_scatter's values, all_gather's gradient is that sum, and verified sums
+pass right sums and refuse wrong ones, naming the values and the device whose part was wrong, at
+every run or every N-th.
 
 One process stands in for a job: ``reduce_scatter_safe`` and ``JAXKV_VERIFY_SUMS`` are set as
 across processes on CPU devices."""
@@ -42,7 +43,7 @@ def _blocks(shape, seed=0):
 
 
 @pytest.mark.parametrize("tiled", [True, False])
-def test_the_all_reduce_in_place_of_a_reduce_scatter_gives_its_values(as_across_processes, tiled):
+def test_the_all_to_all_in_place_of_a_reduce_scatter_gives_its_values(as_across_processes, tiled):
     x = _blocks((N * 3, 5)) if tiled else _blocks((N, 6))
 
     def fn(safe, b):
@@ -54,6 +55,33 @@ def test_the_all_reduce_in_place_of_a_reduce_scatter_gives_its_values(as_across_
     got = _run(functools.partial(fn, False), x)
     np.testing.assert_array_equal(got, want)
     assert collectives.reduce_scatter_safe() is False
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_over_two_axes_or_along_another_dimension_it_gives_the_same_values(
+    as_across_processes, dim
+):
+    """Over a 2 x 2 mesh's two axes at once (an all-reduce and a slice), and along axis 1 of
+    the value (the all-to-all), the values of ``lax.psum_scatter``."""
+    mesh = Mesh(np.array(jax.devices("cpu")[:N]).reshape(2, 2), ("a", "b"))
+    x = _blocks((N * 2, 8))
+    for axis in (("a", "b"), "b"):
+
+        def fn(b, safe, axis=axis):
+            if safe:
+                return jax.lax.psum_scatter(b, axis, scatter_dimension=dim, tiled=True)
+            return collectives.psum_scatter(b, axis, scatter_dimension=dim, tiled=True)
+
+        def run(safe, axis=axis):
+            body = jax.shard_map(
+                functools.partial(fn, safe=safe),
+                mesh=mesh,
+                in_specs=P(("a", "b")),
+                out_specs=P(("a", "b")),
+            )
+            return np.asarray(jax.jit(body)(x))
+
+        np.testing.assert_array_equal(run(False), run(True), err_msg=str(axis))
 
 
 def test_the_gathers_gradient_is_the_sum_of_every_devices_gradient(as_across_processes):
@@ -163,3 +191,47 @@ def test_the_checksums_compare_on_the_host():
             devices=2,
             whole=True,
         )
+
+
+def test_every_nth_run_of_a_sum_is_checked(as_across_processes, monkeypatch):
+    """``JAXKV_VERIFY_SUMS=3``: a sum that is always wrong raises at the first run of its
+    computation and every third after, and the runs between pass unchecked."""
+    monkeypatch.setenv(verified.ENV_VERIFY_SUMS, "3")
+    x = _blocks((N * 64, 8))
+
+    def fn(b):
+        out = jax.lax.psum_scatter(b, "kv", scatter_dimension=0, tiled=True)
+        out = out.at[-1, -1].add(jnp.where(jax.lax.axis_index("kv") == 1, 5.0, 0.0))
+        verified.check_sum(b, out, "kv", "key 'w'")
+        return out
+
+    step = jax.jit(jax.shard_map(fn, mesh=_mesh(), in_specs=P("kv"), out_specs=P("kv")))
+    raised = []
+    for _ in range(7):
+        try:
+            jax.block_until_ready(step(x))
+        except Exception as e:  # noqa: BLE001 (JAX raises the callback's SumError in its own)
+            assert "SumError" in str(e) and "device 1" in str(e), str(e)
+            raised.append(True)
+        else:
+            raised.append(False)
+    assert raised == [True, False, False, True, False, False, True]
+
+
+@pytest.mark.parametrize(
+    ("setting", "every"), [("0", 0), ("1", 1), ("7", 7), (" 2 ", 2), ("", 0), (None, 0)]
+)
+def test_verify_every_reads_its_setting(monkeypatch, setting, every):
+    if setting is None:
+        monkeypatch.delenv(verified.ENV_VERIFY_SUMS, raising=False)
+    else:
+        monkeypatch.setenv(verified.ENV_VERIFY_SUMS, setting)
+    assert verified.verify_every() == every  # unset in one process: none
+    assert verified.verify_sums() == (every > 0)
+
+
+@pytest.mark.parametrize("setting", ["yes", "-1", "1.5"])
+def test_a_setting_that_is_not_a_count_is_refused(monkeypatch, setting):
+    monkeypatch.setenv(verified.ENV_VERIFY_SUMS, setting)
+    with pytest.raises(verified.KVStoreError, match="JAXKV_VERIFY_SUMS"):
+        verified.verify_every()
