@@ -40,6 +40,16 @@ def test_the_sharded_step_is_exact_run_after_run(n, rows, loaded):
         assert len(ok) == n, run.stdout + run.stderr
 
 
+def test_the_default_checks_every_10th_run_in_step_across_processes(monkeypatch):
+    """Users' default (``JAXKV_VERIFY_SUMS`` unset: each sum checked at its 1st and 11th runs
+    of 12 here): every process checks at the same runs (else the check's all-gather would wait
+    forever), and the numbers stay exact."""
+    monkeypatch.setenv("JAXKV_VERIFY_SUMS", "")
+    run = launch(2, "sharded_step_job.py", "jaxkv", 12, per_process=1, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert len([line for line in run.stdout.splitlines() if " ok 12 steps" in line]) == 2
+
+
 def test_verified_sums_catch_gloos_reduce_scatter(monkeypatch, loaded):
     """With jaxkv's reduce-scatters given back to gloo (JAXKV_GLOO_REDUCE_SCATTER=1, the code
     before the fix), every run is right or ends in a SumError naming the key and the device,
