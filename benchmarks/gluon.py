@@ -542,13 +542,18 @@ def run_mxnet(
 
     out: dict = {"startup": None, "result": None, "last": None, "stopped": None, "error": None}
     t0 = time.monotonic()
-    roles = dist.mxnet_job(
-        argv,
-        servers=processes,
-        workers=processes,
-        env={"OMP_NUM_THREADS": "1"},  # MXNet's faster setting here (benchmarks/dist.py)
-        timeout=int(opts["timeout"] + STEPS_TIMEOUT),
-    )
+    for attempt in range(2):
+        roles = dist.mxnet_job(
+            argv,
+            servers=processes,
+            workers=processes,
+            env={"OMP_NUM_THREADS": "1"},  # MXNet's faster setting here (benchmarks/dist.py)
+            timeout=int(opts["timeout"] + STEPS_TIMEOUT),
+        )
+        # ps-lite's roles bind ports of their own choosing: one taken meanwhile fails the job
+        if attempt or not any("bind failed" in stderr for _, _, _, stderr in roles):
+            break
+        log(f"  [mxnet {kv}] a role failed to bind its port; once more")
     out["wall_s"] = time.monotonic() - t0
     for role, rc, stdout, stderr in roles:
         for line in stdout.splitlines():
@@ -703,7 +708,8 @@ def _outcome(res: dict | None) -> str | None:
     compiles = f", {last['compiles']} compiles so far" if last.get("compiles") is not None else ""
     if res.get("stopped"):
         return f"{res['stopped']} ({where}{compiles})"
-    return f"failed {where}{compiles}: {res.get('error')}".replace("|", "/")[:300]
+    text = f"failed {where}{compiles}: {res.get('error')}".replace("|", "/")
+    return " ".join(text.split())[:300]  # one line: a table's cell
 
 
 def _compiles(s: dict | None, r: dict | None) -> str:
