@@ -222,7 +222,7 @@ def _rows(shapes, opt) -> tuple[dict, dict]:
         try:
             empty = jaxkv.empty() if layout is None else jaxkv.empty(layout=layout)
             state = jaxkv.init_optimizer(jaxkv.init(empty, params), opt)
-            if layout == "flat" and not getattr(getattr(state, "_flat", None), "split", False):
+            if layout == "flat" and not getattr(state.flat_layout, "split", False):
                 skipped[name] = "this jaxkv splits no bucket"
                 continue
             rows[name] = _Row(sharded_step(jaxkv.specs(state, "d")), state, grads)
