@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MXNET_VENV = os.environ.get("MXNET_VENV", os.path.join(HERE, "..", ".venv-mxnet"))
@@ -90,8 +91,22 @@ def mxnet_job(
                         text=True,
                     )
                 )
+            # A role that fails (ps-lite's "bind failed") leaves the others waiting for it
+            # until their timeout: stop them all then.
+            deadline = time.monotonic() + timeout + 10
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                if any(p.poll() not in (None, 0) for p in procs):
+                    for p in procs:
+                        if p.poll() is None:
+                            p.terminate()  # timeout(1) passes it on to its command
+                    break
+                time.sleep(0.2)
             for role, p, (out, err) in zip(roles, procs, files):
-                rc = p.wait(timeout=timeout + 10)
+                try:
+                    rc = p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    rc = p.wait()
                 out.seek(0)
                 err.seek(0)
                 results.append((role, rc, out.read(), err.read()))

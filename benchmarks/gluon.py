@@ -207,6 +207,24 @@ def rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def written() -> int:
+    """Bytes this process has written, sockets included (gloo's and ps-lite's messages)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("wchar:")).split()[1])
+
+
+def state_bytes(kv) -> int | None:
+    """Bytes of stored values and optimizer state on this process's devices (jaxkv's store),
+    or None where the process holds none of its own (MXNet's workers: its servers do)."""
+    if not type(kv).__module__.startswith("jaxkv"):
+        return None
+    state = kv.state
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(state)
+    return sum(s.data.nbytes for x in leaves for s in getattr(x, "addressable_shards", ()))
+
+
 def loop(mx, kvtype: str, devices: int, work: list, steps: int, events: Events) -> None:
     """The timed loop through ``mx`` (``mxnet`` or ``jaxkv.mx``): start-up, one warm-up step,
     ``steps`` timed steps, then the sampled values; emits ``startup`` then ``result``."""
@@ -279,10 +297,12 @@ def loop(mx, kvtype: str, devices: int, work: list, steps: int, events: Events) 
     warmup_compiles = since(before)
     before = events.compiles()
     times = []
+    sent = written()
     for _ in range(steps):
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
+    sent = (written() - sent) / steps
     step_compiles = since(before)
     events.phase = "values"
     samples, same = sample()
@@ -306,6 +326,8 @@ def loop(mx, kvtype: str, devices: int, work: list, steps: int, events: Events) 
         grads_kept=kept,
         workers=kv.num_workers,
         steps_peak=peak_since_reset() if steady else None,
+        sent_per_step=sent,
+        state_bytes=state_bytes(kv),
     )
     events.stop()
 
@@ -851,11 +873,15 @@ def processes_lines(sec: dict) -> list[str]:
         "gloo, `python -m jaxkv.launch`) beside MXNet 1.9.1 (P workers, P servers). Steady "
         "step: rank 0's median; steps' peak RSS: rank 0's, and over the data a worker must "
         "hold (its out and gradient of every key, and for jaxkv the stored weights and "
-        "momentum, counted whole).",
+        "momentum, counted whole); state: the stored weights and momentum on rank 0's devices "
+        "(MXNet's workers hold none: its P servers hold 1/P each); sent: the bytes rank 0 "
+        "wrote per timed step, sockets included (`/proc/self/io`). jaxkv's collectives are not "
+        "counted here (its held calls run as several computations a step).",
         "",
         "| processes | jaxkv ms/step | MXNet ms/step | MXNet / jaxkv | jaxkv steps' peak RSS MB "
-        "(over data) | MXNet worker's (over data) | jaxkv values vs model |",
-        "|---|---|---|---|---|---|---|",
+        "(over data) | MXNet worker's (over data) | jaxkv state MB / process (of the store) | "
+        "MB sent / step / process: jaxkv, MXNet worker | jaxkv values vs model |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in sorted(by_p):
         mine, theirs = by_p[p].get(first), by_p[p].get("MXNet 1.9.1")
@@ -874,12 +900,21 @@ def processes_lines(sec: dict) -> list[str]:
             steps = r.get("steps_peak") or r["maxrss"]
             return f"{steps / 1e6:.0f} ({(steps - s['base_rss']) / held_bytes(row, one):.2f}x)"
 
+        def result(row: dict | None, field: str) -> float | None:
+            r = row and row["res"] and row["res"].get("result")
+            return r.get(field) if r else None
+
         a, b = ms(mine), ms(theirs)
         chk = mine["check"]["model"] if mine else None
+        held = result(mine, "state_bytes")
+        store = 2 * one  # the weights and SGD's momentum
+        state = "—" if held is None else f"{held / 2**20:.1f} ({held / store:.3f})"
+        sent = [result(row, "sent_per_step") for row in (mine, theirs)]
+        sent_cell = ", ".join("—" if x is None else f"{x / 2**20:.1f}" for x in sent)
         lines.append(
             f"| {p} | {_s_ms(a, mine)} | {_s_ms(b, theirs)} | "
-            f"{f'{b / a:.2f}x' if a and b else ''} | {rss(mine)} | {rss(theirs)} | "
-            f"{'—' if chk is None else f'{chk:.1e}'} |"
+            f"{f'{b / a:.2f}x' if a and b else ''} | {rss(mine)} | {rss(theirs)} | {state} | "
+            f"{sent_cell} | {'—' if chk is None else f'{chk:.1e}'} |"
         )
     return lines
 
