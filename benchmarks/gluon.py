@@ -875,12 +875,14 @@ def processes_lines(sec: dict) -> list[str]:
         "hold (its out and gradient of every key, and for jaxkv the stored weights and "
         "momentum, counted whole); state: the stored weights and momentum on rank 0's devices "
         "(MXNet's workers hold none: its P servers hold 1/P each); sent: the bytes rank 0 "
-        "wrote per timed step, sockets included (`/proc/self/io`). jaxkv's collectives are not "
-        "counted here (its held calls run as several computations a step).",
+        "wrote per timed step, sockets included (`/proc/self/io`'s wchar, which counts gloo's "
+        "writes; MXNet's ps-lite sends through ZeroMQ's `send` calls, which it does not count: "
+        "an MXNet worker pushes every gradient, 97.6 MB a step, whatever P). jaxkv's collectives "
+        "are not counted here (its held calls run as several computations a step).",
         "",
         "| processes | jaxkv ms/step | MXNet ms/step | MXNet / jaxkv | jaxkv steps' peak RSS MB "
         "(over data) | MXNet worker's (over data) | jaxkv state MB / process (of the store) | "
-        "MB sent / step / process: jaxkv, MXNet worker | jaxkv values vs model |",
+        "jaxkv MB sent / step / process | jaxkv values vs model |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in sorted(by_p):
@@ -909,8 +911,8 @@ def processes_lines(sec: dict) -> list[str]:
         held = result(mine, "state_bytes")
         store = 2 * one  # the weights and SGD's momentum
         state = "—" if held is None else f"{held / 2**20:.1f} ({held / store:.3f})"
-        sent = [result(row, "sent_per_step") for row in (mine, theirs)]
-        sent_cell = ", ".join("—" if x is None else f"{x / 2**20:.1f}" for x in sent)
+        sent = result(mine, "sent_per_step")
+        sent_cell = "—" if sent is None else f"{sent / 2**20:.1f}"
         lines.append(
             f"| {p} | {_s_ms(a, mine)} | {_s_ms(b, theirs)} | "
             f"{f'{b / a:.2f}x' if a and b else ''} | {rss(mine)} | {rss(theirs)} | {state} | "
