@@ -233,8 +233,13 @@ def replicate(values: Sequence[jax.Array], devices: tuple[jax.Device, ...]) -> l
 
 
 def _whole(x: jax.Array) -> NamedSharding:
-    """Replicated over the mesh of ``x``'s sharding (a ``NamedSharding``)."""
-    return NamedSharding(x.sharding.mesh, PartitionSpec())  # type: ignore[attr-defined]
+    """Replicated over the mesh of ``x``'s sharding, or where it has none (an eager view of a
+    split bucket placed by XLA: a ``GSPMDSharding`` on older JAX) over its devices in id
+    order, the same in every process."""
+    mesh = getattr(x.sharding, "mesh", None)
+    if mesh is None:
+        mesh = mesh_over(tuple(sorted(x.sharding.device_set, key=lambda d: d.id)))  # type: ignore[attr-defined]
+    return NamedSharding(mesh, PartitionSpec())
 
 
 def _device_put(values: list[jax.Array], sharding: Any) -> list[jax.Array]:
