@@ -358,6 +358,14 @@ def _in_bucket(state: KVState, i: int) -> tuple[int, int, bool] | None:
     return b, off, parts > 1
 
 
+def _pushes_in_place(state: KVState, updater: Any, n: int | None) -> bool:
+    """Whether a push of rows with ``updater`` (into optimizer group ``n``) can write a key's
+    rows in its bucket: no updater (assign), or an optax one whose group state is packed as
+    the value is (see :func:`_bucket_push`)."""
+    optax_push = isinstance(updater, optax.GradientTransformation)
+    return updater is None or (optax_push and n is not None and state.packings[n] is not None)
+
+
 def _bucket_push(
     state: KVState,
     key: Key,
@@ -658,9 +666,7 @@ def _push(
             return new, None if back is None else per_device(out[2])
     ids, rows = _gathered(state, key, host, dtype)
     place = _in_bucket(state, i)
-    if place is not None and (
-        updater is None or (optax_push and n is not None and state.packings[n] is not None)
-    ):
+    if place is not None and _pushes_in_place(state, updater, n):
         return _bucket_push(state, key, i, place, n, ids, rows, updater, donate), None
     if leaf is not None and (n is None or state.packings[n] is None):
         fn = own_push(
@@ -959,17 +965,10 @@ def _push_across(
             "push_rows", fn, state.leaves[leaf], opt, stacked_ids, stacked
         )
         return _fl.with_leaves(state, {leaf: value}, {} if n_group is None else {n_group: opt})
-    place = _in_bucket(state, state.index(key))
-    optax_push = isinstance(updater, optax.GradientTransformation)
-    if (
-        place is not None
-        and place[2]  # a split bucket
-        and (
-            updater is None
-            or (optax_push and n_group is not None and state.packings[n_group] is not None)
-        )
-    ):  # its rows written in place (every process's pairs gathered inside the computation)
-        i = state.index(key)
+    i = state.index(key)
+    place = _in_bucket(state, i)
+    # A split bucket's rows written in place (every process's pairs gathered inside it).
+    if place is not None and place[2] and _pushes_in_place(state, updater, n_group):
         return _bucket_push(state, key, i, place, n_group, stacked_ids, stacked, updater, donate)
     fn = state_push(key, shape[0], updater, donate)
     return collective_order.ordered("push_rows", fn, state, stacked_ids, stacked)

@@ -84,8 +84,9 @@ def _is_sharded(shape: tuple[int, ...], n: int, bound: int | None) -> bool:
 
 def _padded(shape: tuple[int, ...], n: int, bound: int | None) -> bool:
     """Whether a value of ``shape`` is big enough to split over ``n`` devices but cannot be
-    split along its rows (``n`` does not divide its first dimension): it is split flattened
-    and padded instead, in a bucket of its own (``PADDED``), never kept whole."""
+    split along its rows as they are (``n`` does not divide its first dimension): it is split
+    padded instead (by whole rows, or flattened: ``buckets.block_rows``), in a bucket of its
+    own (``PADDED``), never kept whole."""
     return _splittable(shape, n, bound) and shape[0] % n != 0
 
 
