@@ -71,6 +71,8 @@ def check_manifest(
         "'trees' a list of lists of keys",
         trees,
     )
+    record = manifest.get("optimizer")
+    expect(record is None or isinstance(record, dict), "'optimizer' an object", record)
     tp = manifest.get("tp", [])
 
     def axis_entry(e: Any) -> bool:

@@ -78,9 +78,10 @@ def _together(fname: str, state: KVState) -> None:
         )
 
 
-def _header(state: KVState, values: bool) -> dict[str, Any]:
+def _header(state: KVState, values: bool, record: dict | None = None) -> dict[str, Any]:
     """The manifest's fields other than the arrays' (``trees``, the paths of each tree given
-    to init, only where the store holds trees)."""
+    to init, only where the store holds trees; ``optimizer``, an MXNet optimizer's record,
+    only where one is given)."""
     header = {
         "format": FORMAT,
         "version": VERSION,
@@ -94,6 +95,8 @@ def _header(state: KVState, values: bool) -> dict[str, Any]:
         header["trees"] = [list(t) for t in state.trees]
     if state.tp_specs:  # each key's own sharding along other mesh axes than the store's
         header["tp"] = [[k, [_entry(e) for e in spec]] for k, spec in state.tp_specs]
+    if record is not None:
+        header["optimizer"] = record
     return header
 
 
@@ -139,17 +142,23 @@ def _sha256(raw: bytes) -> str:
 
 
 def save(
-    fname: str | os.PathLike[str], state: KVState, *, values: bool, directory: bool = False
+    fname: str | os.PathLike[str],
+    state: KVState,
+    *,
+    values: bool,
+    directory: bool = False,
+    record: dict | None = None,
 ) -> None:
     """Write ``state`` (values and/or optimizer states) to ``fname`` atomically: one file for
     a store on one process, a checkpoint directory (``_orbax``) for a store over every process
-    of a job, or where ``fname`` already is one (or ``directory`` asks for one)."""
+    of a job, or where ``fname`` already is one (or ``directory`` asks for one). ``record``:
+    an MXNet optimizer's bookkeeping (JSON), kept in the manifest."""
     fname = os.fspath(fname)
     if directory or _processes(fname, state) > 1 or _orbax.is_checkpoint(fname):
         _together(fname, state)
-        _orbax.save(fname, _header(state, values), list(_entries(state, values)))
+        _orbax.save(fname, _header(state, values, record), list(_entries(state, values)))
         return
-    manifest = _header(state, values)
+    manifest = _header(state, values, record)
     arrays = {}
     for n, (where, part, path, leaf) in enumerate(_entries(state, values)):
         host = host_copy(leaf)  # a sharded value: gathered without JAX caching a copy on it
@@ -186,10 +195,25 @@ def save(
         raise
 
 
+def _is_pickle(head: bytes) -> bool:
+    """Whether a file starting with ``head`` is a pickle (protocol 2 or later: MXNet's)."""
+    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+
+
 def _read(fname: str) -> tuple[dict, list[np.ndarray]]:
     """The manifest and arrays of ``fname``, every checksum and manifest field checked."""
     try:
         with open(fname, "rb") as f:  # ours to close, whatever np.load makes of it
+            if _is_pickle(f.read(2)):
+                raise KVStoreError(
+                    f"{fname}: expected a jaxkv store file, given a Python pickle (MXNet's "
+                    "save_optimizer_states writes one), which jaxkv never reads: unpickling "
+                    "a file can run any code. Carry a run over by saving it with jaxkv "
+                    "(kv.save_optimizer_states(fname, dump_optimizer=True), or kv.save); an "
+                    "MXNet run's optimizer states cannot be loaded, and the store then starts "
+                    "them afresh (docs/migrating-from-mxnet.md, 'Optimizer-state files')"
+                )
+            f.seek(0)
             z = np.load(f, allow_pickle=False)
             if not isinstance(z, np.lib.npyio.NpzFile):
                 raise Malformed(f"expected an .npz archive, given one {type(z).__name__}")
@@ -247,13 +271,27 @@ def _read(fname: str) -> tuple[dict, list[np.ndarray]]:
 def load(
     fname: str | os.PathLike[str], state: KVState, *, values: bool, optimizer: Any = None
 ) -> KVState:
+    """``state`` with what ``fname`` holds loaded into it (see :func:`load_with_record`)."""
+    return load_with_record(fname, state, values=values, optimizer=optimizer)[0]
+
+
+def load_with_record(
+    fname: str | os.PathLike[str],
+    state: KVState,
+    *,
+    values: bool,
+    optimizer: Any = None,
+    check_record: Any = None,
+) -> tuple[Any, Any]:
     """``state`` with what ``fname`` holds loaded into it; refuses any mismatch before changing.
 
     ``fname`` is a file (this module's format) or a checkpoint directory (``_orbax``'s). With
     ``values=True`` the saved keys replace the store's contents. With ``values=False`` only
     optimizer states are loaded, into a store with the saved keys. Optimizer states need
     ``optimizer`` (to rebuild their structure); the saved optimizer groups replace the store's.
-    Arrays land on ``state``'s devices, whatever devices or processes saved them.
+    Arrays land on ``state``'s devices, whatever devices or processes saved them. Returns
+    ``(state, record)``: ``record`` the MXNet optimizer's record saved with it (or ``None``),
+    or what ``check_record(record)`` made of it, called before the arrays are checked.
     """
     fname = os.fspath(fname)
     if os.path.isdir(fname):
@@ -265,7 +303,11 @@ def load(
         def restore(targets: list) -> list:
             return jax.device_put(arrays, [t.sharding for t in targets])  # one call: faster
 
-    return _assemble(fname, manifest, state, values, optimizer, restore)
+    record = manifest.get("optimizer")
+    if check_record is not None:
+        record = check_record(record)
+    loaded = _assemble(fname, manifest, state, values, optimizer, restore)
+    return loaded, record
 
 
 def _assemble(

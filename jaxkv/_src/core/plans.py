@@ -408,9 +408,10 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
     returned: called with a state of the same key set and shapes (this one, or the one a push
     made from it) and ``lend``, it gives each ``handle`` (``NDArray``) of ``outs`` its key's
     value on the out's own device, and returns ``True``. With ``lend`` the value is the stored
-    array itself (or its buffer on that device), with no copy: the store must then never
-    donate its values to a push; without, a fresh copy (one computation for all). It returns
-    ``False``, having done nothing, for a state of other keys or shapes.
+    array itself (or its buffer on that device), with no copy: the store must then not
+    donate a value to a push while an out holds it (``lent(value, out)`` is called for each
+    out given one); without, a fresh copy (one computation for all). It returns ``False``,
+    having done nothing, for a state of other keys or shapes.
 
     ``None`` where the general path must run: another process, a sharded value, an out of
     another type, shape or dtype than the stored value, or on a device outside the store.
@@ -437,7 +438,7 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
             return None
         at = plan.at[devices] = [positions[d] for d in devices]
 
-    def go(now: KVState, lend: bool) -> bool:
+    def go(now: KVState, lend: bool, lent: Callable | None = None) -> bool:
         if not (now.keys() is plan.keys and now.key_shapes is plan.shapes_of):
             return False
         fresh = for_outs(now, plan.unique, lend)
@@ -448,6 +449,9 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
             arrays = list(map(per_device, fresh))
             for o, j, p, d in zip(flat, plan.of, at, devices):
                 o.set_value(arrays[j][p], d)
+        if lend and lent is not None:  # the store notes what each out holds of its arrays
+            for o, j in zip(flat, plan.of):
+                lent(fresh[j], o)
         return True
 
     return go

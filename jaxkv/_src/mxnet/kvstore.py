@@ -213,6 +213,9 @@ class KVStore:
         # and residuals) and lends them to the outs of a pull, with no copy; decided once, at
         # the first push or pull (see _keeps_values), so every push has one donation mode.
         self._keep_values: bool | None = None
+        # Stored arrays lent to outs: id -> (the array, [(out, what it got)]), all weakly held.
+        # A row push donates a table unless an out still holds what it was lent (see _lent).
+        self._lent_to: dict[int, tuple[Any, list[tuple[Any, Any]]]] = {}
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -390,7 +393,7 @@ class KVStore:
 
     def _pull_now(self, key: Any, out: Any, ignore_sparse: bool = True) -> None:
         fill = _dispatch.prepare_fill(self._state, key, out, NDArray)
-        if fill is not None and fill(self._state, self._keeps_values()):
+        if fill is not None and fill(self._state, self._keeps_values(), self._lend_whole):
             return
         pairs = _args.pairs(key, out, "outs")
         self._check_outs(pairs)
@@ -492,7 +495,7 @@ class KVStore:
                     self._check_outs(pairs)
             self._update(key, _unwrap_values(value))
             if fill is not None:
-                if fill(self._state, self._keeps_values()):
+                if fill(self._state, self._keeps_values(), self._lend_whole):
                     return None
                 pairs = _args.pairs(key, out if out is not None else value, "outs")
             if pairs is None:
@@ -682,23 +685,38 @@ class KVStore:
 
     # -- saving ----------------------------------------------------------------------------
     def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
-        """Save the optimizer state of every key to ``fname`` (atomic write, no pickle)."""
-        if dump_optimizer:
-            raise KVStoreError(
-                "dump_optimizer=True: expected False; an optax optimizer is code, which jaxkv "
-                "does not pickle. Call set_optimizer again after loading"
-            )
+        """Save the optimizer state of every key to ``fname`` (atomic write, no pickle).
+
+        ``dump_optimizer=True`` (an MXNet optimizer, ``mx.optimizer``) also saves what MXNet's
+        pickled optimizer carries: its update counts, ``num_update``, the schedule's state and
+        its numbers (learning rate, weight decay, multipliers), as JSON, so that a store that
+        loads the file resumes the run as MXNet does. Without it, as in MXNet, the counts are
+        not saved: a store that loads the file counts from ``begin_num_update``."""
         with self._lock:
             self._require_optimizer("save_optimizer_states")
-            _checkpoint.save(fname, _perkey.alone(self._state), values=False)
+            record = None
+            if dump_optimizer:
+                if self._mxnet_optimizer is None:
+                    raise KVStoreError(
+                        "dump_optimizer=True: expected a store whose optimizer is an MXNet one "
+                        "(mx.optimizer), given an optax transformation, which is code, and "
+                        "jaxkv does not pickle code; save with dump_optimizer=False and call "
+                        "set_optimizer again after loading"
+                    )
+                record = self._mxnet_optimizer.record()
+            _checkpoint.save(fname, _perkey.alone(self._state), values=False, record=record)
 
     def load_optimizer_states(self, fname: str) -> None:
-        """Load optimizer states saved by :meth:`save_optimizer_states` (integrity checked)."""
+        """Load optimizer states saved by :meth:`save_optimizer_states` (integrity checked).
+
+        A file saved with ``dump_optimizer=True`` also restores the MXNet optimizer's update
+        counts, ``num_update``, schedule and numbers (MXNet replaces its optimizer with the
+        file's; jaxkv refuses a file whose optimizer is of another class, arguments or
+        schedule than the store's, before anything changes). MXNet's own files are pickles,
+        which jaxkv does not read (see the migration guide)."""
         with self._lock:
             self._require_optimizer("load_optimizer_states")
-            self._state = _checkpoint.load(
-                fname, self._state, values=False, optimizer=self._updater
-            )
+            self._load(fname, values=False, optimizer=self._updater)
 
     def save(self, fname: str) -> None:
         """Save the whole store (values, optimizer states, residuals) to ``fname``.
@@ -707,10 +725,14 @@ class KVStore:
         multi-process job writes a directory: every process calls ``save`` with the same path,
         and each writes only its own shards (with orbax-checkpoint, ``pip install
         'jaxkv[dist]'``); the save commits atomically. A path that already is such a directory
-        is written in that format by one process too.
+        is written in that format by one process too. Under an MXNet optimizer, its update
+        counts, schedule and numbers are saved too (as ``dump_optimizer=True`` saves them), so
+        that :meth:`load` resumes the run exactly.
         """
         with self._lock:
-            _checkpoint.save(fname, _perkey.alone(self._state), values=True)
+            opt = self._mxnet_optimizer
+            record = None if opt is None else opt.record()
+            _checkpoint.save(fname, _perkey.alone(self._state), values=True, record=record)
 
     def load(self, fname: str) -> None:
         """Replace the store's contents with those saved by :meth:`save`.
@@ -718,13 +740,36 @@ class KVStore:
         Either format loads onto this store's devices, whatever the processes and devices that
         saved it; in a multi-process job every process calls ``load``. Every saved byte is
         checked (SHA-256) first: a damaged checkpoint is a :class:`KVStoreError`, and the store
-        is unchanged.
+        is unchanged. An MXNet optimizer's counts and schedule saved with it are restored.
         """
         with self._lock:
             optimizer = self._updater
             if not isinstance(optimizer, optax.GradientTransformation):
                 optimizer = None
-            self._state = _checkpoint.load(fname, self._state, values=True, optimizer=optimizer)
+            self._load(fname, values=True, optimizer=optimizer)
+
+    def _load(self, fname: str, values: bool, optimizer: Any) -> None:
+        """Load ``fname`` (see :meth:`load`), and the MXNet optimizer's record saved with it,
+        each checked before anything changes."""
+        def checked(record: Any) -> Any:
+            if record is None:
+                return None
+            opt = self._mxnet_optimizer
+            if opt is None:
+                raise KVStoreError(
+                    f"{fname}: holds an MXNet optimizer's record ({record.get('class')!r}), "
+                    "expected a store with an MXNet optimizer to restore it into, given "
+                    f"{'none' if self._updater is None else 'an optax transformation'}; call "
+                    "kv.set_optimizer(mx.optimizer...) as the saved run did, then load"
+                )
+            return opt.restore_record(record, fname)
+
+        state, put_back = _checkpoint.load_with_record(
+            fname, self._state, values=values, optimizer=optimizer, check_record=checked
+        )
+        self._state = state
+        if put_back is not None:
+            put_back()
 
     def _require_optimizer(self, what: str) -> None:
         if not isinstance(self._updater, optax.GradientTransformation):
@@ -756,6 +801,45 @@ class KVStore:
                 _fl.is_split(state, i) for i in range(len(state.key_shapes))
             )
         return self._keep_values
+
+    def _lend(self, stored: jax.Array, out: NDArray, handed: jax.Array) -> None:
+        """Note that ``out`` was given ``handed``, a part of the stored array ``stored``."""
+        entry = self._lent_to.get(id(stored))
+        if entry is None or entry[0]() is not stored:
+            if len(self._lent_to) > 4 * len(self._stored.leaves) + 64:  # forget the dead
+                self._lent_to = {
+                    i: e for i, e in self._lent_to.items() if e[0]() is not None and _holds(e)
+                }
+            entry = (weakref.ref(stored), [])
+            self._lent_to[id(stored)] = entry
+        entry[1].append((weakref.ref(out), weakref.ref(handed)))
+
+    def _lend_whole(self, stored: jax.Array, out: NDArray) -> None:
+        """:meth:`_lend` of what ``out`` holds now, given it from ``stored``."""
+        self._lend(stored, out, out.holding())
+
+    def _lent(self, leaves: list[Any]) -> bool:
+        """Whether an out still holds a part of one of the stored arrays ``leaves`` (then a
+        push must not donate it)."""
+        for leaf in leaves:
+            entry = self._lent_to.get(id(leaf))
+            if entry is not None and entry[0]() is leaf and _holds(entry):
+                return True
+        return False
+
+    def _row_push_donates(self, state: KVState, keys: list[Key]) -> bool:
+        """Whether a push of rows to ``keys`` may donate the buffers it updates (the table,
+        in place, and its optimizer state): nothing handed out through ``state`` is held, and
+        no out holds a table it was lent. A store that keeps its values lends them only to
+        the outs of a dense pull, which an embedding table's loop never makes: its table is
+        then updated in place, at a cost that grows with the rows alone."""
+        if len(self._shared):
+            return False
+        if not self._keeps_values():
+            return True
+        if state.flat_layout is not None:  # a lent view may alias a bucket the push takes
+            return not any(e[0]() is not None and _holds(e) for e in self._lent_to.values())
+        return not self._lent([state[k] for k in keys])
 
     def _share(self, state: KVState) -> None:
         for leaf in jax.tree_util.tree_leaves(state):
@@ -926,15 +1010,23 @@ class KVStore:
             updater = self._traced(self._python_updater)
         opt, extra = self._mxnet_optimizer, None
         updater_of: dict[Key, Any] = dict.fromkeys(sparse, updater)
+        extra_of: dict[Key, Any] = dict.fromkeys(sparse)
         if opt is not None:  # MXNet's bookkeeping, in key order; the rows' kernels then
             keys = sorted(grouped)  # compile in what the key's update reads (its inputs)
             table = opt.next_update(keys)
             if spans_processes(self._state.devices):  # not held: agreed here
                 _queue.agree_numbers(keys, table)
             lazy = opt.lazy_update
+            # The kernel's numbers (learning rate, bias correction...) are arguments of the
+            # computation, as for dense keys: a schedule compiles nothing new.
+            state = self._state
+            for k in sparse:
+                opt.check_row_sparse(opt.inputs(k))
+            half = {k: _fl.stored_type(state, state.index(k)).dtype == np.float16 for k in sparse}
             updater_of = {
-                k: opt.transformation(row_sparse=True, inputs=opt.inputs(k)) for k in sparse
+                k: opt.transformation(row_sparse=True, master=half[k], check=False) for k in sparse
             }
+            extra_of = {k: {"scalars": table[keys.index(k)]} for k in sparse}
             if dense:
                 extra = {"scalars": np.stack([table[keys.index(k)] for k in sorted(dense)])}
         state = self._state
@@ -945,7 +1037,7 @@ class KVStore:
                     state = _perkey.regroup(state, [k], inner) or state
             self._stored = state  # (no value changes)
         steps = len(sparse) + bool(dense)
-        donate = steps == 1 and not len(self._shared) and not self._keeps_values()
+        donate = steps == 1 and self._row_push_donates(state, sparse)
         if dense and opt is not None:
             state = self._push_key_by_key(
                 state, {k: _unwrap_values(grouped[k]) for k in dense}, self._updater, extra
@@ -968,10 +1060,12 @@ class KVStore:
             # Held until the next call (checked now): a row_sparse_pull of the key then runs
             # with it in one computation, as a training loop's push and pull of rows do.
             k = sparse[0]
-            self._deferred = _kvsparse.held(state, k, grouped[k], updater_of[k], donate)
+            self._deferred = _kvsparse.held(
+                state, k, grouped[k], updater_of[k], donate, extra_of[k]
+            )
             return
         for k in sparse:
-            state = _kvsparse.push(state, k, grouped[k], updater_of[k], lazy, donate)
+            state = _kvsparse.push(state, k, grouped[k], updater_of[k], lazy, donate, extra_of[k])
         self._state = state
 
     def _values(self, key: Any) -> jax.Array | list[jax.Array]:
@@ -1016,7 +1110,7 @@ class KVStore:
         big = [k for k in outs_of if _fl.is_split(state, state.index(k))]
         position: dict[Any, int] = {}
 
-        def hand_out(keys: list[Key], values: list[jax.Array]) -> None:
+        def hand_out(keys: list[Key], values: list[jax.Array], lent: bool = False) -> None:
             elsewhere: list[tuple[NDArray, jax.Array, Any]] = []  # outs off the store's devices
             for key, value in zip(keys, values):
                 arrays = _fast.per_device(value)
@@ -1029,6 +1123,8 @@ class KVStore:
                         elsewhere.append((o, arrays[0], device))
                     else:
                         _set(o, arrays[i], device)
+                        if lent and not _kvsparse.is_row_sparse(o):
+                            self._lend(value, o, o.holding())
             if elsewhere:  # copied there in one call (a dist_sync store: one device per process)
                 moved = jax.device_put([x for _, x, _ in elsewhere], [d for _, _, d in elsewhere])
                 for (o, _, device), x in zip(elsewhere, moved):
@@ -1038,7 +1134,8 @@ class KVStore:
         # chunking everything together measured ~30% slower on ResNet-50.
         if small:
             index = [state.index(k) for k in small]
-            hand_out(small, _arrays.for_outs(state, index, self._keeps_values()))
+            keep = self._keeps_values()
+            hand_out(small, _arrays.for_outs(state, index, keep), lent=keep)
         chunk, size = [], 0
         for i, key in enumerate(big):
             chunk.append(key)
@@ -1046,6 +1143,16 @@ class KVStore:
             if size >= _GATHER_CHUNK_BYTES or i == len(big) - 1:
                 hand_out(chunk, _arrays.replicated_copies(state, chunk))
                 chunk, size = [], 0
+
+
+def _holds(entry: tuple[Any, list[tuple[Any, Any]]]) -> bool:
+    """Whether an out of a lent array's entry (see ``KVStore._lend``) still holds what it was
+    given."""
+    for out_ref, handed_ref in entry[1]:
+        out, handed = out_ref(), handed_ref()
+        if out is not None and handed is not None and out.holding() is handed:
+            return True
+    return False
 
 
 def _set(out: NDArray, x: jax.Array, device: Any) -> None:

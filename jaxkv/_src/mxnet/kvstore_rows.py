@@ -64,7 +64,7 @@ class Held(NamedTuple):
     next call): each pushed value's ids and rows as they were at the push (the arrays, not the
     ``RowSparseNDArray``, which the caller may change in place before the push runs), and the
     ids checked on the host; ``updater`` as :func:`lazy_push` runs it (``replace_all`` for
-    none)."""
+    none), with ``extra`` its extra arguments (an MXNet optimizer's scalars for this push)."""
 
     key: Key
     row_ids: list
@@ -72,30 +72,43 @@ class Held(NamedTuple):
     ids: list
     updater: Any
     donate: bool
+    extra: dict | None = None
 
 
-def held(state: KVState, key: Key, values: list, updater: Any, donate: bool) -> Held:
+def held(
+    state: KVState, key: Key, values: list, updater: Any, donate: bool, extra: dict | None = None
+) -> Held:
     """A lazy push of ``values`` (one per device, the first row-sparse) to ``key``, with every
     refusal raised now: run it with :func:`run_held` or :func:`pushpull_into`."""
     values = _row_sparse_values(state, key, values)
     row_ids, rows = [v.row_ids for v in values], [v.row_values for v in values]
     updater = replace_all if updater is None else updater
     ids = _rows.check_push(state, key, row_ids, rows, updater)
-    return Held(key, row_ids, rows, ids, updater, donate)
+    return Held(key, row_ids, rows, ids, updater, donate, extra)
 
 
 def run_held(state: KVState, push: Held) -> KVState:
     """``state`` after a held push."""
-    return lazy_push(state, push.key, push.row_ids, push.rows, push.updater, push.donate)
+    return lazy_push(
+        state, push.key, push.row_ids, push.rows, push.updater, push.donate, push.extra
+    )
 
 
 def lazy_push(
-    state: KVState, key: Key, row_ids: list, rows: list, updater: Any, donate: bool
+    state: KVState,
+    key: Key,
+    row_ids: list,
+    rows: list,
+    updater: Any,
+    donate: bool,
+    extra: dict | None = None,
 ) -> KVState:
     """One ``push_rows`` of each device's ``(row_ids, rows)``: only the rows pushed (and their
     optimizer state) change; with no updater the stored value becomes the merged sum (MXNet)."""
     updater = replace_all if updater is None else updater
-    return _rows.push_rows(state, key, row_ids, rows, updater=updater, donate=donate)
+    return _rows.push_rows(
+        state, key, row_ids, rows, updater=updater, donate=donate, extra_args=extra
+    )
 
 
 def _row_sparse_values(state: KVState, key: Key, values: list) -> list:
@@ -115,14 +128,23 @@ def _check_shapes(key: Key, shape: tuple[int, ...], values: list) -> None:
             )
 
 
-def push(state: KVState, key: Key, values: list, updater: Any, lazy: bool, donate: bool) -> KVState:
-    """``state`` after a push of ``values`` (one per device, the first row-sparse) to ``key``."""
+def push(
+    state: KVState,
+    key: Key,
+    values: list,
+    updater: Any,
+    lazy: bool,
+    donate: bool,
+    extra: dict | None = None,
+) -> KVState:
+    """``state`` after a push of ``values`` (one per device, the first row-sparse) to ``key``
+    (``extra``: the updater's extra arguments)."""
     values = _row_sparse_values(state, key, values)
     if not lazy:  # MXNet's standard update: every row, with the gradient densified
-        return _ops.push(state, key, [dense_of(v) for v in values], updater=updater, donate=donate)
-    return lazy_push(
-        state, key, [v.row_ids for v in values], [v.row_values for v in values], updater, donate
-    )
+        dense = [dense_of(v) for v in values]
+        return _ops.push(state, key, dense, updater=updater, donate=donate, extra_args=extra)
+    rows = [v.row_values for v in values]
+    return lazy_push(state, key, [v.row_ids for v in values], rows, updater, donate, extra)
 
 
 def _as_row_sparse(x: Any) -> RowSparseNDArray:
@@ -186,6 +208,7 @@ def pushpull_into(
         (placed, asked),
         push.updater,
         push.donate,
+        push.extra,
     )
     return state, list(zip(outs, rows, placed))
 

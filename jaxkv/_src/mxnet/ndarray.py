@@ -104,6 +104,11 @@ class NDArray:
             self.owed_by.run_held()
         self._value = value
 
+    def holding(self) -> jax.Array:
+        """The array held now, without running a pull held for it (a store asks which of its
+        arrays an out still holds)."""
+        return self._value
+
     def jax_device(self) -> jax.Device:
         """The device of the held array; cached per array, since pulls ask for it each time.
         A pull held for this array lands on the same device, so it need not run first."""
@@ -495,7 +500,8 @@ def array(
     else:
         wanted = np.dtype(dtype or _DEFAULT_DTYPE)
         held = held_dtype(wanted)
-        data = jnp.asarray(host_values(source, wanted, held))
+        # Straight from the host: jnp.asarray of a NumPy array compiles once per shape.
+        data = host_values(source, wanted, held)
     return NDArray(jax.device_put(data, as_context(ctx).device, may_alias=False), wanted)
 
 

@@ -22,7 +22,6 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jaxkv._src.mxnet import float32 as f32
 from jaxkv._src.mxnet.opt_momentum import mx_clip, reaching, sign
@@ -133,18 +132,14 @@ class AdaGrad(Optimizer):
             self.float_stable_eps,
         )
 
-    def transformation(
-        self, *, row_sparse: bool = False, inputs: tuple[float, ...] | None = None
-    ) -> optax.GradientTransformationExtraArgs:
-        if row_sparse:
-            wd = (self.inputs(None) if inputs is None else inputs)[1]
-            if wd != 0:
-                raise OptimizerArgumentError(
-                    f"AdaGrad: row-sparse gradients with weight decay: wd expected 0 (after "
-                    f"wd_mult), given {wd!r}: MXNet's sparse adagrad_update takes none (its "
-                    "store swallows the error and leaves the weight as it was)"
-                )
-        return super().transformation(row_sparse=row_sparse, inputs=inputs)
+    def check_row_sparse(self, inputs: tuple[float, ...]) -> None:
+        wd = inputs[1]
+        if wd != 0:
+            raise OptimizerArgumentError(
+                f"AdaGrad: row-sparse gradients with weight decay: wd expected 0 (after "
+                f"wd_mult), given {wd!r}: MXNet's sparse adagrad_update takes none (its "
+                "store swallows the error and leaves the weight as it was)"
+            )
 
     def kernel(
         self,
@@ -520,19 +515,15 @@ class AdaDelta(Optimizer):
             self.epsilon,
         )
 
-    def transformation(
-        self, *, row_sparse: bool = False, inputs: tuple[float, ...] | None = None
-    ) -> optax.GradientTransformationExtraArgs:
-        if row_sparse:
-            _, _, clip, clipping, *_ = self.inputs(None) if inputs is None else inputs
-            if clipping and clip < 0:
-                raise OptimizerArgumentError(
-                    f"AdaDelta: row-sparse gradients with clip_gradient={clip!r}: expected "
-                    "clip_gradient None or >= 0: MXNet's clip of a row-sparse gradient needs "
-                    "bounds around 0 (it raises 'Operator not implemented', and its store "
-                    "swallows the error and leaves the weight as it was)"
-                )
-        return super().transformation(row_sparse=row_sparse, inputs=inputs)
+    def check_row_sparse(self, inputs: tuple[float, ...]) -> None:
+        _, _, clip, clipping, *_ = inputs
+        if clipping and clip < 0:
+            raise OptimizerArgumentError(
+                f"AdaDelta: row-sparse gradients with clip_gradient={clip!r}: expected "
+                "clip_gradient None or >= 0: MXNet's clip of a row-sparse gradient needs "
+                "bounds around 0 (it raises 'Operator not implemented', and its store "
+                "swallows the error and leaves the weight as it was)"
+            )
 
     def kernel(
         self,

@@ -625,16 +625,12 @@ class LARS(Optimizer):
                 "multi_precision=False"
             )
 
-    def transformation(
-        self, *, row_sparse: bool = False, inputs: tuple[float, ...] | None = None
-    ) -> optax.GradientTransformationExtraArgs:
-        if row_sparse:
-            raise OptimizerArgumentError(
-                "LARS: row-sparse gradients: MXNet's LARS then scales the learning rate by "
-                "the norm of the whole weight (its non-aggregated path, in float64), which "
-                "jaxkv's row-sparse kernels do not see; expected dense gradients"
-            )
-        return super().transformation(row_sparse=row_sparse, inputs=inputs)
+    def check_row_sparse(self, inputs: tuple[float, ...]) -> None:  # noqa: ARG002
+        raise OptimizerArgumentError(
+            "LARS: row-sparse gradients: MXNet's LARS then scales the learning rate by "
+            "the norm of the whole weight (its non-aggregated path, in float64), which "
+            "jaxkv's row-sparse kernels do not see; expected dense gradients"
+        )
 
     def _advance(self, index: Any) -> None:  # noqa: ARG002 - the rate of any key
         # MXNet's LARS._get_lrs: the base rate of this update and of the one before.
@@ -816,16 +812,13 @@ class LBSGD(Optimizer):
     def slot_names(self) -> tuple[str, ...]:
         return ("momentum",) if self.momentum > 0 else ()
 
-    def transformation(
-        self, *, row_sparse: bool = False, inputs: tuple[float, ...] | None = None
-    ) -> optax.GradientTransformationExtraArgs:
-        if row_sparse and self.warmup_strategy == "lars":
+    def check_row_sparse(self, inputs: tuple[float, ...]) -> None:  # noqa: ARG002
+        if self.warmup_strategy == "lars":
             raise OptimizerArgumentError(
                 "LBSGD: warmup_strategy='lars' with row-sparse gradients: its multiplier "
                 "takes the norm of the whole weight, which jaxkv's row-sparse kernels do not "
                 "see; expected dense gradients or another warmup_strategy"
             )
-        return super().transformation(row_sparse=row_sparse, inputs=inputs)
 
     def _update_count(self, index: Any) -> None:
         # MXNet's LBSGD.update reads the learning rate before it counts the update.

@@ -42,7 +42,7 @@ import builtins
 import inspect
 import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -321,7 +321,7 @@ class Optimizer:
         self.multi_precision = bool(multi_precision)
         self.idx2name = dict(param_idx2name)
         self.param_dict = dict(param_dict) if param_dict else {}
-        self._transformations: dict[bool, optax.GradientTransformationExtraArgs] = {}
+        self._transformations: dict[tuple, optax.GradientTransformationExtraArgs] = {}
         self._bound_cache: dict[tuple, optax.GradientTransformationExtraArgs] = {}
         self.set_lr_mult({})
         self.set_wd_mult({})
@@ -488,6 +488,103 @@ class Optimizer:
     def _set_host_state(self, state: Any) -> None:
         """Put back what :meth:`_host_state` gave."""
 
+    # -- saved with the states (MXNet's dump_optimizer) ------------------------------------
+    def record(self) -> dict[str, Any]:
+        """What MXNet's ``save_optimizer_states(fname, dump_optimizer=True)`` keeps of the
+        optimizer (it pickles the whole object), as JSON: the class and its arguments, the
+        numbers that may change (learning rate, weight decay, ``rescale_grad``,
+        ``clip_gradient``, the multipliers), the bookkeeping (each index's update count,
+        ``num_update``) and the schedule's state. :meth:`restore_record` puts them back."""
+        scheduler = self.lr_scheduler
+        return {
+            "class": type(self).__name__,
+            "args": as_json(self._repr_args()),
+            "numbers": as_json(
+                {
+                    "lr": self.lr,
+                    "wd": self.wd,
+                    "rescale_grad": self.rescale_grad,
+                    "clip_gradient": self.clip_gradient,
+                    "lr_mult": self.lr_mult,
+                    "wd_mult": self.wd_mult,
+                }
+            ),
+            "num_update": self.num_update,
+            "begin_num_update": self.begin_num_update,
+            "counts": as_json(self._index_update_count),
+            "scheduler": None
+            if scheduler is None
+            else {"class": type(scheduler).__name__, "state": as_json(dict(vars(scheduler)))},
+            "host": as_json(self._host_state()),
+        }
+
+    def restore_record(self, record: Any, where: str) -> Callable[[], None]:
+        """Check a :meth:`record` (read from the file ``where``) against this optimizer, and
+        return what puts it back; refuses (before anything changes) a record of another
+        class, of other arguments (besides the learning rate) or of another schedule: MXNet
+        would replace its optimizer by the file's, jaxkv keeps the kernel it compiled."""
+        owner = type(self).__name__
+        try:
+            if not isinstance(record, dict):
+                raise TypeError("not an object")
+            saved_class = record["class"]
+            if saved_class != owner:
+                raise KVStoreError(
+                    f"{where}: the saved optimizer is {saved_class}, expected this store's "
+                    f"{owner}; call kv.set_optimizer(mx.optimizer.{saved_class}(...)) with the "
+                    "saved run's arguments before loading"
+                )
+            args = from_json(record["args"])
+            mine = {k: v for k, v in self._repr_args().items() if k != "learning_rate"}
+            theirs = {k: v for k, v in dict(args).items() if k != "learning_rate"}
+            if mine != theirs:
+                raise KVStoreError(
+                    f"{where}: the saved {owner} has arguments {theirs}, expected this store's "
+                    f"{mine}; set an optimizer made with the saved run's arguments first"
+                )
+            scheduler = self.lr_scheduler
+            saved_scheduler = record["scheduler"]
+            mine_name = None if scheduler is None else type(scheduler).__name__
+            theirs_name = None if saved_scheduler is None else saved_scheduler["class"]
+            if mine_name != theirs_name:
+                raise KVStoreError(
+                    f"{where}: the saved {owner} has lr_scheduler {theirs_name}, expected this "
+                    f"store's {mine_name}; set an optimizer with the saved run's schedule first"
+                )
+            numbers = dict(from_json(record["numbers"]))
+            counts = dict(from_json(record["counts"]))
+            num_update = int(record["num_update"])
+            begin = int(record["begin_num_update"])
+            host = from_json(record["host"])
+            sched_state = (
+                None if saved_scheduler is None else dict(from_json(saved_scheduler["state"]))
+            )
+        except KVStoreError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise KVStoreError(
+                f"{where}: expected the saved optimizer's record (save_optimizer_states with "
+                f"dump_optimizer=True), given a malformed one ({type(e).__name__}: {e})"
+            ) from None
+
+        def put_back() -> None:
+            self.lr = numbers["lr"]
+            self.wd = numbers["wd"]
+            self.rescale_grad = numbers["rescale_grad"]
+            self.clip_gradient = numbers["clip_gradient"]
+            self.lr_mult = dict(numbers["lr_mult"])
+            self.wd_mult = dict(numbers["wd_mult"])
+            self.begin_num_update = begin
+            self.num_update = num_update
+            self._index_update_count.clear()
+            self._index_update_count.update(counts)
+            if sched_state is not None:
+                vars(self.lr_scheduler).clear()
+                vars(self.lr_scheduler).update(sched_state)
+            self._set_host_state(host)
+
+        return put_back
+
     def next_update(self, indices: list) -> np.ndarray:
         """Run MXNet's bookkeeping for one update of each of ``indices``, in order (as MXNet's
         updater calls ``update`` once per key): count it, then read the kernel's numbers.
@@ -571,7 +668,12 @@ class Optimizer:
         return bool(half) and all(half)
 
     def transformation(
-        self, *, row_sparse: bool = False, inputs: tuple[float, ...] | None = None
+        self,
+        *,
+        row_sparse: bool = False,
+        inputs: tuple[float, ...] | None = None,
+        master: bool = False,
+        check: bool = True,
     ) -> optax.GradientTransformationExtraArgs:
         """This optimizer as an optax transformation with MXNet's numbers.
 
@@ -585,6 +687,11 @@ class Optimizer:
           inputs: the numbers an update called without ``scalars`` uses (:meth:`inputs`'s
             form), compiled in; default: :meth:`inputs` of no particular index at the first
             call.
+          master: whether the state has a float32 master copy where ``init`` cannot tell from
+            the parameters (``optax.tree_utils.tree_map_params`` calls it with a placeholder,
+            as a push of rows does): ``multi_precision`` over float16 weights.
+          check: refuse row-sparse gradients here (:meth:`check_row_sparse` of ``inputs``);
+            ``False`` where the caller has checked each key's own (the store does).
 
         Returns:
           An ``optax.GradientTransformationExtraArgs``; ``update(grads, state, params,
@@ -592,38 +699,49 @@ class Optimizer:
           ``SCALARS`` (a row of :meth:`next_update`), an argument of the computation.
         """
         row_sparse = bool(row_sparse)
+        if row_sparse and check:
+            self.check_row_sparse(self.inputs(None) if inputs is None else inputs)
         object.__setattr__(self, "_frozen", True)
+        master = bool(master) and self.multi_precision
         if inputs is None:
-            if row_sparse not in self._transformations:
-                self._transformations[row_sparse] = self._build(row_sparse, self.inputs(None))
-            return self._transformations[row_sparse]
-        return self._bound(row_sparse, tuple(float(x) for x in inputs))
+            if (row_sparse, master) not in self._transformations:
+                built = self._build(row_sparse, self.inputs(None), master)
+                self._transformations[(row_sparse, master)] = built
+            return self._transformations[(row_sparse, master)]
+        return self._bound(row_sparse, tuple(float(x) for x in inputs), master)
+
+    def check_row_sparse(self, inputs: tuple[float, ...]) -> None:
+        """Refuse row-sparse gradients where MXNet's row-sparse kernel cannot run with
+        ``inputs`` (:meth:`inputs` of the key pushed): the store calls it at every push of
+        rows, before anything changes (none refused here)."""
 
     def _bound(
-        self, row_sparse: bool, inputs: tuple[float, ...]
+        self, row_sparse: bool, inputs: tuple[float, ...], master: bool = False
     ) -> optax.GradientTransformationExtraArgs:
         """The transformation with ``inputs`` compiled in: the last 8 kept."""
         cache = self._bound_cache
-        key = (row_sparse, inputs)
+        key = (row_sparse, inputs, master)
         if key in cache:
             cache[key] = cache.pop(key)  # most recent last
         else:
-            cache[key] = self._build(row_sparse, inputs)
+            cache[key] = self._build(row_sparse, inputs, master)
             while len(cache) > 8:
                 cache.pop(next(iter(cache)))
         return cache[key]
 
     def _build(
-        self, row_sparse: bool, inputs: tuple[float, ...]
+        self, row_sparse: bool, inputs: tuple[float, ...], master_hint: bool = False
     ) -> optax.GradientTransformationExtraArgs:
         owner = type(self).__name__
         names = self.slot_names()
         begin = self.begin_num_update
 
         def init(params: optax.Params) -> OptimizerState:
-            for leaf in jax.tree.leaves(params):
+            leaves = jax.tree.leaves(params)
+            for leaf in leaves:
                 self.check_weight(leaf)
-            if self._master_copy(jax.tree.leaves(params)):  # the state of a float32 copy
+            # No leaves: tree_map_params's placeholder, whose dtype the caller tells.
+            if self._master_copy(leaves) if leaves else master_hint:  # state of a float32 copy
                 master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
                 slots = tuple(
                     jax.tree.map(lambda w, n=n: self.init_slot(n, w), master) for n in names
@@ -704,3 +822,43 @@ def clipped(g: jax.Array, c: jax.Array) -> jax.Array:
 def cast(x: Any, dtype: Any) -> jax.Array:
     """A float32 scalar as the kernel sees it in the weight's type (C++'s ``DType(param)``)."""
     return jnp.asarray(x, jnp.float32).astype(dtype)
+
+
+def as_json(x: Any) -> Any:
+    """``x`` (numbers, strings, lists, tuples, dicts of them) as JSON that :func:`from_json`
+    reads back as it was: tuples and dicts (whose keys may be ints) tagged."""
+    if x is None or isinstance(x, bool | str):
+        return x
+    if isinstance(x, int | np.integer):
+        return int(x)
+    if isinstance(x, float | np.floating):
+        return float(x)
+    if isinstance(x, list):
+        return [as_json(v) for v in x]
+    if isinstance(x, tuple):
+        return {"tuple": [as_json(v) for v in x]}
+    if isinstance(x, dict):
+        return {"dict": [[as_json(k), as_json(v)] for k, v in x.items()]}
+    raise KVStoreError(
+        f"the optimizer's record: expected numbers, strings, lists and dicts, given "
+        f"{type(x).__name__} {x!r}"
+    )
+
+
+def from_json(x: Any) -> Any:
+    """What :func:`as_json` gave, as it was."""
+    if isinstance(x, list):
+        return [from_json(v) for v in x]
+    if isinstance(x, dict):
+        if set(x) == {"tuple"}:
+            return tuple(from_json(v) for v in x["tuple"])
+        if set(x) == {"dict"}:
+            return {_hashable(from_json(k)): from_json(v) for k, v in x["dict"]}
+        raise ValueError(f"an untagged object {x!r}")
+    return x
+
+
+def _hashable(k: Any) -> Any:
+    if isinstance(k, list):
+        raise ValueError(f"a list as a key: {k!r}")
+    return k

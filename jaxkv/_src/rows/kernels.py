@@ -112,17 +112,26 @@ def update_rows(
     rows: Any,
     n_rows: int,
     updater: Any,
+    extra: Any = None,
 ) -> tuple[Any, Any]:
     """The new stored value (or block) and optimizer state after a push of ``rows`` at ``ids``
-    (the whole push: the same on every device)."""
+    (the whole push: the same on every device); ``extra``: an optax updater's extra arguments
+    (``update(..., **extra)``: an MXNet optimizer's scalars), arguments of the computation."""
     with jax.named_scope(SUM):
         unique, summed = dedupe(ids, rows.astype(stored.dtype), n_rows)
     with jax.named_scope(UPDATER):
-        return _updated(key, where, stored, opt_state, unique, summed, updater)
+        return _updated(key, where, stored, opt_state, unique, summed, updater, extra)
 
 
 def _updated(
-    key: Key, where: Where, stored: Any, opt_state: Any, unique: Any, summed: Any, updater: Any
+    key: Key,
+    where: Where,
+    stored: Any,
+    opt_state: Any,
+    unique: Any,
+    summed: Any,
+    updater: Any,
+    extra: Any = None,
 ) -> tuple[Any, Any]:
     """:func:`update_rows` once the pushed rows are summed: ``summed[i]`` for row
     ``unique[i]``."""
@@ -131,7 +140,7 @@ def _updated(
     if isinstance(updater, optax.GradientTransformation):
         with updater_errors(updater, [key]):  # init (tree_map_params traces it) and update
             new_rows, opt_state = _optax_rows(
-                key, where, stored, opt_state, unique, summed, updater
+                key, where, stored, opt_state, unique, summed, updater, extra
             )
         return where.put(stored, unique, new_rows), opt_state
     pushed = where.put(jnp.zeros_like(stored), unique, summed)
@@ -153,7 +162,14 @@ def _updated(
 
 
 def _optax_rows(
-    key: Key, where: Where, stored: Any, opt_state: Any, unique: Any, summed: Any, updater: Any
+    key: Key,
+    where: Where,
+    stored: Any,
+    opt_state: Any,
+    unique: Any,
+    summed: Any,
+    updater: Any,
+    extra: Any = None,
 ) -> tuple[Any, Any]:
     """The optax updater on the touched rows: their new values, and the optimizer state with
     the same rows of its per-parameter leaves written back."""
@@ -171,7 +187,7 @@ def _optax_rows(
         take = where.take
         opt_rows = tree_map_params(updater, lambda x: take(x, unique), opt_state)
     old = take(stored, unique)
-    updates, new_opt = updater.update({key: summed}, opt_rows, {key: old})
+    updates, new_opt = updater.update({key: summed}, opt_rows, {key: old}, **(extra or {}))
     new_rows = apply_updates({key: old}, updates)[key]
     # The per-parameter leaves: their touched rows written back; the others (a step
     # count) as the update left them.
@@ -379,25 +395,25 @@ def bucket_pusher(
     families: tuple[int, ...],
     donate: bool,
 ) -> Any:
-    """``(bucket, opt_state, ids, rows) -> (bucket, opt_state)`` for a key at ``off``."""
+    """``(bucket, opt_state, ids, rows, extra) -> (bucket, opt_state)`` for a key at ``off``."""
     parts = mesh.devices.size if split else 1
     rows_here = _rows_of_block(shape, parts) if split else shape[0]
 
-    def update(leaf: Any, opt: Any, ids: Any, rows: Any) -> Any:
+    def update(leaf: Any, opt: Any, ids: Any, rows: Any, extra: Any) -> Any:
         where = InRun(axis if split else None, rows_here, off, shape)
         if packing is None:
-            return update_rows(key, where, leaf, opt, ids, rows, shape[0], updater)
+            return update_rows(key, where, leaf, opt, ids, rows, shape[0], updater, extra)
         # The packed leaves as optax's tree: each family bucket as the key's value (addressed
         # by the same run), the other leaves as they are.
         tree = jax.tree_util.tree_unflatten(packing.treedef, list(opt))
-        value, new = update_rows(key, where, leaf, tree, ids, rows, shape[0], updater)
+        value, new = update_rows(key, where, leaf, tree, ids, rows, shape[0], updater, extra)
         return value, tuple(jax.tree_util.tree_leaves(new))
 
     if not split:
         return jax.jit(update, donate_argnums=(0, 1) if donate else ())
     spec = PartitionSpec(axis)
 
-    def run(leaf: Any, opt: Any, ids: Any, rows: Any) -> Any:
+    def run(leaf: Any, opt: Any, ids: Any, rows: Any, extra: Any) -> Any:
         if packing is None:
             opt_spec = like_table(opt, leaf, spec)
         else:
@@ -405,11 +421,11 @@ def bucket_pusher(
         mapped = jax.shard_map(
             update,
             mesh=mesh,
-            in_specs=(spec, opt_spec, PartitionSpec(), PartitionSpec()),
+            in_specs=(spec, opt_spec, PartitionSpec(), PartitionSpec(), PartitionSpec()),
             out_specs=(spec, opt_spec),
             check_vma=False,
         )
-        return mapped(leaf, opt, ids, rows)
+        return mapped(leaf, opt, ids, rows, extra)
 
     return jax.jit(run, donate_argnums=(0, 1) if donate else ())
 
@@ -444,7 +460,8 @@ def bucket_keep(key: Key, out: NamedSharding | None) -> Any:
 def routed_push(
     mesh: Any, axis: str, key: Key, updater: Any, donate: bool, c: int, back: int | None
 ) -> Any:
-    """``(table, opt_state, ids, rows) -> (table, opt_state)``, ids and rows split along axis 0:
+    """``(table, opt_state, ids, rows, extra) -> (table, opt_state)``, ids and rows split along
+    axis 0 (``extra``: the updater's extra arguments, whole on every device):
     each device sends each owner its ids and rows for it (one all-to-all of ``parts * c`` slots,
     see :func:`plan`), and each owner sums and updates the rows of its block alone.
 
@@ -455,11 +472,12 @@ def routed_push(
     split = PartitionSpec(axis)
     parts = mesh.shape[axis]
 
-    def body(block: Any, opt: Any, ids: Any, rows: Any, *pull_ids: Any) -> Any:
+    def body(block: Any, opt: Any, ids: Any, rows: Any, extra: Any, *pull_ids: Any) -> Any:
         with jax.named_scope(ROUTE):
             dest, local = plan(ids, block.shape[0], parts, c)
             got_ids, got = exchange(local, rows, dest, axis)
-        block, opt = update_rows(key, Where(), block, opt, got_ids, got, block.shape[0], updater)
+        n = block.shape[0]
+        block, opt = update_rows(key, Where(), block, opt, got_ids, got, n, updater, extra)
         if back is None:
             return block, opt
         with jax.named_scope(ROUTE):
@@ -469,24 +487,18 @@ def routed_push(
             rows = jax.lax.all_to_all(take(block, got_ids), axis, 0, 0, tiled=True)
             return block, opt, jnp.take(rows, dest, axis=0, mode="fill", fill_value=0)
 
-    def run(table: Any, opt: Any, ids: Any, rows: Any, *pull_ids: Any) -> Any:
+    def run(table: Any, opt: Any, ids: Any, rows: Any, extra: Any, *pull_ids: Any) -> Any:
         opt_spec = like_table(opt, table, split)
         mapped = jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(split, opt_spec, split, split, *[split] * len(pull_ids)),
+            in_specs=(split, opt_spec, split, split, PartitionSpec(), *[split] * len(pull_ids)),
             out_specs=(split, opt_spec) if back is None else (split, opt_spec, split),
             check_vma=False,
         )
-        return mapped(table, opt, ids, rows, *pull_ids)
+        return mapped(table, opt, ids, rows, extra, *pull_ids)
 
     return jax.jit(run, donate_argnums=(0, 1) if donate else ())
-
-
-@jax.jit
-def concat(rows: tuple) -> Any:
-    dtype = jnp.result_type(*rows)
-    return jnp.concatenate([r.astype(dtype) for r in rows])
 
 
 @functools.lru_cache(maxsize=256)
@@ -494,13 +506,13 @@ def own_push(
     mesh: Any, axis: str, key: Key, n_rows: int, sharded: bool, updater: Any, donate: bool
 ) -> Any:
     """The eager push of rows into a key kept as an array of its own: ``(table, opt_state,
-    ids, rows) -> (table, opt_state)``, in a ``shard_map`` over the store's mesh for a sharded
-    table (its optimizer state's per-parameter leaves sharded like it)."""
+    ids, rows, extra) -> (table, opt_state)``, in a ``shard_map`` over the store's mesh for a
+    sharded table (its optimizer state's per-parameter leaves sharded like it)."""
     donated = (0, 1) if donate else ()
     if not sharded:
 
-        def whole(table: Any, opt: Any, ids: Any, rows: Any) -> Any:
-            return update_rows(key, Where(), table, opt, ids, rows, n_rows, updater)
+        def whole(table: Any, opt: Any, ids: Any, rows: Any, extra: Any) -> Any:
+            return update_rows(key, Where(), table, opt, ids, rows, n_rows, updater, extra)
 
         return jax.jit(whole, donate_argnums=donated)
 
@@ -508,27 +520,28 @@ def own_push(
 
 
 def sharded_runner(mesh: Any, axis: str, key: Key, n_rows: int, updater: Any) -> Any:
-    """``(table, opt_state, ids, rows) -> (table, opt_state)`` for a table sharded over
+    """``(table, opt_state, ids, rows, extra) -> (table, opt_state)`` for a table sharded over
     ``mesh``: the pairs, whether replicated or one block per device, are all-gathered where
     they are not whole on each device."""
     split = PartitionSpec(axis)
 
-    def run(table: Any, opt: Any, ids: Any, rows: Any) -> Any:
+    def run(table: Any, opt: Any, ids: Any, rows: Any, extra: Any) -> Any:
         opt_spec = like_table(opt, table, split)
 
-        def body(block: Any, opt: Any, ids: Any, rows: Any) -> Any:
+        def body(block: Any, opt: Any, ids: Any, rows: Any, extra: Any) -> Any:
             # ids and rows arrive whole (replicated in_specs): XLA gathers stacked pairs once.
             where = Where(axis, block.shape[0])
-            return update_rows(key, where, block, opt, ids, rows, n_rows, updater)
+            return update_rows(key, where, block, opt, ids, rows, n_rows, updater, extra)
 
+        replicated = PartitionSpec()
         mapped = jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(split, opt_spec, PartitionSpec(), PartitionSpec()),
+            in_specs=(split, opt_spec, replicated, replicated, replicated),
             out_specs=(split, opt_spec),
             check_vma=False,
         )
-        return mapped(table, opt, ids, rows)
+        return mapped(table, opt, ids, rows, extra)
 
     return run
 
@@ -538,18 +551,20 @@ def state_push(key: Key, n_rows: int, updater: Any, donate: bool) -> Any:
     """The eager push of rows into a key of a bucket (flat layout): the whole state in and
     out, the key's view read and written inside the one computation."""
 
-    def run(state: KVState, ids: Any, rows: Any) -> KVState:
-        return push_whole(state, key, n_rows, ids, rows, updater)
+    def run(state: KVState, ids: Any, rows: Any, extra: Any) -> KVState:
+        return push_whole(state, key, n_rows, ids, rows, updater, extra)
 
     return jax.jit(run, donate_argnums=(0,) if donate else ())
 
 
-def push_whole(state: KVState, key: Key, n_rows: int, ids: Any, rows: Any, updater: Any) -> KVState:
+def push_whole(
+    state: KVState, key: Key, n_rows: int, ids: Any, rows: Any, updater: Any, extra: Any = None
+) -> KVState:
     stored = state[key]
     group = state.opt_group(key) if isinstance(updater, optax.GradientTransformation) else None
     opt = None if group is None else state.opt_states[group]
     if isinstance(updater, optax.GradientTransformation) and opt is None:
         opt = init_state(updater, {key: stored})
         group = (key,)
-    value, opt = update_rows(key, Where(), stored, opt, ids, rows, n_rows, updater)
+    value, opt = update_rows(key, Where(), stored, opt, ids, rows, n_rows, updater, extra)
     return state.replace({key: value}, None if group is None else {group: opt})

@@ -53,7 +53,6 @@ from jaxkv._src.rows.kernels import (
     bucket_pusher,
     bucket_rows_take,
     bucket_take,
-    concat,
     own_push,
     per_device_take,
     push_whole,
@@ -68,13 +67,14 @@ from jaxkv._src.rows.kernels import (
     take,
     update_rows,
 )
+from jaxkv._src.rows.sizes import concat_rows, cut, pad_ids, pad_rows, padded, slots
 from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.kvstate import Key, KVState, normalize_key
 from jaxkv._src.state.kvstate import spans_processes as _state_spans_processes
 from jaxkv._src.state.pairing import as_array, devices_of, is_traced
 from jaxkv._src.state.placement import replicate
 
-__all__ = ["pull_rows", "push_rows", "pushpull_rows", "row_sparse_pull"]
+__all__ = ["pull_rows", "push_rows", "pushpull_rows", "row_sparse_pull", "slots"]
 
 _ID_DTYPE = jnp.int32  # row ids on device (JAX's default integer); tables below 2**31 rows
 
@@ -254,13 +254,16 @@ def _pull_per_device(
         or spans_processes(state)
     ):
         return [_place(_eager_take(state, key, i, x), d) for x, d in zip(ids, targets)]
-    asked = _split_ids(state, row_ids, ids)
+    n = ids[0].size
+    to = padded(n)
+    asked = _split_ids(state, row_ids, [pad_ids(x, to) for x in ids])
     if state.is_sharded(shape):
         c = slots(busiest(ids, shape[0] // len(targets), len(targets)))
         fn = routed_take(state.mesh, state.axis, c)
-        return per_device(collective_order.ordered("pull_rows", fn, state.leaves[leaf], asked))
-    fn = per_device_take(state.mesh, state.axis, False)
-    return per_device(collective_order.ordered("pull_rows", fn, state.leaves[leaf], asked))
+    else:
+        fn = per_device_take(state.mesh, state.axis, False)
+    got = per_device(collective_order.ordered("pull_rows", fn, state.leaves[leaf], asked))
+    return [cut(x, n) for x in got]
 
 
 def _split_ids(state: KVState, given: Sequence[Any], ids: list[np.ndarray]) -> jax.Array:
@@ -286,17 +289,6 @@ def busiest(ids: Sequence[np.ndarray], block: int, parts: int) -> int:
     )
 
 
-def slots(most: int) -> int:
-    """``C`` for a busiest route of ``most`` ids: ``most`` rounded up to a multiple of an
-    eighth of its power of two (at least 8), so that a step compiles again only when its
-    busiest route grows past one of 8 sizes per octave, and pads at most 1/8 (1,000 random
-    ids per device over 8 devices: about 150 on the busiest route, C = 160; rounding to a
-    power of two, 256, measured 1.8x slower)."""
-    most = max(most, 1)
-    step = max(8, 1 << max(most.bit_length() - 4, 0))
-    return -(-most // step) * step
-
-
 def spans_processes(state: KVState) -> bool:
     return _state_spans_processes(state.devices)
 
@@ -320,20 +312,25 @@ def _own_leaf(state: KVState, i: int) -> int | None:
 
 
 def _eager_take(state: KVState, key: Key, i: int, ids: np.ndarray) -> jax.Array:
+    """The rows ``ids`` (checked), whole on the store's devices: read for the ids padded to a
+    few sizes (:func:`sizes.padded`), then cut, so that a new count compiles nothing."""
     replicated = NamedSharding(state.mesh, PartitionSpec())
-    dev_ids = jax.device_put(ids, replicated)
+    dev_ids = jax.device_put(pad_ids(ids, padded(ids.size)), replicated)
     leaf = _own_leaf(state, i)
     place = _in_bucket(state, i)
     if place is not None:  # its rows read straight from its bucket
         b, off, split = place
         fn = bucket_rows_take(state.mesh, state.axis, off, state.key_shapes[i], split)
-        return collective_order.ordered("pull_rows", fn, state.leaves[b], dev_ids)
-    if leaf is None:  # a view of a bucket: sliced and gathered in one computation
-        return collective_order.ordered("pull_rows", bucket_take(key, replicated), state, dev_ids)
-    table = state.leaves[leaf]
-    sharded = state.is_sharded(state.key_shapes[i])
-    fn = sharded_take(state.mesh, state.axis) if sharded else replicated_take(replicated)
-    return collective_order.ordered("pull_rows", fn, table, dev_ids)
+        out = collective_order.ordered("pull_rows", fn, state.leaves[b], dev_ids)
+    elif leaf is None:  # a view of a bucket: sliced and gathered in one computation
+        fn = bucket_take(key, replicated)
+        out = collective_order.ordered("pull_rows", fn, state, dev_ids)
+    else:
+        table = state.leaves[leaf]
+        sharded = state.is_sharded(state.key_shapes[i])
+        fn = sharded_take(state.mesh, state.axis) if sharded else replicated_take(replicated)
+        out = collective_order.ordered("pull_rows", fn, table, dev_ids)
+    return cut(out, ids.size)
 
 
 # -- rows of a key in a flat bucket, addressed in place -------------------------------------------
@@ -376,6 +373,7 @@ def _bucket_push(
     rows: Any,
     updater: Any,
     donate: bool,
+    extra: dict,
 ) -> KVState:
     """A push of rows into a key of a bucket, in place: the bucket, and for an optax updater
     its group's state (the key's own: its moments packed in buckets laid out as its value's),
@@ -392,7 +390,7 @@ def _bucket_push(
     fn = bucket_pusher(
         state.mesh, state.axis, key, off, shape, split, updater, packing, families, donate
     )
-    value, opt = collective_order.ordered("push_rows", fn, state.leaves[b], opt, ids, rows)
+    value, opt = collective_order.ordered("push_rows", fn, state.leaves[b], opt, ids, rows, extra)
     return _fl.with_leaves(state, {b: value}, {} if n is None else {n: opt})
 
 
@@ -428,7 +426,7 @@ def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = No
     # Whole on the store's devices where the store keeps it so, as a pull gives it (a result
     # that needs no input, no ids at all, would otherwise land on one device).
     replicated = NamedSharding(state.mesh, PartitionSpec())
-    dev_ids = jax.device_put(ids, replicated)
+    dev_ids = jax.device_put(pad_ids(ids, padded(ids.size)), replicated)  # -1 keeps no row
     if leaf is None:
         out_to = state.sharding_for(shape)  # named for a key of a split bucket too
         out = collective_order.ordered("row_sparse_pull", bucket_keep(key, out_to), state, dev_ids)
@@ -481,6 +479,7 @@ def push_rows(
     updater: Any = None,
     axis_name: Any = None,
     donate: bool = False,
+    extra_args: dict[str, Any] | None = None,
 ) -> KVState:
     """A new state with the rows ``rows`` pushed to the rows ``row_ids`` of ``key``: a
     row-sparse push.
@@ -507,6 +506,9 @@ def push_rows(
         pair; pairs that JAX has made invariant along it (the same on every device) count once.
       donate: let the computation reuse the buffers of ``state`` (which then becomes invalid);
         the table is then updated in place, at a cost that grows with the rows alone.
+      extra_args: for an ``optax.GradientTransformationExtraArgs`` updater, keyword arguments
+        of its ``update`` (an MXNet optimizer's ``scalars``: its learning rate for this step),
+        passed as arguments of the computation: a new value compiles nothing.
 
     Raises:
       KVStoreError: eagerly, an id that is not a whole number in ``[0, rows)``; rows of another
@@ -522,7 +524,7 @@ def push_rows(
       >>> jaxkv.pull(s, "e").tolist()
       [[1.0, 1.0], [0.0, 0.0], [2.0, 2.0]]
     """
-    return _push(state, key, row_ids, rows, updater, axis_name, donate, None)[0]
+    return _push(state, key, row_ids, rows, updater, axis_name, donate, None, extra=extra_args)[0]
 
 
 def pushpull_rows(
@@ -535,6 +537,7 @@ def pushpull_rows(
     updater: Any = None,
     axis_name: Any = None,
     donate: bool = False,
+    extra_args: dict[str, Any] | None = None,
 ) -> tuple[KVState, Any]:
     """:func:`push_rows`, then :func:`pull_rows` from the new state, fused: ``(state, rows)``,
     the rows of ``pull_ids`` (default: the pushed ``row_ids``) after the push; with a list of
@@ -577,7 +580,9 @@ def pushpull_rows(
                 plan = (list(pull_ids), [host_ids(key, x, n_rows) for x in ids_on_host(asked)])
             else:
                 host_ids(key, pull_ids, n_rows)
-    state, pulled = _push(state, key, row_ids, rows, updater, axis_name, donate, plan)
+    state, pulled = _push(
+        state, key, row_ids, rows, updater, axis_name, donate, plan, extra=extra_args
+    )
     if pulled is not None:
         return state, pulled
     if not many:
@@ -605,12 +610,17 @@ def _push(
     donate: bool,
     pull: Any,
     checked: list[np.ndarray] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[KVState, Any]:
     """``push_rows``, and, where one computation can also pull (see :func:`pushpull_rows`), the
     pulled rows (else ``None``). ``pull``: ``None`` (no pull), ``_SAME`` (the pushed ids), or
     ``(given, checked)``, the ids to pull per device as given and checked on the host.
-    ``checked``: the pairs' ids, already checked on the host (:func:`check_push`)."""
-    updater = as_updater(updater)  # an optax wrapper (MultiSteps): its transformation
+    ``checked``: the pairs' ids, already checked on the host (:func:`check_push`); ``extra``:
+    the updater's extra arguments."""
+    updater = as_updater(updater)
+    extra = (
+        {} if extra is None else dict(extra)
+    )  # an optax wrapper (MultiSteps): its transformation
     if state.reduce != "sum":
         raise KVStoreError(
             f"key {key!r}: a row-sparse push sums its rows, given a store with "
@@ -626,7 +636,7 @@ def _push(
         or any(is_traced(ids) or is_traced(r) for ids, r in pairs)
     )
     if traced:
-        return _push_traced(state, key, shape, pairs, updater, axis_name, group), None
+        return _push_traced(state, key, shape, pairs, updater, axis_name, group, extra), None
     if axis_name is not None:
         raise KVStoreError(
             f"axis_name={axis_name!r}: expected to be called inside pmap or shard_map, given an "
@@ -647,7 +657,7 @@ def _push(
     leaf = _own_leaf(state, i)
     n: int | None = None if group is None else state.groups.index(group)
     if across is not None:
-        return _push_across(state, key, shape, *across, updater, n, leaf, donate), None
+        return _push_across(state, key, shape, *across, updater, n, leaf, donate, extra), None
     if leaf is not None and (n is None or state.packings[n] is None):
         routed = _routed(state, key, shape, host, updater, n, [ids for ids, _ in pairs])
         if routed is not None:
@@ -657,26 +667,34 @@ def _push(
             if pull is _SAME:
                 back = 0
             elif pull is not None and len({x.size for x in pull[1]}) == 1:
-                args.append(_split_ids(state, pull[0], pull[1]))
+                to = padded(pull[1][0].size)
+                args.append(_split_ids(state, pull[0], [pad_ids(x, to) for x in pull[1]]))
                 back = slots(busiest(pull[1], shape[0] // len(state.devices), len(state.devices)))
             fn = routed_push(state.mesh, state.axis, key, updater, donate, c, back)
             opt = None if n is None else state.group_states[n]
-            out = collective_order.ordered("push_rows", fn, state.leaves[leaf], opt, *args)
+            out = collective_order.ordered(
+                "push_rows", fn, state.leaves[leaf], opt, args[0], args[1], extra, *args[2:]
+            )
             new = _fl.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]})
-            return new, None if back is None else per_device(out[2])
+            if back is None:
+                return new, None
+            wanted = [ids.size for ids, _ in host] if back == 0 else [x.size for x in pull[1]]
+            return new, [cut(x, m) for x, m in zip(per_device(out[2]), wanted)]
     ids, rows = _gathered(state, key, host, dtype)
     place = _in_bucket(state, i)
     if place is not None and _pushes_in_place(state, updater, n):
-        return _bucket_push(state, key, i, place, n, ids, rows, updater, donate), None
+        return _bucket_push(state, key, i, place, n, ids, rows, updater, donate, extra), None
     if leaf is not None and (n is None or state.packings[n] is None):
         fn = own_push(
             state.mesh, state.axis, key, shape[0], state.is_sharded(shape), updater, donate
         )
         opt = None if n is None else state.group_states[n]
-        value, opt = collective_order.ordered("push_rows", fn, state.leaves[leaf], opt, ids, rows)
+        value, opt = collective_order.ordered(
+            "push_rows", fn, state.leaves[leaf], opt, ids, rows, extra
+        )
         return _fl.with_leaves(state, {leaf: value}, {} if n is None else {n: opt}), None
     fn = state_push(key, shape[0], updater, donate)
-    return collective_order.ordered("push_rows", fn, state, ids, rows), None
+    return collective_order.ordered("push_rows", fn, state, ids, rows, extra), None
 
 
 def _host_pairs(
@@ -726,13 +744,14 @@ def pushpull_checked(
     pulled: tuple[list, list[np.ndarray]],
     updater: Any,
     donate: bool,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[KVState, list[jax.Array]]:
     """``pushpull_rows`` of pairs and pull ids already checked (one per device of the store,
     eagerly, in one process): ``pushed`` is ``(row_ids, rows, ids)`` and ``pulled``
     ``(placed, ids)``, ``ids`` the checked ids on the host (:func:`check_push`) and ``placed``
     the pull ids on their devices, used in place."""
     row_ids, rows, ids = pushed
-    state, got = _push(state, key, row_ids, rows, updater, None, donate, pulled, ids)
+    state, got = _push(state, key, row_ids, rows, updater, None, donate, pulled, ids, extra)
     if got is None:
         got = pull_rows(state, key, pulled[1], devices=[next(iter(x.devices())) for x in pulled[0]])
     return state, got
@@ -769,9 +788,9 @@ def _routed(
         return None
     c = slots(busiest([ids for ids, _ in host], shape[0] // parts, parts))
     split = NamedSharding(state.mesh, PartitionSpec(state.axis))
-    rows = host[0][1].shape[0]
-    stacked = assemble((rows * parts, *shape[1:]), split, [r for _, r in host])
-    return c, _split_ids(state, given, [ids for ids, _ in host]), stacked
+    to = padded(host[0][1].shape[0])  # a few sizes: a new count compiles nothing
+    stacked = assemble((to * parts, *shape[1:]), split, [pad_rows(r, to) for _, r in host])
+    return c, _split_ids(state, given, [pad_ids(ids, to) for ids, _ in host]), stacked
 
 
 def _owners_alone(
@@ -852,10 +871,6 @@ def _global(state: KVState, shards: Sequence[Any]) -> jax.Array:
     return jax.make_array_from_single_device_arrays(shape, split, list(placed))
 
 
-def _padded_ids(ids: np.ndarray, n: int, fill: int) -> np.ndarray:
-    return np.concatenate([ids, np.full(n - ids.size, fill, np.int32)]).astype(np.int32)
-
-
 def _pull_across(
     state: KVState, key: Key, i: int, shape: tuple[int, ...], row_ids: Any, devices: Any
 ) -> Any:
@@ -878,18 +893,20 @@ def _pull_across(
     block = shape[0] // parts
     most = busiest(mine, block, parts) if sharded else 1
     n, most = _agreed(key, (max(x.size for x in mine), most))
-    n = max(n, 1)  # no ids anywhere: one padded id (XLA may place a zero-size result whole)
+    n = padded(max(n, 1))  # no ids anywhere: padded ids (XLA may place a zero-size result whole)
     if sharded and leaf is not None:
         fn = routed_take(state.mesh, state.axis, slots(most))
-        ids = _global(state, [_padded_ids(x, n, -1) for x in mine])
+        ids = _global(state, [pad_ids(x, n, -1) for x in mine])
         out = collective_order.ordered("pull_rows", fn, state.leaves[leaf], ids)
     elif leaf is not None:
         fn = per_device_take(state.mesh, state.axis, False)
-        padded = [_padded_ids(x, n, 0) for x in mine]
-        out = collective_order.ordered("pull_rows", fn, state.leaves[leaf], _global(state, padded))
+        zeros_past = [pad_ids(x, n, 0) for x in mine]
+        out = collective_order.ordered(
+            "pull_rows", fn, state.leaves[leaf], _global(state, zeros_past)
+        )
     else:  # in a bucket: read in place where its blocks are rows, else from its view
         split = NamedSharding(state.mesh, PartitionSpec(state.axis))
-        asked_all = _global(state, [_padded_ids(x, n, 0) for x in mine])
+        asked_all = _global(state, [pad_ids(x, n, 0) for x in mine])
         place = _in_bucket(state, i)
         if place is not None and place[2]:  # a split bucket
             b, off, _ = place
@@ -897,7 +914,7 @@ def _pull_across(
             out = collective_order.ordered("pull_rows", fn, state.leaves[b], asked_all)
         else:
             out = collective_order.ordered("pull_rows", bucket_take(key, split), state, asked_all)
-    rows = [x[: a.size] for x, a in zip(per_device(out), mine)]
+    rows = [cut(x, a.size) for x, a in zip(per_device(out), mine)]
     if per:
         targets = devices_of(devices) if devices is not None else tuple(local)
         return [_place(r, d) for r, d in zip(rows, targets)]
@@ -927,7 +944,7 @@ def _across_pairs(
     sharded = state.is_sharded(shape) and _own_leaf(state, state.index(key)) is not None
     most = busiest([x for x, _ in pairs], shape[0] // parts, parts) if sharded else 1
     n, most = _agreed(key, (max(x.size for x, _ in pairs), most))
-    return pairs, max(n, 1), most  # no rows anywhere: one padded row that selects nothing
+    return pairs, padded(max(n, 1)), most  # no rows anywhere: padded rows that select nothing
 
 
 def _push_across(
@@ -941,6 +958,7 @@ def _push_across(
     n_group: int | None,
     leaf: int | None,
     donate: bool,
+    extra: dict[str, Any],
 ) -> KVState:
     """``push_rows`` on a store across processes: this process's pairs, one per device of this
     process, summed with every other process's (``n`` ids per device and the busiest route
@@ -948,38 +966,32 @@ def _push_across(
     sharded = state.is_sharded(shape) and leaf is not None
     alone = sharded and (n_group is None or state.packings[n_group] is None)
     alone = alone and _owners_alone(state, key, shape, updater, n_group)
-    rows = [_pad_rows(r, n) for _, r in pairs]
+    rows = [pad_rows(r, n) for _, r in pairs]
     opt = None if n_group is None else state.group_states[n_group]
     if alone and leaf is not None:
         fn = routed_push(state.mesh, state.axis, key, updater, donate, slots(most), None)
-        padded = _global(state, [_padded_ids(x, n, -1) for x, _ in pairs])
+        sent = _global(state, [pad_ids(x, n, -1) for x, _ in pairs])
         value, opt = collective_order.ordered(
-            "push_rows", fn, state.leaves[leaf], opt, padded, _global(state, rows)
+            "push_rows", fn, state.leaves[leaf], opt, sent, _global(state, rows), extra
         )
         return _fl.with_leaves(state, {leaf: value}, {} if n_group is None else {n_group: opt})
-    stacked_ids = _global(state, [_padded_ids(x, n, -1) for x, _ in pairs])
+    stacked_ids = _global(state, [pad_ids(x, n, -1) for x, _ in pairs])
     stacked = _global(state, rows)
     if leaf is not None and (n_group is None or state.packings[n_group] is None):
         fn = own_push(state.mesh, state.axis, key, shape[0], sharded, updater, donate)
         value, opt = collective_order.ordered(
-            "push_rows", fn, state.leaves[leaf], opt, stacked_ids, stacked
+            "push_rows", fn, state.leaves[leaf], opt, stacked_ids, stacked, extra
         )
         return _fl.with_leaves(state, {leaf: value}, {} if n_group is None else {n_group: opt})
     i = state.index(key)
     place = _in_bucket(state, i)
     # A split bucket's rows written in place (every process's pairs gathered inside it).
     if place is not None and place[2] and _pushes_in_place(state, updater, n_group):
-        return _bucket_push(state, key, i, place, n_group, stacked_ids, stacked, updater, donate)
+        return _bucket_push(
+            state, key, i, place, n_group, stacked_ids, stacked, updater, donate, extra
+        )
     fn = state_push(key, shape[0], updater, donate)
-    return collective_order.ordered("push_rows", fn, state, stacked_ids, stacked)
-
-
-def _pad_rows(rows: Any, n: int) -> Any:
-    if rows.shape[0] == n:
-        return rows
-    device = next(iter(rows.devices()))
-    zeros = jax.device_put(np.zeros((n - rows.shape[0], *rows.shape[1:]), rows.dtype), device)
-    return jnp.concatenate([rows, zeros])
+    return collective_order.ordered("push_rows", fn, state, stacked_ids, stacked, extra)
 
 
 def _gathered(
@@ -993,6 +1005,7 @@ def _gathered(
     devices = state.devices
     placed = [next(iter(r.devices())) if len(r.devices()) == 1 else None for _, r in host]
     sizes = {r.shape[0] for _, r in host}
+    # Counts padded to a few sizes (ids -1, rows of zeros), so a new count compiles nothing.
     if (
         len(host) == len(devices) > 1
         and len(sizes) == 1
@@ -1000,15 +1013,17 @@ def _gathered(
         and all(r.dtype == host[0][1].dtype for _, r in host)
         and all(d.process_index == jax.process_index() for d in devices)
     ):
-        n = sizes.pop()
+        to = padded(sizes.pop())
         spec = NamedSharding(state.mesh, PartitionSpec(state.axis))
-        rows = assemble((n * len(devices), *host[0][1].shape[1:]), spec, [r for _, r in host])
-        return jax.device_put(ids, spec), rows
+        shards = [pad_rows(r, to) for _, r in host]
+        rows = assemble((to * len(devices), *host[0][1].shape[1:]), spec, shards)
+        return jax.device_put(np.concatenate([pad_ids(x, to) for x, _ in host]), spec), rows
+    to = padded(ids.size)
     if len(host) == 1:
-        rows = jax.device_put(host[0][1], replicated)
+        rows = pad_rows(jax.device_put(host[0][1], replicated), to)
     else:
-        rows = concat(tuple(jax.device_put([r for _, r in host], [replicated] * len(host))))
-    return jax.device_put(ids, replicated), rows
+        rows = concat_rows([r for _, r in host], replicated, to)
+    return jax.device_put(pad_ids(ids, to), replicated), rows
 
 
 def _push_traced(
@@ -1019,6 +1034,7 @@ def _push_traced(
     updater: Any,
     axis_name: Any,
     group: tuple[Key, ...] | None,
+    extra: dict[str, Any],
 ) -> KVState:
     """``push_rows`` inside the caller's trace (``jit``, ``pmap`` or ``shard_map``)."""
     dtype = _fl.stored_type(state, state.index(key)).dtype
@@ -1045,7 +1061,7 @@ def _push_traced(
                 ids = jax.lax.all_gather(ids, axis, tiled=True)
                 rows = jax.lax.all_gather(rows, axis, tiled=True)
     if block is None:
-        return push_whole(state, key, shape[0], ids, rows, updater)
+        return push_whole(state, key, shape[0], ids, rows, updater, extra)
     opt = None if group is None else state.opt_states[group]
     if isinstance(updater, optax.GradientTransformation) and opt is None:
         raise KVStoreError(
@@ -1054,5 +1070,5 @@ def _push_traced(
             f"[{key!r}]) before it"
         )
     where = Where(axis, block)
-    value, opt = update_rows(key, where, stored, opt, ids, rows, shape[0], updater)
+    value, opt = update_rows(key, where, stored, opt, ids, rows, shape[0], updater, extra)
     return state.replace({key: value}, None if group is None else {group: opt})

@@ -1,0 +1,268 @@
+"""An embedding table as MXNet users train it (issue 38): one device, a row-sparse table under a
+lazy optimizer whose learning rate follows a schedule, a different number of distinct rows at
+every step, dense keys beside it, save and load of the optimizer states.
+
+- a push of rows updates the table and its optimizer state in place (donated), never copied,
+  unless an out still holds the table (a dense pull lent it);
+- after warm-up, neither a new count of rows nor a new learning rate compiles anything, and the
+  values are lazy Adam's (a NumPy model of MXNet's kernel);
+- a resume gives MXNet 1.9.1's recorded numbers (``conformance/record_resume.py``), with and
+  without ``dump_optimizer``;
+- float16 rows under ``multi_precision=True`` update a float32 master copy, cast back;
+- an MXNet optimizer-state file (a pickle) is refused with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jaxkv
+import jaxkv.mx as mx
+
+RECORDED = json.loads(
+    (Path(__file__).parent.parent / "conformance/data/mxnet_resume.json").read_text()
+)
+R, W = 4096, 8
+
+
+@pytest.fixture
+def one(devices):
+    return devices[:1]
+
+
+def _store(one, sched=None, **kw):
+    kv = jaxkv.KVStore("device", devices=one)
+    kv.set_optimizer(mx.optimizer.Adam(lazy_update=True, lr_scheduler=sched, **kw))
+    return kv
+
+
+def _rows(rng, n):
+    ids = np.sort(rng.choice(R, n, replace=False))
+    return ids, rng.normal(size=(n, W)).astype(np.float32)
+
+
+def _push_pull(kv, ids, g, out):
+    kv.push("emb", mx.nd.sparse.row_sparse_array((g, ids), shape=(R, W)))
+    kv.row_sparse_pull("emb", out=out, row_ids=mx.nd.array(ids))
+
+
+def _table(kv):
+    """The stored table (read without handing out the store's state)."""
+    return kv._stored["emb"]  # noqa: SLF001 - the test looks at the buffer itself
+
+
+def test_a_push_of_rows_on_one_device_updates_the_table_in_place(one):
+    """The table and Adam's moments are donated to the push (the old buffers are gone), so a
+    step costs its rows; a table lent to a dense out is kept for that out, which keeps its
+    numbers."""
+    rng = np.random.default_rng(0)
+    kv = _store(one, learning_rate=0.1)
+    kv.init("emb", mx.nd.array(rng.normal(size=(R, W))))
+    out = mx.nd.sparse.zeros("row_sparse", (R, W))
+    _push_pull(kv, *_rows(rng, 40), out)  # the first push makes the optimizer state
+    for _ in range(3):
+        before = _table(kv)
+        moments = jax.tree_util.tree_leaves(kv._stored.group_states)  # noqa: SLF001
+        _push_pull(kv, *_rows(rng, 40), out)
+        jax.block_until_ready(out.data.asjax())
+        assert before.is_deleted()  # donated: the push wrote into it
+        assert all(m.is_deleted() for m in moments if m.size > 1)
+    dense = mx.nd.zeros((R, W))
+    kv.pull("emb", out=dense)  # lends the stored table to the out
+    held = dense.asnumpy()
+    lent = _table(kv)
+    _push_pull(kv, *_rows(rng, 40), out)
+    assert not lent.is_deleted()  # the out holds it: kept
+    np.testing.assert_array_equal(dense.asnumpy(), held)
+    dense[:] = 0  # the out lets go of it: the next push donates again
+    before = _table(kv)
+    _push_pull(kv, *_rows(rng, 40), out)
+    assert before.is_deleted()
+
+
+def _lazy_adam_model(table, steps, lrs, wd, beta1=0.9, beta2=0.999, eps=1e-8):
+    """MXNet's lazy Adam on the rows of each step (float64 bias correction on the host, the
+    kernel in float32): the table after ``steps`` of ``(ids, g)`` at base rates ``lrs``."""
+    w = table.astype(np.float32).copy()
+    m, v = np.zeros_like(w), np.zeros_like(w)
+    f = np.float32
+    b1, b2, one = f(beta1), f(beta2), f(1)
+    for t, ((ids, g), lr) in enumerate(zip(steps, lrs), start=1):
+        lr_t = f(lr * (math.sqrt(1 - beta2**t) / (1 - beta1**t)))
+        gw = g + w[ids] * f(wd)
+        m[ids] = b1 * m[ids] + (one - b1) * gw
+        v[ids] = b2 * v[ids] + ((one - b2) * gw) * gw
+        w[ids] = w[ids] - (lr_t * m[ids]) / (np.sqrt(v[ids]) + f(eps))
+    return w
+
+
+def test_varying_counts_and_a_schedule_compile_nothing_after_warm_up(one, compiles):
+    """1-device loop of MXNet code: a warm-up cosine schedule (a new learning rate at every
+    step), between 129 and 143 distinct rows a step (one padded size), a dense key pushed
+    beside the table with a priority: from the third step on nothing compiles, and the table
+    is lazy Adam's."""
+    rng = np.random.default_rng(1)
+    sched = mx.lr_scheduler.CosineScheduler(
+        max_update=40, base_lr=0.05, final_lr=0.001, warmup_steps=3, warmup_begin_lr=0.01
+    )
+    kv = _store(one, sched, learning_rate=None, wd=1e-3)
+    start = rng.normal(size=(R, W)).astype(np.float32)
+    kv.init("emb", mx.nd.array(start).tostype("row_sparse"))
+    kv.init("bias", mx.nd.zeros((W,)))
+    out = mx.nd.sparse.zeros("row_sparse", (R, W))
+    bias = mx.nd.zeros((W,))
+    steps, lrs, counted = [], [], []
+    for step in range(10):
+        n = [130, 141, 129, 137, 143, 133, 139, 131, 135, 142][step]
+        ids, g = _rows(rng, n)
+        steps.append((ids, g))
+        with compiles() as c:
+            kv.push("bias", mx.nd.ones((W,)), priority=-1)
+            _push_pull(kv, ids, g, out)
+            kv.pull("bias", out=bias, priority=-1)
+            np.testing.assert_array_equal(out.indices.asnumpy(), ids)
+            bias.asnumpy()
+        lrs.append(sched(step + 1))
+        counted.append(c.count)
+    assert counted[2:] == [0] * 8, counted
+    want = _lazy_adam_model(start, steps, lrs, wd=1e-3)
+    got = kv.pull("emb")
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6, atol=2e-7)
+    ids = steps[-1][0]
+    np.testing.assert_allclose(out.data.asnumpy(), want[ids], rtol=2e-6, atol=2e-7)
+
+
+def _resume_store(one):
+    kv = jaxkv.KVStore("device", devices=one)
+    sched = mx.lr_scheduler.CosineScheduler(
+        max_update=20, base_lr=0.1, final_lr=0.01, warmup_steps=2, warmup_begin_lr=0.02
+    )
+    kv.set_optimizer(
+        mx.optimizer.Adam(learning_rate=None, lazy_update=True, lr_scheduler=sched, wd=0.01)
+    )
+    kv.init("e", mx.nd.ones((6, 2)).tostype("row_sparse"))
+    kv.init("d", mx.nd.ones((6, 2)))
+    return kv
+
+
+def _resume_push(kv, g, dense_only=False):
+    ids = np.array(RECORDED["ids"])
+    if not dense_only:
+        kv.push("e", mx.nd.sparse.row_sparse_array((g[ids], ids), shape=(6, 2)))
+    kv.push("d", mx.nd.array(g))
+
+
+@pytest.mark.parametrize("dump", [False, True])
+def test_a_resume_gives_mxnets_recorded_numbers(one, tmp_path, dump):
+    """Saved after 3 steps, loaded into a new store with a new optimizer, 2 more steps: MXNet
+    1.9.1's numbers bit for bit. Without dump_optimizer MXNet keeps no counts (both keys count
+    from 0 again, as jaxkv's row key once did not); with it, the counts, num_update and the
+    schedule come back."""
+    grads = [np.array(g, np.float32) for g in RECORDED["gradients"]]
+    want = RECORDED["runs"][str(int(dump))]
+    kv = _resume_store(one)
+    for s in range(3):
+        _resume_push(kv, grads[s])
+    fname = str(tmp_path / "states")
+    kv.save_optimizer_states(fname, dump_optimizer=dump)
+    kv = _resume_store(one)
+    kv.load_optimizer_states(fname)
+    _resume_push(kv, grads[3])
+    e, d = mx.nd.zeros((6, 2)), mx.nd.zeros((6, 2))
+    kv.pull("e", out=e, ignore_sparse=False)
+    kv.pull("d", out=d)
+    _resume_push(kv, grads[4], dense_only=True)
+    d2 = mx.nd.zeros((6, 2))
+    kv.pull("d", out=d2)
+    np.testing.assert_array_equal(e.asnumpy(), np.array(want["e"], np.float32))
+    np.testing.assert_array_equal(d.asnumpy(), np.array(want["d"], np.float32))
+    np.testing.assert_array_equal(d2.asnumpy(), np.array(want["d2"], np.float32))
+    assert kv._mxnet_optimizer.num_update == want["num_update"]  # noqa: SLF001
+
+
+def test_a_whole_store_resume_keeps_the_counts(one, tmp_path):
+    """kv.save / kv.load under an MXNet optimizer: the next step is the uninterrupted run's."""
+    grads = [np.array(g, np.float32) for g in RECORDED["gradients"]]
+    whole = _resume_store(one)
+    for s in range(4):
+        _resume_push(whole, grads[s])
+    kv = _resume_store(one)
+    for s in range(3):
+        _resume_push(kv, grads[s])
+    kv.save(str(tmp_path / "store"))
+    kv = _resume_store(one)
+    kv.load(str(tmp_path / "store"))
+    _resume_push(kv, grads[3])
+    for k in "ed":
+        np.testing.assert_array_equal(np.asarray(kv.pull(k)), np.asarray(whole.pull(k)))
+
+
+def test_a_dumped_optimizer_of_another_kind_is_refused_before_anything_changes(one, tmp_path):
+    kv = _resume_store(one)
+    _resume_push(kv, np.ones((6, 2), np.float32))
+    fname = str(tmp_path / "states")
+    kv.save_optimizer_states(fname, dump_optimizer=True)
+    other = jaxkv.KVStore("device", devices=one)
+    other.set_optimizer(mx.optimizer.SGD(learning_rate=0.1))
+    other.init("e", mx.nd.ones((6, 2)))
+    other.init("d", mx.nd.ones((6, 2)))
+    with pytest.raises(jaxkv.KVStoreError, match=r"saved optimizer is Adam, expected .* SGD"):
+        other.load_optimizer_states(fname)
+    other.push("d", mx.nd.ones((6, 2)))
+    np.testing.assert_allclose(np.asarray(other.pull("d")), np.full((6, 2), 0.9), rtol=1e-6)
+    optax_store = jaxkv.KVStore("device", devices=one)
+    import optax
+
+    optax_store.set_optimizer(optax.sgd(0.1))
+    optax_store.init("w", mx.nd.ones((2,)))
+    with pytest.raises(jaxkv.KVStoreError, match="optax transformation, which is code"):
+        optax_store.save_optimizer_states(fname, dump_optimizer=True)
+
+
+def test_an_mxnet_states_file_is_refused_with_what_to_do(one, tmp_path):
+    """MXNet's save_optimizer_states writes a pickle: never read, and the message says so
+    (not numpy's allow_pickle hint)."""
+    fname = tmp_path / "mxnet.states"
+    fname.write_bytes(pickle.dumps({0: (np.zeros(3), np.zeros(3))}, protocol=2))
+    kv = _resume_store(one)
+    with pytest.raises(jaxkv.KVStoreError, match="Python pickle") as err:
+        kv.load_optimizer_states(str(fname))
+    assert "allow_pickle" not in str(err.value)
+    assert "dump_optimizer=True" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "name, kw",
+    [("test", {}), ("sgd", {"momentum": 0.9}), ("adam", {}), ("nag", {"momentum": 0.9})],
+)
+def test_float16_rows_under_multi_precision_update_a_float32_master_copy(one, name, kw):
+    """A float16 row-sparse table under multi_precision=True: the update runs on a float32
+    copy and is cast back, so with numbers float16 holds exactly it gives a float32 table's
+    numbers cast to float16 (MXNet's local store loses this update: the rows stay as they
+    were)."""
+    rows = np.array([0, 2])
+    g = (np.arange(6, dtype=np.float32).reshape(2, 3) + 1) / 8
+
+    def run(dtype, mp):
+        kv = jaxkv.KVStore("local", devices=one)
+        opt = mx.optimizer.create(name, rescale_grad=2, multi_precision=mp, **kw)
+        kv.set_optimizer(opt)
+        kv.init("10", mx.nd.ones((4, 3), dtype=dtype).tostype("row_sparse"))
+        for _ in range(3):
+            kv.push("10", mx.nd.sparse.row_sparse_array((g.astype(dtype), rows), shape=(4, 3)))
+        out = mx.nd.sparse.zeros("row_sparse", (4, 3), dtype=dtype)
+        kv.row_sparse_pull("10", out=out, row_ids=mx.nd.array([0, 1, 2, 3]))
+        return out.asnumpy()
+
+    half = run("float16", True)
+    assert half.dtype == np.float16
+    np.testing.assert_array_equal(half, run("float32", False).astype(np.float16))
+    if name == "test":  # weight += rescale_grad * g, three times
+        np.testing.assert_array_equal(half[rows], (1 + 6 * g).astype(np.float16))
