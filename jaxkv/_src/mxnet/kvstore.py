@@ -437,7 +437,9 @@ class KVStore:
                         sorted({k for k, _ in pulls if state.splits(self._held_shape(k, held))})
                         for pulls in held.pulls
                     ]
-                    _queue.agree(held, gathered)
+                    # (pulls alone of values each process holds whole make no collective)
+                    if held.inits or held.pushes or any(gathered):
+                        _queue.agree(held, gathered)
                 if held.inits:  # in key order: the same in every process
                     keys = sorted(held.inits)
                     self._init_now(keys, [held.inits[k] for k in keys])
@@ -1014,7 +1016,8 @@ class KVStore:
         if opt is not None:  # MXNet's bookkeeping, in key order; the rows' kernels then
             keys = sorted(grouped)  # compile in what the key's update reads (its inputs)
             table = opt.next_update(keys)
-            if spans_processes(self._state.devices):  # not held: agreed here
+            if dense and spans_processes(self._state.devices):  # not held: agreed here
+                # (a push of rows alone agrees its numbers with its sizes: see rows.ops)
                 _queue.agree_numbers(keys, table)
             lazy = opt.lazy_update
             # The kernel's numbers (learning rate, bias correction...) are arguments of the
@@ -1050,13 +1053,8 @@ class KVStore:
                 updater=self._updater,
                 donate=donate,
             )
-        if (
-            sparse == list(grouped)
-            and len(sparse) == 1
-            and lazy
-            and self._mxnet_optimizer is not None
-            and not spans_processes(state.devices)
-        ):
+        opt_set = self._mxnet_optimizer is not None
+        if sparse == list(grouped) and len(sparse) == 1 and lazy and opt_set:
             # Held until the next call (checked now): a row_sparse_pull of the key then runs
             # with it in one computation, as a training loop's push and pull of rows do.
             k = sparse[0]

@@ -190,13 +190,32 @@ def pushpull_into(
     """A held push, then what each row-sparse out receives for its distinct ids ``asked`` (see
     :func:`wanted`), as :func:`pull_into` gives it: in one computation where the outs are the
     store's devices, one each, asking as many rows each (the pushed values one per device of
-    the store); else the push, then the pull."""
+    the store), a store of one device too; else the push, then the pull."""
     devices = [o.jax_device() for o in outs]
+    if _rows.spans_processes(state):
+        # Across processes: this process's outs, one on each of its devices, pulled in the
+        # same agreement as the push (one host all-gather for both).
+        local = [d for d in state.devices if d.process_index == jax.process_index()]
+        if devices != local[: len(devices)] or len(set(devices)) != len(devices):
+            state = run_held(state, push)
+            return state, pull_into(state, push.key, outs, asked)
+        placed = jax.device_put(asked, devices)
+        state, rows = _rows.pushpull_checked(
+            state,
+            push.key,
+            (push.row_ids, push.rows, push.ids),
+            (placed, asked),
+            push.updater,
+            push.donate,
+            push.extra,
+        )
+        return state, list(zip(outs, rows, placed))
     if (
         tuple(devices) != state.devices
         or len(push.rows) != len(devices)
         or len({x.size for x in asked}) != 1
         or len(outs) < 2
+        and len(state.devices) > 1
     ):
         state = run_held(state, push)
         return state, pull_into(state, push.key, outs, asked)

@@ -399,9 +399,9 @@ class SGLD(Optimizer):
         return reaching(w, r(moved + noise), z), ()
 
     def _build(
-        self, row_sparse: bool, inputs: tuple[float, ...]
+        self, row_sparse: bool, inputs: tuple[float, ...], master_hint: bool = False
     ) -> optax.GradientTransformationExtraArgs:
-        inner = super()._build(row_sparse, inputs)
+        inner = super()._build(row_sparse, inputs, master_hint)
 
         def update(updates: Any, state: Any, params: Any = None, **kwargs: Any) -> Any:
             token = _LEAF.set(0)  # the tree's parameters counted from 0 in this update

@@ -103,6 +103,23 @@ class Where:
         return put(x, ids, rows, self.lo())
 
 
+class _Sorted(Where):
+    """``Where`` for a whole table whose ids are sorted and distinct (those past the table,
+    padding, read zeros and are dropped)."""
+
+    def take(self, x: Any, ids: Any) -> Any:
+        return jnp.take(
+            x, ids, axis=0, mode="fill", fill_value=0, indices_are_sorted=True, unique_indices=True
+        )
+
+    take_own = take
+
+    def put(self, x: Any, ids: Any, rows: Any) -> Any:
+        return x.at[ids].set(
+            rows.astype(x.dtype), mode="drop", indices_are_sorted=True, unique_indices=True
+        )
+
+
 def update_rows(
     key: Key,
     where: Where,
@@ -113,10 +130,26 @@ def update_rows(
     n_rows: int,
     updater: Any,
     extra: Any = None,
+    distinct: bool = False,
 ) -> tuple[Any, Any]:
     """The new stored value (or block) and optimizer state after a push of ``rows`` at ``ids``
     (the whole push: the same on every device); ``extra``: an optax updater's extra arguments
-    (``update(..., **extra)``: an MXNet optimizer's scalars), arguments of the computation."""
+    (``update(..., **extra)``: an MXNet optimizer's scalars), arguments of the computation;
+    ``distinct``: the valid ids are known to be distinct (the host checked them), so nothing
+    is summed (ids outside ``[0, n_rows)``, the padding, still update nothing)."""
+    if distinct:
+        valid = (ids >= 0) & (ids < n_rows)
+        if type(where) is Where and where.axis is None and n_rows + ids.shape[0] < 2**31:
+            # Sorted distinct ids, the padding after them made distinct past the table:
+            # XLA's gather and scatter told so run faster (0.52 against 0.77 ms, lazy Adam
+            # on 1,280 rows of 64 on one CPU core).
+            unique = jnp.where(valid, ids, n_rows + jnp.arange(ids.shape[0], dtype=ids.dtype))
+            where = _Sorted()
+        else:
+            unique = jnp.where(valid, ids, n_rows)
+        with jax.named_scope(UPDATER):
+            summed = rows.astype(stored.dtype)
+            return _updated(key, where, stored, opt_state, unique, summed, updater, extra)
     with jax.named_scope(SUM):
         unique, summed = dedupe(ids, rows.astype(stored.dtype), n_rows)
     with jax.named_scope(UPDATER):
@@ -503,16 +536,29 @@ def routed_push(
 
 @functools.lru_cache(maxsize=256)
 def own_push(
-    mesh: Any, axis: str, key: Key, n_rows: int, sharded: bool, updater: Any, donate: bool
+    mesh: Any,
+    axis: str,
+    key: Key,
+    n_rows: int,
+    sharded: bool,
+    updater: Any,
+    donate: bool,
+    distinct: bool = False,
+    back: bool = False,
 ) -> Any:
     """The eager push of rows into a key kept as an array of its own: ``(table, opt_state,
     ids, rows, extra) -> (table, opt_state)``, in a ``shard_map`` over the store's mesh for a
-    sharded table (its optimizer state's per-parameter leaves sharded like it)."""
+    sharded table (its optimizer state's per-parameter leaves sharded like it). ``distinct``:
+    see :func:`update_rows`. ``back`` (a table kept whole): one more argument, ids to pull,
+    and their rows after the push as a third result."""
     donated = (0, 1) if donate else ()
     if not sharded:
 
-        def whole(table: Any, opt: Any, ids: Any, rows: Any, extra: Any) -> Any:
-            return update_rows(key, Where(), table, opt, ids, rows, n_rows, updater, extra)
+        def whole(table: Any, opt: Any, ids: Any, rows: Any, extra: Any, *pull: Any) -> Any:
+            table, opt = update_rows(
+                key, Where(), table, opt, ids, rows, n_rows, updater, extra, distinct
+            )
+            return (table, opt, take(table, pull[0])) if back else (table, opt)
 
         return jax.jit(whole, donate_argnums=donated)
 

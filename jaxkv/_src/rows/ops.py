@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -35,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxkv._src.core.collectives import axis_names, psum_scatter, unsummed_axes
 from jaxkv._src.core.on_buckets import abstract as _abstract
@@ -649,7 +651,11 @@ def _push(
             host = _host_pairs(key, shape, dtype, pairs)
     across = None
     if spans_processes(state):  # agreed before anything runs (init_opt_states may compute)
-        across = _across_pairs(state, key, shape, host)
+        # A pull of one id array per device of this process, fused: agreed with the push.
+        fused = None
+        if pull is not None and pull is not _SAME and len(pull[1]) <= len(_local_devices(state)):
+            fused = _asked_here(state, list(pull[1]))
+        across = _across_pairs(state, key, shape, host, extra, fused)
     if optax_push and state.opt_group(key) is None:
         from jaxkv._src.core.eager import init_opt_states
 
@@ -657,7 +663,13 @@ def _push(
     leaf = _own_leaf(state, i)
     n: int | None = None if group is None else state.groups.index(group)
     if across is not None:
-        return _push_across(state, key, shape, *across, updater, n, leaf, donate, extra), None
+        pairs_here, m, most, pull_sizes = across
+        new = _push_across(state, key, shape, pairs_here, m, most, updater, n, leaf, donate, extra)
+        if pull_sizes is None:
+            return new, None
+        mine = _asked_here(state, list(pull[1]))
+        rows = _pull_agreed(new, key, i, shape, mine, *pull_sizes)
+        return new, rows[: len(pull[1])]
     if leaf is not None and (n is None or state.packings[n] is None):
         routed = _routed(state, key, shape, host, updater, n, [ids for ids, _ in pairs])
         if routed is not None:
@@ -685,16 +697,36 @@ def _push(
     if place is not None and _pushes_in_place(state, updater, n):
         return _bucket_push(state, key, i, place, n, ids, rows, updater, donate, extra), None
     if leaf is not None and (n is None or state.packings[n] is None):
+        sharded = state.is_sharded(shape)
+        # One pair of sorted distinct ids (as a row-sparse value holds them): nothing to sum.
+        distinct = len(host) == 1 and _sorted_distinct(host[0][0])
+        # A pull from the one device of a store of one, in the same computation.
+        back = (
+            not sharded
+            and len(state.devices) == 1
+            and pull is not None
+            and pull is not _SAME
+            and len(pull[1]) == 1
+        )
         fn = own_push(
-            state.mesh, state.axis, key, shape[0], state.is_sharded(shape), updater, donate
+            state.mesh, state.axis, key, shape[0], sharded, updater, donate, distinct, back
         )
         opt = None if n is None else state.group_states[n]
-        value, opt = collective_order.ordered(
-            "push_rows", fn, state.leaves[leaf], opt, ids, rows, extra
-        )
-        return _fl.with_leaves(state, {leaf: value}, {} if n is None else {n: opt}), None
+        args = [state.leaves[leaf], opt, ids, rows, extra]
+        if back:
+            asked = pull[1][0]
+            replicated = NamedSharding(state.mesh, PartitionSpec())
+            args.append(jax.device_put(pad_ids(asked, padded(asked.size)), replicated))
+        out = collective_order.ordered("push_rows", fn, *args)
+        new = _fl.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]})
+        return new, [cut(out[2], pull[1][0].size)] if back else None
     fn = state_push(key, shape[0], updater, donate)
     return collective_order.ordered("push_rows", fn, state, ids, rows, extra), None
+
+
+def _sorted_distinct(ids: np.ndarray) -> bool:
+    """Whether the (checked) host ids are sorted and distinct."""
+    return ids.size < 2 or bool(np.all(ids[1:] > ids[:-1]))
 
 
 def _host_pairs(
@@ -829,12 +861,20 @@ def _local_devices(state: KVState) -> list[jax.Device]:
     return [d for d in state.devices if d.process_index == me]
 
 
-def _agreed(key: Key, values: tuple[int, int], refused: bool = False) -> tuple[int, int]:
-    """The largest of each value over every process: one host all-gather, the one collective
-    every process makes for a row operation before any computation, after checking its own
-    arguments. Where a process refused them (``refused``: it raises its own error after this),
-    every other process raises too, and nothing changes anywhere."""
-    sent = np.array([int(refused), *values], np.int64)
+_AGREED = 4  # sizes a row operation agrees on: a push's ids and route, a fused pull's
+
+
+def _agreed(
+    key: Key, values: tuple[int, ...], refused: bool = False, extra: dict | None = None
+) -> tuple[int, ...]:
+    """The largest of each value (at most ``_AGREED``) over every process: one host all-gather
+    of a fixed size, the one collective every process makes for a row operation before any
+    computation, after checking its own arguments. Where a process refused them (``refused``:
+    it raises its own error after this), every other process raises too, and nothing changes
+    anywhere. ``extra`` (an updater's extra arguments: an MXNet optimizer's numbers) must be
+    the same in every process, else every process raises, naming each one's."""
+    digest = _digest(extra)
+    sent = np.array([int(refused), *values, *[0] * (_AGREED - len(values)), *digest], np.int64)
     got = host_collectives.all_gather(sent, "sizes of a row operation")
     refusing = np.flatnonzero(got[:, 0]).tolist()
     if refused:
@@ -845,7 +885,40 @@ def _agreed(key: Key, values: tuple[int, int], refused: bool = False) -> tuple[i
             "error says why; each process checks its own ids and rows); nothing changed on any "
             "process"
         )
-    return int(got[:, 1].max()), int(got[:, 2].max())
+    if not (got[:, 1 + _AGREED :] == got[0, 1 + _AGREED :]).all():
+        _extra_differs(key, extra)
+    return tuple(int(got[:, 1 + j].max()) for j in range(len(values)))
+
+
+def _digest(extra: dict | None) -> np.ndarray:
+    """Four int64s of the SHA-256 of ``extra``'s names and bytes (zeros for none)."""
+    if not extra:
+        return np.zeros(4, np.int64)
+    h = hashlib.sha256()
+    for name in sorted(extra):
+        x = np.ascontiguousarray(np.asarray(extra[name]))
+        h.update(f"{name}:{x.dtype}:{x.shape}:".encode())
+        h.update(x.tobytes())
+    return np.frombuffer(h.digest(), np.int64).copy()
+
+
+def _extra_differs(key: Key, extra: dict | None) -> None:
+    """Every process's ``extra``, gathered to name them (every process calls it): raises."""
+    mine = json.dumps(
+        {n: np.asarray(v).tolist() for n, v in sorted((extra or {}).items())}
+    ).encode()
+    sizes = host_collectives.all_gather(np.array([len(mine)], np.int64), "sizes of the numbers")
+    padded_text = np.zeros(int(sizes.max()), np.uint8)
+    padded_text[: len(mine)] = np.frombuffer(mine, np.uint8)
+    texts = host_collectives.all_gather(padded_text, "the numbers of a row push")
+    per = "; ".join(
+        f"process {p}: {bytes(row[: int(n)]).decode()}"
+        for p, (row, n) in enumerate(zip(texts, sizes[:, 0]))
+    )
+    raise KVStoreError(
+        f"key {key!r}: expected every process to push with the same numbers (an MXNet "
+        f"optimizer's learning rate, ...), given {per}; nothing changed on any process"
+    )
 
 
 @contextlib.contextmanager
@@ -877,7 +950,6 @@ def _pull_across(
     """``pull_rows`` on a store across processes: this process's ids (one array, asked by its
     first device, or one per device of this process) and its rows, on its devices."""
     local = _local_devices(state)
-    leaf = _own_leaf(state, i)
     per = _per_device(row_ids)
     with checking(state, key):
         given = ids_on_host(list(row_ids) if per else [row_ids])
@@ -887,12 +959,40 @@ def _pull_across(
                 f"key {key!r}: expected one row_ids per device of this process ({len(local)}), "
                 f"given {len(asked)} row_ids"
             )
-    mine = asked + [np.zeros(0, np.int32)] * (len(local) - len(asked))
+    mine = _asked_here(state, asked)
+    n, most = _agreed(key, (max(x.size for x in mine), _pull_route(state, i, shape, mine)))
+    rows = _pull_agreed(state, key, i, shape, mine, n, most)
+    if per:
+        targets = devices_of(devices) if devices is not None else tuple(local)
+        return [_place(r, d) for r, d in zip(rows, targets)]
+    return replicate([rows[0]], devices_of(devices) if devices is not None else tuple(local))[0]
+
+
+def _asked_here(state: KVState, asked: list[np.ndarray]) -> list[np.ndarray]:
+    """Checked ids asked of the first devices of this process, as one array per device of it."""
+    return asked + [np.zeros(0, np.int32)] * (len(_local_devices(state)) - len(asked))
+
+
+def _pull_route(state: KVState, i: int, shape: tuple[int, ...], mine: list[np.ndarray]) -> int:
+    """The busiest route of a pull of ``mine`` from a sharded table (1 for any other)."""
     parts = len(state.devices)
+    sharded = state.is_sharded(shape) and _own_leaf(state, i) is not None
+    return busiest(mine, shape[0] // parts, parts) if sharded else 1
+
+
+def _pull_agreed(
+    state: KVState,
+    key: Key,
+    i: int,
+    shape: tuple[int, ...],
+    mine: list[np.ndarray],
+    n: int,
+    most: int,
+) -> list[jax.Array]:
+    """Each device of this process's rows for its ids ``mine``, once the largest count ``n``
+    and busiest route ``most`` of every process are agreed (:func:`_agreed`)."""
+    leaf = _own_leaf(state, i)
     sharded = state.is_sharded(shape) and leaf is not None
-    block = shape[0] // parts
-    most = busiest(mine, block, parts) if sharded else 1
-    n, most = _agreed(key, (max(x.size for x in mine), most))
     n = padded(max(n, 1))  # no ids anywhere: padded ids (XLA may place a zero-size result whole)
     if sharded and leaf is not None:
         fn = routed_take(state.mesh, state.axis, slots(most))
@@ -914,19 +1014,22 @@ def _pull_across(
             out = collective_order.ordered("pull_rows", fn, state.leaves[b], asked_all)
         else:
             out = collective_order.ordered("pull_rows", bucket_take(key, split), state, asked_all)
-    rows = [cut(x, a.size) for x, a in zip(per_device(out), mine)]
-    if per:
-        targets = devices_of(devices) if devices is not None else tuple(local)
-        return [_place(r, d) for r, d in zip(rows, targets)]
-    return replicate([rows[0]], devices_of(devices) if devices is not None else tuple(local))[0]
+    return [cut(x, a.size) for x, a in zip(per_device(out), mine)]
 
 
 def _across_pairs(
-    state: KVState, key: Key, shape: tuple[int, ...], host: list[tuple[np.ndarray, Any]]
-) -> tuple[list[tuple[np.ndarray, Any]], int, int]:
+    state: KVState,
+    key: Key,
+    shape: tuple[int, ...],
+    host: list[tuple[np.ndarray, Any]],
+    extra: dict | None = None,
+    pull: list[np.ndarray] | None = None,
+) -> tuple[list[tuple[np.ndarray, Any]], int, int, tuple[int, int] | None]:
     """This process's checked pairs as one pair per device of this process (all of them from
     its first device, if not already so), with the largest count of ids of any device of any
-    process and the busiest route of a sharded table, agreed (:func:`_agreed`)."""
+    process and the busiest route of a sharded table, agreed (:func:`_agreed`, with the
+    updater's ``extra`` arguments), and, for the pull fused with it (``pull``: this process's
+    checked ids, one per device of it), its count and route, agreed in the same all-gather."""
     local = _local_devices(state)
     placed = [next(iter(r.devices())) if len(r.devices()) == 1 else None for _, r in host]
     dtype = _fl.stored_type(state, state.index(key)).dtype
@@ -934,8 +1037,8 @@ def _across_pairs(
         pairs = [(ids, r.astype(dtype)) for ids, r in host]
     else:
         ids = np.concatenate([x for x, _ in host])
-        moved = jax.device_put([r.astype(dtype) for _, r in host], [local[0]] * len(host))
-        rows = jnp.concatenate(moved) if len(moved) > 1 else moved[0]
+        here = SingleDeviceSharding(local[0])
+        rows = concat_rows([r for _, r in host], here, ids.size).astype(dtype)
         pairs = [(ids, rows)] + [
             (np.zeros(0, np.int32), jax.device_put(np.zeros((0, *shape[1:]), dtype), d))
             for d in local[1:]
@@ -943,8 +1046,14 @@ def _across_pairs(
     parts = len(state.devices)
     sharded = state.is_sharded(shape) and _own_leaf(state, state.index(key)) is not None
     most = busiest([x for x, _ in pairs], shape[0] // parts, parts) if sharded else 1
-    n, most = _agreed(key, (max(x.size for x, _ in pairs), most))
-    return pairs, padded(max(n, 1)), most  # no rows anywhere: padded rows that select nothing
+    sizes = (max(x.size for x, _ in pairs), most)
+    if pull is not None:
+        i = state.index(key)
+        sizes += (max(x.size for x in pull), _pull_route(state, i, shape, pull))
+    agreed = _agreed(key, sizes, extra=extra)
+    pulled = None if pull is None else (agreed[2], agreed[3])
+    # no rows anywhere: padded rows that select nothing
+    return pairs, padded(max(agreed[0], 1)), agreed[1], pulled
 
 
 def _push_across(

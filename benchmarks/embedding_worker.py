@@ -1,0 +1,112 @@
+"""The embedding loop of an MXNet recommendation model (issue 38), written once against an
+``mx`` module: jaxkv's drop-in (``jaxkv.mx``) or Apache MXNet 1.9.1's own.
+
+A ``row_sparse`` table of R x 64 float32 (random rows: MXNet's lazy Adam needs every row
+stored) and a dense 256 x 64 key beside it, ``Adam(lazy_update=True)`` under a
+``CosineScheduler`` with warm-up (a new learning rate at every step), and at every step a
+batch of 1,200-1,300 distinct rows (a different count each step): the dense key pushed with a
+priority, the table's row-sparse gradient pushed, its rows pulled back with
+``row_sparse_pull``, the dense key pulled. A ``device`` store in one process (its one device),
+or ``dist_sync`` (each process one device; MXNet: workers and servers).
+
+    python embedding_worker.py jaxkv|mxnet device|dist_sync [--rows R] [--steps S]
+
+Prints ``embedding <name> kind=<kind> rank=<r> first_ms=<x> median_ms=<x> compiles=<n>
+rows_sum=<x>``: the first step (start-up: compiles), the median of the steps after the 10
+warm-up steps, the compiles after warm-up (jaxkv; -1 for MXNet), and a checksum of the last
+step's pulled rows (float64 sum), which both libraries must agree on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+import numpy as np
+
+WIDTH, DENSE = 64, (256, 64)
+WARM = 10
+LOW, HIGH = 1200, 1300
+
+
+class _Compiles(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "Compiling" in record.getMessage():
+            self.count += 1
+
+
+def run(mx, name: str, kind: str, rows: int, steps: int) -> None:
+    counter = None
+    if name == "jaxkv":
+        import jax
+
+        counter = _Compiles()
+        logger = logging.getLogger("jax")
+        logger.addHandler(counter)
+        logger.propagate = False  # counted, not printed
+        jax.config.update("jax_log_compiles", True)
+    kv = mx.kv.create(kind)
+    rank = kv.rank
+    sched = mx.lr_scheduler.CosineScheduler(
+        max_update=1000, base_lr=0.01, final_lr=1e-4, warmup_steps=5, warmup_begin_lr=1e-3
+    )
+    kv.set_optimizer(mx.optimizer.Adam(learning_rate=None, lazy_update=True, lr_scheduler=sched))
+    start = np.random.default_rng(1234).normal(size=(rows, WIDTH)).astype(np.float32)
+    kv.init("emb", mx.nd.array(start).tostype("row_sparse"))
+    kv.init("dense", mx.nd.zeros(DENSE))
+    del start
+    rng = np.random.default_rng(rank)
+    out = mx.nd.sparse.zeros("row_sparse", (rows, WIDTH))
+    dense_out = mx.nd.zeros(DENSE)
+    dense_grad = mx.nd.ones(DENSE) * 0.01
+    times, compiled_before = [], 0
+    for step in range(steps):
+        n = int(rng.integers(LOW, HIGH + 1))
+        ids = np.sort(rng.choice(rows, n, replace=False))
+        grad = rng.normal(size=(n, WIDTH)).astype(np.float32) / 100
+        if step == WARM and counter is not None:
+            compiled_before = counter.count
+        t = time.perf_counter()
+        g = mx.nd.sparse.row_sparse_array((grad, ids), shape=(rows, WIDTH))
+        kv.push("dense", dense_grad, priority=-1)
+        kv.push("emb", g, priority=0)
+        kv.row_sparse_pull("emb", out=out, row_ids=mx.nd.array(ids))
+        kv.pull("dense", out=dense_out, priority=-1)
+        out.data.wait_to_read()
+        dense_out.wait_to_read()
+        times.append(time.perf_counter() - t)
+    got = out.data.asnumpy().astype(np.float64)
+    compiles = -1 if counter is None else counter.count - compiled_before
+    print(
+        f"embedding {name} kind={kind} rank={rank} first_ms={times[0] * 1e3:.1f} "
+        f"median_ms={np.median(times[WARM:]) * 1e3:.3f} compiles={compiles} "
+        f"rows_sum={float(got.sum()):.9g}",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("name", choices=["jaxkv", "mxnet"])
+    parser.add_argument("kind", choices=["device", "dist_sync"])
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args()
+    if args.name == "mxnet":
+        import mxnet as mx  # a scheduler or server runs its role here, then exits
+    else:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        import jaxkv.mx as mx
+    run(mx, args.name, args.kind, args.rows, args.steps)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
