@@ -496,7 +496,7 @@ def array(
     if isinstance(source, NDArray | jax.Array):
         wanted = np.dtype(dtype or source.dtype)
         held = held_dtype(wanted)
-        data = jnp.asarray(unwrap(source), dtype=held)
+        data: jax.Array | np.ndarray = jnp.asarray(unwrap(source), dtype=held)
     else:
         wanted = np.dtype(dtype or _DEFAULT_DTYPE)
         held = held_dtype(wanted)

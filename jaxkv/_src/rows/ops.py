@@ -69,7 +69,7 @@ from jaxkv._src.rows.kernels import (
     take,
     update_rows,
 )
-from jaxkv._src.rows.sizes import concat_rows, cut, pad_ids, pad_rows, padded, slots
+from jaxkv._src.rows.sizes import concat_rows, cut, pad_ids, pad_rows, padded, route, slots
 from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.kvstate import Key, KVState, normalize_key
 from jaxkv._src.state.kvstate import spans_processes as _state_spans_processes
@@ -260,7 +260,7 @@ def _pull_per_device(
     to = padded(n)
     asked = _split_ids(state, row_ids, [pad_ids(x, to) for x in ids])
     if state.is_sharded(shape):
-        c = slots(busiest(ids, shape[0] // len(targets), len(targets)))
+        c = route(busiest(ids, shape[0] // len(targets), len(targets)), to, len(targets))
         fn = routed_take(state.mesh, state.axis, c)
     else:
         fn = per_device_take(state.mesh, state.axis, False)
@@ -681,7 +681,8 @@ def _push(
             elif pull is not None and len({x.size for x in pull[1]}) == 1:
                 to = padded(pull[1][0].size)
                 args.append(_split_ids(state, pull[0], [pad_ids(x, to) for x in pull[1]]))
-                back = slots(busiest(pull[1], shape[0] // len(state.devices), len(state.devices)))
+                parts = len(state.devices)
+                back = route(busiest(pull[1], shape[0] // parts, parts), to, parts)
             fn = routed_push(state.mesh, state.axis, key, updater, donate, c, back)
             opt = None if n is None else state.group_states[n]
             out = collective_order.ordered(
@@ -818,9 +819,9 @@ def _routed(
         return None
     if not _owners_alone(state, key, shape, updater, n):
         return None
-    c = slots(busiest([ids for ids, _ in host], shape[0] // parts, parts))
-    split = NamedSharding(state.mesh, PartitionSpec(state.axis))
     to = padded(host[0][1].shape[0])  # a few sizes: a new count compiles nothing
+    c = route(busiest([ids for ids, _ in host], shape[0] // parts, parts), to, parts)
+    split = NamedSharding(state.mesh, PartitionSpec(state.axis))
     stacked = assemble((to * parts, *shape[1:]), split, [pad_rows(r, to) for _, r in host])
     return c, _split_ids(state, given, [pad_ids(ids, to) for ids, _ in host]), stacked
 
@@ -995,7 +996,7 @@ def _pull_agreed(
     sharded = state.is_sharded(shape) and leaf is not None
     n = padded(max(n, 1))  # no ids anywhere: padded ids (XLA may place a zero-size result whole)
     if sharded and leaf is not None:
-        fn = routed_take(state.mesh, state.axis, slots(most))
+        fn = routed_take(state.mesh, state.axis, route(most, n, len(state.devices)))
         ids = _global(state, [pad_ids(x, n, -1) for x in mine])
         out = collective_order.ordered("pull_rows", fn, state.leaves[leaf], ids)
     elif leaf is not None:
@@ -1046,7 +1047,7 @@ def _across_pairs(
     parts = len(state.devices)
     sharded = state.is_sharded(shape) and _own_leaf(state, state.index(key)) is not None
     most = busiest([x for x, _ in pairs], shape[0] // parts, parts) if sharded else 1
-    sizes = (max(x.size for x, _ in pairs), most)
+    sizes: tuple[int, ...] = (max(x.size for x, _ in pairs), most)
     if pull is not None:
         i = state.index(key)
         sizes += (max(x.size for x in pull), _pull_route(state, i, shape, pull))
@@ -1078,7 +1079,8 @@ def _push_across(
     rows = [pad_rows(r, n) for _, r in pairs]
     opt = None if n_group is None else state.group_states[n_group]
     if alone and leaf is not None:
-        fn = routed_push(state.mesh, state.axis, key, updater, donate, slots(most), None)
+        c = route(most, n, len(state.devices))
+        fn = routed_push(state.mesh, state.axis, key, updater, donate, c, None)
         sent = _global(state, [pad_ids(x, n, -1) for x, _ in pairs])
         value, opt = collective_order.ordered(
             "push_rows", fn, state.leaves[leaf], opt, sent, _global(state, rows), extra

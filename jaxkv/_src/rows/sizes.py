@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["concat_rows", "cut", "pad_ids", "pad_rows", "padded", "slots"]
+__all__ = ["concat_rows", "cut", "pad_ids", "pad_rows", "padded", "route", "slots"]
 
 
 def slots(most: int) -> int:
@@ -28,6 +28,14 @@ def padded(n: int) -> int:
     """The count a computation over ``n`` rows is compiled for (see :func:`slots`): the rows
     past ``n`` are padding, whose ids select no row (``-1``) and whose rows are zeros."""
     return slots(n)
+
+
+def route(most: int, n: int, parts: int) -> int:
+    """``C``, the slots of each route of an all-to-all of ``n`` (padded) ids per device to
+    ``parts`` owners whose busiest route takes ``most``: at least 9/8 of an even share, so
+    that ``C`` follows the padded count (a few sizes) unless a route is much busier than its
+    share, and a busiest route that moves a little from step to step compiles nothing new."""
+    return slots(max(most, -(-n * 9 // (8 * parts))))
 
 
 def pad_ids(ids: np.ndarray, to: int, fill: int = -1) -> np.ndarray:
