@@ -26,6 +26,7 @@ __all__ = [
     "next_count",
     "opaque_zero",
     "over",
+    "parsed",
     "pair",
     "power",
     "root",
@@ -36,6 +37,36 @@ __all__ = [
     "two_prod",
     "two_sum",
 ]
+
+
+def parsed(x: float) -> np.float32:
+    """``x`` as an MXNet operator parses its float parameter: Python hands it the decimal string
+    ``str(x)``, and dmlc-core's ``strtof`` (``ParseFloat<float>``) reads it as the integer part
+    in float32 plus the float32 of the fraction's digits (at most 19) over their power of ten in
+    double, then scales by the exponent in float32: not always the float32 nearest to ``x``
+    (8 of 1,000 bias-corrected cosine learning rates are an ulp off), MXNet's number."""
+    text = str(float(x))
+    f32 = np.float32
+    negative = text.startswith("-")
+    text = text.lstrip("+-")
+    if text in ("inf", "nan"):
+        value = f32(np.inf if text == "inf" else np.nan)
+        return -value if negative else value
+    mantissa, _, exponent = text.lower().partition("e")
+    whole, _, fraction = mantissa.partition(".")
+    value = f32(int(whole or "0") % (1 << 64))
+    if fraction:
+        digits = fraction[:19]
+        value = f32(value + f32(np.float64(int(digits)) / np.float64(10 ** len(digits))))
+    if exponent:
+        e = min(abs(int(exponent)), 38)
+        scale = f32(1.0)
+        while e >= 8:
+            scale, e = f32(scale * f32(1e8)), e - 8
+        while e > 0:
+            scale, e = f32(scale * f32(10.0)), e - 1
+        value = f32(value / scale) if exponent.startswith("-") else f32(value * scale)
+    return -value if negative else value
 
 
 def constant(x: float, dtype: Any) -> np.ndarray:

@@ -37,7 +37,9 @@ class Adam(Optimizer):
         var = beta2 * var + ((1 - beta2) * g) * g          # row-sparse: see below
         weight = weight - (lr_t * mean) / (sqrt(var) + epsilon)
 
-    The store computes ``lr_t`` as MXNet does, on the host in float64. An update called without
+    The store computes ``lr_t`` as MXNet does, on the host in float64, and hands the kernel the
+    float32 MXNet's ``adam_update`` parses from its decimal string (``float32.parsed``: an ulp
+    from the nearest for about 1 rate in 100). An update called without
     ``scalars`` (an optax loop, a row-sparse push) computes it from the state's count in
     double-float32 arithmetic (about 44 bits), rounded once to float32: MXNet's float32
     ``lr_t`` except when that lies within about 2**-40 of a rounding boundary. Weight decay is
@@ -68,6 +70,7 @@ class Adam(Optimizer):
     """
 
     SCALARS: ClassVar[tuple[str, ...]] = ("lr", "wd", "rescale_grad", "clip_gradient", "epsilon")
+    TEXT_SCALARS: ClassVar[frozenset[str]] = frozenset(SCALARS)  # adam_update's parameters
     STATIC: ClassVar[frozenset[str]] = Optimizer.STATIC | {"beta1", "beta2"}
 
     def __init__(

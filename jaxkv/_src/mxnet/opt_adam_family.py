@@ -508,6 +508,8 @@ class FTML(Optimizer):
         "beta1_t",
         "beta2_t",
     )
+    # ftml_update's float parameters (beta**t is worked out on the host: see kernel)
+    TEXT_SCALARS: ClassVar[frozenset[str]] = frozenset(SCALARS[:5])
     STATIC: ClassVar[frozenset[str]] = Optimizer.STATIC | {"beta1", "beta2"}
 
     def __init__(

@@ -226,6 +226,7 @@ class Signum(Optimizer):
     """
 
     SCALARS: ClassVar[tuple[str, ...]] = ("lr", "wd", "rescale_grad", "clip_gradient", "wd_lh")
+    TEXT_SCALARS: ClassVar[frozenset[str]] = frozenset(SCALARS)  # signsgd/signum_update's
     STATIC: ClassVar[frozenset[str]] = Optimizer.STATIC | {"momentum"}
 
     def __init__(

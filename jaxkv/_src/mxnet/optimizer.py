@@ -240,6 +240,10 @@ class Optimizer:
 
     # The kernel's numbers, in the order of the scalars' vector (see next_update).
     SCALARS: ClassVar[tuple[str, ...]] = ("lr", "wd", "rescale_grad", "clip_gradient")
+    # The scalars MXNet hands a fused operator as float parameters (decimal strings, which its
+    # parser does not always round to the nearest float32: float32.parsed); the others are
+    # rounded to the nearest, as MXNet's NDArray arithmetic (double parameters) gives them.
+    TEXT_SCALARS: ClassVar[frozenset[str]] = frozenset()
     # Attributes compiled into the transformation (frozen once it exists): what decides the
     # state's structure or the kernel's branches.
     STATIC: ClassVar[frozenset[str]] = frozenset({"multi_precision", "lazy_update"})
@@ -598,7 +602,11 @@ class Optimizer:
             self._update_count(index)
             self._advance(index)
             rows.append(self.scalars(index))
-        return np.asarray(rows, np.float64).astype(np.float32).reshape(len(rows), -1)
+        table = np.asarray(rows, np.float64).astype(np.float32).reshape(len(rows), -1)
+        for j, name in enumerate(self.SCALARS):
+            if name in self.TEXT_SCALARS:
+                table[:, j] = [f32.parsed(row[j]) for row in rows]
+        return table
 
     # -- the kernel ----------------------------------------------------------------------
     def slot_names(self) -> tuple[str, ...]:
