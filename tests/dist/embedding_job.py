@@ -1,0 +1,129 @@
+"""Run by tests/test_dist.py under ``python -m jaxkv.launch -n 2 --devices-per-process 1``: an
+embedding table's loop as MXNet code runs it on a ``dist_sync`` store (issue 38).
+
+Each process pushes its own row-sparse gradient of a different number of distinct rows every
+step (lazy Adam under a warm-up cosine schedule, a dense key pushed beside it) and pulls its rows
+back with ``row_sparse_pull``. Every process checks, after each step, its pulled rows against a
+one-process store given both processes' gradients (each process draws the other's too), that
+from the third step on nothing compiles, and at the end the whole table. Then a float16 table
+under ``multi_precision=True``: a float32 master copy, cast back (as one process computes it).
+With an argument, MXNet's ``MXNET_KVSTORE_BIGARRAY_BOUND``: 0 keeps the table whole in every
+process, a small one splits it over the processes (its rows routed to their owners). Prints
+``rank R ok <check>`` per check and ``rank R done``.
+"""
+
+import logging
+import os
+import sys
+
+import jax
+import numpy as np
+
+import jaxkv
+import jaxkv.mx as mx
+
+R, W, STEPS = 3000, 8, 8
+RANK = jax.process_index()
+
+
+class Compiles(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record):
+        if "Compiling" in record.getMessage():
+            self.count += 1
+
+
+def schedule():
+    return mx.lr_scheduler.CosineScheduler(
+        max_update=40, base_lr=0.05, final_lr=1e-3, warmup_steps=3, warmup_begin_lr=0.01
+    )
+
+
+def batch(step, rank):
+    rng = np.random.default_rng(1000 * step + rank)
+    n = int(rng.integers(129, 144))  # one padded size: 144
+    ids = np.sort(rng.choice(R, n, replace=False))
+    return ids, rng.normal(size=(n, W)).astype(np.float32)
+
+
+def store(kind, devices=None):
+    kv = mx.kv.create(kind) if devices is None else jaxkv.KVStore(kind, devices=devices)
+    kv.set_optimizer(mx.optimizer.Adam(learning_rate=None, lr_scheduler=schedule(), wd=1e-3))
+    start = np.random.default_rng(5).normal(size=(R, W)).astype(np.float32)
+    kv.init("emb", mx.nd.array(start).tostype("row_sparse"))
+    kv.init("bias", mx.nd.zeros((W,)))
+    return kv
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] != "0":
+        os.environ["MXNET_KVSTORE_BIGARRAY_BOUND"] = sys.argv[1]
+    counter = Compiles()
+    logging.getLogger("jax").addHandler(counter)
+    logging.getLogger("jax").propagate = False
+    jax.config.update("jax_log_compiles", True)
+    kv = store("dist_sync")
+    # The reference: one process's store of its own device, given both processes' rows (their
+    # sum: ids the two share are summed as the dist_sync store sums them).
+    ref = store("device", jax.local_devices()[:1])
+    out = mx.nd.sparse.zeros("row_sparse", (R, W))
+    ref_out = mx.nd.sparse.zeros("row_sparse", (R, W))
+    counted = []
+    for step in range(STEPS):
+        ids, g = batch(step, RANK)
+        before = counter.count
+        kv.push("bias", mx.nd.ones((W,)), priority=-1)
+        kv.push("emb", mx.nd.sparse.row_sparse_array((g, ids), shape=(R, W)))
+        kv.row_sparse_pull("emb", out=out, row_ids=mx.nd.array(ids))
+        got = out.data.asnumpy()
+        counted.append(counter.count - before)
+        both = np.zeros((R, W), np.float32)
+        for rank in range(2):
+            i, x = batch(step, rank)
+            both[i] += x
+        touched = np.unique(np.concatenate([batch(step, r)[0] for r in range(2)]))
+        ref.push("bias", mx.nd.ones((W,)) * 2, priority=-1)
+        ref.push("emb", mx.nd.sparse.row_sparse_array((both[touched], touched), shape=(R, W)))
+        ref.row_sparse_pull("emb", out=ref_out, row_ids=mx.nd.array(ids))
+        np.testing.assert_allclose(got, ref_out.data.asnumpy(), rtol=2e-6, atol=2e-7)
+        np.testing.assert_array_equal(out.indices.asnumpy(), ids)
+    print(f"rank {RANK} ok rows after every step", flush=True)
+    assert counted[2:] == [0] * (STEPS - 2), counted
+    print(f"rank {RANK} ok no compile after warm-up", flush=True)
+    np.testing.assert_allclose(
+        np.asarray(kv.pull("emb")), np.asarray(ref.pull("emb")), rtol=2e-6, atol=2e-7
+    )
+    np.testing.assert_allclose(
+        np.asarray(kv.pull("bias")), np.asarray(ref.pull("bias")), rtol=2e-6, atol=2e-7
+    )
+    print(f"rank {RANK} ok the whole table", flush=True)
+
+    # float16 rows under multi_precision: a float32 master copy, cast back.
+    rows = np.array([0, 2])
+    g = (np.arange(6, dtype=np.float32).reshape(2, 3) + 1) / 8
+
+    def half(kind, devices=None, scale=1):
+        kv = mx.kv.create(kind) if devices is None else jaxkv.KVStore(kind, devices=devices)
+        kv.set_optimizer(mx.optimizer.create("adam", multi_precision=True, learning_rate=0.1))
+        kv.init("h", mx.nd.ones((4, 3), dtype="float16").tostype("row_sparse"))
+        for _ in range(3):
+            value = (g * scale).astype(np.float16)
+            kv.push("h", mx.nd.sparse.row_sparse_array((value, rows), shape=(4, 3)))
+        out = mx.nd.sparse.zeros("row_sparse", (4, 3), dtype="float16")
+        kv.row_sparse_pull("h", out=out, row_ids=mx.nd.array([0, 1, 2, 3]))
+        return out.asnumpy()
+
+    across = half("dist_sync")
+    alone = half("device", jax.local_devices()[:1], scale=2)  # both processes' sum
+    assert across.dtype == np.float16
+    np.testing.assert_array_equal(across, alone)
+    print(f"rank {RANK} ok float16 rows under multi_precision", flush=True)
+    print(f"rank {RANK} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
