@@ -314,3 +314,19 @@ def test_a_thousand_scheduled_adam_steps_are_mxnets_bit_for_bit(one):
     nearest = np.array(float64).astype(np.float32)
     assert 3 <= int((nearest != given).sum()) <= 30
     assert all(f32.parsed(x) == y for x, y in zip(float64, given))
+
+
+def test_a_store_remembers_only_the_outs_that_still_hold_its_arrays(one):
+    """Pulling a key again and again into outs (no push between) keeps a bounded note of what
+    was lent: the outs that still hold the array."""
+    kv = jaxkv.KVStore("device", devices=one)
+    kv.init("w", mx.nd.ones((4, 4)))
+    out = mx.nd.zeros((4, 4))
+    for _ in range(100):
+        kv.pull("w", out=out)
+        out.asnumpy()
+        kept = mx.nd.zeros((4, 4))
+        kv.pull("w", out=kept)
+        kept.asnumpy()
+    notes = kv._lent_to  # noqa: SLF001 - the bookkeeping itself
+    assert sum(len(outs) for _, outs in notes.values()) <= 16

@@ -213,9 +213,10 @@ class KVStore:
         # and residuals) and lends them to the outs of a pull, with no copy; decided once, at
         # the first push or pull (see _keeps_values), so every push has one donation mode.
         self._keep_values: bool | None = None
-        # Stored arrays lent to outs: id -> (the array, [(out, what it got)]), all weakly held.
-        # A row push donates a table unless an out still holds what it was lent (see _lent).
-        self._lent_to: dict[int, tuple[Any, list[tuple[Any, Any]]]] = {}
+        # Stored arrays lent to outs: id -> (the array, {id(out): (out, what it got)}), all
+        # weakly held. A push of rows donates a table unless an out still holds what it was
+        # lent (see _lent).
+        self._lent_to: dict[int, tuple[Any, dict[int, tuple[Any, Any]]]] = {}
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -812,9 +813,13 @@ class KVStore:
                 self._lent_to = {
                     i: e for i, e in self._lent_to.items() if e[0]() is not None and _holds(e)
                 }
-            entry = (weakref.ref(stored), [])
+            entry = (weakref.ref(stored), {})
             self._lent_to[id(stored)] = entry
-        entry[1].append((weakref.ref(out), weakref.ref(handed)))
+        outs = entry[1]
+        if len(outs) >= 8:  # lent to out after out: keep the outs that still hold it
+            for i in [i for i, pair in outs.items() if not _holds((entry[0], {i: pair}))]:
+                del outs[i]
+        outs[id(out)] = (weakref.ref(out), weakref.ref(handed))
 
     def _lend_whole(self, stored: jax.Array, out: NDArray) -> None:
         """:meth:`_lend` of what ``out`` holds now, given it from ``stored``."""
@@ -1143,10 +1148,10 @@ class KVStore:
                 chunk, size = [], 0
 
 
-def _holds(entry: tuple[Any, list[tuple[Any, Any]]]) -> bool:
+def _holds(entry: tuple[Any, dict[int, tuple[Any, Any]]]) -> bool:
     """Whether an out of a lent array's entry (see ``KVStore._lend``) still holds what it was
     given."""
-    for out_ref, handed_ref in entry[1]:
+    for out_ref, handed_ref in entry[1].values():
         out, handed = out_ref(), handed_ref()
         if out is not None and handed is not None and out.holding() is handed:
             return True
