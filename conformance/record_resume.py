@@ -11,14 +11,15 @@ It writes conformance/data/mxnet_resume.json, which tests/test_embedding_loop.py
 gradients (so both sides push the same numbers), and for each ``dump_optimizer`` the values of
 both keys after the first push that follows the load and of the dense key after the second,
 and the optimizer's ``num_update`` at the end. Without ``dump_optimizer`` MXNet does not save
-the update counts, so the resumed run counts from 0 for both keys; with it, from 3.
+the update counts, so the resumed run counts from 0 for both keys; with it, from 3. MXNet's
+two states files are kept beside it (``mxnet_resume_states_0.bin``, ``_1.bin``: pickles, which
+jaxkv reads with its restricted reader, ``jaxkv/_src/mxnet/states_file.py``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 import mxnet as mx
 import numpy as np
@@ -58,11 +59,11 @@ def run(dump: bool, grads: list) -> dict:
     kv = store()
     for s in range(3):
         push(kv, g[s])
-    with tempfile.TemporaryDirectory() as tmp:
-        fname = os.path.join(tmp, "states")
-        kv.save_optimizer_states(fname, dump_optimizer=dump)
-        kv = store()
-        kv.load_optimizer_states(fname)
+    # MXNet's file itself is kept: jaxkv's store reads it (without running its pickle's code).
+    fname = os.path.join(HERE, "data", f"mxnet_resume_states_{int(dump)}.bin")
+    kv.save_optimizer_states(fname, dump_optimizer=dump)
+    kv = store()
+    kv.load_optimizer_states(fname)
     push(kv, g[3])
     e, d = mx.nd.zeros((R, W)), mx.nd.zeros((R, W))
     kv.pull("e", out=e, ignore_sparse=False)

@@ -226,16 +226,50 @@ def test_a_dumped_optimizer_of_another_kind_is_refused_before_anything_changes(o
         optax_store.save_optimizer_states(fname, dump_optimizer=True)
 
 
-def test_an_mxnet_states_file_is_refused_with_what_to_do(one, tmp_path):
-    """MXNet's save_optimizer_states writes a pickle: never read, and the message says so
-    (not numpy's allow_pickle hint)."""
-    fname = tmp_path / "mxnet.states"
-    fname.write_bytes(pickle.dumps({0: (np.zeros(3), np.zeros(3))}, protocol=2))
+@pytest.mark.parametrize("dump", [False, True])
+def test_mxnets_own_states_file_resumes_mxnets_run(one, dump):
+    """MXNet 1.9.1's save_optimizer_states file itself (a pickle, kept by
+    conformance/record_resume.py), loaded by a new store with a new optimizer: the next steps
+    are the numbers MXNet gave after loading it, bit for bit (with dump_optimizer, its counts
+    and schedule come back)."""
+    grads = [np.array(g, np.float32) for g in RECORDED["gradients"]]
+    want = RECORDED["runs"][str(int(dump))]
     kv = _resume_store(one)
-    with pytest.raises(jaxkv.KVStoreError, match="Python pickle") as err:
+    data = Path(__file__).parent.parent / "conformance/data"
+    kv.load_optimizer_states(str(data / f"mxnet_resume_states_{int(dump)}.bin"))
+    _resume_push(kv, grads[3])
+    np.testing.assert_array_equal(np.asarray(kv.pull("e")), np.array(want["e"], np.float32))
+    np.testing.assert_array_equal(np.asarray(kv.pull("d")), np.array(want["d"], np.float32))
+    _resume_push(kv, grads[4], dense_only=True)
+    np.testing.assert_array_equal(np.asarray(kv.pull("d")), np.array(want["d2"], np.float32))
+    assert kv._mxnet_optimizer.num_update == want["num_update"]  # noqa: SLF001
+
+
+class _Trap:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_pickle_of_anything_else_is_refused_without_running_it(one, tmp_path):
+    """A states file that is a pickle of other things than MXNet's states: refused, naming
+    what it holds, and none of its code runs (here: it would create a file); loaded as a whole
+    store (kv.load), a pickle is refused by name, without numpy's allow_pickle hint."""
+    fname = tmp_path / "mxnet.states"
+    marker = tmp_path / "created"
+    fname.write_bytes(pickle.dumps({"e": _Trap(str(marker))}, protocol=4))
+    kv = _resume_store(one)
+    with pytest.raises(jaxkv.KVStoreError, match=r"builtins\.open|io\.open") as err:
         kv.load_optimizer_states(str(fname))
+    assert not marker.exists()
+    assert "running their code" in str(err.value)
+    with pytest.raises(jaxkv.KVStoreError, match="Python pickle") as err:
+        kv.load(str(fname))
     assert "allow_pickle" not in str(err.value)
-    assert "dump_optimizer=True" in str(err.value)
+    assert "load_optimizer_states" in str(err.value)
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize(

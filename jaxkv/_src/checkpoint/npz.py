@@ -206,12 +206,11 @@ def _read(fname: str) -> tuple[dict, list[np.ndarray]]:
         with open(fname, "rb") as f:  # ours to close, whatever np.load makes of it
             if _is_pickle(f.read(2)):
                 raise KVStoreError(
-                    f"{fname}: expected a jaxkv store file, given a Python pickle (MXNet's "
-                    "save_optimizer_states writes one), which jaxkv never reads: unpickling "
-                    "a file can run any code. Carry a run over by saving it with jaxkv "
-                    "(kv.save_optimizer_states(fname, dump_optimizer=True), or kv.save); an "
-                    "MXNet run's optimizer states cannot be loaded, and the store then starts "
-                    "them afresh (docs/migrating-from-mxnet.md, 'Optimizer-state files')"
+                    f"{fname}: expected a jaxkv store file, given a Python pickle, which jaxkv "
+                    "never unpickles (that can run any code). MXNet's optimizer-state files "
+                    "load through kv.load_optimizer_states under an MXNet optimizer, by a "
+                    "reader that runs none of their code (docs/migrating-from-mxnet.md, "
+                    "'Saving and loading optimizer states')"
                 )
             f.seek(0)
             z = np.load(f, allow_pickle=False)

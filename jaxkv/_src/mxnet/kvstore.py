@@ -39,6 +39,7 @@ from jaxkv._src.mxnet import held as _queue
 from jaxkv._src.mxnet import kvstore_rows as _kvsparse
 from jaxkv._src.mxnet import optimizers as _optimizers  # noqa: F401 - fills the registry
 from jaxkv._src.mxnet import per_key as _perkey
+from jaxkv._src.mxnet import states_file as _states_file
 from jaxkv._src.mxnet.ndarray import NDArray, unwrap
 from jaxkv._src.mxnet.optimizer import Optimizer as MXNetOptimizer
 from jaxkv._src.mxnet.updater import Updater as MXNetUpdater
@@ -715,11 +716,63 @@ class KVStore:
         A file saved with ``dump_optimizer=True`` also restores the MXNet optimizer's update
         counts, ``num_update``, schedule and numbers (MXNet replaces its optimizer with the
         file's; jaxkv refuses a file whose optimizer is of another class, arguments or
-        schedule than the store's, before anything changes). MXNet's own files are pickles,
-        which jaxkv does not read (see the migration guide)."""
+        schedule than the store's, before anything changes). A file MXNet 1.9.1 saved (a
+        pickle) is read too, under an MXNet optimizer, by a reader that runs none of its code
+        and refuses anything but MXNet's states and optimizer (see the migration guide)."""
         with self._lock:
             self._require_optimizer("load_optimizer_states")
-            self._load(fname, values=False, optimizer=self._updater)
+            with open(fname, "rb") as f:
+                mxnet_file = _states_file.is_pickle(f.read(2))
+            if mxnet_file:
+                self._load_mxnet_states(fname)
+            else:
+                self._load(fname, values=False, optimizer=self._updater)
+
+    def _load_mxnet_states(self, fname: str) -> None:
+        """MXNet's optimizer states (and its dumped optimizer) into this store's, every check
+        made before anything changes."""
+        opt = self._mxnet_optimizer
+        if opt is None:
+            raise KVStoreError(
+                f"{fname}: MXNet's optimizer states: expected a store with an MXNet optimizer "
+                "(kv.set_optimizer(mx.optimizer.<the saved run's>(...))), given an optax "
+                "transformation, whose state MXNet's does not describe"
+            )
+        states, saved = _states_file.read(fname)
+        state = self._state
+        unknown = sorted(repr(k) for k in states if k not in state)
+        if unknown:
+            raise KVStoreError(
+                f"{fname}: MXNet's optimizer states of keys {unknown}, expected keys of this "
+                f"store ({sorted(map(repr, state.keys()))[:8]}...); init them first"
+            )
+        put_back = None
+        counts = dict(opt._index_update_count)  # noqa: SLF001 - without a dump: the store's
+        if saved is not None:
+            record = _states_file.as_record(saved, opt)
+            put_back = opt.restore_record(record, fname)
+            counts = dict(saved.fields.get("_index_update_count", {}))
+        for k in sorted(states, key=repr):
+            group = state.opt_group(k)
+            if group is not None and len(group) > 1:  # pushed with others before: alone now
+                state = _perkey.regroup(state, [k], self._updater) or state
+            if state.opt_group(k) is None:
+                from jaxkv._src.core.eager import init_opt_states
+
+                state = init_opt_states(state, self._updater, (k,))
+            template = state.opt_states[(k,)]
+            half = _fl.stored_type(state, state.index(k)).dtype == np.float16
+            slots = _states_file.slots_of(
+                states[k], type(opt).__name__, half and opt.multi_precision
+            )
+            leaves, treedef = jax.tree_util.tree_flatten(template)
+            count = np.int32(counts.get(k, opt.begin_num_update))
+            filled = _states_file.filled(fname, k, leaves, count, slots)
+            placed = [jax.device_put(x, t.sharding) for x, t in zip(filled, leaves)]
+            state = state.replace(opt_states={(k,): jax.tree_util.tree_unflatten(treedef, placed)})
+        self._state = state
+        if put_back is not None:
+            put_back()
 
     def save(self, fname: str) -> None:
         """Save the whole store (values, optimizer states, residuals) to ``fname``.
@@ -754,6 +807,7 @@ class KVStore:
     def _load(self, fname: str, values: bool, optimizer: Any) -> None:
         """Load ``fname`` (see :meth:`load`), and the MXNet optimizer's record saved with it,
         each checked before anything changes."""
+
         def checked(record: Any) -> Any:
             if record is None:
                 return None
