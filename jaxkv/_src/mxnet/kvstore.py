@@ -241,7 +241,17 @@ class KVStore:
         with self._lock:
             held, self._deferred = self._deferred, None
             if held is not None:
-                self._stored = _kvsparse.run_held(self._stored, held)
+                try:
+                    self._stored = _kvsparse.run_held(self._stored, held)
+                except BaseException:
+                    self._uncount(held)
+                    raise
+
+    def _uncount(self, held: _kvsparse.Held) -> None:
+        """A held push of rows refused when it ran (across processes: the processes' numbers
+        differ): the MXNet optimizer has not counted it either, as a push refused at once."""
+        if held.counted is not None and self._mxnet_optimizer is not None:
+            self._mxnet_optimizer.restore_bookkeeping(held.counted)
 
     @property
     def type(self) -> str:
@@ -427,6 +437,8 @@ class KVStore:
         every push at once, the pulls after it. Package-internal: ``nd.waitall`` and a read of
         an out run it."""
         with self._lock:
+            if self._deferred is not None:  # a push of rows held for its row_sparse_pull
+                self._settle()
             held, self._held = self._held, None
             if not held:  # (nothing held: no out is owed either)
                 return
@@ -542,7 +554,11 @@ class KVStore:
                         self._deferred = held  # refused: the push still runs, alone
                         self._settle()
                         raise
-                    state, got = _kvsparse.pushpull_into(self._stored, held, outs, ids)
+                    try:
+                        state, got = _kvsparse.pushpull_into(self._stored, held, outs, ids)
+                    except BaseException:
+                        self._uncount(held)
+                        raise
                     self._stored = state
                     for o, x, where in got:
                         o.set_rows(x, where, where.devices().pop())
@@ -1056,13 +1072,13 @@ class KVStore:
         opt = self._mxnet_optimizer
         saved = None if opt is None else opt.bookkeeping()
         try:
-            self._push_rows_now(key, value)
+            self._push_rows_now(key, value, saved)
         except BaseException:
             if opt is not None and saved is not None:
                 opt.restore_bookkeeping(saved)
             raise
 
-    def _push_rows_now(self, key: Any, value: Any) -> None:
+    def _push_rows_now(self, key: Any, value: Any, counted: Any = None) -> None:
         grouped = _grouped(self._state, key, value)
         sparse = [k for k, vs in grouped.items() if any(map(_kvsparse.is_row_sparse, vs))]
         dense = [k for k in grouped if k not in sparse]
@@ -1119,7 +1135,8 @@ class KVStore:
             k = sparse[0]
             self._deferred = _kvsparse.held(
                 state, k, grouped[k], updater_of[k], donate, extra_of[k]
-            )
+            )._replace(counted=counted)
+            _queue.holding(self)  # nd.waitall runs it
             return
         for k in sparse:
             state = _kvsparse.push(state, k, grouped[k], updater_of[k], lazy, donate, extra_of[k])

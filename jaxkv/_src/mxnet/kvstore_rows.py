@@ -73,6 +73,7 @@ class Held(NamedTuple):
     updater: Any
     donate: bool
     extra: dict | None = None
+    counted: Any = None  # the MXNet optimizer's bookkeeping before the push counted it
 
 
 def held(

@@ -664,11 +664,17 @@ def _push(
     n: int | None = None if group is None else state.groups.index(group)
     if across is not None:
         pairs_here, m, most, pull_sizes = across
-        new = _push_across(state, key, shape, pairs_here, m, most, updater, n, leaf, donate, extra)
+        # The pull asks every process's pushed ids back (MXNet's push, then row_sparse_pull of
+        # the batch): along the push's own routes, in its computation.
+        along = pull_sizes is not None and pull_sizes[2]
+        new, rows = _push_across(
+            state, key, shape, pairs_here, m, most, updater, n, leaf, donate, extra, along
+        )
         if pull_sizes is None:
             return new, None
-        mine = _asked_here(state, list(pull[1]))
-        rows = _pull_agreed(new, key, i, shape, mine, *pull_sizes)
+        if rows is None:
+            mine = _asked_here(state, list(pull[1]))
+            rows = _pull_agreed(new, key, i, shape, mine, pull_sizes[0], pull_sizes[1])
         return new, rows[: len(pull[1])]
     if leaf is not None and (n is None or state.packings[n] is None):
         routed = _routed(state, key, shape, host, updater, n, [ids for ids, _ in pairs])
@@ -862,7 +868,7 @@ def _local_devices(state: KVState) -> list[jax.Device]:
     return [d for d in state.devices if d.process_index == me]
 
 
-_AGREED = 4  # sizes a row operation agrees on: a push's ids and route, a fused pull's
+_AGREED = 5  # a row operation's agreed sizes: a push's ids and route, a fused pull's, a flag
 
 
 def _agreed(
@@ -1025,12 +1031,13 @@ def _across_pairs(
     host: list[tuple[np.ndarray, Any]],
     extra: dict | None = None,
     pull: list[np.ndarray] | None = None,
-) -> tuple[list[tuple[np.ndarray, Any]], int, int, tuple[int, int] | None]:
+) -> tuple[list[tuple[np.ndarray, Any]], int, int, tuple[int, int, bool] | None]:
     """This process's checked pairs as one pair per device of this process (all of them from
     its first device, if not already so), with the largest count of ids of any device of any
     process and the busiest route of a sharded table, agreed (:func:`_agreed`, with the
     updater's ``extra`` arguments), and, for the pull fused with it (``pull``: this process's
-    checked ids, one per device of it), its count and route, agreed in the same all-gather."""
+    checked ids, one per device of it), its count and route and whether every process pulls
+    the ids it pushes, agreed in the same all-gather."""
     local = _local_devices(state)
     placed = [next(iter(r.devices())) if len(r.devices()) == 1 else None for _, r in host]
     dtype = _fl.stored_type(state, state.index(key)).dtype
@@ -1050,9 +1057,13 @@ def _across_pairs(
     sizes: tuple[int, ...] = (max(x.size for x, _ in pairs), most)
     if pull is not None:
         i = state.index(key)
-        sizes += (max(x.size for x in pull), _pull_route(state, i, shape, pull))
+        same = len(pull) == len(pairs) and all(
+            np.array_equal(p, x) for p, (x, _) in zip(pull, pairs)
+        )
+        sizes += (max(x.size for x in pull), _pull_route(state, i, shape, pull), int(not same))
     agreed = _agreed(key, sizes, extra=extra)
-    pulled = None if pull is None else (agreed[2], agreed[3])
+    # (the pull's count and route, and whether every process pulls the ids it pushed)
+    pulled = None if pull is None else (agreed[2], agreed[3], not agreed[4])
     # no rows anywhere: padded rows that select nothing
     return pairs, padded(max(agreed[0], 1)), agreed[1], pulled
 
@@ -1069,10 +1080,12 @@ def _push_across(
     leaf: int | None,
     donate: bool,
     extra: dict[str, Any],
-) -> KVState:
+    back: bool = False,
+) -> tuple[KVState, list[jax.Array] | None]:
     """``push_rows`` on a store across processes: this process's pairs, one per device of this
     process, summed with every other process's (``n`` ids per device and the busiest route
-    ``most`` agreed by :func:`_across_pairs`)."""
+    ``most`` agreed by :func:`_across_pairs`); with ``back``, where the table is routed, each
+    device's pushed rows after the update too, along the same routes (else ``None``)."""
     sharded = state.is_sharded(shape) and leaf is not None
     alone = sharded and (n_group is None or state.packings[n_group] is None)
     alone = alone and _owners_alone(state, key, shape, updater, n_group)
@@ -1080,12 +1093,15 @@ def _push_across(
     opt = None if n_group is None else state.group_states[n_group]
     if alone and leaf is not None:
         c = route(most, n, len(state.devices))
-        fn = routed_push(state.mesh, state.axis, key, updater, donate, c, None)
+        fn = routed_push(state.mesh, state.axis, key, updater, donate, c, 0 if back else None)
         sent = _global(state, [pad_ids(x, n, -1) for x, _ in pairs])
-        value, opt = collective_order.ordered(
+        out = collective_order.ordered(
             "push_rows", fn, state.leaves[leaf], opt, sent, _global(state, rows), extra
         )
-        return _fl.with_leaves(state, {leaf: value}, {} if n_group is None else {n_group: opt})
+        new = _fl.with_leaves(state, {leaf: out[0]}, {} if n_group is None else {n_group: out[1]})
+        if not back:
+            return new, None
+        return new, [cut(x, ids.size) for x, (ids, _) in zip(per_device(out[2]), pairs)]
     stacked_ids = _global(state, [pad_ids(x, n, -1) for x, _ in pairs])
     stacked = _global(state, rows)
     if leaf is not None and (n_group is None or state.packings[n_group] is None):
@@ -1093,16 +1109,18 @@ def _push_across(
         value, opt = collective_order.ordered(
             "push_rows", fn, state.leaves[leaf], opt, stacked_ids, stacked, extra
         )
-        return _fl.with_leaves(state, {leaf: value}, {} if n_group is None else {n_group: opt})
+        return _fl.with_leaves(
+            state, {leaf: value}, {} if n_group is None else {n_group: opt}
+        ), None
     i = state.index(key)
     place = _in_bucket(state, i)
     # A split bucket's rows written in place (every process's pairs gathered inside it).
     if place is not None and place[2] and _pushes_in_place(state, updater, n_group):
         return _bucket_push(
             state, key, i, place, n_group, stacked_ids, stacked, updater, donate, extra
-        )
+        ), None
     fn = state_push(key, shape[0], updater, donate)
-    return collective_order.ordered("push_rows", fn, state, stacked_ids, stacked, extra)
+    return collective_order.ordered("push_rows", fn, state, stacked_ids, stacked, extra), None
 
 
 def _gathered(
