@@ -162,9 +162,10 @@ bench: $(STAMP)
 # its optimizers, schedules and learning-rate changes again (the committed records must come out
 # unchanged), jaxkv replays them, then random KVStore programs run through both.
 RECORDS := conformance/record_optimizers.py conformance/record_schedules.py \
-	conformance/record_lr_training.py $(sort $(wildcard conformance/record_opt_*.py))
+	conformance/record_lr_training.py $(sort $(wildcard conformance/record_opt_*.py)) \
+	conformance/record_resume.py conformance/record_adam_rates.py
 REPLAYS := tests/test_mx_optimizer.py tests/test_mx_lr_scheduler.py tests/test_mx_lr_training.py \
-	$(sort $(wildcard tests/test_mx_opt_*.py))
+	$(sort $(wildcard tests/test_mx_opt_*.py)) tests/test_embedding_loop.py
 conformance: $(STAMP)
 	bash conformance/setup_mxnet.sh
 	set -e; for r in $(RECORDS); do echo "== $$r"; "$$(bash conformance/setup_mxnet.sh)" $$r; done
