@@ -69,7 +69,7 @@ from jaxkv._src.rows.kernels import (
     take,
     update_rows,
 )
-from jaxkv._src.rows.sizes import concat_rows, cut, pad_ids, pad_rows, padded, route, slots
+from jaxkv._src.rows.sizes import concat_rows, cut, fit, pad_ids, pad_rows, route, slots
 from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.kvstate import Key, KVState, normalize_key
 from jaxkv._src.state.kvstate import spans_processes as _state_spans_processes
@@ -257,7 +257,7 @@ def _pull_per_device(
     ):
         return [_place(_eager_take(state, key, i, x), d) for x, d in zip(ids, targets)]
     n = ids[0].size
-    to = padded(n)
+    to = fit(("pull per device", key), n)
     asked = _split_ids(state, row_ids, [pad_ids(x, to) for x in ids])
     if state.is_sharded(shape):
         c = route(busiest(ids, shape[0] // len(targets), len(targets)), to, len(targets))
@@ -317,7 +317,7 @@ def _eager_take(state: KVState, key: Key, i: int, ids: np.ndarray) -> jax.Array:
     """The rows ``ids`` (checked), whole on the store's devices: read for the ids padded to a
     few sizes (:func:`sizes.padded`), then cut, so that a new count compiles nothing."""
     replicated = NamedSharding(state.mesh, PartitionSpec())
-    dev_ids = jax.device_put(pad_ids(ids, padded(ids.size)), replicated)
+    dev_ids = jax.device_put(pad_ids(ids, fit(("take", key), ids.size)), replicated)
     leaf = _own_leaf(state, i)
     place = _in_bucket(state, i)
     if place is not None:  # its rows read straight from its bucket
@@ -428,7 +428,7 @@ def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = No
     # Whole on the store's devices where the store keeps it so, as a pull gives it (a result
     # that needs no input, no ids at all, would otherwise land on one device).
     replicated = NamedSharding(state.mesh, PartitionSpec())
-    dev_ids = jax.device_put(pad_ids(ids, padded(ids.size)), replicated)  # -1 keeps no row
+    dev_ids = jax.device_put(pad_ids(ids, fit(("keep", key), ids.size)), replicated)  # -1: none
     if leaf is None:
         out_to = state.sharding_for(shape)  # named for a key of a split bucket too
         out = collective_order.ordered("row_sparse_pull", bucket_keep(key, out_to), state, dev_ids)
@@ -685,7 +685,7 @@ def _push(
             if pull is _SAME:
                 back = 0
             elif pull is not None and len({x.size for x in pull[1]}) == 1:
-                to = padded(pull[1][0].size)
+                to = fit(("pull ids", key), pull[1][0].size)
                 args.append(_split_ids(state, pull[0], [pad_ids(x, to) for x in pull[1]]))
                 parts = len(state.devices)
                 back = route(busiest(pull[1], shape[0] // parts, parts), to, parts)
@@ -723,7 +723,8 @@ def _push(
         if back:
             asked = pull[1][0]
             replicated = NamedSharding(state.mesh, PartitionSpec())
-            args.append(jax.device_put(pad_ids(asked, padded(asked.size)), replicated))
+            to = fit(("take", key), asked.size)
+            args.append(jax.device_put(pad_ids(asked, to), replicated))
         out = collective_order.ordered("push_rows", fn, *args)
         new = _fl.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]})
         return new, [cut(out[2], pull[1][0].size)] if back else None
@@ -825,7 +826,7 @@ def _routed(
         return None
     if not _owners_alone(state, key, shape, updater, n):
         return None
-    to = padded(host[0][1].shape[0])  # a few sizes: a new count compiles nothing
+    to = fit(("routed", key), host[0][1].shape[0])  # a few sizes: few compiles
     c = route(busiest([ids for ids, _ in host], shape[0] // parts, parts), to, parts)
     split = NamedSharding(state.mesh, PartitionSpec(state.axis))
     stacked = assemble((to * parts, *shape[1:]), split, [pad_rows(r, to) for _, r in host])
@@ -1000,7 +1001,8 @@ def _pull_agreed(
     and busiest route ``most`` of every process are agreed (:func:`_agreed`)."""
     leaf = _own_leaf(state, i)
     sharded = state.is_sharded(shape) and leaf is not None
-    n = padded(max(n, 1))  # no ids anywhere: padded ids (XLA may place a zero-size result whole)
+    # no ids anywhere: padded ids (XLA may place a zero-size result whole)
+    n = fit(("pull across", key), max(n, 1))
     if sharded and leaf is not None:
         fn = routed_take(state.mesh, state.axis, route(most, n, len(state.devices)))
         ids = _global(state, [pad_ids(x, n, -1) for x in mine])
@@ -1065,7 +1067,7 @@ def _across_pairs(
     # (the pull's count and route, and whether every process pulls the ids it pushed)
     pulled = None if pull is None else (agreed[2], agreed[3], not agreed[4])
     # no rows anywhere: padded rows that select nothing
-    return pairs, padded(max(agreed[0], 1)), agreed[1], pulled
+    return pairs, fit(("push across", key), max(agreed[0], 1)), agreed[1], pulled
 
 
 def _push_across(
@@ -1142,12 +1144,12 @@ def _gathered(
         and all(r.dtype == host[0][1].dtype for _, r in host)
         and all(d.process_index == jax.process_index() for d in devices)
     ):
-        to = padded(sizes.pop())
+        to = fit(("stacked", key), sizes.pop())
         spec = NamedSharding(state.mesh, PartitionSpec(state.axis))
         shards = [pad_rows(r, to) for _, r in host]
         rows = assemble((to * len(devices), *host[0][1].shape[1:]), spec, shards)
         return jax.device_put(np.concatenate([pad_ids(x, to) for x, _ in host]), spec), rows
-    to = padded(ids.size)
+    to = fit(("gathered", key), ids.size)
     if len(host) == 1:
         rows = pad_rows(jax.device_put(host[0][1], replicated), to)
     else:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["concat_rows", "cut", "pad_ids", "pad_rows", "padded", "route", "slots"]
+__all__ = ["concat_rows", "cut", "fit", "pad_ids", "pad_rows", "padded", "route", "slots"]
 
 
 def slots(most: int) -> int:
@@ -28,6 +28,31 @@ def padded(n: int) -> int:
     """The count a computation over ``n`` rows is compiled for (see :func:`slots`): the rows
     past ``n`` are padding, whose ids select no row (``-1``) and whose rows are zeros."""
     return slots(n)
+
+
+# How many exact counts a place of the code compiles for before it pads: a workload of one or
+# two sizes pads nothing (padding costs a copy of the rows), one whose count varies meets a few
+# padded sizes from its third count on.
+EXACT = 2
+_SEEN: dict[Any, set[int]] = {}
+
+
+def fit(site: Any, n: int) -> int:
+    """The count a computation at ``site`` (a hashable naming the place and the key) is run
+    for, given ``n`` rows: ``n`` itself where the site has met ``n`` before or fewer than
+    ``EXACT`` counts, else :func:`padded`. Across processes it is called with the agreed
+    count, in the same order everywhere, so every process pads alike."""
+    seen = _SEEN.get(site)
+    if seen is None:
+        if len(_SEEN) >= 4096:  # (sites of keys long gone: start again)
+            _SEEN.clear()
+        seen = _SEEN[site] = set()
+    if n in seen:
+        return n
+    if len(seen) < EXACT:
+        seen.add(n)
+        return n
+    return padded(n)
 
 
 def route(most: int, n: int, parts: int) -> int:

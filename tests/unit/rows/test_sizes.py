@@ -55,3 +55,11 @@ def test_a_route_follows_the_padded_count(most, n, parts, c):
     padded count); a much busier one gets its own slots."""
     assert sizes.route(most, n, parts) == c
     assert sizes.route(most, n, parts) >= most
+
+
+def test_a_site_pads_only_once_its_counts_vary():
+    """A place of the code compiles for its first two counts as they are (a workload of one
+    size pads and copies nothing), and pads any other to a few sizes."""
+    other = ("another test", object())
+    got = [sizes.fit(other, n) for n in (1000, 1250, 1300, 1000, 1201, 1290)]
+    assert got == [1000, 1250, 1408, 1000, 1280, 1408]
