@@ -737,9 +737,7 @@ class KVStore:
         and refuses anything but MXNet's states and optimizer (see the migration guide)."""
         with self._lock:
             self._require_optimizer("load_optimizer_states")
-            with open(fname, "rb") as f:
-                mxnet_file = _states_file.is_pickle(f.read(2))
-            if mxnet_file:
+            if _states_file.is_pickle_file(fname):
                 self._load_mxnet_states(fname)
             else:
                 self._load(fname, values=False, optimizer=self._updater)

@@ -22,7 +22,16 @@ import numpy as np
 
 from jaxkv._src.errors import KVStoreError
 
-__all__ = ["Saved", "SavedArray", "as_record", "filled", "is_pickle", "read", "slots_of"]
+__all__ = [
+    "Saved",
+    "SavedArray",
+    "as_record",
+    "filled",
+    "is_pickle",
+    "is_pickle_file",
+    "read",
+    "slots_of",
+]
 
 # NDArray::Save's magic numbers (MXNet's src/ndarray/ndarray.cc): V2, and V3 (NumPy shapes).
 _MAGICS = (0xF993FAC9, 0xF993FACA)
@@ -48,6 +57,16 @@ _OBJECT_MODULES = ("mxnet.optimizer.optimizer", "mxnet.optimizer", "mxnet.lr_sch
 def is_pickle(head: bytes) -> bool:
     """Whether a file starting with ``head`` is a pickle (protocol 2 or later: MXNet's)."""
     return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+
+
+def is_pickle_file(fname: Any) -> bool:
+    """Whether ``fname`` is a file that starts as a pickle (a directory, a missing or an
+    unreadable file is not: the store's own loader reports those)."""
+    try:
+        with open(fname, "rb") as f:
+            return is_pickle(f.read(2))
+    except OSError:
+        return False
 
 
 class SavedArray:

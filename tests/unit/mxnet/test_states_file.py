@@ -126,3 +126,12 @@ def test_filled_broadcasts_per_row_states_and_adds_jaxkvs_own_slots():
         sf.filled("f", "k", t, 0, [np.zeros(5)])
     with pytest.raises(jaxkv.KVStoreError, match="holds arrays of shapes"):
         sf.filled("f", "k", t, 0, [np.zeros((4, 3))] * 3)
+
+
+def test_only_a_file_that_starts_as_a_pickle_is_one(tmp_path):
+    assert not sf.is_pickle_file(tmp_path)  # a checkpoint directory
+    assert not sf.is_pickle_file(tmp_path / "missing")
+    (tmp_path / "npz").write_bytes(b"PK\x03\x04")
+    assert not sf.is_pickle_file(tmp_path / "npz")
+    (tmp_path / "p").write_bytes(pickle.dumps({}, protocol=2))
+    assert sf.is_pickle_file(tmp_path / "p")
