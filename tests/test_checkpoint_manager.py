@@ -92,6 +92,20 @@ def test_steps_are_listed_and_the_latest_or_any_one_restored(tmp_path, devices):
         assert_same(again.restore(optimizer=OPT), states[5])
 
 
+def test_a_restore_logs_no_warning(tmp_path, devices, caplog):
+    """A step that restores correctly logs nothing alarming: orbax's warning that the step's
+    arrays have no _CHECKPOINT_METADATA (jaxkv's manifest is their metadata) is not logged."""
+    import logging
+
+    state = state_at(1, devices[:2])
+    with jaxkv.CheckpointManager(tmp_path / "ckpt") as ckpt:
+        ckpt.save(1, state)
+        ckpt.wait_until_finished()
+        with caplog.at_level(logging.WARNING):
+            assert_same(ckpt.restore(optimizer=OPT), state)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == [], caplog.text
+
+
 def test_max_to_keep_keeps_the_newest_steps(tmp_path):
     with jaxkv.CheckpointManager(tmp_path, max_to_keep=2) as ckpt:
         for step in range(1, 5):

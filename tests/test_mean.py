@@ -169,3 +169,44 @@ def test_the_imperative_store_takes_reduce(cpus):
     kv.push("w", [jax.device_put(jnp.full(3, float(d)), cpus[d]) for d in range(4)])
     np.testing.assert_array_equal(kv.pull("w"), np.full(3, 1.5))
     assert kv.state.reduce == "mean"
+
+
+@pytest.mark.parametrize("layout", ["keys", "flat"])
+def test_each_key_is_divided_by_its_own_count(cpus, layout):
+    """Keys pushed a different number of times in one push (["a", "a", "b"]): "a" is the mean
+    of its two values, "b" its one value; eagerly from one device, and from 8 devices, each
+    pushing its own list (a: 16 contributions, b: 8)."""
+    state = jaxkv.empty(reduce="mean", layout=layout)
+    state = jaxkv.init(state, {"a": jnp.zeros(3), "b": jnp.zeros(3)})
+    state = jaxkv.push(state, ["a", "a", "b"], [jnp.full(3, 2.0), jnp.full(3, 6.0), jnp.ones(3)])
+    np.testing.assert_array_equal(jaxkv.pull(state, "a"), [4.0] * 3)  # (2 + 6) / 2
+    np.testing.assert_array_equal(jaxkv.pull(state, "b"), [1.0] * 3)  # 1 / 1
+    host = _per_device((3,), 11)
+    state = jaxkv.empty(cpus, reduce="mean", layout=layout)
+    state = jaxkv.init(state, {"a": jnp.zeros(3), "b": jnp.zeros(3)})
+    a = [jax.device_put(host[d], cpus[d]) for d in range(D)]
+    a2 = [jax.device_put(2 * host[d], cpus[d]) for d in range(D)]
+    b = [jax.device_put(host[d] + 1, cpus[d]) for d in range(D)]
+    state = jaxkv.push(state, ["a", "a", "b"], [a, a2, b])
+    np.testing.assert_allclose(jaxkv.pull(state, "a"), 3 * host.sum(0) / (2 * D), rtol=1e-6)
+    np.testing.assert_allclose(jaxkv.pull(state, "b"), (host + 1).mean(0), rtol=1e-6)
+
+
+def test_in_shard_map_each_key_is_divided_by_its_own_count(mesh):
+    """Inside shard_map, ["a", "a", "b"] from every device: "a" is pmean of each device's two
+    values' mean, "b" pmean of its one value."""
+    state = jaxkv.init(
+        jaxkv.empty(mesh=mesh, reduce="mean"), {"a": jnp.zeros(3), "b": jnp.zeros(3)}
+    )
+    spec = jaxkv.specs(state, "data")
+
+    def step(state, x):
+        v = jnp.full(3, jnp.sum(x))  # varying along "data"
+        return jaxkv.push(state, ["a", "a", "b"], [v, 3 * v, v + 1], axis_name="data")
+
+    fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, P("data")), out_specs=spec))
+    x = jax.device_put(jnp.arange(D * 2, dtype=jnp.float32), NamedSharding(mesh, P("data")))
+    state = fn(state, x)
+    per_device = np.asarray(x).reshape(D, 2).sum(1)
+    np.testing.assert_allclose(jaxkv.pull(state, "a"), [2 * per_device.mean()] * 3, rtol=1e-6)
+    np.testing.assert_allclose(jaxkv.pull(state, "b"), [per_device.mean() + 1] * 3, rtol=1e-6)

@@ -219,6 +219,40 @@ def key_kind(key: Key) -> str:
     return "str" if isinstance(key, str) else "int"
 
 
+class ReadOnlyMapping(Mapping):
+    """A read-only mapping that is a pytree of its values (``KVState.values``,
+    ``KVState.opt_states``): its keys, in their order, are the pytree's structure."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: dict) -> None:
+        self._items = items
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return f"ReadOnlyMapping({self._items!r})"
+
+
+def _flatten_mapping(m: ReadOnlyMapping) -> tuple[list, tuple]:
+    keys = tuple(m)
+    return [(jax.tree_util.DictKey(k), m[k]) for k in keys], keys
+
+
+jax.tree_util.register_pytree_with_keys(
+    ReadOnlyMapping,
+    _flatten_mapping,
+    lambda keys, children: ReadOnlyMapping(dict(zip(keys, children))),
+)
+
+
 @jax.tree_util.register_pytree_with_keys_class
 class KVState:
     """An immutable key-value store of arrays over a set of devices.
@@ -621,8 +655,9 @@ class KVState:
 
     @property
     def residuals(self) -> Mapping[Key, Any]:
-        """A read-only mapping from key to its error-feedback residual (``None`` without one)."""
-        return MappingProxyType(dict(zip(self._keys, self.residual_leaves)))
+        """A read-only mapping from key to its error-feedback residual (``None`` without one);
+        a pytree, as :attr:`values`."""
+        return ReadOnlyMapping(dict(zip(self._keys, self.residual_leaves)))
 
     @property
     def bigarray_bound(self) -> int | None:
@@ -651,8 +686,25 @@ class KVState:
 
     @property
     def values(self) -> Mapping[Key, Any]:
-        """A read-only mapping from key to stored value."""
-        return MappingProxyType(dict(zip(self._keys, self.stored_values)))
+        """A read-only mapping from key to stored value, and a pytree of them:
+        ``jax.tree.leaves(state.values)`` are the values, ``jax.tree.map(f, state.values)``
+        maps them.
+
+        Under a flat layout a key kept in a bucket is read through a view: reading the values
+        builds a copy of each such key (the views are computed, and kept with this state while
+        it lives), so ``state.values`` can hold more memory than the store. The bytes the store
+        holds are its leaves': ``sum(x.nbytes for x in jax.tree.leaves(state))`` (values,
+        optimizer state and residuals; a leaf split across devices counts its whole size).
+
+        Examples:
+          >>> import jax, jax.numpy as jnp, jaxkv
+          >>> s = jaxkv.init(jaxkv.empty(), {"a": jnp.ones(3), "b": jnp.zeros((2, 2))})
+          >>> sum(x.nbytes for x in jax.tree.leaves(s.values))
+          28
+          >>> jax.tree.map(lambda x: x.shape, s.values)["b"]
+          (2, 2)
+        """
+        return ReadOnlyMapping(dict(zip(self._keys, self.stored_values)))
 
     @property
     def shapes(self) -> Mapping[Key, tuple[int, ...]]:
@@ -663,8 +715,9 @@ class KVState:
     @property
     def opt_states(self) -> Mapping[tuple[Key, ...], Any]:
         """A read-only mapping from each optimizer group (a sorted tuple of keys) to its optax
-        state, the state of ``optimizer.init({key: value for key in group})``."""
-        return MappingProxyType({g: self.group_state(n) for n, g in enumerate(self.groups)})
+        state, the state of ``optimizer.init({key: value for key in group})``; a pytree of
+        those states' arrays, as :attr:`values`."""
+        return ReadOnlyMapping({g: self.group_state(n) for n, g in enumerate(self.groups)})
 
     def opt_group(self, key: Any) -> tuple[Key, ...] | None:
         """The optimizer group ``key`` belongs to, or ``None`` if it has no optimizer state."""
