@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -26,6 +27,7 @@ from jaxkv._src.checkpoint import npz as _checkpoint
 from jaxkv._src.core import compression as _compression
 from jaxkv._src.core import ops as _ops
 from jaxkv._src.core import plans as _dispatch
+from jaxkv._src.core import trees as _trees
 from jaxkv._src.core.eager import KEEP_VALUES, check_laid_out
 from jaxkv._src.core.updater import (
     as_transformation,
@@ -130,6 +132,10 @@ def _from_mxnet_updater(updater: Any) -> Any:
         return handle.asjax() if out is None else unwrap(out)
 
     return pure
+
+
+def _unwrap_leaf(x: Any) -> Any:
+    return x.asjax() if isinstance(x, NDArray) else x
 
 
 def _unwrap_values(values: Any) -> Any:
@@ -301,11 +307,19 @@ class KVStore:
         )
 
     # -- init / push / pull ----------------------------------------------------------------
-    def init(self, key: Any, value: Any) -> None:
-        """Add ``key`` (or a list of keys) with an initial value each.
+    def init(self, key: Any, value: Any = _args.MISSING) -> None:
+        """Add ``key`` (or a list of keys) with an initial value each; or, with no value, a
+        tree of parameters (a flax ``params`` dict, any pytree), each leaf a key named by its
+        path as in :func:`jaxkv.init` (``kv.pull(tree)`` then gives the tree back).
 
-        Checked at once; held until something reads, with the store's other held calls."""
+        Checked at once; held until something reads, with the store's other held calls. A
+        store holds trees or plain keys, not both: mixing them is refused."""
         with self._lock:
+            if value is _args.MISSING:
+                self._init_tree(key)
+                return
+            keys = list(key) if isinstance(key, list | tuple) else [key]
+            _trees.check_init(self._stored, None, keys)  # plain keys into a store of trees
             values = _unwrap_values(value)
             if not self._may_hold(values):
                 self._init_now(key, values)
@@ -314,20 +328,67 @@ class KVStore:
             held.inits.update(_ops.checked_inits(self._stored, key, values, held.inits))
             self._hold(held)
 
+    def _init_tree(self, tree: Any) -> None:
+        if _trees.split(tree) is None:
+            if isinstance(tree, Mapping):  # a flat mapping of keys to values
+                self.init(list(tree), list(tree.values()))
+                return
+            raise KVStoreError(
+                f"init({tree!r}): expected a value for the key, or a tree of parameters, given "
+                "a key and no value"
+            )
+        tree = jax.tree_util.tree_map(_unwrap_leaf, tree)
+        agreed = self._type in _DIST_TYPES and jax.process_count() > 1
+        if agreed:  # rank 0's values, as MXNet's servers keep the first init
+            tree = host_collectives.from_rank_zero(jax.tree_util.tree_map(np.asarray, tree))
+        self._state = _ops.init_keys(self._state, tree, defer=True, agreed=agreed)
+
+    def _tree_pairs(self, tree: Any) -> tuple[list, list]:
+        """A tree pushed with no value: its keys (the leaves' paths) and leaves, checked
+        against the trees given to ``init``; a flat mapping: its keys and values."""
+        split = _trees.split(tree)
+        if split is None:
+            if isinstance(tree, Mapping):
+                return list(tree), list(tree.values())
+            raise KVStoreError(
+                f"push({tree!r}): expected a value for the key, or a tree of the structure given "
+                "to init, given a key and no value"
+            )
+        self._check_tree(split)
+        return split.keys, [_unwrap_leaf(x) for x in split.leaves]
+
+    def _check_tree(self, tree: _trees.Tree, nested: bool = True) -> None:
+        """Refuse a tree of other paths than a tree given to ``init``, and a tree given to a
+        store of plain keys (``nested``: not a flat mapping of keys, which such a store
+        takes)."""
+        state = self._held_state()
+        if nested or state.trees:
+            _trees.check_push(state, tree)
+
+    def _held_state(self) -> KVState:
+        """The store's state with its held inits in it (its trees, for the checks)."""
+        if self._held is not None and self._held.inits:
+            return self._state
+        return self._stored
+
     def _init_now(self, key: Any, values: Any) -> None:
         agreed = self._type in _DIST_TYPES and jax.process_count() > 1
         if agreed:  # rank 0's values, as MXNet's servers keep the first init
             values = host_collectives.from_rank_zero(jax.tree_util.tree_map(np.asarray, values))
         self._state = _ops.init_keys(self._state, key, values, defer=True, agreed=agreed)
 
-    def push(self, key: Any, value: Any, priority: int = 0) -> None:
+    def push(self, key: Any, value: Any = _args.MISSING, priority: int = 0) -> None:
         """Push values: each key's values (one per device) are summed, then the updater runs.
+        With no value, a tree of the structure given to :meth:`init` (gradients of the
+        parameters): its leaves pushed to the keys named by their paths, as one push.
 
         Checked at once; held until something reads (docs/design.md, "MXNet code as it is
         written"), except under
         an updater that runs as Python on every push (``set_updater`` of a function not
         marked with :func:`jaxkv.pure_updater`)."""
         with self._lock:
+            if value is _args.MISSING:
+                key, value = self._tree_pairs(key)
             if _holds_row_sparse(value):
                 self._push_row_sparse(key, value)
                 return
@@ -379,6 +440,10 @@ class KVStore:
         once."""
         with self._lock:
             if out is None:
+                tree = _trees.structure(key)
+                if tree is not None:  # a tree (or a mapping) of keys: its values, as a tree
+                    self._check_tree(tree, _trees.is_tree(key))
+                    return _trees.fill(tree, list(self._values(tree.keys)))
                 return self._values(key)
             if (
                 self._held is None
@@ -491,10 +556,18 @@ class KVStore:
         )
 
     def pushpull(
-        self, key: Any, value: Any, out: Any = None, priority: int = 0
-    ) -> jax.Array | list[jax.Array] | None:
-        """Push ``value`` then pull into ``out`` (or into ``value`` itself when ``out=None``)."""
+        self, key: Any, value: Any = _args.MISSING, out: Any = None, priority: int = 0
+    ) -> Any:
+        """Push ``value`` then pull into ``out`` (or into ``value`` itself when ``out=None``).
+        With no value, a tree (as :meth:`push` takes it): pushed, then its new values returned
+        as a tree."""
         with self._lock:
+            if value is _args.MISSING:
+                tree = _trees.split(key)
+                self.push(key)
+                if tree is None:
+                    return None
+                return _trees.fill(tree, list(self._values(tree.keys)))
             if _holds_row_sparse(value):  # MXNet: push, then pull ignoring row-sparse outs
                 targets = out if out is not None else value
                 to_fill = _args.pairs(key, targets, "outs")
