@@ -63,6 +63,7 @@ def test_dist_sync_sums_within_each_process_then_across(n):
             "flat store",
             "flat split store",
             "mean across processes",
+            "mean per key across processes",
             "global value refused",
         ):
             assert f"rank {rank} ok {check}" in run.stdout, run.stdout + run.stderr

@@ -117,6 +117,21 @@ def main():
     got = jaxkv.pull(state, "m", devices=local[:1])
     np.testing.assert_allclose(np.asarray(got), np.full(3, want), rtol=2**-23, atol=0)
     print(f"rank {rank} ok mean across processes", flush=True)
+    # Each key divided by its own count: ["a", "a", "b"] from every process's first device
+    # gives "a" two contributions per process and "b" one.
+    state = jaxkv.init(
+        jaxkv.empty(jax.devices(), reduce="mean"),
+        {"a": np.zeros(3, np.float32), "b": np.zeros(3, np.float32)},
+    )
+    r1 = np.float32(rank + 1)
+    values = [np.full(3, r1), np.full(3, 3 * r1), np.full(3, r1)]
+    state = jaxkv.push(state, ["a", "a", "b"], [jax.device_put(v, local[0]) for v in values])
+    ranks = np.arange(1, workers + 1, dtype=np.float32)
+    want_a, want_b = np.float32(4 * ranks.sum()) / np.float32(2 * workers), ranks.mean()
+    for k, want in (("a", want_a), ("b", want_b)):
+        got = np.asarray(jaxkv.pull(state, k, devices=local[:1]))
+        np.testing.assert_allclose(got, np.full(3, want), rtol=2**-22, atol=0, err_msg=k)
+    print(f"rank {rank} ok mean per key across processes", flush=True)
     # A value spread over several processes' devices is refused: it is nobody's contribution.
     before = np.asarray(kv.pull("v"))
     whole = jax.device_put(np.ones(SHAPES["v"], np.float32), kv.state.sharding)

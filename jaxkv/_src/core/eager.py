@@ -115,6 +115,19 @@ def _layout(
         return "one", jax.device_put(xs[0], target or state.sharding_for(stored.shape))
     devices = [single_device(x) for x in xs]
     positions = state.local_positions
+    if multiprocess and (
+        len(set(devices)) != len(devices) or not all(d in positions for d in devices)
+    ):
+        # Across processes a value cannot be moved onto other processes' devices: this
+        # process's values are summed on its own devices first (in call order on each; a
+        # value off the store's devices on its first device), then stacked as below.
+        mine: dict[Any, jax.Array] = {}
+        first = next(iter(positions))
+        for x, d in zip(xs, devices):
+            d = d if d in positions else first
+            x = jax.device_put(x, d).astype(stored.dtype)
+            mine[d] = x if d not in mine else mine[d] + x
+        xs, devices = list(mine.values()), list(mine)
     if len(set(devices)) == len(devices) and all(d in positions for d in devices):
         dtype = xs[0].dtype
         if any(x.dtype != dtype for x in xs):
