@@ -119,12 +119,9 @@ def agree(held: Held, gathered: list[list[Key]]) -> None:
     )
     if (every == digest).all():
         return
-    sizes = host_collectives.all_gather(np.array([len(text)], np.int64), "sizes of the held keys")
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[: len(text)] = np.frombuffer(text, np.uint8)
-    texts = host_collectives.all_gather(padded, "the held keys")
+    texts = host_collectives.all_gather_text(text, "the held keys")
     described = []
-    everyone = [json.loads(bytes(row[: int(n)]).decode()) for row, n in zip(texts, sizes[:, 0])]
+    everyone = [json.loads(t.decode()) for t in texts]
     if all({**t, "numbers": None} == {**mine, "numbers": None} for t in everyone):
         _numbers_differ(everyone)
     for rank, theirs in enumerate(everyone):
@@ -155,11 +152,8 @@ def agree_numbers(keys: list[Key], table: Any) -> None:
     every = host_collectives.all_gather(digest, "the optimizer's numbers of a push")
     if (every == digest).all():
         return
-    sizes = host_collectives.all_gather(np.array([len(text)], np.int64), "sizes of the numbers")
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[: len(text)] = np.frombuffer(text, np.uint8)
-    texts = host_collectives.all_gather(padded, "the optimizer's numbers")
-    everyone = [json.loads(bytes(row[: int(n)]).decode()) for row, n in zip(texts, sizes[:, 0])]
+    texts = host_collectives.all_gather_text(text, "the optimizer's numbers")
+    everyone = [json.loads(t.decode()) for t in texts]
     given = [[k for k, _ in t["numbers"][0]] for t in everyone]
     if any(g != given[0] for g in given):
         per = "; ".join(f"process {p}: {_names(g)}" for p, g in enumerate(given))

@@ -65,6 +65,16 @@ def all_gather(x: np.ndarray, what: str = "all-gather of every process's values"
         return _mine(_host_collectives()[1](_rows(x)))
 
 
+def all_gather_text(text: bytes, what: str) -> list[bytes]:
+    """``text`` (bytes of any length) from every process, in process order: one all-gather of
+    the lengths, one of the texts padded to the longest (``what`` names the turns)."""
+    sizes = all_gather(np.array([len(text)], np.int64), f"sizes of {what}")
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: len(text)] = np.frombuffer(text, np.uint8)
+    rows = all_gather(padded, what)
+    return [bytes(row[: int(n)]) for row, n in zip(rows, sizes[:, 0])]
+
+
 def from_rank_zero(tree: Any) -> Any:
     """``tree`` (host arrays) as rank 0 has it, on every process, after this process's earlier
     collectives: bit for bit (the bytes of every leaf, summed with the other processes' zeros

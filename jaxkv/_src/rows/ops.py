@@ -915,14 +915,8 @@ def _extra_differs(key: Key, extra: dict | None) -> None:
     mine = json.dumps(
         {n: np.asarray(v).tolist() for n, v in sorted((extra or {}).items())}
     ).encode()
-    sizes = host_collectives.all_gather(np.array([len(mine)], np.int64), "sizes of the numbers")
-    padded_text = np.zeros(int(sizes.max()), np.uint8)
-    padded_text[: len(mine)] = np.frombuffer(mine, np.uint8)
-    texts = host_collectives.all_gather(padded_text, "the numbers of a row push")
-    per = "; ".join(
-        f"process {p}: {bytes(row[: int(n)]).decode()}"
-        for p, (row, n) in enumerate(zip(texts, sizes[:, 0]))
-    )
+    texts = host_collectives.all_gather_text(mine, "the numbers of a row push")
+    per = "; ".join(f"process {p}: {t.decode()}" for p, t in enumerate(texts))
     raise KVStoreError(
         f"key {key!r}: expected every process to push with the same numbers (an MXNet "
         f"optimizer's learning rate, ...), given {per}; nothing changed on any process"

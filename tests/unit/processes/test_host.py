@@ -150,3 +150,9 @@ def test_processes_at_the_same_barrier_pass_and_at_different_ones_are_refused(jo
     monkeypatch.setattr(host, "all_gather", gather_with("stop"))
     with pytest.raises(KVStoreError, match="'step'.*different"):
         host.barrier("step")
+
+
+def test_a_text_of_any_length_comes_back_whole():
+    """In one process: its own text, as given (the empty one too)."""
+    assert host.all_gather_text(b'{"numbers": [0.1]}', "a test's text") == [b'{"numbers": [0.1]}']
+    assert host.all_gather_text(b"", "a test's text") == [b""]
