@@ -236,6 +236,6 @@ def pushpull_into(
 def _distinct(key: Key, ids: Any, n_rows: int) -> np.ndarray:
     """The distinct ids of ``ids`` (checked as every row id is), sorted."""
     ids = host_ids(key, ids, n_rows)
-    if ids.size < 2 or bool(np.all(ids[1:] > ids[:-1])):  # already (as a batch's unique ids)
+    if _rows.sorted_distinct(ids):  # already (as a batch's unique ids)
         return ids
     return np.unique(ids)

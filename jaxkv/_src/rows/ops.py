@@ -76,7 +76,7 @@ from jaxkv._src.state.kvstate import spans_processes as _state_spans_processes
 from jaxkv._src.state.pairing import as_array, devices_of, is_traced
 from jaxkv._src.state.placement import replicate
 
-__all__ = ["pull_rows", "push_rows", "pushpull_rows", "row_sparse_pull", "slots"]
+__all__ = ["pull_rows", "push_rows", "pushpull_rows", "row_sparse_pull", "slots", "sorted_distinct"]
 
 _ID_DTYPE = jnp.int32  # row ids on device (JAX's default integer); tables below 2**31 rows
 
@@ -619,10 +619,8 @@ def _push(
     ``(given, checked)``, the ids to pull per device as given and checked on the host.
     ``checked``: the pairs' ids, already checked on the host (:func:`check_push`); ``extra``:
     the updater's extra arguments."""
-    updater = as_updater(updater)
-    extra = (
-        {} if extra is None else dict(extra)
-    )  # an optax wrapper (MultiSteps): its transformation
+    updater = as_updater(updater)  # an optax wrapper (MultiSteps): its transformation
+    extra = {} if extra is None else dict(extra)
     if state.reduce != "sum":
         raise KVStoreError(
             f"key {key!r}: a row-sparse push sums its rows, given a store with "
@@ -706,7 +704,7 @@ def _push(
     if leaf is not None and (n is None or state.packings[n] is None):
         sharded = state.is_sharded(shape)
         # One pair of sorted distinct ids (as a row-sparse value holds them): nothing to sum.
-        distinct = len(host) == 1 and _sorted_distinct(host[0][0])
+        distinct = len(host) == 1 and sorted_distinct(host[0][0])
         # A pull from the one device of a store of one, in the same computation.
         back = (
             not sharded
@@ -732,7 +730,7 @@ def _push(
     return collective_order.ordered("push_rows", fn, state, ids, rows, extra), None
 
 
-def _sorted_distinct(ids: np.ndarray) -> bool:
+def sorted_distinct(ids: np.ndarray) -> bool:
     """Whether the (checked) host ids are sorted and distinct."""
     return ids.size < 2 or bool(np.all(ids[1:] > ids[:-1]))
 
