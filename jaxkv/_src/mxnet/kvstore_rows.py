@@ -197,27 +197,15 @@ def pushpull_into(
         # Across processes: this process's outs, one on each of its devices, pulled in the
         # same agreement as the push (one host all-gather for both).
         local = [d for d in state.devices if d.process_index == jax.process_index()]
-        if devices != local[: len(devices)] or len(set(devices)) != len(devices):
-            state = run_held(state, push)
-            return state, pull_into(state, push.key, outs, asked)
-        placed = jax.device_put(asked, devices)
-        state, rows = _rows.pushpull_checked(
-            state,
-            push.key,
-            (push.row_ids, push.rows, push.ids),
-            (placed, asked),
-            push.updater,
-            push.donate,
-            push.extra,
+        fused = devices == local[: len(devices)] and len(set(devices)) == len(devices)
+    else:
+        fused = (
+            tuple(devices) == state.devices
+            and len(push.rows) == len(devices)
+            and len({x.size for x in asked}) == 1
+            and (len(outs) >= 2 or len(state.devices) == 1)
         )
-        return state, list(zip(outs, rows, placed))
-    if (
-        tuple(devices) != state.devices
-        or len(push.rows) != len(devices)
-        or len({x.size for x in asked}) != 1
-        or len(outs) < 2
-        and len(state.devices) > 1
-    ):
+    if not fused:
         state = run_held(state, push)
         return state, pull_into(state, push.key, outs, asked)
     placed = jax.device_put(asked, devices)  # the outs' ids, and the pull's, in place

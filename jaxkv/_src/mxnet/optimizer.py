@@ -579,13 +579,7 @@ class Optimizer:
             self.lr_mult = dict(numbers["lr_mult"])
             self.wd_mult = dict(numbers["wd_mult"])
             self.begin_num_update = begin
-            self.num_update = num_update
-            self._index_update_count.clear()
-            self._index_update_count.update(counts)
-            if sched_state is not None:
-                vars(self.lr_scheduler).clear()
-                vars(self.lr_scheduler).update(sched_state)
-            self._set_host_state(host)
+            self.restore_bookkeeping((num_update, counts, sched_state, host))
 
         return put_back
 
