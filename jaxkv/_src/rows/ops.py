@@ -1040,7 +1040,7 @@ def _across_pairs(
     else:
         ids = np.concatenate([x for x, _ in host])
         here = SingleDeviceSharding(local[0])
-        rows = concat_rows([r for _, r in host], here, ids.size).astype(dtype)
+        rows = concat_rows([r for _, r in host], here, ids.size, dtype)  # (no compile per count)
         pairs = [(ids, rows)] + [
             (np.zeros(0, np.int32), jax.device_put(np.zeros((0, *shape[1:]), dtype), d))
             for d in local[1:]

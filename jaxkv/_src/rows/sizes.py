@@ -106,18 +106,19 @@ def cut(x: jax.Array, n: int) -> jax.Array:
     return x[:n]
 
 
-def concat_rows(rows: list[Any], sharding: Any, to: int) -> jax.Array:
+def concat_rows(rows: list[Any], sharding: Any, to: int, dtype: Any = None) -> jax.Array:
     """``rows`` (arrays of rows, of one trailing shape) one after the other, zeros appended up to
-    ``to``, placed with ``sharding``: through the host where they all are in host memory (no
-    computation), else one concatenation, compiled once per list of counts."""
-    dtype = np.result_type(*[r.dtype for r in rows])
+    ``to``, placed with ``sharding``, in ``dtype`` (default: their common one): through the host
+    where they all are in host memory (no computation), else one concatenation, compiled once
+    per list of counts."""
+    dtype = np.result_type(*[r.dtype for r in rows]) if dtype is None else np.dtype(dtype)
     if all(not isinstance(r, jax.Array) or _on_host_cheaply(r) for r in rows):
         n = sum(r.shape[0] for r in rows)
         host = np.zeros((to, *rows[0].shape[1:]), dtype)
         host[:n] = np.concatenate([np.asarray(r) for r in rows])
         return jax.device_put(host, sharding)
     placed = jax.device_put(list(rows), [sharding] * len(rows))
-    return pad_rows(_concat(tuple(placed)), to)
+    return pad_rows(_concat(tuple(placed)).astype(dtype), to)
 
 
 @jax.jit

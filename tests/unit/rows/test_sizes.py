@@ -63,3 +63,12 @@ def test_a_site_pads_only_once_its_counts_vary():
     other = ("another test", object())
     got = [sizes.fit(other, n) for n in (1000, 1250, 1300, 1000, 1201, 1290)]
     assert got == [1000, 1250, 1408, 1000, 1280, 1408]
+
+
+def test_joined_rows_take_the_dtype_asked_for_without_a_compile(devices, compiles):
+    rows = [jax.device_put(np.ones((n, 2), np.float32), devices[0]) for n in (3, 5)]
+    with compiles() as c:
+        both = sizes.concat_rows(rows, jax.sharding.SingleDeviceSharding(devices[0]), 8, np.float16)
+    assert c.count == 0
+    assert both.dtype == np.float16 and both.shape == (8, 2)
+    np.testing.assert_array_equal(np.asarray(both)[:8], np.ones((8, 2), np.float16))
