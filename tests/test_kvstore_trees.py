@@ -96,3 +96,12 @@ def test_a_tree_of_other_paths_is_refused_naming_the_path():
     _same(kv.pull(PARAMS), before)
     with pytest.raises(jaxkv.KVStoreError, match="expected a value for the key"):
         kv.push("params/Dense_0/bias")
+
+
+def test_a_pushpull_of_a_flat_mapping_gives_its_values_as_a_mapping():
+    kv = jaxkv.KVStore("local")
+    kv.init({"x": jnp.ones(2), "y": jnp.zeros(3)})
+    got = kv.pushpull({"x": jnp.full(2, 3.0), "y": jnp.ones(3)})
+    assert set(got) == {"x", "y"}
+    np.testing.assert_array_equal(np.asarray(got["x"]), [3.0, 3.0])
+    np.testing.assert_array_equal(np.asarray(got["y"]), [1.0, 1.0, 1.0])

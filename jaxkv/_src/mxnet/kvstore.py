@@ -134,6 +134,18 @@ def _from_mxnet_updater(updater: Any) -> Any:
     return pure
 
 
+def _opened_tree(given: Any, call: str) -> _trees.Tree | None:
+    """What ``call`` (``init``, ``push``) got with no value: a tree (as a ``Tree``), or a flat
+    mapping of keys to values (``None``); a key alone is refused."""
+    split = _trees.split(given)
+    if split is None and not isinstance(given, Mapping):
+        raise KVStoreError(
+            f"{call}({given!r}): expected a value for the key, or a tree of parameters (or a "
+            "mapping of keys to values), given a key and no value"
+        )
+    return split
+
+
 def _unwrap_leaf(x: Any) -> Any:
     return x.asjax() if isinstance(x, NDArray) else x
 
@@ -329,14 +341,9 @@ class KVStore:
             self._hold(held)
 
     def _init_tree(self, tree: Any) -> None:
-        if _trees.split(tree) is None:
-            if isinstance(tree, Mapping):  # a flat mapping of keys to values
-                self.init(list(tree), list(tree.values()))
-                return
-            raise KVStoreError(
-                f"init({tree!r}): expected a value for the key, or a tree of parameters, given "
-                "a key and no value"
-            )
+        if _opened_tree(tree, "init") is None:  # a flat mapping of keys to values
+            self.init(list(tree), list(tree.values()))
+            return
         tree = jax.tree_util.tree_map(_unwrap_leaf, tree)
         agreed = self._type in _DIST_TYPES and jax.process_count() > 1
         if agreed:  # rank 0's values, as MXNet's servers keep the first init
@@ -346,14 +353,9 @@ class KVStore:
     def _tree_pairs(self, tree: Any) -> tuple[list, list]:
         """A tree pushed with no value: its keys (the leaves' paths) and leaves, checked
         against the trees given to ``init``; a flat mapping: its keys and values."""
-        split = _trees.split(tree)
+        split = _opened_tree(tree, "push")
         if split is None:
-            if isinstance(tree, Mapping):
-                return list(tree), list(tree.values())
-            raise KVStoreError(
-                f"push({tree!r}): expected a value for the key, or a tree of the structure given "
-                "to init, given a key and no value"
-            )
+            return list(tree), list(tree.values())
         self._check_tree(split)
         return split.keys, [_unwrap_leaf(x) for x in split.leaves]
 
@@ -562,11 +564,10 @@ class KVStore:
         With no value, a tree (as :meth:`push` takes it): pushed, then its new values returned
         as a tree."""
         with self._lock:
-            if value is _args.MISSING:
-                tree = _trees.split(key)
+            if value is _args.MISSING:  # a tree, or a mapping: its new values, as it
                 self.push(key)
-                if tree is None:
-                    return None
+                tree = _trees.structure(key)
+                assert tree is not None  # push took it: a tree or a mapping
                 return _trees.fill(tree, list(self._values(tree.keys)))
             if _holds_row_sparse(value):  # MXNet: push, then pull ignoring row-sparse outs
                 targets = out if out is not None else value
