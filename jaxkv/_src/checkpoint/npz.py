@@ -32,7 +32,15 @@ from jaxkv._src.state.buckets import leaf_owner
 from jaxkv._src.state.kvstate import Key, KVState, check_compressible
 from jaxkv._src.state.placement import host_copy
 
-__all__ = ["directory_contents", "load", "load_state", "save", "save_state"]
+__all__ = [
+    "directory_contents",
+    "is_pickle",
+    "load",
+    "load_state",
+    "load_with_record",
+    "save",
+    "save_state",
+]
 
 
 def _entries(state: KVState, values: bool) -> Iterator[tuple[dict[str, Key], str, str, jax.Array]]:
@@ -195,16 +203,17 @@ def save(
         raise
 
 
-def _is_pickle(head: bytes) -> bool:
-    """Whether a file starting with ``head`` is a pickle (protocol 2 or later: MXNet's)."""
-    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+def is_pickle(head: bytes) -> bool:
+    """Whether a file starting with ``head`` (its first bytes) is a pickle (protocol 2 or
+    later: MXNet's)."""
+    return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
 def _read(fname: str) -> tuple[dict, list[np.ndarray]]:
     """The manifest and arrays of ``fname``, every checksum and manifest field checked."""
     try:
         with open(fname, "rb") as f:  # ours to close, whatever np.load makes of it
-            if _is_pickle(f.read(2)):
+            if is_pickle(f.read(2)):
                 raise KVStoreError(
                     f"{fname}: expected a jaxkv store file, given a Python pickle, which jaxkv "
                     "never unpickles (that can run any code). MXNet's optimizer-state files "

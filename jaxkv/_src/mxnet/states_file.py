@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxkv._src.checkpoint.npz import is_pickle
 from jaxkv._src.errors import KVStoreError
 
 __all__ = [
@@ -27,7 +28,6 @@ __all__ = [
     "SavedArray",
     "as_record",
     "filled",
-    "is_pickle",
     "is_pickle_file",
     "read",
     "slots_of",
@@ -52,11 +52,6 @@ _ARRAYS = {
     ("mxnet.numpy.multiarray", "ndarray"),
 }
 _OBJECT_MODULES = ("mxnet.optimizer.optimizer", "mxnet.optimizer", "mxnet.lr_scheduler")
-
-
-def is_pickle(head: bytes) -> bool:
-    """Whether a file starting with ``head`` is a pickle (protocol 2 or later: MXNet's)."""
-    return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
 def is_pickle_file(fname: Any) -> bool:
