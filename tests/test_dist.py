@@ -95,16 +95,17 @@ def test_rows_across_processes(bound, rows):
         assert f"rank {rank} done" in run.stdout
 
 
-@pytest.mark.parametrize("bound", [0, 1000])
-def test_an_embedding_loop_across_processes(bound):
+@pytest.mark.parametrize(("n", "bound"), [(2, 0), (2, 1000), (3, 1000)])
+def test_an_embedding_loop_across_processes(n, bound):
     """MXNet code's embedding loop on dist_sync, one device per process (issue 38): each
     process pushes its own varying number of rows under lazy Adam with a schedule and pulls its
     rows back; every step equals a one-process store given both processes' rows, nothing
     compiles after warm-up, and float16 rows under multi_precision update a float32 master
-    copy; the table kept whole in every process, and split across them (bound 1000)."""
-    run = launch(2, "embedding_job.py", bound, per_process=1)
+    copy; the table kept whole in every process, and split across them (bound 1000), over 2
+    and 3 processes."""
+    run = launch(n, "embedding_job.py", bound, per_process=1)
     assert run.returncode == 0, run.stdout + run.stderr
-    for rank in range(2):
+    for rank in range(n):
         for check in (
             "rows after every step",
             "no compile after warm-up",
