@@ -7,7 +7,7 @@ import sys
 import pytest
 from _jobs import launch
 
-from jaxkv._src.mxnet.optimizer import MXNET_OPTIMIZERS
+from jaxkv._src.mxnet.optimizers.optimizer import MXNET_OPTIMIZERS
 
 
 @pytest.mark.parametrize("n", [2, 3])

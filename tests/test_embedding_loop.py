@@ -312,7 +312,7 @@ def test_a_thousand_scheduled_adam_steps_are_mxnets_bit_for_bit(one):
     off the nearest float32 for about 1 rate in 100: the store parses as MXNet does, so 1,000
     steps of a cosine schedule (conformance/record_adam_rates.py) give MXNet's weights bit for
     bit, where the nearest float32 drifts from them."""
-    from jaxkv._src.mxnet import float32 as f32
+    from jaxkv._src.mxnet.optimizers import float32 as f32
 
     grads = np.array(RATES["gradients"], np.float32)
     kv = jaxkv.KVStore("local", devices=one)

@@ -22,13 +22,13 @@ import pytest
 
 import jaxkv
 import jaxkv.mx as mx
-from jaxkv._src.mxnet import lr_scheduler as _lrs
+from jaxkv._src.mxnet.optimizers import lr_scheduler as _lrs
 from jaxkv.mx import lr_scheduler
 
 DATA = json.loads(
     (Path(__file__).parent.parent / "conformance" / "data" / "mxnet_schedules.json").read_text()
 )
-LOGGER = "jaxkv._src.mxnet.lr_scheduler"
+LOGGER = "jaxkv._src.mxnet.optimizers.lr_scheduler"
 RUNS = [
     pytest.param(case, seq, id=f"{case['name']}-{seq}")
     for case in DATA["schedules"]

@@ -36,7 +36,7 @@ import optax
 import pytest
 
 import jaxkv.mx as mx
-from jaxkv._src.mxnet.opt_adam_family import powf
+from jaxkv._src.mxnet.optimizers.adam_family import powf
 from jaxkv.mx import optimizer
 
 DATA = json.loads(

@@ -28,7 +28,7 @@ from optax.tree_utils import tree_map_params
 
 import jaxkv
 import jaxkv.mx as mx
-from jaxkv._src.mxnet import float32 as _f32
+from jaxkv._src.mxnet.optimizers import float32 as _f32
 from jaxkv.mx import optimizer
 
 DATA = json.loads(

@@ -39,11 +39,11 @@ from jaxkv._src.core.updater import (
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.mxnet import held as _queue
 from jaxkv._src.mxnet import kvstore_rows as _kvsparse
-from jaxkv._src.mxnet import optimizers as _optimizers  # noqa: F401 - fills the registry
 from jaxkv._src.mxnet import per_key as _perkey
 from jaxkv._src.mxnet import states_file as _states_file
 from jaxkv._src.mxnet.ndarray import NDArray, unwrap
-from jaxkv._src.mxnet.optimizer import Optimizer as MXNetOptimizer
+from jaxkv._src.mxnet.optimizers import catalog as _optimizers  # noqa: F401 - fills the registry
+from jaxkv._src.mxnet.optimizers.optimizer import Optimizer as MXNetOptimizer
 from jaxkv._src.mxnet.updater import Updater as MXNetUpdater
 from jaxkv._src.processes import host as host_collectives
 from jaxkv._src.processes import join as job

@@ -301,7 +301,7 @@ def filled(
 def as_record(saved: Saved, opt: Any) -> dict[str, Any]:
     """A dumped MXNet optimizer as jaxkv's record of one (``Optimizer.record``'s form) for
     ``opt``: its class, the arguments ``opt`` has too, its numbers, counts and schedule."""
-    from jaxkv._src.mxnet.optimizer import as_json
+    from jaxkv._src.mxnet.optimizers.optimizer import as_json
 
     fields = saved.fields
     mine = opt._repr_args()  # noqa: SLF001 - the arguments a record compares

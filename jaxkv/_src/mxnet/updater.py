@@ -11,7 +11,7 @@ import jax
 from jaxkv._src.core.updater import apply_updates
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.mxnet.ndarray import NDArray
-from jaxkv._src.mxnet.optimizer import Optimizer
+from jaxkv._src.mxnet.optimizers.optimizer import Optimizer
 
 __all__ = ["Updater", "get_updater"]
 

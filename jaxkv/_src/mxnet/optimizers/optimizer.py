@@ -51,7 +51,7 @@ import numpy as np
 import optax
 
 from jaxkv._src.errors import KVStoreError
-from jaxkv._src.mxnet import float32 as f32
+from jaxkv._src.mxnet.optimizers import float32 as f32
 
 __all__ = [
     "LearningRateError",

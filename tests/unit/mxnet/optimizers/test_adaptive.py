@@ -1,4 +1,4 @@
-"""jaxkv/_src/mxnet/opt_adaptive.py: MXNet 1.9.1's AdaGrad, GroupAdaGrad, RMSProp (plain and
+"""jaxkv/_src/mxnet/optimizers/adaptive.py: MXNet 1.9.1's AdaGrad, GroupAdaGrad, RMSProp (plain and
 centered), AdaDelta and Ftrl against NumPy float32 models of their kernels (each operation
 rounded in MXNet's order), eagerly and under ``jit``; their bookkeeping, refusals and edge
 cases."""
@@ -10,9 +10,9 @@ import optax
 import pytest
 
 import jaxkv.mx as mx
-from jaxkv._src.mxnet import float32 as _f32
-from jaxkv._src.mxnet.float32 import over, root
-from jaxkv._src.mxnet.opt_adaptive import _kahan_rows, _plain_rows
+from jaxkv._src.mxnet.optimizers import float32 as _f32
+from jaxkv._src.mxnet.optimizers.adaptive import _kahan_rows, _plain_rows
+from jaxkv._src.mxnet.optimizers.float32 import over, root
 from jaxkv.mx import optimizer
 
 from ._optimizer_models import G_BIG, GRADS, ONE, W0, W_BIG, _on_cpu, f32

@@ -24,10 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxkv._src.mxnet import float32 as f32
 from jaxkv._src.mxnet import random as mx_random
-from jaxkv._src.mxnet.opt_sgd import sgd_step
-from jaxkv._src.mxnet.optimizer import (
+from jaxkv._src.mxnet.optimizers import float32 as f32
+from jaxkv._src.mxnet.optimizers.optimizer import (
     Optimizer,
     OptimizerArgumentError,
     Scalars,
@@ -36,6 +35,7 @@ from jaxkv._src.mxnet.optimizer import (
     number,
     register,
 )
+from jaxkv._src.mxnet.optimizers.sgd import sgd_step
 
 __all__ = ["DCASGD", "LARS", "LBSGD", "NAG", "SGLD", "Signum", "reaching"]
 
@@ -84,7 +84,7 @@ def sgd_update(
     g: jax.Array, w: jax.Array, s: Scalars, z: jax.Array, lr: jax.Array | None = None
 ) -> jax.Array:
     """MXNet's ``sgd_update`` (and its lazy row-sparse kernel) as an update: the new weight
-    ``(1 - lr*wd) * w - step`` (:func:`~jaxkv._src.mxnet.opt_sgd.sgd_step`), which is
+    ``(1 - lr*wd) * w - step`` (:func:`~jaxkv._src.mxnet.optimizers.sgd.sgd_step`), which is
     ``w - step`` exactly when ``wd`` is 0. ``lr``: a learning rate other than ``s['lr']``."""
     d = w.dtype
     r = lambda x: f32.rounded(x, z)  # noqa: E731

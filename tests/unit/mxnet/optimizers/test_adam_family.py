@@ -1,4 +1,4 @@
-"""jaxkv/_src/mxnet/opt_adam_family.py: MXNet 1.9.1's Adamax, Nadam, FTML and LAMB against
+"""jaxkv/_src/mxnet/optimizers/adam_family.py: MXNet 1.9.1's Adamax, Nadam, FTML and LAMB against
 NumPy float32 models of their kernels (each operation rounded in MXNet's order; what MXNet
 computes in double, in float64), their host bookkeeping, refusals and edge cases."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxkv._src.mxnet import float32 as fl
-from jaxkv._src.mxnet import opt_adam_family as fam
+from jaxkv._src.mxnet.optimizers import adam_family as fam
+from jaxkv._src.mxnet.optimizers import float32 as fl
 from jaxkv.mx import optimizer
 
 from ._optimizer_models import GRADS, ONE, W0, _on_cpu, _run, f32

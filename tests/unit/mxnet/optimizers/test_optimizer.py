@@ -1,5 +1,5 @@
-"""jaxkv/_src/mxnet/optimizer.py: the base optimizer's arguments, refusals, frozen attributes,
-registry, and the kernels' bits under jit."""
+"""jaxkv/_src/mxnet/optimizers/optimizer.py: the base optimizer's arguments, refusals, frozen
+attributes, registry, and the kernels' bits under jit."""
 
 import jax
 import jax.numpy as jnp

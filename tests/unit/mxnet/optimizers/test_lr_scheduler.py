@@ -1,7 +1,7 @@
-"""jaxkv/_src/mxnet/lr_scheduler.py: each scheduler's edges (when a decay shows, the floor, the
-warm-up, state kept between calls, past ``max_update``), the refusals and their order, and the
-log messages. The expected values are MXNet 1.9.1's (tests/test_mx_lr_scheduler.py checks many
-more against its recording)."""
+"""jaxkv/_src/mxnet/optimizers/lr_scheduler.py: each scheduler's edges (when a decay shows, the
+floor, the warm-up, state kept between calls, past ``max_update``), the refusals and their order,
+and the log messages. The expected values are MXNet 1.9.1's (tests/test_mx_lr_scheduler.py checks
+many more against its recording)."""
 
 import logging
 import math
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv._src.mxnet import lr_scheduler as lrs
+from jaxkv._src.mxnet.optimizers import lr_scheduler as lrs
 
-LOGGER = "jaxkv._src.mxnet.lr_scheduler"
+LOGGER = "jaxkv._src.mxnet.optimizers.lr_scheduler"
 
 
 def test_the_errors_are_kvstore_errors_and_mxnets_builtins():

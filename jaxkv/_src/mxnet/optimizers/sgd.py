@@ -1,5 +1,5 @@
-"""MXNet's SGD family as kernels of :class:`~jaxkv._src.mxnet.optimizer.Optimizer`: ``SGD``
-(and its deprecated alias ``ccSGD``) and the ``'test'`` optimizer of MXNet's own tests."""
+"""MXNet's SGD family as kernels of :class:`~jaxkv._src.mxnet.optimizers.optimizer.Optimizer`:
+``SGD`` (and its deprecated alias ``ccSGD``) and the ``'test'`` optimizer of MXNet's own tests."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._src.mxnet import float32 as f32
-from jaxkv._src.mxnet.optimizer import (
+from jaxkv._src.mxnet.optimizers import float32 as f32
+from jaxkv._src.mxnet.optimizers.optimizer import (
     Optimizer,
     OptimizerArgumentError,
     Scalars,

@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._src.mxnet import float32 as f32
-from jaxkv._src.mxnet.opt_momentum import mx_clip, reaching, sign
-from jaxkv._src.mxnet.optimizer import (
+from jaxkv._src.mxnet.optimizers import float32 as f32
+from jaxkv._src.mxnet.optimizers.momentum import mx_clip, reaching, sign
+from jaxkv._src.mxnet.optimizers.optimizer import (
     Optimizer,
     OptimizerArgumentError,
     Scalars,

@@ -1,4 +1,4 @@
-"""jaxkv/_src/mxnet/opt_adam.py: MXNet 1.9.1's Adam (dense and row-sparse kernels) against a
+"""jaxkv/_src/mxnet/optimizers/adam.py: MXNet 1.9.1's Adam (dense and row-sparse kernels) against a
 NumPy float32 model of the documented formula, and its refusals."""
 
 import numpy as np

@@ -3,11 +3,11 @@ registry (and names what MXNet 1.9.1's ``mx.optimizer`` has that jaxkv does not)
 
 from __future__ import annotations
 
-from jaxkv._src.mxnet.opt_adam import Adam
-from jaxkv._src.mxnet.opt_adam_family import FTML, LAMB, Adamax, Nadam
-from jaxkv._src.mxnet.opt_adaptive import AdaDelta, AdaGrad, Ftrl, GroupAdaGrad, RMSProp
-from jaxkv._src.mxnet.opt_momentum import DCASGD, LARS, LBSGD, NAG, SGLD, Signum
-from jaxkv._src.mxnet.opt_sgd import SGD, Test, ccSGD
+from jaxkv._src.mxnet.optimizers.adam import Adam
+from jaxkv._src.mxnet.optimizers.adam_family import FTML, LAMB, Adamax, Nadam
+from jaxkv._src.mxnet.optimizers.adaptive import AdaDelta, AdaGrad, Ftrl, GroupAdaGrad, RMSProp
+from jaxkv._src.mxnet.optimizers.momentum import DCASGD, LARS, LBSGD, NAG, SGLD, Signum
+from jaxkv._src.mxnet.optimizers.sgd import SGD, Test, ccSGD
 
 __all__ = [
     "DCASGD",

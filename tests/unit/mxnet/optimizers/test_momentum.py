@@ -1,4 +1,4 @@
-"""jaxkv/_src/mxnet/opt_momentum.py: MXNet 1.9.1's NAG, Signum (and signSGD), SGLD, DCASGD,
+"""jaxkv/_src/mxnet/optimizers/momentum.py: MXNet 1.9.1's NAG, Signum (and signSGD), SGLD, DCASGD,
 LARS and LBSGD against NumPy float32 models of their kernels (each operation rounded in MXNet's
 order), the update that reaches a new weight, their bookkeeping, refusals and edge cases."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxkv.mx as mx
-from jaxkv._src.mxnet.opt_momentum import mx_clip, reaching, sign
+from jaxkv._src.mxnet.optimizers.momentum import mx_clip, reaching, sign
 from jaxkv.mx import optimizer
 
 from ._optimizer_models import GRADS, ONE, W0, _clip, _on_cpu, _run, f32

@@ -1,4 +1,4 @@
-"""jaxkv/_src/mxnet/opt_sgd.py: MXNet 1.9.1's SGD (dense and row-sparse kernels) and 'test'
+"""jaxkv/_src/mxnet/optimizers/sgd.py: MXNet 1.9.1's SGD (dense and row-sparse kernels) and 'test'
 optimizer against NumPy float32 models of the documented formulas."""
 
 import numpy as np

@@ -33,7 +33,7 @@ these raise :class:`SchedulerArgumentError` (a ``ValueError``) or
 the argument, what was expected and what was given. The checks run in MXNet's order, so several
 bad arguments give the error MXNet gives; unlike MXNet's ``assert``, they run under
 ``python -O`` too. Messages MXNet logs with ``logging.info`` go to this module's logger
-(``logging.getLogger("jaxkv._src.mxnet.lr_scheduler")``), at ``INFO``.
+(``logging.getLogger("jaxkv._src.mxnet.optimizers.lr_scheduler")``), at ``INFO``.
 """
 
 from __future__ import annotations

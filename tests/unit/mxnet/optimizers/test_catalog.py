@@ -1,11 +1,11 @@
-"""jaxkv/_src/mxnet/optimizers.py: every MXNet 1.9.1 optimizer registered under its name, and
-MXNet's public names that jaxkv does not have named as such."""
+"""jaxkv/_src/mxnet/optimizers/catalog.py: every MXNet 1.9.1 optimizer registered under its name,
+and MXNet's public names that jaxkv does not have named as such."""
 
 import pytest
 
 import jaxkv.mx as mx
-from jaxkv._src.mxnet import optimizer as _optimizer
-from jaxkv._src.mxnet import optimizers
+from jaxkv._src.mxnet.optimizers import catalog
+from jaxkv._src.mxnet.optimizers import optimizer as _optimizer
 
 
 @pytest.mark.parametrize("name", _optimizer.MXNET_OPTIMIZERS)
@@ -21,6 +21,6 @@ def test_every_mxnet_optimizer_is_created_by_its_name(name):
 
 def test_the_modules_names_are_mxnets():
     """Its classes are MXNet's (GroupAdaGrad is mx.optimizer.contrib's in MXNet)."""
-    assert set(optimizers.__all__) - {"MXNET_NAMES", "GroupAdaGrad"} <= set(optimizers.MXNET_NAMES)
-    for name in optimizers.__all__:
-        assert hasattr(optimizers, name)
+    assert set(catalog.__all__) - {"MXNET_NAMES", "GroupAdaGrad"} <= set(catalog.MXNET_NAMES)
+    for name in catalog.__all__:
+        assert hasattr(catalog, name)

@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._src.mxnet import float32 as f32
-from jaxkv._src.mxnet.opt_momentum import mx_clip, reaching
-from jaxkv._src.mxnet.optimizer import (
+from jaxkv._src.mxnet.optimizers import float32 as f32
+from jaxkv._src.mxnet.optimizers.momentum import mx_clip, reaching
+from jaxkv._src.mxnet.optimizers.optimizer import (
     Optimizer,
     OptimizerArgumentError,
     Scalars,
@@ -76,7 +76,7 @@ def powf(base: float, exponent: float) -> float:
       The float32 result, as a Python float.
 
     Examples:
-      >>> from jaxkv._src.mxnet.opt_adam_family import powf
+      >>> from jaxkv._src.mxnet.optimizers.adam_family import powf
       >>> powf(0.5, 3)
       0.125
     """

@@ -1,12 +1,12 @@
-"""jaxkv/_src/mxnet/float32.py: the update count's bound, and beta**t and the bias-corrected
-learning rate in double-float32."""
+"""jaxkv/_src/mxnet/optimizers/float32.py: the update count's bound, and beta**t and the bias-
+corrected learning rate in double-float32."""
 
 import math
 
 import jax.numpy as jnp
 import pytest
 
-from jaxkv._src.mxnet import float32 as fl
+from jaxkv._src.mxnet.optimizers import float32 as fl
 
 from ._optimizer_models import I32_MAX, f32
 

@@ -1,4 +1,5 @@
-"""MXNet's Adam family as kernels of :class:`~jaxkv._src.mxnet.optimizer.Optimizer`: ``Adam``."""
+"""MXNet's Adam family as kernels of :class:`~jaxkv._src.mxnet.optimizers.optimizer.Optimizer`:
+``Adam``."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._src.mxnet import float32 as f32
-from jaxkv._src.mxnet.optimizer import (
+from jaxkv._src.mxnet.optimizers import float32 as f32
+from jaxkv._src.mxnet.optimizers.optimizer import (
     Optimizer,
     OptimizerArgumentError,
     Scalars,
