@@ -365,3 +365,27 @@ def test_setting_the_same_updater_again_does_not_recompile(kv, compiles):
         kv.push(3, nd.ones(SHAPE))
     assert c.count == 0
     np.testing.assert_array_equal(kv.pull(3), np.full(SHAPE, 4.0))
+
+
+@pytest.mark.parametrize("layout", ["auto", "flat", "keys"])
+def test_a_push_of_other_keys_keeps_a_handed_out_optimizer_state_valid(layout, monkeypatch):
+    """Found by the deep stateful run: keys inited after ``kv.state`` was read (held apart
+    until a push settles them into buckets) were pushed with donation, and the push, which
+    settled the state flat, donated every leaf: the optimizer state of the keys handed out
+    was deleted under the caller."""
+    monkeypatch.setenv("MXNET_KVSTORE_BIGARRAY_BOUND", "16")
+    kv = jaxkv.KVStore("local", layout=layout)
+    kv.set_optimizer(optax.sgd(0.1, momentum=0.9))
+    kv.init([0, 1], [nd.ones((16, 8)), nd.ones((8, 4))])  # split across the devices
+    kv.push([0, 1], [nd.ones((16, 8)), nd.ones((8, 4))])
+    snapshot = kv.state
+    kv.init([2, 3], [nd.ones((2,)), nd.ones((3,))])  # small: bucketed where the layout is
+    kv.push([2, 3], [nd.ones((2,)), nd.ones((3,))])
+    kv.push([2, 3], [nd.ones((2,)), nd.ones((3,))])
+    nd.waitall()
+    leaves = jax.tree_util.tree_leaves(snapshot)
+    assert not any(x.is_deleted() for x in leaves)
+    momentum = jax.tree_util.tree_leaves(dict(snapshot.opt_states))
+    assert [float(np.asarray(m).ravel()[0]) for m in momentum] == [1.0, 1.0]
+    np.testing.assert_allclose(jaxkv.pull(snapshot, 0), np.full((16, 8), 0.9), rtol=1e-6)
+    np.testing.assert_allclose(kv.pull(2), np.full((2,), 1 - 0.1 - 0.19), rtol=1e-6)

@@ -1076,14 +1076,17 @@ class KVStore:
             for gone in [i for i in list(self._shared.keys()) if i not in held]:
                 self._shared.pop(gone, None)
         if len(self._shared):  # something handed out through `state` is held: keep it valid
-            pushed = {k for k, _ in _args.pairs(key, values, "values") if k in state}
-            groups = {g for k in pushed if (g := state.opt_group(k)) is not None}
-            if state.flat_layout is not None:  # a push writes into buckets other keys share
-                leaves = jax.tree_util.tree_leaves(state)
-            else:
+            if state.policy[0] == "keys" and state.flat_layout is None:
+                # One array per key, always: a push donates only its keys' leaves.
+                pushed = {k for k, _ in _args.pairs(key, values, "values") if k in state}
+                groups = {g for k in pushed if (g := state.opt_group(k)) is not None}
                 leaves = jax.tree_util.tree_leaves(
                     [[state[k] for k in pushed], [state.opt_states[g] for g in groups]]
                 )
+            else:
+                # A push may write into buckets other keys share, or settle keys held apart
+                # into buckets first (then donating every leaf): any leaf handed out counts.
+                leaves = jax.tree_util.tree_leaves(state)
             if any(id(leaf) in self._shared for leaf in leaves):
                 donate = False
         return donate
