@@ -15,13 +15,16 @@ $(STAMP): pyproject.toml
 # Test runs use WORKERS processes (pytest-xdist; the multi-process tests start their own).
 WORKERS ?= 2
 XDIST   := -n $(WORKERS)
+# The exhaustive variants of a test (marked deep: tests/_variants.py) run in make test-deep only;
+# the variants every other target runs cover each value of each axis (most, each pair of them).
+QUICK   := -m "not deep"
 
 test: $(STAMP)
 	$(BIN)/ruff check jaxkv tests examples benchmarks conformance
 	$(BIN)/lint-imports --no-cache  # the layers of jaxkv/_src (pyproject.toml, [tool.importlinter])
 	$(BIN)/mypy jaxkv
 	rm -f .coverage .coverage.*
-	$(BIN)/coverage run -m pytest -q $(XDIST)
+	$(BIN)/coverage run -m pytest -q $(XDIST) $(QUICK)
 	$(BIN)/coverage combine -q
 	$(BIN)/coverage report
 
@@ -38,7 +41,7 @@ SLOW_TESTS := tests/test_stateful.py tests/test_rows.py tests/test_per_key.py \
 	tests/test_split_buckets.py tests/test_flat_store.py tests/test_demo.py tests/test_notebook.py
 SELECTION  := $(foreach f,$(SLOW_TESTS),--ignore $(f))
 # What test-oldest and test-newest run: the selection (make test-deep: everything).
-VERSIONS_SUITE ?= $(SELECTION)
+VERSIONS_SUITE ?= $(SELECTION) $(QUICK)
 
 # The suite again in the layouts the default run seldom makes, and with the public fallbacks:
 # CI runs it after make test.
@@ -49,11 +52,11 @@ test-layouts: $(STAMP)
 	@echo "   tests: the two-host ones need the private hook that binds gloo toward the"
 	@echo "   coordinator, and the others run no store code"
 	JAXKV_NO_FAST_PATHS=1 JAXKV_LAYOUT=keys $(BIN)/python -m pytest -q -p no:cacheprovider \
-	  $(XDIST) $(SELECTION) \
+	  $(XDIST) $(SELECTION) $(QUICK) \
 	  --deselect tests/test_fast.py::test_the_public_fallbacks_give_the_same_results
 	@echo "== the property model, the in-trace and training tests, the checkpoints and MXNet's"
 	@echo "   own tests and tutorials with every store flat (JAXKV_LAYOUT=flat), big values too"
-	JAXKV_LAYOUT=flat $(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) $(FLAT_TESTS)
+	JAXKV_LAYOUT=flat $(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) $(QUICK) $(FLAT_TESTS)
 
 # What make test-layouts runs again with JAXKV_LAYOUT=flat.
 FLAT_TESTS := tests/test_stateful.py tests/test_in_trace.py tests/test_in_trace_mixed.py \
@@ -118,11 +121,15 @@ wheel-check: $(STAMP)
 # sequences of calls, and the launcher naming the first process to fail ten times over each way
 # it fails: run before a change to the arithmetic, to collectives or to the launcher lands.
 # Each stateful run draws its store's layout (auto, flat or keys), so both layouts are covered.
-# Then the whole suite with the oldest and the newest JAX (CI runs the selection with each).
+# Then every exhaustive variant (marked deep) that make test leaves out, and the whole suite with
+# the oldest and the newest JAX (CI runs the selection with each).
+DEEP_FILES := tests/test_stateful.py tests/test_dist_stress.py tests/test_dist_sums.py \
+	tests/test_launch_cause.py
 test-deep: $(STAMP)
 	HYPOTHESIS_PROFILE=deep JAXKV_STRESS=deep $(BIN)/python -m pytest -q -p no:cacheprovider \
-	  tests/test_stateful.py tests/test_dist_stress.py tests/test_dist_sums.py \
-	  tests/test_launch_cause.py
+	  $(DEEP_FILES)
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) -m deep \
+	  $(foreach f,$(DEEP_FILES),--ignore $(f))
 	$(MAKE) --no-print-directory test-oldest test-newest VERSIONS_SUITE=
 
 demo: $(STAMP)

@@ -95,7 +95,10 @@ def test_rows_across_processes(bound, rows):
         assert f"rank {rank} done" in run.stdout
 
 
-@pytest.mark.parametrize(("n", "bound"), [(2, 0), (2, 1000), (3, 1000)])
+# The table split (bound 0) at 2 processes and whole at 3; whole at 2 in make test-deep.
+@pytest.mark.parametrize(
+    ("n", "bound"), [(2, 0), pytest.param(2, 1000, marks=pytest.mark.deep), (3, 1000)]
+)
 def test_an_embedding_loop_across_processes(n, bound):
     """MXNet code's embedding loop on dist_sync, one device per process (issue 38): each
     process pushes its own varying number of rows under lazy Adam with a schedule and pulls its

@@ -16,10 +16,8 @@ def test_the_default_store_spans_every_process(n):
     assert run.stdout.count("ok a push sums every process's devices") == n, run.stdout
 
 
-@pytest.mark.parametrize(
-    "n",
-    [2, 3, 4],
-)
+# 3 processes (2048 rows split padded) and 4 (evenly); 2 in make test-deep.
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.deep), 3, 4])
 def test_a_dist_sync_store_keeps_1_over_p_of_big_values_and_their_state(n):
     """Adam over one 8M-element key and 20 small ones: at most 1.1/P of the store's bytes per
     process, by default (MXNet's bound, 1M elements)."""

@@ -14,6 +14,7 @@ import os
 
 import pytest
 from _jobs import launch
+from _variants import covering
 
 pytest.importorskip("orbax.checkpoint")
 
@@ -23,10 +24,13 @@ OPS = int(os.environ.get("JAXKV_STRESS_OPS") or (300 if DEEP else 60))
 BOUND = "12"  # elements: the keys "a" and "e" are then split across the processes
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
-@pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("seed", range(SEEDS))
-def test_a_random_sequence_of_calls_gives_the_models_values(tmp_path, n, split, seed):
+# make test: 2 processes with values whole, 3 with big values split; make test-deep: every
+# seed, process count and way.
+@pytest.mark.parametrize(
+    ("seed", "n", "way"), covering(range(SEEDS), [2, 3], ["whole", "split"], strength=1)
+)
+def test_a_random_sequence_of_calls_gives_the_models_values(tmp_path, seed, n, way):
+    split = way == "split"
     seed = 1000 * n + 2 * seed + split + 2  # another sequence for each case
     args = [str(seed), str(OPS), str(tmp_path)] + ([BOUND] if split else [])
     run = launch(n, "stress_job.py", *args, timeout=120 + 2 * OPS)

@@ -14,6 +14,7 @@ import warnings
 import jax
 import numpy as np
 import pytest
+from _variants import rotating
 
 import jaxkv
 import jaxkv.mx as mx
@@ -91,8 +92,9 @@ def _replay(sc, n_devices):
     return got
 
 
-@pytest.mark.parametrize("n_devices", [1, 2, 8])
-@pytest.mark.parametrize("name", list(SCENARIOS))
+# make test: each scenario once, on 1, 2 or 8 devices in turn; make conformance and
+# test-deep: all three.
+@pytest.mark.parametrize(("name", "n_devices"), rotating(list(SCENARIOS), [1, 2, 8]))
 def test_training_with_changing_learning_rates_gives_mxnets_numbers(name, n_devices):
     sc = SCENARIOS[name]
     got = _replay(sc, n_devices)

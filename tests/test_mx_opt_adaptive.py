@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _variants import rotating
 from optax.tree_utils import tree_map_params
 
 import jaxkv
@@ -164,8 +165,8 @@ def replay(case: dict, n_devices: int) -> list[dict]:
     return got
 
 
-@pytest.mark.parametrize("n_devices", [2, 8])
-@pytest.mark.parametrize("name", sorted(DENSE))
+# make test: each case once, on 2 or 8 devices in turn; make conformance and test-deep: both.
+@pytest.mark.parametrize(("name", "n_devices"), rotating(sorted(DENSE), [2, 8]))
 def test_a_store_trains_as_mxnets(name, n_devices):
     case = DENSE[name]
     whole = {k: WrittenWhole(v) for k, v in case["init"].items()}

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _variants import rotating
 
 import jaxkv
 import jaxkv.mx as mx
@@ -162,8 +163,8 @@ def replay(case: dict, n_devices: int, opt=None) -> list[dict]:
     return got
 
 
-@pytest.mark.parametrize("n_devices", [2, 8])
-@pytest.mark.parametrize("name", sorted(DENSE))
+# make test: each case once, on 2 or 8 devices in turn; make conformance and test-deep: both.
+@pytest.mark.parametrize(("name", "n_devices"), rotating(sorted(DENSE), [2, 8]))
 def test_a_store_trains_as_mxnets(name, n_devices):
     case = DENSE[name]
     differing = 0

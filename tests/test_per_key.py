@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _variants import covering
 
 import jaxkv
 import jaxkv.mx as mx
@@ -87,8 +88,11 @@ def optimizers():
     }
 
 
-@pytest.mark.parametrize("layout", ["auto", "flat", "keys"])
-@pytest.mark.parametrize("opt", ["assign", "mx_sgd", "optax_adam"])
+# Each layout and each kind of updater in make test (3 of the 9); all in make test-deep.
+@pytest.mark.parametrize(
+    ("layout", "opt"),
+    covering(["auto", "flat", "keys"], ["assign", "mx_sgd", "optax_adam"], strength=1),
+)
 def test_one_key_at_a_time_compiles_a_constant_and_no_more_than_a_list(
     devices, compiles, layout, opt
 ):
@@ -173,8 +177,10 @@ def test_a_deferred_key_leaves_the_store_laid_out(devices):
     np.testing.assert_array_equal(jaxkv.pull(pushed, "b"), np.ones((2, 2)))
 
 
-@pytest.mark.parametrize("layout", ["auto", "keys"])
-@pytest.mark.parametrize("opt", ["assign", "mx_sgd", "optax_adam"])
+# Each kind of updater, and each layout, in make test (3 of the 6); all in make test-deep.
+@pytest.mark.parametrize(
+    ("opt", "layout"), covering(["assign", "mx_sgd", "optax_adam"], ["auto", "keys"], strength=1)
+)
 def test_held_calls_give_what_calls_run_one_by_one_give(devices, layout, opt):
     """The same loop, every call read at once (one computation per call) and held: the same
     bits, and MXNet's ordering (a pull sees every push before it)."""

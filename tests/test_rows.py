@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from _devices import cpu_empty
+from _variants import covering
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -111,9 +112,10 @@ def _pushes(draw, n_rows):
 
 
 @pytest.mark.standard_promotion  # optax's Adam
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("table", list(TABLES))
-@pytest.mark.parametrize("updater", list(UPDATERS))
+# Each pair of an updater, a table and a layout in make test; all 36 in make test-deep.
+@pytest.mark.parametrize(
+    ("updater", "table", "layout"), covering(list(UPDATERS), list(TABLES), LAYOUTS)
+)
 @settings(max_examples=6, deadline=None)
 @given(data=st.data())
 def test_pushes_and_pulls_of_rows_follow_the_model(layout, table, updater, data):
