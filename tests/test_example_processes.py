@@ -35,3 +35,16 @@ def test_killed_and_resumed_it_ends_where_one_device_optax_ends(tmp_path):
     assert diff is not None, text
     assert float(diff.group(1)) < 1e-6, text
     assert sorted(os.listdir(tmp_path)) == ["12", "8"]  # max_to_keep=2
+
+
+def test_the_readmes_dist_sync_example_prints_the_sum_over_both_processes():
+    """``examples/dist_sync.py``, launched as the README shows: 2 processes of 4 devices, each
+    pushing ones from its devices, each pulling their sum (8) and printing it with its rank."""
+    script = EXAMPLE.parent / "dist_sync.py"
+    command = [sys.executable, "-m", "jaxkv.launch", "-n", "2", "--devices-per-process", "4"]
+    run = subprocess.run(
+        [*command, str(script)], env=cpu_env(), capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = sorted(line for line in run.stdout.splitlines() if " of 2:" in line)
+    assert lines == ["[0] rank 0 of 2: [8. 8. 8.]", "[1] rank 1 of 2: [8. 8. 8.]"], run.stdout
