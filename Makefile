@@ -173,12 +173,15 @@ RECORDS := conformance/record_optimizers.py conformance/record_schedules.py \
 	conformance/record_resume.py conformance/record_adam_rates.py
 REPLAYS := tests/test_mx_optimizer.py tests/test_mx_lr_scheduler.py tests/test_mx_lr_training.py \
 	$(sort $(wildcard tests/test_mx_opt_*.py)) tests/test_embedding_loop.py
+# Every replay by default; CI, which has just run make test (the replays but their variants
+# marked deep), sets REPLAYS_MARK='-m deep' to replay only those.
+REPLAYS_MARK ?=
 conformance: $(STAMP)
 	bash conformance/setup_mxnet.sh
 	set -e; for r in $(RECORDS); do echo "== $$r"; "$$(bash conformance/setup_mxnet.sh)" $$r; done
 	git diff --exit-code --stat -- conformance/data || { echo "MXNet's records differ from \
 	  the committed ones (git diff conformance/data)"; exit 1; }
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) $(REPLAYS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) $(REPLAYS_MARK) $(REPLAYS)
 	$(BIN)/python conformance/harness.py --n 500
 
 # Mutation tests (Cosmic Ray, in a venv of its own) of the store's arithmetic and checks; not
