@@ -1076,8 +1076,9 @@ class KVStore:
             for gone in [i for i in list(self._shared.keys()) if i not in held]:
                 self._shared.pop(gone, None)
         if len(self._shared):  # something handed out through `state` is held: keep it valid
-            if state.policy[0] == "keys" and state.flat_layout is None:
-                # One array per key, always: a push donates only its keys' leaves.
+            if state.flat_layout is None and not state.deferred:
+                # One array per key, and none to settle into buckets first: a push donates
+                # only its keys' leaves and their group's state.
                 pushed = {k for k, _ in _args.pairs(key, values, "values") if k in state}
                 groups = {g for k in pushed if (g := state.opt_group(k)) is not None}
                 leaves = jax.tree_util.tree_leaves(
