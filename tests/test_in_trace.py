@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from _devices import cpu_empty, cpu_store, held_per_device, split_buckets
+from _variants import rotating
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -203,8 +204,8 @@ def device_bytes(leaf, device):
 
 
 @pytest.mark.standard_promotion  # Adam
-@pytest.mark.parametrize("form", ["whole", "shard"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+# make test: each optimizer once, the forms taking turns; every pair in make test-deep.
+@pytest.mark.parametrize(("name", "form"), rotating(list(OPTIMIZERS), ["whole", "shard"]))
 def test_data_parallel_training_with_a_sharded_store_matches_optax(name, form, compiles, devices):
     opt = OPTIMIZERS[name]
     state, count = sharded_run(opt, form, compiles)

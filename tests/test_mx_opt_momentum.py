@@ -205,7 +205,11 @@ def state_arrays(tx, state) -> list[jax.Array]:
     return [m[1] for m in jax.tree.leaves(marked, is_leaf=is_mark) if m is not None]
 
 
-@pytest.mark.parametrize("name", sorted(DENSE))
+# make test: each configuration once, eager and jit taking turns (every configuration runs
+# under jit through a store in test_a_store_trains_as_mxnets); both for each in make test-deep.
+@pytest.mark.parametrize(
+    ("name", "call"), rotating(sorted(DENSE), ["eager", "jit"]), indirect=["call"]
+)
 def test_the_transformation_keeps_mxnets_states(name, call):
     case = DENSE[name]
     opt = build(case)

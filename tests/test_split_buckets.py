@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from _devices import held_per_device
+from _variants import rotating
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -177,8 +178,8 @@ def _reference(opt, steps):
 
 
 @pytest.mark.standard_promotion
-@pytest.mark.parametrize("form", ["whole", "blocks"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+# make test: each optimizer once, the forms taking turns; every pair in make test-deep.
+@pytest.mark.parametrize(("name", "form"), rotating(list(OPTIMIZERS), ["whole", "blocks"]))
 def test_a_shard_map_step_matches_one_device_optax(name, form, devices, compiles):
     """Both gradient forms: the whole values pulled (a whole-shape, per-device gradient,
     reduce-scattered into the blocks), and the blocks gathered inside the loss (AD's

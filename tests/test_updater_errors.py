@@ -18,6 +18,7 @@ from _updaters import (
     in_place,
     transformation,
 )
+from _variants import covering
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -71,10 +72,9 @@ INNERS = {"sgd": lambda: optax.sgd(0.1), "momentum": lambda: optax.sgd(0.1, mome
 
 @pytest.mark.standard_promotion  # MultiSteps counts in int32 beside float32
 # -- optax.MultiSteps and other wrappers with gradient_transformation() --------------------------
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("inner", list(INNERS))
-@pytest.mark.parametrize("keys", [["a"], ["a", "b"]], ids=["one", "list"])
+@pytest.mark.parametrize(("layout", "inner", "keys"), covering(LAYOUTS, list(INNERS), ["a", "ab"]))
 def test_multisteps_pushed_equals_its_transformation_by_hand(layout, inner, keys, compiles):
+    keys = list(keys)
     ms = optax.MultiSteps(INNERS[inner](), every_k_schedule=2)
     want = _by_hand(ms, keys, 6)
     state = _state(layout)
@@ -114,10 +114,11 @@ def test_multisteps_through_pushpull_init_optimizer_and_jit(layout):
 
 
 @pytest.mark.standard_promotion  # MultiSteps counts in int32 beside float32
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("setter", ["set_optimizer", "set_updater"])
-@pytest.mark.parametrize("keys", [["a"], ["a", "b"]], ids=["one", "list"])
+@pytest.mark.parametrize(
+    ("layout", "setter", "keys"), covering(LAYOUTS, ["set_optimizer", "set_updater"], ["a", "ab"])
+)
 def test_multisteps_on_the_imperative_store(layout, setter, keys):
+    keys = list(keys)
     ms = optax.MultiSteps(optax.sgd(0.1, momentum=0.9), every_k_schedule=2)
     want = _by_hand(ms, keys, 6)
     kv = _store(layout)
