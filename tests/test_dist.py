@@ -9,8 +9,12 @@ from _jobs import launch
 
 from jaxkv._src.mxnet.optimizers.optimizer import MXNET_OPTIMIZERS
 
+# make test: 3 processes (values split over them unevenly, and more orders of arrival); 2 in
+# make test-deep (most other jobs here run 2).
+N_PROCESSES = [pytest.param(2, marks=pytest.mark.deep), 3]
 
-@pytest.mark.parametrize("n", [2, 3])
+
+@pytest.mark.parametrize("n", N_PROCESSES)
 def test_dist_sync_job(n):
     run = launch(n, "kvstore_job.py", str(n))
     assert run.returncode == 0, run.stdout + run.stderr
@@ -47,7 +51,7 @@ def test_launcher_refuses_no_processes():
     assert run.returncode != 0 and "at least 1" in run.stderr
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", N_PROCESSES)
 def test_dist_sync_sums_within_each_process_then_across(n):
     """Pushes from any of a process's devices (several, one, the same one twice, none of the
     store's own) are summed there, then across processes; pulls to every device equal a NumPy
@@ -119,7 +123,7 @@ def test_an_embedding_loop_across_processes(n, bound):
         assert f"rank {rank} done" in run.stdout
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", N_PROCESSES)
 def test_dist_sync_matches_pushes_by_key(n):
     """Processes push the same keys one at a time, each in its own shuffled order: every
     process gets the sums MXNet's servers give (keys of one shape, and of several), and keys
