@@ -7,7 +7,8 @@ import pytest
 from _jobs import launch
 
 
-@pytest.mark.parametrize("n", [2, 3])
+# 3 processes in make test, 2 in make test-deep (as tests/test_dist.py's jobs).
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.deep), 3])
 def test_the_default_store_spans_every_process(n):
     run = launch(n, "default_store_job.py", per_process=2)
     assert run.returncode == 0, run.stdout + run.stderr
