@@ -1084,11 +1084,12 @@ class KVStore:
                 leaves = jax.tree_util.tree_leaves(
                     [[state[k] for k in pushed], [state.opt_states[g] for g in groups]]
                 )
+                if any(id(leaf) in self._shared for leaf in leaves):
+                    donate = False
             else:
                 # A push may write into buckets other keys share, or settle keys held apart
-                # into buckets first (then donating every leaf): any leaf handed out counts.
-                leaves = jax.tree_util.tree_leaves(state)
-            if any(id(leaf) in self._shared for leaf in leaves):
+                # into buckets first (then donating every leaf): any leaf handed out counts,
+                # and every one left in `_shared` is a leaf of `state` (forgotten above if not).
                 donate = False
         return donate
 
