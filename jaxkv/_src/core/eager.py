@@ -23,6 +23,7 @@ from jaxkv._src.core.compression import compress, exchange, layout_compressed, o
 from jaxkv._src.core.on_blocks import UPDATER
 from jaxkv._src.core.on_buckets import update_bucket
 from jaxkv._src.core.reduce import divide
+from jaxkv._src.core.tree_view import viewed
 from jaxkv._src.core.updater import apply_updater, init_state
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import single_device
@@ -74,6 +75,7 @@ def init_opt_states(state: KVState, optimizer: Any, keys: Sequence[Key]) -> KVSt
     """
     if not keys:
         return state
+    optimizer = viewed(state, optimizer)  # it sees the trees given to init
     group = tuple(sorted(set(keys)))
     init = _opt_initialiser(
         optimizer,

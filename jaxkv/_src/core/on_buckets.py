@@ -21,6 +21,7 @@ tree, once per trace of a push. The update runs under ``jax.named_scope`` ``jaxk
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -37,7 +38,7 @@ from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.buckets import as_blocks, padding
 from jaxkv._src.state.kvstate import Key, KVState
 
-__all__ = ["elementwise", "update_bucket"]
+__all__ = ["elementwise", "uniform", "update_bucket"]
 
 _BUCKET = "bucket"  # the one key of the tree an optimizer sees over a bucket
 
@@ -107,6 +108,8 @@ def update_bucket(
     padded = parts > 1 and any(padding(tuple(s), parts) for s in shapes)
     if not elementwise(updater, keys, shapes, name, opt_state, not (chunked or padded)):
         return None
+    if not uniform(updater, keys, shapes, name, opt_state, int(np.shape(leaf)[0])):
+        return None  # a step that differs by key (a mask by path or by ndim): per key
     dtype = np.dtype(name)
     summed = (grads or {}).get(b)
     if summed is None and parts > 1 and not chunked:  # whole values into their blocks
@@ -304,3 +307,153 @@ def _owners(jaxpr: Any, owners: Sequence[Any], count: int = 0) -> list[Any] | No
             continue
         return None
     return [read(v) for v in jaxpr.outvars]
+
+
+# -- the same steps on every key, and on the bucket ------------------------------------------------
+# Elementwise steps are not enough: a mask by path or by ``ndim`` (``optax.masked``, adamw's
+# ``mask``) takes other steps on some keys, and on the bucket's one key the steps it takes for
+# that key. The updater runs over the bucket only where it takes the very same steps on every
+# key and on the bucket: each output of a key is numbered by what computes it (its primitives and
+# their parameters other than shapes, from the key's own inputs by position, shared inputs by
+# position, literals and small constants by value), and the numbers must agree.
+
+# Parameters that hold a shape (which differs between the keys and the bucket).
+_SHAPED = frozenset(
+    ["shape", "broadcast_dimensions", "axes", "new_sizes", "dimensions", "sharding"]
+)
+
+
+class _Numbers:
+    """Numbers for computations: the same number for the same computation."""
+
+    def __init__(self) -> None:
+        self.known: dict[Any, int] = {}
+
+    def of(self, what: Any) -> int:
+        return self.known.setdefault(what, len(self.known))
+
+
+def _constant(numbers: _Numbers, c: Any) -> int:
+    try:
+        a = np.asarray(c)
+    except Exception:
+        return numbers.of(("const", id(c)))
+    if a.size <= 64:
+        return numbers.of(("const", a.dtype.str, a.shape, a.tobytes()))
+    return numbers.of(("const", id(c)))
+
+
+def _params(params: dict) -> Any:
+    return tuple(sorted((k, repr(v)) for k, v in params.items() if k not in _SHAPED))
+
+
+# A value: (owner, number). The owner is a key's position, None (shared by all keys), or a
+# _Partial (a reduction over some keys' whole arrays), whose number is then a frozenset of the
+# numbers of the reduced arrays.
+def _numbered(jaxpr: Any, consts: Any, ins: list, count: int, numbers: _Numbers) -> list | None:
+    """What each output of ``jaxpr`` is, as ``(owner, number)``, given its inputs'; ``None``
+    where a step is not one :func:`elementwise` lets through."""
+    env: dict[Any, Any] = {
+        v: (None, _constant(numbers, c)) for v, c in zip(jaxpr.constvars, consts)
+    }
+    env.update(zip(jaxpr.invars, ins))
+
+    def read(v: Any) -> Any:
+        if isinstance(v, jex.Literal):
+            return None, numbers.of(("lit", repr(v.val), str(getattr(v.aval, "dtype", ""))))
+        return env[v]
+
+    for eqn in jaxpr.eqns:
+        values = [read(v) for v in eqn.invars]
+        owners = [o for o, _ in values]
+        name = eqn.primitive.name
+        sub = sub_jaxpr(eqn) if name in _CALLS else None
+        if sub is not None:
+            outs = _numbered(sub[0], sub[1], values, count, numbers)
+            if outs is None:
+                return None
+            env.update(zip(eqn.outvars, outs))
+            continue
+        parts = [(o, n) for o, n in values if isinstance(o, _Partial)]
+        keyed = {o for o in owners if isinstance(o, int)}
+        zero = [isinstance(v, jex.Literal) and np.all(np.asarray(v.val) == 0) for v in eqn.invars]
+        if name == "add" and len(values) == 2 and any(zero):
+            # A literal 0 added (Python's sum starts from 0): the other value, whichever
+            # side it is on, so that a sum over the keys and one over the bucket agree.
+            env[eqn.outvars[0]] = values[zero.index(False)] if not all(zero) else values[0]
+            continue
+        if name in _MONOIDS and len(keyed) == 1 and len(values) == 1:
+            out: Any = (_Partial(_MONOIDS[name], frozenset(keyed)), frozenset([values[0][1]]))
+        elif parts:
+            if name == "copy" and len(values) == 1:
+                out = values[0]
+            elif len(parts) == 2 and name in ("add", "max", "min"):
+                (a, na), (b, nb) = parts
+                out = (_Partial(name, a.keys | b.keys), na | nb)
+            else:
+                return None
+        else:
+            number = numbers.of((name, _params(eqn.params), tuple(n for _, n in values)))
+            out = (next(iter(keyed)) if keyed else None, number)
+        if isinstance(out[0], _Partial) and len(out[0].keys) == count:
+            out = (None, numbers.of(("group", out[0].op, out[1])))  # over every key: shared
+        env.update((v, out) for v in eqn.outvars)
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _outputs(
+    updater: Any, keys: tuple, shapes: tuple, name: str, opt_state: Any, n: _Numbers
+) -> tuple[list[list[int]], list[int]] | None:
+    """Each key's outputs' numbers, in order, and the shared outputs' numbers, of
+    ``updater.update`` on the tree ``{key: array}`` (``None`` where it cannot be told)."""
+    tree = {k: jax.ShapeDtypeStruct(s, name) for k, s in zip(keys, shapes)}
+    try:
+        closed = jax.make_jaxpr(updater.update)(tree, opt_state, tree)
+    except Exception:
+        return None
+    owners: list[Any] = list(range(len(keys)))  # the gradients, then the state's leaves
+    for path, _ in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        last = path[-1] if path else None
+        key = getattr(last, "key", None) if isinstance(last, jax.tree_util.DictKey) else None
+        owners.append(keys.index(key) if key in keys else None)
+    owners += list(range(len(keys)))  # the params
+    if len(owners) != len(closed.jaxpr.invars):
+        return None
+    slots: collections.Counter[Any] = collections.Counter()
+    ins = []
+    for owner in owners:  # a key's inputs by their position among its own, shared ones alike
+        ins.append((owner, n.of(("in", owner is None, slots[owner]))))
+        slots[owner] += 1
+    outs = _numbered(closed.jaxpr, closed.consts, ins, len(keys), n)
+    if outs is None or any(isinstance(o, _Partial) for o, _ in outs):
+        return None
+    per_key = [[x for o, x in outs if o == i] for i in range(len(keys))]
+    return per_key, [x for o, x in outs if o is None]
+
+
+@functools.lru_cache(maxsize=256)
+def _uniform_cached(
+    updater: Any, keys: tuple, shapes: tuple, name: str, opt_sig: Any, size: int
+) -> bool:
+    n = _Numbers()
+    each = _outputs(updater, keys, shapes, name, abstract(opt_sig), n)
+    template = _template(updater, size, name)
+    if each is None or template is None:
+        return False
+    bucket_state = jax.tree_util.tree_unflatten(template[0], template[1])
+    whole = _outputs(updater, (_BUCKET,), ((size,),), name, bucket_state, n)
+    if whole is None:
+        return False
+    (one,), shared = whole
+    return shared == each[1] and all(outs == one for outs in each[0])
+
+
+def uniform(updater: Any, keys: tuple, shapes: tuple, name: str, opt_state: Any, size: int) -> bool:
+    """Whether ``updater.update`` takes the same steps on every key of the group and on the
+    bucket of ``size`` elements that holds them (see above), so that running it once over the
+    bucket gives each key what it gives per key."""
+    sig = structure(opt_state)
+    try:
+        return _uniform_cached(updater, keys, shapes, name, sig, size)
+    except TypeError:  # an updater that cannot be hashed: not cached, checked each trace
+        return _uniform_cached.__wrapped__(updater, keys, shapes, name, sig, size)

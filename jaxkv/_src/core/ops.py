@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding
 
 from jaxkv._src.core import plans as _dispatch
 from jaxkv._src.core import reduce as _reduce
+from jaxkv._src.core import tree_view as _tree_view
 from jaxkv._src.core import trees as _trees
 from jaxkv._src.core.collectives import PULL, PUSH
 from jaxkv._src.core.compression import residual_zeros
@@ -136,7 +137,7 @@ def init_keys(
                 "eager values, given traced ones"
             )
         residuals = {k: residual_zeros(state, x) for k, x in new.items()}
-    trees = [tree.paths()] if tree is not None and tree.keys else []
+    trees = [tree.shape()] if tree is not None and tree.keys else []
     return state.replace(
         values=new, residuals=residuals, defer=defer, trees=trees, tp_specs=own or None
     )
@@ -228,6 +229,7 @@ def push(
     """
     updater = as_updater(updater)  # an optax wrapper (MultiSteps): its transformation
     state = state.settled()  # keys added one at a time are laid out now, once
+    updater = _tree_view.viewed(state, updater)  # optax sees the trees given to init
     reduce = _reduce.effective(state, reduce)
     tree = _trees.split(keys) if values is MISSING else None
     if tree is not None:
@@ -411,7 +413,7 @@ def init_optimizer(state: KVState, optimizer: Any, keys: Any = None) -> KVState:
       >>> list(s.opt_states)
       [('a', 'b')]
     """
-    optimizer = as_transformation(optimizer, "init_optimizer")
+    optimizer = _tree_view.viewed(state, as_transformation(optimizer, "init_optimizer"))
     if keys is None:
         keys = state.keys()
     tree = _trees.structure(keys)

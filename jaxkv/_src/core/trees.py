@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxkv._src.errors import KeyTypeError, KVStoreError
 from jaxkv._src.state.kvstate import Key, KVState
+from jaxkv._src.state.tree_shapes import TreeShape
 
 __all__ = [
     "SEP",
@@ -104,6 +105,10 @@ class Tree:
 
     def paths(self) -> tuple[str, ...]:
         return tuple(sorted(self.keys))
+
+    def shape(self) -> TreeShape:
+        """The tree's keys and structure, as a store keeps them (``KVState.trees``)."""
+        return TreeShape(self.keys, self.treedef)
 
 
 def split(keys: Any) -> Tree | None:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import jax
 import optax
 
+from jaxkv._src.core.tree_view import inner
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.state.kvstate import Key, KVState
 from jaxkv._src.state.pairing import as_array
@@ -81,6 +82,7 @@ def updater_name(updater: Any) -> str:
     """How a message names ``updater``: its qualified name, else its type's; an optax
     transformation by its type and the qualified names of its ``init`` and ``update``
     (``optax.GradientTransformation(init=MultiSteps.init, update=MultiSteps.update)``)."""
+    updater = inner(updater)  # the user's own transformation, not the tree's wrapper
     if isinstance(updater, optax.GradientTransformation):
         kind = type(updater).__name__
         return f"optax.{kind}(init={_qualname(updater.init)}, update={_qualname(updater.update)})"

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxkv._src.errors import KeyTypeError, KVStoreError, unknown_key
 from jaxkv._src.state import buckets as _fl
+from jaxkv._src.state.tree_shapes import TreeShape
 
 __all__ = ["AXIS", "LAYOUTS", "LAYOUT_ENV", "KVState", "empty"]
 
@@ -325,7 +326,7 @@ class KVState:
     packings: tuple[_fl.Packing | None, ...]
     _views: tuple[Any, ...] | None
     _deferral: bool | None
-    trees: tuple[tuple[str, ...], ...]
+    trees: tuple[TreeShape, ...]
     reduce: str
     mesh_axes: tuple[str, ...]
     tp_specs: tuple[tuple[Key, PartitionSpec], ...]
@@ -378,7 +379,7 @@ class KVState:
         object.__setattr__(self, "_deferral", None)  # `deferred`, once asked
         # The keys of each tree given to init, sorted (core/trees.py): a tree pushed must be
         # one of them; plain keys and trees do not mix.
-        object.__setattr__(self, "trees", tuple(trees))
+        object.__setattr__(self, "trees", tuple(map(TreeShape.of, trees)))
         object.__setattr__(self, "reduce", reduce)  # how pushed values combine: 'sum', 'mean'
         # On a user's mesh of several axes, the axes values are summed (and sharded) along.
         object.__setattr__(self, "mesh_axes", tuple(mesh_axes))
