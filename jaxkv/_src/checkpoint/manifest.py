@@ -71,6 +71,17 @@ def check_manifest(
         "'trees' a list of lists of keys",
         trees,
     )
+    paths = manifest.get("tree_paths")
+    expect(
+        paths is None
+        or (
+            isinstance(paths, list)
+            and len(paths) == len(trees)
+            and all(p is None or _tree_paths_ok(p, t) for p, t in zip(paths, trees))
+        ),
+        "'tree_paths' a list of each tree's [key, path entries] in leaf order",
+        paths,
+    )
     record = manifest.get("optimizer")
     expect(record is None or isinstance(record, dict), "'optimizer' an object", record)
     tp = manifest.get("tp", [])
@@ -149,3 +160,29 @@ def is_dtype_name(name: Any) -> bool:
     # A dtype a jax.Array can have: native byte order, and boolean, integer, complex or a
     # float (ml_dtypes' bfloat16 and float8 types too); not bytes, str, void or big-endian.
     return dtype.isnative and (dtype.kind in "biuc" or bool(jnp.issubdtype(dtype, jnp.floating)))
+
+
+def _tree_paths_ok(paths: Any, keys: list) -> bool:
+    """Whether ``paths`` is a tree's ``[key, [[kind, name], ...]]`` for each of ``keys``."""
+
+    def entry_ok(e: Any) -> bool:
+        return (
+            isinstance(e, list)
+            and len(e) == 2
+            and e[0] in ("key", "idx", "attr")
+            and type(e[1]) in (str, int)
+        )
+
+    return (
+        isinstance(paths, list)
+        and all(
+            isinstance(p, list)
+            and len(p) == 2
+            and type(p[0]) is str
+            and isinstance(p[1], list)
+            and p[1]
+            and all(map(entry_ok, p[1]))
+            for p in paths
+        )
+        and sorted(p[0] for p in paths) == sorted(keys)
+    )

@@ -27,10 +27,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxkv._src.checkpoint import orbax_dirs as _orbax
 from jaxkv._src.checkpoint.manifest import FORMAT, VERSION, Malformed, check_manifest
 from jaxkv._src.core.compression import residual_layout
+from jaxkv._src.core.tree_view import viewed_trees
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.state.buckets import leaf_owner
 from jaxkv._src.state.kvstate import Key, KVState, check_compressible
 from jaxkv._src.state.placement import host_copy
+from jaxkv._src.state.tree_shapes import TreeShape, entries_of, from_entries
 
 __all__ = [
     "directory_contents",
@@ -88,7 +90,9 @@ def _together(fname: str, state: KVState) -> None:
 
 def _header(state: KVState, values: bool, record: dict | None = None) -> dict[str, Any]:
     """The manifest's fields other than the arrays' (``trees``, the paths of each tree given
-    to init, only where the store holds trees; ``optimizer``, an MXNet optimizer's record,
+    to init, and ``tree_paths``, each tree's keys in its leaf order with their paths' entries
+    (``None`` where the structure has an entry of another kind), only where the store holds
+    trees; ``optimizer``, an MXNet optimizer's record,
     only where one is given)."""
     header = {
         "format": FORMAT,
@@ -101,11 +105,37 @@ def _header(state: KVState, values: bool, record: dict | None = None) -> dict[st
     }
     if state.trees:
         header["trees"] = [list(t) for t in state.trees]
+        header["tree_paths"] = [tree_paths(t) for t in state.trees]
     if state.tp_specs:  # each key's own sharding along other mesh axes than the store's
         header["tp"] = [[k, [_entry(e) for e in spec]] for k, spec in state.tp_specs]
     if record is not None:
         header["optimizer"] = record
     return header
+
+
+def tree_paths(tree: TreeShape) -> list | None:
+    """``tree``'s keys in its leaf order, each with its path's entries (``[key, [["key",
+    "params"], ["idx", 0], ...]]``), for the manifest: what rebuilds its structure on load."""
+    entries = None if tree.treedef is None else entries_of(tree.treedef)
+    return None if entries is None else [[k, e] for k, e in zip(tree.leaf_keys, entries)]
+
+
+def loaded_trees(manifest: dict, like: KVState) -> list[TreeShape]:
+    """The trees of a manifest: the store ``like``'s tree of the same keys and structure where
+    it has one (its own structure, whatever its node types), else rebuilt from ``tree_paths``
+    (mappings as dicts, sequences as lists, other nodes as dicts of their attributes), else,
+    for a checkpoint that has none, nested dicts from the keys split at ``/``."""
+    saved = manifest.get("tree_paths") or [None] * len(manifest.get("trees", []))
+    out = []
+    for keys, paths in zip(manifest.get("trees", []), saved):
+        mine = next((t for t in like.trees if t == tuple(keys) and t.treedef is not None), None)
+        if mine is not None and (paths is None or tree_paths(mine) == paths):
+            out.append(mine)
+        elif paths is not None:
+            out.append(from_entries([k for k, _ in paths], [e for _, e in paths]))
+        else:
+            out.append(TreeShape(keys))
+    return out
 
 
 def _entry(entry: Any) -> Any:
@@ -390,6 +420,9 @@ def _assemble(
         targets.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
 
     treedefs = []
+    trees = loaded_trees(manifest, state) if values else list(state.trees)
+    if optimizer is not None:  # it sees the trees, as the store's pushes will hand them
+        optimizer = viewed_trees(tuple(trees), optimizer)
     for n, group in enumerate(groups):
         template = jax.eval_shape(optimizer.init, {k: like[k] for k in group})
         leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
@@ -429,7 +462,6 @@ def _assemble(
         else:
             by_group[e["group"]].append(a)
     if values:
-        trees = [tuple(t) for t in manifest.get("trees", [])]
         base = base.replace(
             values=new_values, residuals=residuals, trees=trees, tp_specs=kept or None
         )

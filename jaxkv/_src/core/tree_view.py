@@ -32,7 +32,7 @@ import optax
 from jaxkv._src.state.kvstate import KVState
 from jaxkv._src.state.tree_shapes import TreeShape
 
-__all__ = ["TreeView", "inner", "view_of", "viewed"]
+__all__ = ["TreeView", "inner", "view_of", "viewed", "viewed_trees"]
 
 logger = logging.getLogger("jaxkv")
 
@@ -69,15 +69,9 @@ class _View:
 
 def _template(shape: TreeShape, keys: frozenset) -> Any:
     """The tree of ``shape`` with each leaf its key, ``None`` for those outside ``keys``."""
-    treedef = shape.treedef
-    if treedef is None:  # (a tree known by its paths only: its keys, split at '/')
-        from jaxkv._src.state.tree_shapes import from_entries
-
-        entries = [[["key", part] for part in k.split("/")] for k in shape.leaf_keys]
-        shape = from_entries(shape.leaf_keys, entries)
-        treedef = shape.treedef
+    shape = shape.known()  # (a tree known by its paths only: nested dicts)
     return jax.tree_util.tree_unflatten(
-        treedef, [k if k in keys else None for k in shape.leaf_keys]
+        shape.treedef, [k if k in keys else None for k in shape.leaf_keys]
     )
 
 
@@ -191,11 +185,15 @@ def viewed(state: KVState, updater: Any) -> Any:
     trees given to ``init`` (the same wrapper for the same transformation and trees, so that a
     push finds its compiled computation again); anything else, or a store of plain keys, as it
     is."""
-    if not state.trees or not isinstance(updater, optax.GradientTransformation):
+    return viewed_trees(tuple(state.trees), updater)
+
+
+def viewed_trees(trees: tuple[TreeShape, ...], updater: Any) -> Any:
+    """:func:`viewed` for a store holding ``trees``."""
+    if not trees or not isinstance(updater, optax.GradientTransformation):
         return updater
     if isinstance(updater, TreeView):
         return updater
-    trees = tuple(state.trees)
     key = (id(updater), trees)
     with _LOCK:
         known = _MADE.get(key)

@@ -707,6 +707,32 @@ class KVState:
         """
         return ReadOnlyMapping(dict(zip(self._keys, self.stored_values)))
 
+    def tree(self) -> Any:
+        """The stored values as the tree given to :func:`init` (a flax ``params`` dict stays
+        one): what to differentiate with respect to inside a step, ``jax.grad(loss)(
+        state.tree())``, and push back as it is. Inside ``shard_map`` a value the store splits
+        is this device's block, as in :attr:`values`.
+
+        Raises:
+          KVStoreError: the store holds plain keys, or several trees (then
+            ``jaxkv.pull(state, like)`` with one of them gives it).
+
+        Examples:
+          >>> import jax.numpy as jnp, jaxkv
+          >>> s = jaxkv.init(jaxkv.empty(), {"dense": {"w": jnp.ones(2), "b": jnp.zeros(1)}})
+          >>> s.tree()["dense"]["w"].tolist()
+          [1.0, 1.0]
+        """
+        if len(self.trees) != 1:
+            raise KVStoreError(
+                "state.tree(): expected a store of one tree given to init, given a store of "
+                + (f"{len(self.trees)} trees" if self.trees else "plain keys")
+                + "; use jaxkv.pull(state, like) with the tree (or its shapes) you want"
+            )
+        shape = self.trees[0].known()
+        values = dict(zip(self._keys, self.stored_values))
+        return jax.tree_util.tree_unflatten(shape.treedef, [values[k] for k in shape.leaf_keys])
+
     @property
     def shapes(self) -> Mapping[Key, tuple[int, ...]]:
         """A read-only mapping from key to the shape of its whole value (also inside

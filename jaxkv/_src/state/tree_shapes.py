@@ -34,9 +34,19 @@ class TreeShape(tuple):
         """``tree`` itself, or a plain tuple of keys (a checkpoint's) with no structure known."""
         return tree if isinstance(tree, TreeShape) else cls(tree)
 
+    def known(self) -> TreeShape:
+        """This shape with a structure: its own, or where none is known (a checkpoint written
+        before structures were saved), nested dicts from its keys split at ``/``, the
+        structure a flax ``params`` dict has."""
+        if self.treedef is not None:
+            return self
+        return from_entries(self.leaf_keys, [[["key", p] for p in k.split("/")] for k in self])
+
     def __eq__(self, other: object) -> bool:
         if isinstance(other, TreeShape):
-            return tuple.__eq__(self, other) and self.treedef == other.treedef
+            mine, theirs = self.treedef, other.treedef
+            same = mine is theirs or (mine is not None and theirs is not None and mine == theirs)
+            return tuple.__eq__(self, other) and same
         return tuple.__eq__(self, other)
 
     def __ne__(self, other: object) -> bool:
