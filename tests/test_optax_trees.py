@@ -290,3 +290,15 @@ def test_a_checkpoint_resumes_with_the_trees_structure(devices, tmp_path, monkey
     a = jaxkv.pull(jaxkv.push(loaded, grads, updater=tx), tree)
     b = jaxkv.pull(jaxkv.push(state, grads, updater=tx), tree)
     _close(a, b, atol=0)
+
+
+def test_a_mask_by_path_across_processes():
+    """2 processes of 2 devices, the README's sharded step with a mask by path: optax's numbers
+    on one device (tests/dist/tree_mask_job.py)."""
+    from _jobs import launch
+
+    run = launch(2, "tree_mask_job.py", per_process=2, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert len([line for line in run.stdout.splitlines() if " ok 3 steps" in line]) == 2, (
+        run.stdout + run.stderr
+    )
