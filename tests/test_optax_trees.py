@@ -302,3 +302,23 @@ def test_a_mask_by_path_across_processes():
     assert len([line for line in run.stdout.splitlines() if " ok 3 steps" in line]) == 2, (
         run.stdout + run.stderr
     )
+
+
+@pytest.mark.standard_promotion
+def test_a_checkpoint_whose_optimizer_saw_flat_keys_is_refused_saying_why(
+    devices, tmp_path, monkeypatch
+):
+    """A state made while optax was handed flat "a/b" keys (before trees were handed) has
+    another structure where a mask by path matters: loading it under the tree is refused,
+    naming why, not resumed with other numbers."""
+
+    def make():  # (a new transformation, as a new process has, for the load)
+        return optax.masked(optax.scale_by_adam(), _no_decay_on_bias)
+
+    path = str(tmp_path / "kv.npz")
+    with monkeypatch.context() as m:
+        m.setattr(tree_view, "_view", lambda trees, keys: None)  # optax handed flat keys
+        state = jaxkv.init_optimizer(jaxkv.init(jaxkv.empty(devices[:1]), _params()), make())
+        jaxkv.save_state(path, state)
+    with pytest.raises(jaxkv.KVStoreError, match="flat mapping of the tree's keys"):
+        jaxkv.load_state(path, jaxkv.empty(devices[:1]), optimizer=make())

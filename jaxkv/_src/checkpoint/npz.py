@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxkv._src.checkpoint import orbax_dirs as _orbax
 from jaxkv._src.checkpoint.manifest import FORMAT, VERSION, Malformed, check_manifest
 from jaxkv._src.core.compression import residual_layout
-from jaxkv._src.core.tree_view import viewed_trees
+from jaxkv._src.core.tree_view import inner, viewed_trees
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.state.buckets import leaf_owner
 from jaxkv._src.state.kvstate import Key, KVState, check_compressible
@@ -433,6 +433,19 @@ def _assemble(
             if e["part"] == "opt" and e["group"] == n
         ]
         if want != given:
+            flat = jax.eval_shape(inner(optimizer).init, {k: like[k] for k in group})
+            if inner(optimizer) is not optimizer and given == [
+                (jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype))
+                for p, x in jax.tree_util.tree_flatten_with_path(flat)[0]
+            ]:
+                raise KVStoreError(
+                    f"{fname}: optimizer group {list(group)}: expected an optimizer state made "
+                    "with the tree given to init, given one made when jaxkv handed optax a "
+                    "flat mapping of the tree's keys (before jaxkv handed optax the tree, a "
+                    "mask or labels by path saw 'a/b' keys, and this state follows them): "
+                    "resumed under the tree it would give other numbers. Resume it with the "
+                    "jaxkv release that saved it"
+                )
             raise KVStoreError(
                 f"{fname}: optimizer group {list(group)}: optimizer state expected {want}, "
                 f"given {given}"
