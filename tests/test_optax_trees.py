@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _variants import covering
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -93,10 +94,11 @@ def _as(form, state, grads):
     return jax.grad(lambda v: sum(jnp.vdot(v[k], flat[k]) for k in v))(dict(state.values))
 
 
+# Every pair of (updater, layout, devices) in make test; the rest in make test-deep.
 @pytest.mark.standard_promotion
-@pytest.mark.parametrize("name", sorted(UPDATERS))
-@pytest.mark.parametrize("layout", ["keys", "flat"])
-@pytest.mark.parametrize("n", [1, 8])
+@pytest.mark.parametrize(
+    ("name", "layout", "n"), covering(sorted(UPDATERS), ["keys", "flat"], [1, 8])
+)
 def test_a_mask_by_path_gives_optaxs_numbers(devices, name, layout, n):
     tx = UPDATERS[name]()
     state = jaxkv.init(jaxkv.empty(devices[:n], layout=layout), _params())
