@@ -213,3 +213,29 @@ def test_the_keys_layout_and_the_flat_one_on_a_mesh_of_two_axes(mesh, compiles):
     _check(state, params, name, x, steps=2)
     with pytest.raises(jaxkv.KVStoreError, match="given 'flat'"):
         jaxkv.empty(mesh=mesh, axis_name="data", layout="flat")
+
+
+def test_a_push_that_would_leave_a_key_varying_along_another_axis_is_refused(mesh):
+    """Where a key's new value would vary along an axis its out_specs say it does not,
+    ``push`` refuses naming the key before ``shard_map``'s check can: an updater combining
+    keys (a global norm over tensor-parallel blocks), or a gradient left unsummed over
+    'model'."""
+    params = _params(256, "small")
+    clip = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    for tx, bump in [(clip, None), (TXS["sgd"](), "b")]:
+        state = _store(mesh, params, tx)
+        spec = jaxkv.specs(state, "data")
+
+        def step(state, x, tx=tx, bump=bump):
+            p = jaxkv.pull(state, params, axis_name="data")
+            g = jax.grad(_loss)(p, x, lambda v: jax.lax.psum(v, "model"))
+            if bump is not None:  # each 'model' device its own gradient of a replicated key
+                g[bump] = g[bump] + jax.lax.axis_index("model").astype(jnp.float32)
+            return jaxkv.push(state, g, updater=tx, axis_name="data")
+
+        fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, P("data")), out_specs=spec))
+        x = jax.device_put(_batch(params), NamedSharding(mesh, P("data")))
+        with pytest.raises(
+            jaxkv.KVStoreError, match=r"key 'b': its new value varies along mesh axes \['model'\]"
+        ):
+            fn(state, x)
