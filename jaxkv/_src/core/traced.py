@@ -160,8 +160,9 @@ def _sum_blocks(
     whole: list[tuple[int, jax.Array]], names: tuple, n: int, fuse_all: bool = False
 ) -> dict[int, Any]:
     """This device's rows of the sum of whole-shape values over ``names``: reduce-scattered
-    where still to be summed (small ones together; with ``fuse_all``, all of one dtype
-    together: the keys of a split bucket), else just this device's rows."""
+    where still to be summed (small ones together, per dtype and set of other axes they vary
+    along; with ``fuse_all``, all of those together: the keys of a split bucket), else just
+    this device's rows."""
     out: dict[int, Any] = {}
     small: dict[Any, list[int]] = {}
     values = dict(whole)
@@ -187,7 +188,7 @@ def _sum_blocks(
 
 def _sum_whole(whole: list[tuple[int, jax.Array]], names: tuple) -> dict[int, Any]:
     """Each value summed over the axes of ``names`` it still varies along: one collective per
-    set of axes and dtype."""
+    set of axes and dtype (and of other axes the values vary along: ``fused_psum``)."""
     out: dict[int, Any] = {}
     groups: dict[tuple, list[int]] = {}
     values = dict(whole)
