@@ -39,6 +39,8 @@ __all__ = [
     "all_gather",
     "fused_psum",
     "fused_psum_scatter",
+    "fusion_groups",
+    "fusion_key",
     "psum_scatter",
     "reduce_scatter_safe",
     "scatters",
@@ -245,12 +247,50 @@ def scatters(state: KVState, shape: tuple[int, ...]) -> bool:
 SCATTER_FUSE_LIMIT = 1 << 18
 
 
+def fusion_key(block: jax.Array, axis: Any) -> tuple:
+    """What blocks summed over ``axis`` through one flat buffer must share: their dtype, and
+    the mesh axes other than ``axis``'s along which they vary (a tensor-parallel key's block
+    varies along its own axes, a replicated key's along none). A buffer joining blocks of
+    different axes would vary along all of them, and so would every block cut from it: a
+    replicated key's sum typed as varying along the model axis, which ``shard_map``'s
+    ``out_specs`` refuse."""
+    return (np.dtype(block.dtype), varying_axes(block) - frozenset(axis_names(axis)))
+
+
+def fusion_groups(blocks: list[jax.Array], axis: Any) -> list[list[int]]:
+    """The positions of ``blocks`` grouped by :func:`fusion_key` (in order of first
+    appearance, each group in ``blocks``' order): the blocks one flat buffer may join."""
+    groups: dict[tuple, list[int]] = {}
+    for i, b in enumerate(blocks):
+        groups.setdefault(fusion_key(b, axis), []).append(i)
+    return list(groups.values())
+
+
+def _per_group(
+    blocks: list[jax.Array], axis: Any, fused: Callable[[list[jax.Array]], list[jax.Array]]
+) -> list[jax.Array] | None:
+    """``fused`` run on each :func:`fusion_groups` group of ``blocks`` apart, the results in
+    ``blocks``' order; ``None`` where they form one group (``fused`` runs on them all)."""
+    groups = fusion_groups(blocks, axis)
+    if len(groups) == 1:
+        return None
+    out: list[Any] = [None] * len(blocks)
+    for idx in groups:
+        for i, x in zip(idx, fused([blocks[i] for i in idx])):
+            out[i] = x
+    return out
+
+
 def fused_psum(
     blocks: list[jax.Array], axis: Any = AXIS, what: str = "an all-reduce"
 ) -> list[jax.Array]:
-    """``psum`` of several blocks of one dtype through one flat buffer (one collective),
-    checked where :func:`verify_sums` says so."""
+    """``psum`` of several blocks through one flat buffer per :func:`fusion_groups` group (one
+    collective per dtype and set of other varying axes), checked where :func:`verify_sums`
+    says so."""
     with jax.named_scope(SUM):
+        apart = _per_group(blocks, axis, lambda part: fused_psum(part, axis, what))
+        if apart is not None:
+            return apart
         if len(blocks) == 1:
             out = jax.lax.psum(blocks[0], axis)
             if verify_sums():
@@ -265,13 +305,17 @@ def fused_psum(
 
 
 def fused_psum_scatter(blocks: list[jax.Array], n: int, axis: Any = AXIS) -> list[jax.Array]:
-    """Tiled ``psum_scatter`` along axis 0 of several blocks through one flat buffer.
+    """Tiled ``psum_scatter`` along axis 0 of several blocks through one flat buffer per
+    :func:`fusion_groups` group.
 
     Each block (first dimension divisible by ``n``) is viewed as ``(n, -1)``, so that row ``i``
     holds the rows device ``i`` keeps; the views are concatenated along axis 1, reduce-scattered
     once, and split back.
     """
     with jax.named_scope(SUM):
+        apart = _per_group(blocks, axis, lambda part: fused_psum_scatter(part, n, axis))
+        if apart is not None:
+            return apart
         if len(blocks) == 1:
             return [psum_scatter(blocks[0], axis, scatter_dimension=0, tiled=True)]
         cat = jnp.concatenate([b.reshape(n, -1) for b in blocks], axis=1)
@@ -292,6 +336,8 @@ def sum_over_devices(
     callers all-gather values that are stored replicated); big blocks one by one, smaller ones
     together. The others are summed with one ``psum`` per dtype over their concatenation.
     Tensor fusion matters: one collective per small array would cost far more than the data.
+    Only blocks of one :func:`fusion_key` (dtype, and the other mesh axes they vary along)
+    share a collective.
     """
     n = jax.lax.axis_size(axis)
     out: list[Any] = [None] * len(blocks)
@@ -307,12 +353,12 @@ def sum_over_devices(
                 out[i] = jax.lax.psum(b, axis)
             alone.append(i)
         else:
-            groups.setdefault((s, b.dtype), []).append(i)
+            groups.setdefault((s, *fusion_key(b, axis)), []).append(i)
     if alone and verify_sums():  # their checks in one collective, not one each
         check_sums(
             [(blocks[i], out[i], f"an all-reduce of {blocks[i].shape}") for i in alone], axis
         )
-    for (s, _), idx in groups.items():
+    for (s, *_), idx in groups.items():
         parts = [blocks[i] for i in idx]
         summed = fused_psum_scatter(parts, n, axis) if s else fused_psum(parts, axis)
         for i, x in zip(idx, summed):

@@ -52,7 +52,7 @@ from jaxkv._src.core.on_buckets import update_bucket
 from jaxkv._src.core.reduce import axis_count, divide, divisors
 from jaxkv._src.core.updater import apply_updater
 from jaxkv._src.errors import KVStoreError
-from jaxkv._src.jax_internals import all_gather_invariant, manual_axes
+from jaxkv._src.jax_internals import all_gather_invariant, manual_axes, varying_axes
 from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.buckets import as_blocks, block_shape, from_blocks
 from jaxkv._src.state.kvstate import Key, KVState
@@ -160,8 +160,9 @@ def _sum_blocks(
     whole: list[tuple[int, jax.Array]], names: tuple, n: int, fuse_all: bool = False
 ) -> dict[int, Any]:
     """This device's rows of the sum of whole-shape values over ``names``: reduce-scattered
-    where still to be summed (small ones together; with ``fuse_all``, all of one dtype
-    together: the keys of a split bucket), else just this device's rows."""
+    where still to be summed (small ones together, per dtype and set of other axes they vary
+    along; with ``fuse_all``, all of those together: the keys of a split bucket), else just
+    this device's rows."""
     out: dict[int, Any] = {}
     small: dict[Any, list[int]] = {}
     values = dict(whole)
@@ -187,7 +188,7 @@ def _sum_blocks(
 
 def _sum_whole(whole: list[tuple[int, jax.Array]], names: tuple) -> dict[int, Any]:
     """Each value summed over the axes of ``names`` it still varies along: one collective per
-    set of axes and dtype."""
+    set of axes and dtype (and of other axes the values vary along: ``fused_psum``)."""
     out: dict[int, Any] = {}
     groups: dict[tuple, list[int]] = {}
     values = dict(whole)
@@ -271,8 +272,69 @@ def _placed(push: Any) -> Any:
     return placed
 
 
+def _new_axes(before: Any, after: Any) -> frozenset:
+    """The mesh axes ``after`` varies along and ``before`` (a traced leaf) does not; none
+    where ``before`` is no tracer (a value closed over, whose axes say nothing)."""
+    if not isinstance(before, jax.core.Tracer):
+        return frozenset()
+    return varying_axes(after) - varying_axes(before)
+
+
+def _same_axes(state: KVState, new: KVState, keys: Sequence[Key]) -> None:
+    """Refuse a push whose new value (or optimizer-state leaf) of one of ``keys`` varies along
+    mesh axes its leaf in ``state`` does not: ``shard_map``'s ``out_specs`` would refuse the
+    step without naming the key. It comes of a pushed value or an updater that mixes in a
+    value varying along another axis: a gradient not summed over the model's own axis, or an
+    updater combining keys (``optax.clip_by_global_norm``) over tensor-parallel ones."""
+    for key in keys:
+        extra = _new_axes(state[key], new[key])
+        if extra:
+            had = sorted(varying_axes(state[key]))
+            raise KVStoreError(
+                f"key {key!r}: its new value varies along mesh axes {sorted(extra)}, expected "
+                f"only the axes its stored value varies along ({had}), as its out_specs "
+                f"{state.key_spec(key)} say; its pushed value or the updater "
+                f"mixed in a value varying along {sorted(extra)}: sum its gradient over those "
+                "axes before the push; with keys split along them (tensor parallel), push with "
+                "an updater that treats each key apart (such as optax.adam), not one that "
+                "combines keys (such as optax.clip_by_global_norm)"
+            )
+    touched = {state.opt_group(k) for k in keys}
+    for group in [g for g in state.groups if g in touched]:
+        old_leaves = jax.tree_util.tree_flatten_with_path(state.opt_states[group])[0]
+        new_leaves = jax.tree_util.tree_leaves(new.opt_states[group])
+        for (path, before), after in zip(old_leaves, new_leaves):
+            extra = _new_axes(before, after)
+            if extra:
+                raise KVStoreError(
+                    f"keys {list(group)}: the optimizer-state leaf "
+                    f"{jax.tree_util.keystr(path)} varies along mesh axes {sorted(extra)} after "
+                    f"the push, expected the axes it varied along before "
+                    f"({sorted(varying_axes(before))}); the updater mixed in a value varying "
+                    f"along {sorted(extra)}: with keys split along them (tensor parallel), push "
+                    "with an updater that treats each key apart (such as optax.adam), not one "
+                    "that combines keys (such as optax.clip_by_global_norm)"
+                )
+
+
+def _checked_axes(push: Any) -> Any:
+    """``push`` refusing a new state whose pushed keys vary along other mesh axes than their
+    leaves did (:func:`_same_axes`)."""
+
+    @functools.wraps(push)
+    def checked(
+        state: KVState, grouped: dict[Key, list[jax.Array]], *args: Any, **kw: Any
+    ) -> KVState:
+        new = push(state, grouped, *args, **kw)
+        _same_axes(state, new, list(grouped))
+        return new
+
+    return checked
+
+
 @scoped(PUSH)
 @_placed
+@_checked_axes
 def push_in_trace(
     state: KVState,
     grouped: dict[Key, list[jax.Array]],

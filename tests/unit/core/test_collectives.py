@@ -7,6 +7,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxkv._src.core import collectives
+from jaxkv._src.jax_internals import varying_axes
 
 N = 2  # devices
 
@@ -56,3 +57,54 @@ def test_blocks_at_the_scatter_fusion_limit_are_summed_alone_and_the_rest_togeth
         np.testing.assert_array_equal(
             g, want if sc else np.broadcast_to(want, (N, *s)).reshape(-1, *s[1:])
         )
+
+
+def test_sum_over_devices_never_fuses_blocks_that_vary_over_different_axes(monkeypatch):
+    """On a mesh of two axes, blocks varying along 'model' (a tensor-parallel key's) and blocks
+    that do not (a replicated key's) are summed over 'kv' in collectives of their own: each
+    sum varies along the other axes its block did, no more, and blocks alike still share one
+    collective (scattered or not, per dtype)."""
+    mesh = Mesh(np.array(jax.devices("cpu")[: 2 * N]).reshape(N, 2), ("kv", "model"))
+    shapes = [(4,), (2, 3), (6,), (4, 2), (2,), (8,)]
+    model = [False, True, False, True, True, False]  # made to vary along 'model' too
+    scatter = [False, False, True, True, True, True]
+    stacked = _per_device(shapes, seed=3)
+    operands = []  # the varying axes of what each collective sums
+    for name in ("psum", "psum_scatter"):
+        real = getattr(jax.lax, name)
+
+        def recording(x, *args, _real=real, **kwargs):
+            operands.append(varying_axes(x))
+            return _real(x, *args, **kwargs)
+
+        monkeypatch.setattr(jax.lax, name, recording)
+
+    def body(*xs):
+        blocks = [
+            x[0] + jax.lax.axis_index("model").astype(x.dtype) if m else x[0]
+            for x, m in zip(xs, model)
+        ]
+        out = collectives.sum_over_devices(blocks, scatter, "kv")
+        for o, m in zip(out, model):
+            assert varying_axes(o) - {"kv"} == ({"model"} if m else set())
+        return [o[None, None] for o in out]  # out_specs refuse a sum typed wrongly
+
+    fn = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=tuple(P("kv") for _ in stacked),
+        out_specs=[P("kv", "model" if m else None) for m in model],
+    )
+    got = [np.asarray(x) for x in jax.jit(fn)(*stacked)]
+    # One collective per (scattered or not, other varying axes): four groups.
+    assert len(operands) == 4
+    assert sorted(map(sorted, operands)) == [["kv"], ["kv"], ["kv", "model"], ["kv", "model"]]
+    for g, x, m, sc in zip(got, stacked, model, scatter):
+        cols = 2 if m else 1
+        for j in range(cols):  # the sum on the 'model' device j (plus j where it varies)
+            want = x.sum(0) + (N * j if m else 0)
+            part = g[:, j].reshape(N, -1)
+            if sc:
+                np.testing.assert_array_equal(part.reshape(-1), want.reshape(-1))
+            else:
+                np.testing.assert_array_equal(part, np.broadcast_to(want.reshape(-1), part.shape))
