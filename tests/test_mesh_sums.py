@@ -118,6 +118,12 @@ TXS = {
     "clip+adam": lambda: optax.chain(optax.clip_by_global_norm(CLIP), optax.adam(1e-2, eps=1e-4)),
     "lamb": lambda: optax.lamb(1e-2),
 }
+# Gathered (its finiteness test is a cond): each leaf all-gathered along its split dimensions.
+GATHERED = {
+    "apply_if_finite": lambda: optax.apply_if_finite(
+        optax.chain(optax.clip_by_global_norm(CLIP), optax.sgd(0.1)), 3
+    ),
+}
 
 
 def _shard_map_step(state, tx, mesh, check_vma=True):
@@ -135,9 +141,9 @@ def _shard_map_step(state, tx, mesh, check_vma=True):
 
 
 @pytest.mark.standard_promotion
-@pytest.mark.parametrize("name", list(TXS))
+@pytest.mark.parametrize("name", [*TXS, *GATHERED])
 def test_tree_sums_in_a_shard_map_step_are_completed_over_each_leafs_axes(mesh, compiles, name):
-    tx = TXS[name]()
+    tx = {**TXS, **GATHERED}[name]()
     state = _store(mesh, tx)
     fn = _shard_map_step(state, tx, mesh)
     x = jax.device_put(_batch(), NamedSharding(mesh, P("data")))
@@ -186,3 +192,47 @@ def test_a_push_in_shard_map_without_varying_axes_tracking_is_refused(mesh):
     x = jax.device_put(_batch(), NamedSharding(mesh, P("data")))
     with pytest.raises(jaxkv.KVStoreError, match="check_vma"):
         fn(state, x)
+
+
+def test_on_a_store_of_one_axis_a_step_without_varying_axes_tracking_stays_right():
+    """The README's sharded step: with one mesh axis every gradient is either summed by AD
+    (a block through the all-gather) or each device's own, summed by jaxkv, so without
+    tracking (as under ``pmap``) the numbers are those with it."""
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))
+    rng = np.random.default_rng(2)
+    params = {
+        "w": jnp.asarray(rng.normal(size=(64, 512)), jnp.float32),
+        "b": jnp.asarray(rng.normal(size=(512,)), jnp.float32),
+    }
+    x = jnp.asarray(rng.normal(size=(16, 64)), jnp.float32)
+
+    def trained(check_vma):
+        state = jaxkv.init(jaxkv.empty(jax.devices("cpu")), params)
+        state = jaxkv.init_optimizer(state, opt)
+        specs = jaxkv.specs(state, "kv")
+
+        def step(state, x):
+            def loss(local):
+                whole = jaxkv.gather(state, local, "kv")
+                return jnp.sum(jnp.tanh(x @ whole["w"] + whole["b"]))
+
+            grads = jax.grad(loss)(dict(state.values))
+            return jaxkv.push(state, grads, updater=opt, axis_name="kv")
+
+        fn = jax.jit(
+            jax.shard_map(
+                step,
+                mesh=state.mesh,
+                in_specs=(specs, P("kv")),
+                out_specs=specs,
+                check_vma=check_vma,
+            )
+        )
+        xs = jax.device_put(x, NamedSharding(state.mesh, P("kv")))
+        for _ in range(2):
+            state = fn(state, xs)
+        return jaxkv.pull(state, params)
+
+    want, got = trained(True), trained(False)
+    assert not np.allclose(want["w"], params["w"])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
