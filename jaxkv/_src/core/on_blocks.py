@@ -364,8 +364,7 @@ def _on_blocks(
     out_tree = jax.tree_util.tree_structure(out_shape)
     if kinds is None:
         return None
-    # jaxlib ships no stub for PyTreeDef, so mypy cannot type the comparison.
-    if out_tree != out_def:  # type: ignore[operator]
+    if out_tree != out_def:
         return None
     if not all(_fits(k, w) for k, w in zip(kinds, want)):
         return None
