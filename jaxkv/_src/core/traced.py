@@ -18,6 +18,12 @@ then the updater updates the block: as it is when elementwise along the rows, on
 with each reduction over the rows completed across devices when those are its only cross-row
 steps, else on the gathered whole value, keeping this device's rows (``_local.py``). The state
 leaves the step in the layout it came in.
+
+A key with its own sharding along other mesh axes (tensor parallelism, ``KVState.tp_spec``) is,
+inside ``shard_map`` over those axes, its value on one device of them, and its block is split
+along its own dimensions over its own axes too (:func:`_own_split`): the updater's reductions
+are completed over those as well (``on_blocks.Split``). A push inside ``shard_map`` without
+varying-axes tracking over other axes than the summed ones is refused (:func:`_check_tracking`).
 """
 
 from __future__ import annotations
