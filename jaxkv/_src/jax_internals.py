@@ -140,25 +140,26 @@ if ENABLED:
         _private_gather = None
 
 
-def all_gather_invariant(x: Any, axis_name: Any, *, tiled: bool = False) -> Any:
-    """``jax.lax.all_gather`` whose result is typed invariant along ``axis_name``: the same
-    whole value on every device, usable where ``shard_map``'s ``out_specs`` says replicated.
+def all_gather_invariant(x: Any, axis_name: Any, *, axis: int = 0, tiled: bool = False) -> Any:
+    """``jax.lax.all_gather`` (along dimension ``axis``) whose result is typed invariant along
+    ``axis_name``: the same whole value on every device, usable where ``shard_map``'s
+    ``out_specs`` says replicated.
 
     ``all_gather(..., to="invarying")`` from JAX 0.10, ``jax.lax.all_gather_invariant`` until
     0.8.1, the private function of that name in between; without any of them (or with
     ``JAXKV_NO_FAST_PATHS=1`` there) a plain ``all_gather``: the same values, typed varying.
     """
     try:
-        return jax.lax.all_gather(x, axis_name, tiled=tiled, to="invarying")
+        return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to="invarying")
     except (TypeError, ValueError):  # an older JAX: no `to`, or no "invarying"
         pass
     gather = getattr(jax.lax, "all_gather_invariant", None) or _private_gather
     if gather is not None:
         try:
-            return gather(x, axis_name, tiled=tiled)
+            return gather(x, axis_name, axis=axis, tiled=tiled)
         except TypeError:  # another signature
             pass
-    return jax.lax.all_gather(x, axis_name, tiled=tiled)
+    return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
 
 
 def gloo_cpu_backend(binding: dict[str, str]) -> Any:

@@ -18,6 +18,12 @@ then the updater updates the block: as it is when elementwise along the rows, on
 with each reduction over the rows completed across devices when those are its only cross-row
 steps, else on the gathered whole value, keeping this device's rows (``_local.py``). The state
 leaves the step in the layout it came in.
+
+A key with its own sharding along other mesh axes (tensor parallelism, ``KVState.tp_spec``) is,
+inside ``shard_map`` over those axes, its value on one device of them, and its block is split
+along its own dimensions over its own axes too (:func:`_own_split`): the updater's reductions
+are completed over those as well (``on_blocks.Split``). A push inside ``shard_map`` without
+varying-axes tracking over other axes than the summed ones is refused (:func:`_check_tracking`).
 """
 
 from __future__ import annotations
@@ -47,12 +53,17 @@ from jaxkv._src.core.collectives import (
     scoped,
     unsummed_axes,
 )
-from jaxkv._src.core.on_blocks import is_blockwise, run_on_blocks
+from jaxkv._src.core.on_blocks import Split, is_blockwise, run_on_blocks
 from jaxkv._src.core.on_buckets import update_bucket
 from jaxkv._src.core.reduce import axis_count, divide, divisors
 from jaxkv._src.core.updater import apply_updater
 from jaxkv._src.errors import KVStoreError
-from jaxkv._src.jax_internals import all_gather_invariant, manual_axes, varying_axes
+from jaxkv._src.jax_internals import (
+    CAN_MARK_VARYING,
+    all_gather_invariant,
+    manual_axes,
+    varying_axes,
+)
 from jaxkv._src.state import buckets as _fl
 from jaxkv._src.state.buckets import as_blocks, block_shape, from_blocks
 from jaxkv._src.state.kvstate import Key, KVState
@@ -249,13 +260,86 @@ def _opt_blocks(
     return jax.tree_util.tree_map(block, whole, opt_state)
 
 
+def _own_split(state: KVState, key: Key, leaf: Any) -> dict[int, tuple[str, ...]]:
+    """``key``'s own split in this trace (tensor parallelism): each dimension its own sharding
+    splits, with that dimension's axes, where ``leaf`` is its value on one device of those axes
+    (inside ``shard_map`` over them); none elsewhere."""
+    spec = state.tp_spec(key)
+    if spec is None or whole_shape(state, key, leaf) == tuple(state.shapes[key]):
+        return {}
+    return {
+        d: (entry,) if isinstance(entry, str) else tuple(entry)
+        for d, entry in enumerate(spec)
+        if entry is not None
+    }
+
+
+def _split(own: Mapping[int, tuple[str, ...]], block: bool, names: tuple) -> Split:
+    """Where a leaf is split across the devices of this trace: along its own dimensions
+    ``own``, and where it is a block (``block``) along axis 0 over ``names`` too, after its
+    own axes there (as ``KVState.key_spec`` lays it out)."""
+    dims = dict(own)
+    if block:
+        dims[0] = (*dims.get(0, ()), *names)
+    return Split(tuple(sorted(dims.items())))
+
+
+def _opt_splits(
+    state: KVState,
+    optimizer: Any,
+    keys: Sequence[Key],
+    stored: Sequence[Any],
+    opt_state: Any,
+    blocks: Any,
+    names: tuple,
+) -> Any:
+    """Where each leaf of ``opt_state`` is split (:func:`_split`): a block of rows where
+    ``blocks`` (:func:`_opt_blocks`) says so, and along its key's own dimensions where it is
+    a leaf of that key's shape below the key (an optax state's ``{key: leaf}``)."""
+    owns = {k: _own_split(state, k, s) for k, s in zip(keys, stored)}
+    shapes = {k: whole_shape(state, k, s) for k, s in zip(keys, stored) if owns[k]}
+    whole = _check_structure(state, optimizer, keys, stored, opt_state)
+
+    def one(path: Any, w: Any, block: bool) -> Split:
+        owner = _fl.leaf_owner(path, tuple(w.shape), shapes) if shapes else None
+        return _split(owns[owner] if owner is not None else {}, block, names)
+
+    return jax.tree_util.tree_map_with_path(one, whole, blocks)
+
+
+def _check_tracking(state: KVState, keys: Sequence[Key], names: tuple) -> None:
+    """Refuses a push summing over ``names`` inside ``shard_map`` over other axes of a store's
+    mesh of several axes too, where ``shard_map`` does not track varying axes
+    (``check_vma=False``): a gradient's sum over those other axes (that of a parameter
+    replicated along "model" used beside split ones) is then left to each device's part, and
+    jaxkv cannot tell which gradients JAX has summed. Under ``pmap`` (no tracking either) the
+    mapped axes are the summed ones: every value is per device, and summed."""
+    if not names or not CAN_MARK_VARYING or not state.multi_axis:
+        return
+    manual = manual_axes()
+    others = sorted(set(manual or ()) - set(names))
+    if not others or any(a in varying_axes(jax.lax.axis_index(a)) for a in names):
+        return
+    raise KVStoreError(
+        f"keys {list(keys)}: push inside shard_map over the axes {sorted(manual or ())} "
+        "without varying-axes tracking (check_vma=False): jaxkv needs shard_map's tracking "
+        f"to know which gradients JAX has already summed over {others} (without it a "
+        "parameter replicated along them gets each device's part of its gradient, and the "
+        "step is silently wrong); expected shard_map's default check_vma=True, given "
+        "check_vma=False. Remove check_vma=False and fix the varying-axes errors it hid "
+        "(docs/troubleshooting.md)"
+    )
+
+
 def _kept_in_place(state: KVState) -> KVState:
-    """Inside ``jit`` (not ``shard_map``), a state with split buckets with every leaf
-    constrained to where the store keeps it: XLA's propagation may leave a bucket written with
-    a whole value replicated, and a step given its own result would compile again. Elsewhere
-    ``state`` as it is (inside ``shard_map`` the mesh's axes are manual: no constraint)."""
+    """Inside ``jit`` (not ``shard_map``), a state with split buckets, or with keys of their
+    own sharding (tensor parallelism), with every leaf constrained to where the store keeps it:
+    XLA's propagation may leave a bucket written with a whole value replicated, or a small key
+    split along "model" split along the store's axis too, and a step given its own result
+    would compile again. Elsewhere ``state`` as it is (inside ``shard_map`` the mesh's axes are
+    manual: no constraint)."""
     flat = state.flat_layout
-    if flat is None or not flat.split:
+    if (flat is None or not flat.split) and not state.tp_specs:
         return state
     if manual_axes() != frozenset():  # inside shard_map (or a JAX that cannot say)
         return state
@@ -355,6 +439,7 @@ def push_in_trace(
             "caller's own code)"
         )
     names = axis_names(axis_name) if axis_name is not None else ()
+    _check_tracking(state, keys, names)
     blocks = [is_block(state, k, s) for k, s in zip(keys, stored)]
     n = None
     if any(blocks):
@@ -446,19 +531,24 @@ def _updated(
                 "blocks here), given none; call state = jaxkv.init_optimizer(state, optimizer) "
                 "before the step"
             )
-        opt_blocks = (
-            None if opt_state is None else _opt_blocks(state, updater, keys, stored, opt_state, n)
-        )
+        splits = [
+            _split(_own_split(state, k, s), b, names) for k, s, b in zip(keys, stored, blocks)
+        ]
+        opt_splits = None
+        if opt_state is not None:
+            opt_blocks = _opt_blocks(state, updater, keys, stored, opt_state, n)
+            opt_splits = _opt_splits(state, updater, keys, stored, opt_state, opt_blocks, names)
         return run_on_blocks(
             _group_step(updater, keys),
             (stored, opt_state, pushed),
-            (blocks, opt_blocks, blocks),
-            (blocks, opt_blocks),
+            (splits, opt_splits, splits),
+            (splits, opt_splits),
             names,
         )
     new = []
     for key, s, p, b in zip(keys, stored, pushed, blocks):
-        new.append(run_on_blocks(_key_step(updater, key), (s, p), (b, b), b, names))
+        split = _split(_own_split(state, key, s), b, names)
+        new.append(run_on_blocks(_key_step(updater, key), (s, p), (split, split), split, names))
     return new, None
 
 

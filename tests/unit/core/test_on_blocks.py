@@ -10,7 +10,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkv._src.core import on_blocks
 
-BLOCK, ALIKE, WHOLE = on_blocks._BLOCK, on_blocks._ROWS_ALIKE, on_blocks._WHOLE
+# A block of rows over the axis "d"; a broadcast constant along the rows; a whole value.
+BLOCK, ALIKE, WHOLE = on_blocks._rows(("d",)), on_blocks._ROWS_ALIKE, on_blocks._WHOLE
+# A block split along its rows over "d" and its columns over "m" (a P("d", "m") value), one
+# split along its columns only (P(None, "m")), and one along its rows over ("m", "d").
+GRID = on_blocks._block([(0, ("d",)), (1, ("m",))])
+COLS = on_blocks._block([(1, ("m",))])
+ROWS2 = on_blocks._rows(("m", "d"))
 X = jax.ShapeDtypeStruct((4, 3), jnp.float32)  # a device's block: 4 rows
 SQ = jax.ShapeDtypeStruct((4, 4), jnp.float32)
 ONE = jax.ShapeDtypeStruct((1, 3), jnp.float32)  # a block of one row
@@ -191,3 +197,91 @@ def test_where_jax_cannot_mark_values_varying_reductions_run_on_the_gathered_val
         got, VALUE - OTHER / np.sqrt((OTHER**2).sum()) + VALUE.max(), rtol=1e-6
     )
     assert ops == {"all_gather"}
+
+
+def _rule_of(fn, args, kinds):
+    """The rule of the one equation ``fn`` makes, given its inputs' ``kinds``."""
+    (eqn,) = jax.make_jaxpr(fn)(*args).jaxpr.eqns
+    return on_blocks._rule(eqn, kinds, True, on_blocks._watched(kinds))
+
+
+@pytest.mark.parametrize(
+    ("fn", "kinds", "expected"),
+    [
+        (lambda x: x * 2.0, [GRID], ([GRID], None)),
+        (lambda x: jnp.sum(x), [GRID], ([WHOLE], ("psum", ("d", "m")))),  # over both axes
+        (lambda x: jnp.sum(x), [COLS], ([WHOLE], ("psum", ("m",)))),
+        (lambda x: jnp.max(x), [ROWS2], ([WHOLE], ("pmax", ("m", "d")))),
+        (lambda x: x.sum(axis=0), [GRID], ([on_blocks._rows(("m",))], ("psum", ("d",)))),
+        (lambda x: x.sum(axis=1), [GRID], ([on_blocks._rows(("d",))], ("psum", ("m",)))),
+        (lambda x: x.sum(axis=0), [COLS], ([on_blocks._rows(("m",))], None)),  # within columns
+        (lambda x: x.reshape(4, 3, 1), [GRID], ([GRID], None)),
+        (lambda x: x.reshape(12), [COLS], None),  # mixes the split columns
+    ],
+)
+def test_a_block_split_along_several_dimensions_completes_reductions_over_their_axes(
+    fn, kinds, expected
+):
+    assert _rule_of(fn, [X], kinds) == expected
+
+
+def test_blocks_split_differently_do_not_mix_and_broadcasts_must_be_constant_along_splits():
+    assert _kinds(lambda x, y: x * y, [X, X], [GRID, COLS], reduce=True) is None
+    assert _kinds(lambda x, y: x * y, [X, X], [GRID, GRID], reduce=True) == [GRID]
+    # constant along both split dimensions: a scalar broadcast
+    assert _kinds(lambda x: x - jnp.ones_like(x), [X], [GRID], reduce=True) == [GRID]
+    # one row repeated: constant along the rows only, not along the split columns
+    row = jax.ShapeDtypeStruct((3,), jnp.float32)
+    assert _kinds(lambda x, r: x - r[None, :], [X, row], [GRID, WHOLE], reduce=True) is None
+    assert _kinds(lambda x, r: x - r[None, :], [X, row], [BLOCK, WHOLE], reduce=True) == [BLOCK]
+    # a dot product contracting both split dimensions of each, split alike
+    dot = lambda x, y: jnp.einsum("ij,ij->", x, y)  # noqa: E731
+    assert _kinds(dot, [X, X], [GRID, GRID], reduce=True) == [WHOLE]
+    assert _kinds(dot, [X, X], [GRID, COLS], reduce=True) is None
+
+
+# -- on a 2 x 4 mesh: each device's 8 x 2 block of a 16 x 8 value split P("d", "m") ---------
+GRID_VALUE = np.arange(16 * 8, dtype=np.float32).reshape(16, 8) - 40.0
+GRID_OTHER = (np.arange(16 * 8, dtype=np.float32).reshape(16, 8) % 7) + 1.0
+
+
+def _on_grid(fn, spec=None):
+    """``run_on_blocks(fn)`` on each device's block of ``GRID_VALUE`` and ``GRID_OTHER`` (both
+    split as ``spec`` says: rows over "d" and columns over "m", or rows over ("m", "d")), the
+    output such a block too; the whole result, and the collectives in the program."""
+    spec = P("d", "m") if spec is None else spec
+    mesh = Mesh(np.array(jax.devices("cpu")).reshape(2, 4), ("d", "m"))
+    split = on_blocks.Split(
+        tuple((d, (e,) if isinstance(e, str) else e) for d, e in enumerate(spec) if e)
+    )
+
+    def body(x, y):
+        return on_blocks.run_on_blocks(fn, (x, y), (split, split), split, ("d",))
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
+    text = step.lower(GRID_VALUE, GRID_OTHER).as_text()
+    ops = {op for op in ("all_reduce", "all_gather") if f"stablehlo.{op}" in text}
+    return np.asarray(step(GRID_VALUE, GRID_OTHER)), ops
+
+
+def test_reductions_of_a_block_split_along_two_dimensions_are_completed_over_both_axes():
+    got, ops = _on_grid(_normalise)
+    want = GRID_VALUE - GRID_OTHER / np.sqrt((GRID_OTHER**2).sum()) + GRID_VALUE.max()
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert ops == {"all_reduce"}
+
+
+def test_a_block_split_along_two_dimensions_is_gathered_along_both_for_an_updater_that_moves_rows():
+    got, ops = _on_grid(lambda x, y: x - y[::-1, ::-1])
+    np.testing.assert_array_equal(got, GRID_VALUE - GRID_OTHER[::-1, ::-1])
+    assert ops == {"all_gather"}
+
+
+def test_a_block_of_rows_over_two_axes_is_gathered_in_the_mesh_order_of_its_split():
+    got, ops = _on_grid(_reverse, P(("m", "d")))
+    np.testing.assert_array_equal(got, GRID_VALUE - GRID_OTHER[::-1])
+    assert ops == {"all_gather"}
+    got, ops = _on_grid(_normalise, P(("m", "d")))
+    want = GRID_VALUE - GRID_OTHER / np.sqrt((GRID_OTHER**2).sum()) + GRID_VALUE.max()
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert ops == {"all_reduce"}
