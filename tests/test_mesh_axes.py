@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from _mesh import data_by_model, stepped
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxkv
@@ -17,9 +18,7 @@ D = 8
 
 @pytest.fixture(scope="module")
 def mesh():
-    devs = jax.devices("cpu")
-    assert len(devs) == D
-    return Mesh(np.array(devs).reshape(2, 4), ("data", "model"))
+    return data_by_model()
 
 
 def _params():
@@ -55,14 +54,7 @@ def _trained(state, loss, tx, mesh, compiles, steps=3):
 
     fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, P("data")), out_specs=spec))
     x = jax.device_put(_batch(), NamedSharding(mesh, P("data")))
-    counts = []
-    for _ in range(steps):
-        with compiles() as c:
-            state = fn(state, x)
-            jax.block_until_ready(state)
-        counts.append(c.count)
-    assert counts[1:] == [0] * (steps - 1)
-    return state
+    return stepped(fn, state, (x,), steps, compiles)
 
 
 def _optax_on_one_device(tx, reduce="sum", steps=3):

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _mesh import data_by_model, stepped
 from _variants import covering
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxkv
@@ -34,9 +35,7 @@ TXS = {
 
 @pytest.fixture(scope="module")
 def mesh():
-    devs = jax.devices("cpu")
-    assert len(devs) == D
-    return Mesh(np.array(devs).reshape(2, 4), ("data", "model"))
+    return data_by_model()
 
 
 # The tensor-parallel keys' shapes: "small" ones keep their own split only; "big" ones (a block
@@ -131,14 +130,7 @@ def _trained(state, tx, mesh, tree, x, compiles, steps, grads="summed"):
 
     fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, P("data")), out_specs=spec))
     x = jax.device_put(x, NamedSharding(mesh, P("data")))
-    counts = []
-    for _ in range(steps):
-        with compiles() as c:
-            state = fn(state, x)
-            jax.block_until_ready(state)
-        counts.append(c.count)
-    assert counts[1:] == [0] * (steps - 1)
-    return state
+    return stepped(fn, state, (x,), steps, compiles)
 
 
 def _check(state, params, name, x, steps):

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from _mesh import data_by_model, stepped
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxkv
@@ -24,9 +25,7 @@ CLIP = 0.1
 
 @pytest.fixture(scope="module")
 def mesh():
-    devs = jax.devices("cpu")
-    assert len(devs) == D
-    return Mesh(np.array(devs).reshape(2, 4), ("data", "model"))
+    return data_by_model()
 
 
 def _params():
@@ -147,12 +146,7 @@ def test_tree_sums_in_a_shard_map_step_are_completed_over_each_leafs_axes(mesh, 
     state = _store(mesh, tx)
     fn = _shard_map_step(state, tx, mesh)
     x = jax.device_put(_batch(), NamedSharding(mesh, P("data")))
-    counts = []
-    for _ in range(3):
-        with compiles() as c:
-            state = jax.block_until_ready(fn(state, x))
-        counts.append(c.count)
-    assert counts[1:] == [0, 0]
+    state = stepped(fn, state, (x,), 3, compiles)
     assert state["col"].sharding.spec == P("data", "model")
     _same(state, _optax_on_one_device(tx))
 
@@ -171,13 +165,7 @@ def test_tree_sums_of_whole_gradients_eagerly_and_in_plain_jit(mesh, compiles, n
     def step(state):
         return jaxkv.push(state, _grad(jaxkv.pull(state, _params())), updater=tx)
 
-    state = _store(mesh, tx)
-    counts = []
-    for _ in range(3):
-        with compiles() as c:
-            state = jax.block_until_ready(step(state))
-        counts.append(c.count)
-    assert counts[1:] == [0, 0]
+    state = stepped(step, _store(mesh, tx), (), 3, compiles)
     assert state["col"].sharding.spec == P("data", "model")
     _same(state, want)
 

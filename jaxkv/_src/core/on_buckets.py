@@ -382,6 +382,11 @@ def _numbered(jaxpr: Any, consts: Any, ins: list, count: int, numbers: _Numbers)
             # side it is on, so that a sum over the keys and one over the bucket agree.
             env[eqn.outvars[0]] = values[zero.index(False)] if not all(zero) else values[0]
             continue
+        if name == "broadcast_in_dim" and len(values) == 1 and not keyed and not parts:
+            # A shared value broadcast to a key's shape is that value (shapes are not numbered):
+            # a scalar key takes the value as it is where the others broadcast it.
+            env[eqn.outvars[0]] = values[0]
+            continue
         if name in _MONOIDS and len(keyed) == 1 and len(values) == 1:
             out: Any = (_Partial(_MONOIDS[name], frozenset(keyed)), frozenset([values[0][1]]))
         elif parts:
