@@ -66,27 +66,38 @@ def _difference(run):
     return float(found[-1])
 
 
-@pytest.mark.standard_promotion
-def test_across_two_processes_and_resumed_onto_one_and_four(tmp_path):
-    """2 processes of 4 devices train 4 steps, checkpointing every 2 (each process its shards);
-    the checkpoint resumes to step 6 in this one process of 8 devices and in 4 launched
-    processes of 2, each ending where GSPMD's uninterrupted 6 steps end (float32 compute:
-    FSDP's partitioning rounds alike)."""
-    ckpt = tmp_path / "ckpt"
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """2 launched processes of 4 devices train 4 steps, checkpointing every 2 (each process its
+    shards): the checkpoint directory."""
+    ckpt = tmp_path_factory.mktemp("gpt") / "ckpt"
     run = _launch(2, 4, "--ckpt", ckpt, "--steps", 4, "--every", 2)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "2 process(es)" in run.stdout and "step 4 loss" in run.stdout, run.stdout
-    assert _difference(run) < 1e-5
+    assert _difference(run) < 1e-5  # float32 compute: FSDP's partitioning rounds alike
+    return ckpt
 
-    four = tmp_path / "four"
-    shutil.copytree(ckpt, four)
+
+@pytest.mark.standard_promotion
+def test_across_two_processes_and_resumed_in_one(two_processes, tmp_path):
+    """The 2 processes' checkpoint resumes to step 6 in this one process of 8 devices, ending
+    where GSPMD's uninterrupted 6 steps end."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(two_processes, ckpt)
     mesh = ex.make_mesh(jax.devices("cpu"))
     params, losses, compiles = ex.train_jaxkv(6, F32, mesh, ckpt=str(ckpt))
     assert len(losses) == 2 and compiles[1:] == [0], (losses, compiles)
     ref, _ = ex.train_gspmd(6, F32, mesh)
     assert ex.max_difference(params, ref) < 1e-5
 
-    run = _launch(4, 2, "--ckpt", four, "--steps", 6, "--every", 2)
+
+# A third launch of the GPT (a minute and more on 2 cores): make test-deep.
+@pytest.mark.deep
+def test_resumed_onto_four_processes(two_processes, tmp_path):
+    """The 2 processes' checkpoint resumes to step 6 in 4 launched processes of 2 devices."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(two_processes, ckpt)
+    run = _launch(4, 2, "--ckpt", ckpt, "--steps", 6, "--every", 2)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "4 process(es)" in run.stdout and "step 5 loss" in run.stdout, run.stdout
     assert "step 1 loss" not in run.stdout, run.stdout  # resumed, not started again
