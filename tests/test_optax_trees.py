@@ -324,3 +324,16 @@ def test_a_checkpoint_whose_optimizer_saw_flat_keys_is_refused_saying_why(
         jaxkv.save_state(path, state)
     with pytest.raises(jaxkv.KVStoreError, match="flat mapping of the tree's keys"):
         jaxkv.load_state(path, jaxkv.empty(devices[:1]), optimizer=make())
+
+
+def test_a_row_push_to_a_tree_hands_optax_the_tree(devices):
+    """``push_rows`` of one key of a tree: optax is handed the tree (the key's leaf, ``None``
+    elsewhere), so a mask by path reaches the table's rows."""
+    params = {"embed": {"table": jnp.ones((16, 4))}, "dense": {"bias": jnp.ones(4)}}
+    mask = lambda p: jax.tree_util.tree_map_with_path(lambda path, _: path[0].key == "embed", p)  # noqa: E731
+    tx = optax.chain(optax.masked(optax.add_decayed_weights(0.5), mask), optax.sgd(0.1))
+    state = jaxkv.init(jaxkv.empty(devices[:1]), params)
+    state = jaxkv.push_rows(state, "embed/table", jnp.array([1, 3]), jnp.ones((2, 4)), updater=tx)
+    table = np.asarray(jaxkv.pull(state, "embed/table"))
+    np.testing.assert_allclose(table[[1, 3]], 1 - 0.1 * (1 + 0.5))  # decayed: the mask saw it
+    np.testing.assert_array_equal(table[[0, 2]], 1.0)  # rows not pushed: unchanged

@@ -43,6 +43,7 @@ from jaxkv._src.core.collectives import axis_names, psum_scatter, unsummed_axes
 from jaxkv._src.core.on_buckets import abstract as _abstract
 from jaxkv._src.core.on_buckets import elementwise as _elementwise
 from jaxkv._src.core.on_buckets import structure as _structure
+from jaxkv._src.core.tree_view import viewed
 from jaxkv._src.core.updater import as_updater, optimizer_group, updater_errors
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.jax_internals import assemble, per_device
@@ -620,6 +621,7 @@ def _push(
     ``checked``: the pairs' ids, already checked on the host (:func:`check_push`); ``extra``:
     the updater's extra arguments."""
     updater = as_updater(updater)  # an optax wrapper (MultiSteps): its transformation
+    updater = viewed(state, updater)  # optax sees the tree given to init
     extra = {} if extra is None else dict(extra)
     if state.reduce != "sum":
         raise KVStoreError(
@@ -768,7 +770,7 @@ def check_push(state: KVState, key: Any, row_ids: Any, rows: Any, updater: Any) 
     """Every refusal of an eager ``push_rows(state, key, row_ids, rows, updater=updater)``,
     raised now, for a push that runs later (the imperative store's held push); returns the
     checked ids on the host, one array per pair, for :func:`pushpull_checked`."""
-    updater = as_updater(updater)  # an optax wrapper (MultiSteps): its transformation
+    updater = viewed(state, as_updater(updater))  # (an optax wrapper: its transformation)
     key, i, shape, pairs, _ = _opened(state, key, row_ids, rows, updater)
     with checking(state, key):
         host = _host_pairs(key, shape, _fl.stored_type(state, i).dtype, pairs)
