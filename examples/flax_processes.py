@@ -89,19 +89,6 @@ def sharded_init(mesh: Mesh):
     return jax.jit(MLP().init, out_shardings=jax.tree.map(where, shapes))(*init_inputs())
 
 
-def as_tree(values: dict) -> dict:
-    """The flax tree of the store's values by key: the keys are the leaves' ``/``-joined
-    paths."""
-    tree: dict = {}
-    for key, value in values.items():
-        *path, name = key.split("/")
-        node = tree
-        for part in path:
-            node = node.setdefault(part, {})
-        node[name] = value
-    return tree
-
-
 def make_step(state: jaxkv.KVState, tx: optax.GradientTransformation):
     """``step(state, x, y) -> (state, loss)`` over every device of every process."""
     specs = jaxkv.specs(state, "kv")
@@ -113,11 +100,11 @@ def make_step(state: jaxkv.KVState, tx: optax.GradientTransformation):
     )
     def step(state, x, y):
         def loss(local):
-            whole = jaxkv.gather(state, local, "kv")  # whole values: all-gathers
-            return loss_fn(as_tree(whole), x, y)  # on this device's rows of the batch
+            whole = jaxkv.gather(state, local, "kv")  # the flax tree, whole values: all-gathers
+            return loss_fn(whole, x, y)  # on this device's rows of the batch
 
-        # The store's leaves by key ("params/hidden_0/kernel"): the split ones this device's rows.
-        value, grads = jax.value_and_grad(loss)(dict(state.values))
+        # The flax tree of the store's leaves: the split kernels this device's rows.
+        value, grads = jax.value_and_grad(loss)(state.tree())
         # The gradients of the split kernels come back already summed over the devices (AD's
         # sum through the gather), this device's rows; push sums the others and, with
         # reduce="mean", divides every sum by the n devices: the whole batch's mean gradient.
