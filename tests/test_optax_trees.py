@@ -324,6 +324,14 @@ def test_a_checkpoint_whose_optimizer_saw_flat_keys_is_refused_saying_why(
         jaxkv.save_state(path, state)
     with pytest.raises(jaxkv.KVStoreError, match="flat mapping of the tree's keys"):
         jaxkv.load_state(path, jaxkv.empty(devices[:1]), optimizer=make())
+    # What docs/troubleshooting.md says to do: load it with the mask as it came out on the
+    # flat keys (true everywhere), then start the optimizer afresh.
+    then = optax.masked(optax.scale_by_adam(), lambda p: jax.tree.map(lambda _: True, p))
+    loaded = jaxkv.load_state(path, jaxkv.empty(devices[:1]), optimizer=then)
+    tx = make()
+    loaded = jaxkv.push(jaxkv.init_optimizer(loaded, tx), _grads(0), updater=tx)
+    fresh = jaxkv.init_optimizer(jaxkv.init(jaxkv.empty(devices[:1]), _params()), tx)
+    _close(loaded.tree(), jaxkv.push(fresh, _grads(0), updater=tx).tree())
 
 
 def test_a_row_push_to_a_tree_hands_optax_the_tree(devices):
