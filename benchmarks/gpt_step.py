@@ -232,6 +232,9 @@ def make_rows(ex, cfg, devices, names=ROWS, total: int = 64) -> dict[str, _Row]:
             rows[name] = _Row(step, (state,), batches, lambda c: c[0].tree())
         else:
             raise ValueError(f"no row {name!r}; rows: {', '.join(ROWS)}")
+        jax.block_until_ready(rows[name].carry)
+        if jax.process_count() > 1:  # every process's set-up done before the next row's
+            multihost_utils.sync_global_devices(f"gpt_step {name}")
     return rows
 
 
