@@ -16,7 +16,11 @@ Workloads (8 simulated CPU devices):
             processes: GSPMD beside jaxkv with and without verified sums (benchmarks/processes.py)
   mesh      the 2-axis in-jit step of examples/flax_mesh.py (a flax MLP on a 2 x 4 mesh, data x
             model, tensor parallel along model inside the step): jaxkv.push with axis_name beside
-            the same step with lax.pmean and optax by hand (benchmarks/mesh_step.py)
+            the same step with lax.pmean and optax by hand (benchmarks/mesh_step.py); and the
+            training step of examples/gpt_mesh.py (a flax GPT on 8 devices): GSPMD + optax with
+            FSDP shardings beside jaxkv's plain-jit and shard_map recipes, in one process (each
+            row's peak RSS in a process of its own) and in 2 launched processes of 4 devices
+            (benchmarks/gpt_step.py)
 
 Columns: jaxkv imperative (jaxkv.mx KVStore with nd outs, as in the MXNet tutorial), jaxkv
 functional (jaxkv.pushpull with per-device jax.Arrays), a naive per-key JAX loop, a
@@ -95,6 +99,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import dist  # noqa: E402  (benchmarks/dist.py)
 import eager  # noqa: E402  (benchmarks/eager.py)
 import gluon  # noqa: E402  (benchmarks/gluon.py)
+import gpt_step  # noqa: E402  (benchmarks/gpt_step.py)
 import jax.numpy as jnp  # noqa: E402
 import mesh_step  # noqa: E402  (benchmarks/mesh_step.py)
 import numpy as np  # noqa: E402
@@ -445,6 +450,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     steps = max(args.steps, 7)
+    gpt_steps = max(args.steps, gpt_step.STEPS)  # the GPT section's timed steps per round
 
     def gluon_section() -> dict:
         return gluon.run_section(
@@ -475,6 +481,7 @@ def main() -> None:
         return 0
     if args.only == "mesh":
         log("\n".join(mesh_step.lines(mesh_step.run(CompileCounter, steps, log=log))))
+        log("\n".join(gpt_step.lines(gpt_step.run(CompileCounter, gpt_steps, log=log))))
         return
     if args.only == "rows":
         log("\n".join(sparse_rows.report(sparse_rows.run_section(steps, MXNET_VENV, log=log))))
@@ -549,6 +556,7 @@ def main() -> None:
     log(f"  {slow}")
     jit_rows = in_jit(steps)
     mesh_res = mesh_step.run(CompileCounter, steps, log=log)
+    gpt_res = gpt_step.run(CompileCounter, gpt_steps, log=log)
     procs_res = processes.collect(steps, log=log)
     with cpu_children():
         dist_rows = dist.run(steps, log=log) + dist.run(steps, log=log, compression="2bit")
@@ -570,6 +578,7 @@ def main() -> None:
         gluon_res,
         mesh_res,
         procs_res,
+        gpt_res,
     )
     return 1 if any(eager.failed(r) for r in eager_res) or step.failed(step_res) else 0
 
@@ -595,6 +604,7 @@ def write_report(
     gluon_res,
     mesh_res,
     procs_res,
+    gpt_res,
 ) -> None:
     lines = [
         "# jaxkv benchmark results",
@@ -641,6 +651,7 @@ def write_report(
     lines += ["", *dist_report(dist_rows)]
     lines += ["", *in_jit_report(jit_rows)]
     lines += ["", *mesh_step.report(mesh_res)]
+    lines += ["", *gpt_step.report(gpt_res)]
     lines += ["", *processes.report(procs_res)]
     lines += ["", *gluon.processes_lines(gluon_res)]
     lines += [
