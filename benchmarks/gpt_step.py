@@ -34,9 +34,10 @@ same steps (bfloat16 compute: the partitionings round differently).
 
 prints the section: the rows in this process (8 simulated CPU devices), each row's peak
 resident set in a process of its own, then the rows in a job of P launched processes of 8 / P
-devices each (``python -m jaxkv.launch -n P --devices-per-process 8/P benchmarks/gpt_step.py
---worker``; rank 0 prints a JSON line per row; its peak RSS is the largest of the job's
-processes, all three rows run together in them).
+devices each, each row in a job of its own (``python -m jaxkv.launch -n P --devices-per-process
+8/P benchmarks/gpt_step.py --worker --rows ROW``; rank 0 prints the row's JSON line; its peak
+RSS is the largest of the job's processes). In one job the three rows taking turns hung at the
+default size, so across processes the rows are not interleaved.
 """
 
 from __future__ import annotations
@@ -349,15 +350,20 @@ def run(
             (line,) = _launch(1, ["--rows", name, "--steps", "2", "--rounds", "1"], small)
             one[name]["rss_peak_mb"] = line["rss_peak_mb"]
     out["jobs"][1] = one
+    # Across processes each row runs in a job of its own: the three rows' programs taking
+    # turns in one job of 2 processes hung at the default size (each alone finishes).
     for p in processes:
-        log(f"  [gpt] {p} processes of {8 // p} devices ...")
-        try:
-            lines_ = _launch(p, ["--steps", str(steps), "--rounds", str(rounds)], small)
-        except (RuntimeError, subprocess.TimeoutExpired) as e:  # reported, not fatal
-            log(f"  [gpt] {p} processes: did not finish: {str(e)[-2000:]}")
-            out["failed"] = {**out.get("failed", {}), p: str(e).splitlines()[0][:200]}
-            continue
-        out["jobs"][p] = {line["row"]: line for line in lines_}
+        for name in ROWS:
+            log(f"  [gpt] {name}: {p} processes of {8 // p} devices ...")
+            args = ["--rows", name, "--steps", str(steps), "--rounds", str(rounds)]
+            try:
+                (line,) = _launch(p, args, small)
+            except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:  # reported
+                log(f"  [gpt] {name}, {p} processes: did not finish: {str(e)[-2000:]}")
+                failed = out.setdefault("failed", {})
+                failed[f"{name}, {p} processes"] = str(e).splitlines()[0][:200]
+                continue
+            out["jobs"].setdefault(p, {})[name] = line
     return out
 
 
@@ -441,9 +447,10 @@ def report(res: dict) -> list[str]:
         f"{res['steps']} steps after warm-up, best of {res['rounds']} rounds, the rows "
         "interleaved step by step; compiles: during the timed rounds; state: bytes of "
         "parameters and optimizer state on the mesh's first device; peak RSS: in one process, "
-        "each row alone in a process of its own (2 steps after warm-up); in a launched job, "
-        "the largest of its processes, all three rows run together in each; diff: the largest "
-        "|difference| of the row's parameters from gspmd-fsdp's after the same steps.",
+        "each row alone in a process of its own (2 steps after warm-up); across processes, each "
+        "row in a launched job of its own (rows not interleaved), the largest of its "
+        "processes; diff (one process): the largest |difference| of the row's parameters from "
+        "gspmd-fsdp's after the same steps.",
         "",
         "| GPT step | processes | ms/step | gspmd / this | compiles | state MB/device | "
         "peak RSS MB | diff | "
