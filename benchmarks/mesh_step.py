@@ -37,13 +37,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-import time
 
 import jax
 
 if __name__ == "__main__":
     jax.config.update("jax_num_cpu_devices", 8)
 
+import gpt_step  # noqa: E402 (the rounds of interleaved steps, shared)
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -160,30 +160,10 @@ def run(counter, steps: int = STEPS, rounds: int = ROUNDS, log=print) -> dict:
 
 
 def _run_width(ex, mesh, hidden, counter, steps, rounds, log) -> dict:
-    t0 = time.perf_counter()
     rows = _rows(ex, mesh, hidden)
-    for row in rows.values():  # warm-up: the first two steps (the second sees the first's outputs)
-        row()
-        row()
-    log(f"  [mesh] hidden {hidden}: set-up and warm-up {time.perf_counter() - t0:.1f} s")
-    times: dict[str, list[float]] = {n: [] for n in rows}
-    compiles = dict.fromkeys(rows, 0)
-    for r in range(rounds):
-        samples: dict[str, list[float]] = {n: [] for n in rows}
-        for i in range(steps + 1):  # one untimed step per row, then `steps` timed ones
-            order = list(rows)
-            for name in order if i % 2 == 0 else order[::-1]:
-                with counter() as c:
-                    t = time.perf_counter()
-                    rows[name]()
-                    samples[name].append(time.perf_counter() - t)
-                compiles[name] += c.count
-        for name in rows:
-            times[name].append(float(np.median(samples[name][1:]) * 1e3))
-        log(
-            f"  [mesh] hidden {hidden}, round {r + 1}/{rounds}: "
-            + ", ".join(f"{n} {times[n][-1]:.2f} ms" for n in rows)
-        )
+    # Warm-up (two steps a row), then the rounds, the rows interleaved step by step.
+    timed = gpt_step.timed(rows, counter, steps, rounds, log, f"mesh hidden {hidden}")
+    times, compiles = timed["times"], timed["compiles"]
     hand_params = rows["hand-written pmean"].carry[0]
     state = rows["jaxkv"].carry
     first = mesh.devices.flat[0]
