@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 
 from jaxkv._src.core.collectives import (
     PULL,
@@ -346,6 +347,26 @@ def _kept_in_place(state: KVState) -> KVState:
     return place_leaves(state)
 
 
+def _where_stored(
+    state: KVState, keys: Sequence[Key], pushed: list[Any], blocks: Sequence[bool]
+) -> list[Any]:
+    """Inside ``jit`` (not ``shard_map``), on a store of one array per key over several
+    devices: each summed value constrained to where the store keeps its key. A gradient that
+    XLA lays out otherwise (whole along "data", where the store splits the key along it) is
+    then cut to each device's part where it lies, and the updater runs in the store's layout;
+    without it XLA gathered the optimizer state into the gradient's layout instead (28
+    all-gathers in ``examples/gpt_mesh.py``'s step). Elsewhere ``pushed`` as it is."""
+    if state.flat_layout is not None or len(state.devices) < 2 or any(blocks):
+        return pushed
+    if manual_axes() != frozenset():  # inside shard_map (or a JAX that cannot say)
+        return pushed
+    mesh = state.mesh
+    return [
+        jax.lax.with_sharding_constraint(p, NamedSharding(mesh, state.key_spec(k)))
+        for k, p in zip(keys, pushed)
+    ]
+
+
 def _placed(push: Any) -> Any:
     """``push`` with its new state kept where the store keeps it (:func:`_kept_in_place`)."""
 
@@ -493,6 +514,7 @@ def push_in_trace(
     counts = [len(xs) for xs in grouped.values()]
     each = axis_count(names) if reduce == "mean" else 1
     pushed = divide(pushed, divisors(state, keys, counts, reduce, each))
+    pushed = _where_stored(state, keys, pushed, blocks)
 
     # Update: once over the group's bucket where the updater is elementwise (flat layout),
     # else each block as the updater would update the whole value.
