@@ -108,7 +108,8 @@ def update_bucket(
     padded = parts > 1 and any(padding(tuple(s), parts) for s in shapes)
     if not elementwise(updater, keys, shapes, name, opt_state, not (chunked or padded)):
         return None
-    if not uniform(updater, keys, shapes, name, opt_state, int(np.shape(leaf)[0])):
+    bucket_state = jax.tree_util.tree_unflatten(treedef, leaves)
+    if not uniform(updater, keys, shapes, name, opt_state, int(np.shape(leaf)[0]), bucket_state):
         return None  # a step that differs by key (a mask by path or by ndim): per key
     dtype = np.dtype(name)
     summed = (grads or {}).get(b)
@@ -153,30 +154,52 @@ def abstract(sig: tuple) -> Any:
     return jax.tree_util.tree_unflatten(sig[0], [jax.ShapeDtypeStruct(s, d) for s, d in sig[1]])
 
 
+def _cached(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` through its ``functools.lru_cache``, or uncached where an argument cannot
+    be hashed (an updater that cannot be: checked on each trace)."""
+    try:
+        return fn(*args)
+    except TypeError:
+        return fn.__wrapped__(*args)
+
+
+def _input_owners(keys: tuple, opt_state: Any) -> list[int | None]:
+    """Which key each input of ``update(tree, opt_state, tree)`` belongs to, by position in
+    ``keys`` (``None``: shared by all keys): the gradients, the state's leaves (a leaf under a
+    ``{key: leaf}`` mapping is that key's), the params."""
+    owners: list[int | None] = list(range(len(keys)))
+    for path, _ in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        last = path[-1] if path else None
+        key = getattr(last, "key", None) if isinstance(last, jax.tree_util.DictKey) else None
+        owners.append(keys.index(key) if key in keys else None)
+    return owners + list(range(len(keys)))
+
+
 @functools.lru_cache(maxsize=256)
-def _elementwise_cached(
-    updater: Any, keys: tuple, shapes: tuple, name: str, opt_sig: Any, reduce: bool
-) -> bool:
-    # Keyed on the updater object: jaxkv caches pushes per updater object the same way.
+def _traced_update(updater: Any, keys: tuple, shapes: tuple, name: str, opt_sig: Any) -> Any:
+    """``updater.update``'s closed jaxpr on the tree ``{key: array}`` (``shapes``, dtype
+    ``name``) and a state of ``opt_sig``, with which key each of its inputs belongs to; ``None``
+    where it cannot be traced or its inputs do not line up with the tree's. Keyed on the
+    updater object: jaxkv caches pushes per updater object the same way."""
     opt_state = abstract(opt_sig)
     tree = {k: jax.ShapeDtypeStruct(s, name) for k, s in zip(keys, shapes)}
     try:
         closed = jax.make_jaxpr(updater.update)(tree, opt_state, tree)
     except Exception:
+        return None
+    owners = _input_owners(keys, opt_state)
+    return None if len(owners) != len(closed.jaxpr.invars) else (closed, owners)
+
+
+@functools.lru_cache(maxsize=256)
+def _elementwise_cached(
+    updater: Any, keys: tuple, shapes: tuple, name: str, opt_sig: Any, reduce: bool
+) -> bool:
+    traced = _cached(_traced_update, updater, keys, shapes, name, opt_sig)
+    if traced is None:
         return False
-    jaxpr = closed.jaxpr
-    # Which key each input belongs to (None: shared by all keys).
-    g_leaves = jax.tree_util.tree_leaves(tree)
-    key_of_leaf = list(range(len(keys)))
-    owners: list[int | None] = list(key_of_leaf)  # the gradients
-    for path, _ in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
-        last = path[-1] if path else None
-        key = getattr(last, "key", None) if isinstance(last, jax.tree_util.DictKey) else None
-        owners.append(keys.index(key) if key in keys else None)
-    owners += key_of_leaf  # the params
-    if len(owners) != len(jaxpr.invars) or len(g_leaves) != len(keys):
-        return False
-    outs = _owners(jaxpr, owners, len(keys) if reduce else 0)
+    closed, owners = traced
+    outs = _owners(closed.jaxpr, owners, len(keys) if reduce else 0)
     # A reduction over some keys only may not leave the update (in its state, say).
     return outs is not None and not any(isinstance(o, _Partial) for o in outs)
 
@@ -187,11 +210,7 @@ def elementwise(
     """Whether every step ``updater.update`` takes on a key's arrays is elementwise, with no
     other key's arrays and only scalars beside them, or (with ``reduce``) a sum, maximum or
     minimum over the whole group (see the module doc)."""
-    sig = structure(opt_state)
-    try:
-        return _elementwise_cached(updater, keys, shapes, name, sig, reduce)
-    except TypeError:  # an updater that cannot be hashed: not cached, checked each trace
-        return _elementwise_cached.__wrapped__(updater, keys, shapes, name, sig, reduce)
+    return _cached(_elementwise_cached, updater, keys, shapes, name, structure(opt_state), reduce)
 
 
 # What a value is, seen from the bucket: the array of one key (its position in the group), or
@@ -407,23 +426,15 @@ def _numbered(jaxpr: Any, consts: Any, ins: list, count: int, numbers: _Numbers)
 
 
 def _outputs(
-    updater: Any, keys: tuple, shapes: tuple, name: str, opt_state: Any, n: _Numbers
+    updater: Any, keys: tuple, shapes: tuple, name: str, opt_sig: Any, n: _Numbers
 ) -> tuple[list[list[int]], list[int]] | None:
     """Each key's outputs' numbers, in order, and the shared outputs' numbers, of
-    ``updater.update`` on the tree ``{key: array}`` (``None`` where it cannot be told)."""
-    tree = {k: jax.ShapeDtypeStruct(s, name) for k, s in zip(keys, shapes)}
-    try:
-        closed = jax.make_jaxpr(updater.update)(tree, opt_state, tree)
-    except Exception:
+    ``updater.update`` on the tree ``{key: array}`` and a state of ``opt_sig`` (``None`` where
+    it cannot be told)."""
+    traced = _cached(_traced_update, updater, keys, shapes, name, opt_sig)
+    if traced is None:
         return None
-    owners: list[Any] = list(range(len(keys)))  # the gradients, then the state's leaves
-    for path, _ in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
-        last = path[-1] if path else None
-        key = getattr(last, "key", None) if isinstance(last, jax.tree_util.DictKey) else None
-        owners.append(keys.index(key) if key in keys else None)
-    owners += list(range(len(keys)))  # the params
-    if len(owners) != len(closed.jaxpr.invars):
-        return None
+    closed, owners = traced
     slots: collections.Counter[Any] = collections.Counter()
     ins = []
     for owner in owners:  # a key's inputs by their position among its own, shared ones alike
@@ -438,27 +449,29 @@ def _outputs(
 
 @functools.lru_cache(maxsize=256)
 def _uniform_cached(
-    updater: Any, keys: tuple, shapes: tuple, name: str, opt_sig: Any, size: int
+    updater: Any, keys: tuple, shapes: tuple, name: str, opt_sig: Any, size: int, bucket_sig: Any
 ) -> bool:
     n = _Numbers()
-    each = _outputs(updater, keys, shapes, name, abstract(opt_sig), n)
-    template = _template(updater, size, name)
-    if each is None or template is None:
-        return False
-    bucket_state = jax.tree_util.tree_unflatten(template[0], template[1])
-    whole = _outputs(updater, (_BUCKET,), ((size,),), name, bucket_state, n)
-    if whole is None:
+    each = _outputs(updater, keys, shapes, name, opt_sig, n)
+    whole = _outputs(updater, (_BUCKET,), ((size,),), name, bucket_sig, n)
+    if each is None or whole is None:
         return False
     (one,), shared = whole
     return shared == each[1] and all(outs == one for outs in each[0])
 
 
-def uniform(updater: Any, keys: tuple, shapes: tuple, name: str, opt_state: Any, size: int) -> bool:
-    """Whether ``updater.update`` takes the same steps on every key of the group and on the
-    bucket of ``size`` elements that holds them (see above), so that running it once over the
-    bucket gives each key what it gives per key."""
-    sig = structure(opt_state)
-    try:
-        return _uniform_cached(updater, keys, shapes, name, sig, size)
-    except TypeError:  # an updater that cannot be hashed: not cached, checked each trace
-        return _uniform_cached.__wrapped__(updater, keys, shapes, name, sig, size)
+def uniform(
+    updater: Any,
+    keys: tuple,
+    shapes: tuple,
+    name: str,
+    opt_state: Any,
+    size: int,
+    bucket_state: Any,
+) -> bool:
+    """Whether ``updater.update`` takes the same steps on every key of the group (its state
+    ``opt_state``) and on the bucket of ``size`` elements that holds them (its state
+    ``bucket_state``, as ``updater.init`` of the bucket makes it: see above), so that running
+    it once over the bucket gives each key what it gives per key."""
+    sigs = (structure(opt_state), size, structure(bucket_state))
+    return _cached(_uniform_cached, updater, keys, shapes, name, *sigs)

@@ -32,7 +32,7 @@ import optax
 from jaxkv._src.state.kvstate import KVState
 from jaxkv._src.state.tree_shapes import TreeShape
 
-__all__ = ["TreeView", "inner", "view_of", "viewed", "viewed_trees"]
+__all__ = ["TreeView", "inner", "viewed", "viewed_trees"]
 
 logger = logging.getLogger("jaxkv")
 
@@ -94,8 +94,7 @@ def _view(trees: tuple[TreeShape, ...], keys: frozenset) -> _View | None:
             len(templates),
         )
         return None
-    order = [k for k in jax.tree_util.tree_leaves(template)]
-    return _View(template, order)
+    return _View(template, jax.tree_util.tree_leaves(template))
 
 
 class _Views:
@@ -209,12 +208,3 @@ def viewed_trees(trees: tuple[TreeShape, ...], updater: Any) -> Any:
 def inner(updater: Any) -> Any:
     """The user's transformation of a :class:`TreeView` (else ``updater`` itself)."""
     return updater.inner if isinstance(updater, TreeView) else updater
-
-
-def view_of(state: KVState, keys: Iterable[Any]) -> Any:
-    """The tree structure an optax updater of the group ``keys`` is handed (``None``: the flat
-    mapping), for messages and tests."""
-    if not state.trees:
-        return None
-    view = _Views(tuple(state.trees)).of(keys)
-    return None if view is None else view.treedef
