@@ -138,6 +138,20 @@ def loaded_trees(manifest: dict, like: KVState) -> list[TreeShape]:
     return out
 
 
+def _flat_keys_state(optimizer: Any, like: dict) -> list | None:
+    """The ``(path, shape, dtype)`` of each leaf of ``optimizer.init`` of the flat mapping
+    ``like`` (what a store handed optax before it handed the tree), or ``None`` where that
+    init raises (an optimizer that needs the tree)."""
+    try:
+        flat = jax.eval_shape(optimizer.init, like)
+    except Exception:
+        return None
+    return [
+        (jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype))
+        for p, x in jax.tree_util.tree_flatten_with_path(flat)[0]
+    ]
+
+
 def _entry(entry: Any) -> Any:
     return entry if entry is None or isinstance(entry, str) else list(entry)
 
@@ -433,11 +447,9 @@ def _assemble(
             if e["part"] == "opt" and e["group"] == n
         ]
         if want != given:
-            flat = jax.eval_shape(inner(optimizer).init, {k: like[k] for k in group})
-            if inner(optimizer) is not optimizer and given == [
-                (jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype))
-                for p, x in jax.tree_util.tree_flatten_with_path(flat)[0]
-            ]:
+            if inner(optimizer) is not optimizer and given == _flat_keys_state(
+                inner(optimizer), {k: like[k] for k in group}
+            ):
                 raise KVStoreError(
                     f"{fname}: optimizer group {list(group)}: expected an optimizer state made "
                     "with the tree given to init, given one made when jaxkv handed optax a "
