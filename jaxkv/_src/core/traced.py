@@ -235,17 +235,10 @@ def _check_structure(
     return whole
 
 
-def _opt_blocks(
-    state: KVState,
-    optimizer: Any,
-    keys: Sequence[Key],
-    stored: Sequence[Any],
-    opt_state: Any,
-    n: int | None,
-) -> Any:
+def _opt_blocks(keys: Sequence[Key], whole: Any, opt_state: Any, n: int | None) -> Any:
     """Which leaves of ``opt_state`` are this device's blocks: those whose shape differs from
-    what ``optimizer.init`` gives for the whole values."""
-    whole = _check_structure(state, optimizer, keys, stored, opt_state)
+    the leaf of ``whole`` (what ``optimizer.init`` gives for the whole values,
+    :func:`_check_structure`)."""
 
     def block(w: Any, x: Any) -> bool:
         if tuple(x.shape) == tuple(w.shape):
@@ -287,19 +280,18 @@ def _split(own: Mapping[int, tuple[str, ...]], block: bool, names: tuple) -> Spl
 
 def _opt_splits(
     state: KVState,
-    optimizer: Any,
     keys: Sequence[Key],
     stored: Sequence[Any],
-    opt_state: Any,
+    whole: Any,
     blocks: Any,
     names: tuple,
 ) -> Any:
-    """Where each leaf of ``opt_state`` is split (:func:`_split`): a block of rows where
-    ``blocks`` (:func:`_opt_blocks`) says so, and along its key's own dimensions where it is
-    a leaf of that key's shape below the key (an optax state's ``{key: leaf}``)."""
+    """Where each leaf of the optax state is split (:func:`_split`; ``whole``, its leaves for
+    the whole values): a block of rows where ``blocks`` (:func:`_opt_blocks`) says so, and
+    along its key's own dimensions where it is a leaf of that key's shape below the key (an
+    optax state's ``{key: leaf}``)."""
     owns = {k: _own_split(state, k, s) for k, s in zip(keys, stored)}
     shapes = {k: whole_shape(state, k, s) for k, s in zip(keys, stored) if owns[k]}
-    whole = _check_structure(state, optimizer, keys, stored, opt_state)
 
     def one(path: Any, w: Any, block: bool) -> Split:
         owner = _fl.leaf_owner(path, tuple(w.shape), shapes) if shapes else None
@@ -558,8 +550,9 @@ def _updated(
         ]
         opt_splits = None
         if opt_state is not None:
-            opt_blocks = _opt_blocks(state, updater, keys, stored, opt_state, n)
-            opt_splits = _opt_splits(state, updater, keys, stored, opt_state, opt_blocks, names)
+            whole = _check_structure(state, updater, keys, stored, opt_state)  # (traced once)
+            opt_blocks = _opt_blocks(keys, whole, opt_state, n)
+            opt_splits = _opt_splits(state, keys, stored, whole, opt_blocks, names)
         return run_on_blocks(
             _group_step(updater, keys),
             (stored, opt_state, pushed),

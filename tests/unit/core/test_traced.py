@@ -128,8 +128,9 @@ def test_an_optimizer_state_leaf_is_a_block_only_of_the_whole_value_s_rows_over_
     def opt(shape):
         return (optax.TraceState(trace={"w": SDS(shape, jnp.float32)}), optax.EmptyState())
 
-    def blocks(shape, n):
-        flags = traced._opt_blocks(state, momentum, ["w"], stored, opt(shape), n)
+    def blocks(shape, n, tx=momentum):
+        whole = traced._check_structure(state, tx, ["w"], stored, opt(shape))
+        flags = traced._opt_blocks(["w"], whole, opt(shape), n)
         return flags[0].trace["w"]
 
     assert blocks((8, 3), D) is False  # the whole value
@@ -142,7 +143,7 @@ def test_an_optimizer_state_leaf_is_a_block_only_of_the_whole_value_s_rows_over_
         ):
             blocks(shape, n)
     with pytest.raises(jaxkv.KVStoreError, match=r"keys \['w'\]: the optimizer state .* structure"):
-        traced._opt_blocks(state, optax.adam(0.1), ["w"], stored, opt((2, 3)), D)
+        blocks((2, 3), D, optax.adam(0.1))
 
 
 def test_an_optax_push_to_blocks_without_optimizer_state_is_refused(devices):
