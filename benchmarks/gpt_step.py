@@ -78,15 +78,21 @@ PROCESSES = (2,)  # the launched jobs of the full run: 2 processes of 4 devices
 JOB_TIMEOUT = 1200  # seconds a launched job may take
 
 
-def example():
-    """``examples/gpt_mesh.py`` as a module (registered first: flax's dataclasses look it up)."""
-    if "gpt_mesh" in sys.modules:
-        return sys.modules["gpt_mesh"]
-    spec = importlib.util.spec_from_file_location("gpt_mesh", EXAMPLE)
+def load(name: str, path: str):
+    """The example at ``path`` as a module named ``name``, loaded once (registered first:
+    flax's dataclasses look their module up)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def example():
+    """``examples/gpt_mesh.py`` as a module."""
+    return load("gpt_mesh", EXAMPLE)
 
 
 def config(small: bool = False):

@@ -34,7 +34,6 @@ Run as a script (on 8 simulated CPU devices) it prints the section.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
@@ -60,14 +59,8 @@ STEPS = 50  # timed steps per round at least (a step takes milliseconds)
 
 
 def example():
-    """``examples/flax_mesh.py`` as a module (registered first: flax's dataclasses look it up)."""
-    if "flax_mesh" in sys.modules:
-        return sys.modules["flax_mesh"]
-    spec = importlib.util.spec_from_file_location("flax_mesh", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """``examples/flax_mesh.py`` as a module."""
+    return gpt_step.load("flax_mesh", EXAMPLE)
 
 
 def hand_written_step(ex, mesh, params, tx):

@@ -56,3 +56,17 @@ def run_example(name, timeout=300):
         text=True,
         timeout=timeout,
     )
+
+
+def load_example(name):
+    """``examples/NAME.py`` as a module named ``NAME`` (registered in ``sys.modules`` first:
+    flax's dataclasses look their module up)."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "examples", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -3,16 +3,14 @@ jaxkv and tensor parallel along "model" (the store keeping each device's blocks:
 kernels and their Adam moments 1/8 per device), equals plain optax on one device, compiles its
 step once, and runs as a script. flax is the ``examples`` extra."""
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _jobs import run_example
+from _jobs import load_example, run_example
 from jax.sharding import PartitionSpec as P
 
 import jaxkv
@@ -24,16 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "flax_mesh.py"
 
 
-def _load():
-    """The example as a module (registered first: flax's dataclasses look their module up)."""
-    spec = importlib.util.spec_from_file_location("flax_mesh", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-ex = _load()
+ex = load_example("flax_mesh")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ the same model under GSPMD with optax, compiles its step once, runs across 2 lau
 with checkpoints, and resumes onto 1 and 4 processes where an uninterrupted run ends."""
 
 import dataclasses
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from _jobs import cpu_env
+from _jobs import cpu_env, load_example
 
 pytest.importorskip("flax", reason="flax (the examples extra) is not installed")
 
@@ -22,15 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "gpt_mesh.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("gpt_mesh", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (flax's dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
-
-
-ex = _load()
+ex = load_example("gpt_mesh")
 F32 = dataclasses.replace(ex.SMALL, compute="float32")
 
 
