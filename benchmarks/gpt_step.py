@@ -246,7 +246,8 @@ def make_rows(ex, cfg, devices, names=ROWS, total: int = 64) -> dict[str, _Row]:
     return rows
 
 
-def _device_bytes(tree, device) -> int:
+def device_bytes(tree, device) -> int:
+    """The bytes of ``tree``'s leaves held on ``device``."""
     return sum(
         s.data.nbytes
         for leaf in jax.tree_util.tree_leaves(tree)
@@ -312,7 +313,7 @@ def measure(rows, devices, counter, steps: int, rounds: int, log, tag: str = "gp
             "ms": min(res["times"][name]),
             "rounds": res["times"][name],
             "compiles": int(_most(res["compiles"][name])),
-            "state_bytes": _device_bytes(row.carry, first) if first.process_index == 0 else 0,
+            "state_bytes": device_bytes(row.carry, first) if first.process_index == 0 else 0,
             "diff": diff,
             "steps": row.t,
             "processes": jax.process_count(),
@@ -417,8 +418,8 @@ def lines(res: dict) -> list[str]:
     """The section as printed by ``bench.py --only mesh``: one line per job and row."""
     out = []
     for p, job in res["jobs"].items():
-        base = job["gspmd-fsdp"]["ms"]
-        for name in ROWS:
+        base = job["gspmd-fsdp"]["ms"] if "gspmd-fsdp" in job else float("nan")
+        for name in [n for n in ROWS if n in job]:  # (a row whose job did not finish: none)
             r = job[name]
             diff = "" if r["diff"] is None else f"  max |diff| {r['diff']:.1e}"
             rss = f"  peak RSS {r['rss_peak_mb']:.0f} MB" if "rss_peak_mb" in r else ""
@@ -465,8 +466,8 @@ def report(res: dict) -> list[str]:
         "|---|---|---|---|---|---|---|---|" + "---|" * res["rounds"] + "---|",
     ]
     for p, job in res["jobs"].items():
-        base = job["gspmd-fsdp"]["ms"]
-        for name in ROWS:
+        base = job["gspmd-fsdp"]["ms"] if "gspmd-fsdp" in job else float("nan")
+        for name in [n for n in ROWS if n in job]:  # (a row whose job did not finish: none)
             r = job[name]
             diff = "—" if r["diff"] is None else f"{r['diff']:.1e}"
             rss = f"{r['rss_peak_mb']:.0f}" if "rss_peak_mb" in r else ""

@@ -101,15 +101,6 @@ class _Row:
         jax.block_until_ready((self.carry, loss))
 
 
-def _device0_bytes(tree, device) -> int:
-    return sum(
-        s.data.nbytes
-        for leaf in jax.tree_util.tree_leaves(tree)
-        for s in leaf.addressable_shards
-        if s.device == device
-    )
-
-
 def _rows(ex, mesh, hidden: int) -> dict[str, _Row]:
     params, tx = ex.init_params(hidden=hidden), ex.make_optimizer()
     x, y = ex.put_batch(mesh, *ex.make_data())
@@ -166,7 +157,7 @@ def _run_width(ex, mesh, hidden, counter, steps, rounds, log) -> dict:
                 "ms": min(times[name]),
                 "rounds": times[name],
                 "compiles": compiles[name],
-                "state_bytes": _device0_bytes(rows[name].carry, first),
+                "state_bytes": gpt_step.device_bytes(rows[name].carry, first),
             }
             for name in rows
         },
