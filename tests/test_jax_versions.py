@@ -109,7 +109,9 @@ def _invariant_gather(mesh):
         )(jnp.ones(8))
     except ValueError:
         return None
-    return lambda x, axis_name, *, tiled=False: gather(x, axis_name, tiled=tiled, to="invarying")
+    return lambda x, axis_name, *, axis=0, tiled=False: gather(
+        x, axis_name, axis=axis, tiled=tiled, to="invarying"
+    )
 
 
 def _skip_without(gather):

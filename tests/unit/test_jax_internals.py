@@ -186,10 +186,10 @@ def test_all_gather_invariant_gives_the_plain_gather_s_values_on_every_route(mes
 def test_all_gather_invariant_without_the_keyword_takes_the_next_route(mesh, monkeypatch):
     real = jax.lax.all_gather
 
-    def old_gather(x, axis_name, *, tiled=False, **kwargs):
+    def old_gather(x, axis_name, *, axis=0, tiled=False, **kwargs):
         if kwargs:
             raise TypeError("all_gather() got an unexpected keyword argument 'to'")
-        return real(x, axis_name, tiled=tiled)
+        return real(x, axis_name, axis=axis, tiled=tiled)
 
     monkeypatch.setattr(jax.lax, "all_gather", old_gather)
     shapes = {}
