@@ -236,6 +236,7 @@ class KVStore:
         # weakly held. A push of rows donates a table unless an out still holds what it was
         # lent (see _lent).
         self._lent_to: dict[int, tuple[Any, dict[int, tuple[Any, Any]]]] = {}
+        self._lent_limit = 64  # _lend sweeps _lent_to when it grows past this
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -951,10 +952,14 @@ class KVStore:
         """Note that ``out`` was given ``handed``, a part of the stored array ``stored``."""
         entry = self._lent_to.get(id(stored))
         if entry is None or entry[0]() is not stored:
-            if len(self._lent_to) > 4 * len(self._stored.leaves) + 64:  # forget the dead
+            if len(self._lent_to) > self._lent_limit:  # forget the dead
                 self._lent_to = {
                     i: e for i, e in self._lent_to.items() if e[0]() is not None and _holds(e)
                 }
+                # The next sweep after as many new entries again as survive this one: the
+                # sweeps cost O(1) a lend, however many arrays stay lent (MXNet's loop keeps
+                # one lent array per key and out).
+                self._lent_limit = 2 * len(self._lent_to) + 4 * len(self._stored.leaves) + 64
             entry = (weakref.ref(stored), {})
             self._lent_to[id(stored)] = entry
         outs = entry[1]
