@@ -7,17 +7,21 @@ Rows, each one jitted training step with its state donated, the same model, batc
 optimizer, from the same initial parameters:
   gspmd-fsdp        plain ``jax.jit`` with NamedShardings on the 2 x 4 mesh ("data", "model"):
                     the parameters in Megatron's tensor-parallel layout with "data" added on
-                    dimension 0 of every big leaf, and optax's state made by ``jax.jit(tx.init)``
-                    in the same layout (FSDP / ZeRO's placement; the example's ``gspmd_step``
-                    and ``init_params(mesh, cfg, fsdp=True)``): XLA partitions the step
+                    dimension 0 of every leaf whose piece has at least 1024 elements, and
+                    optax's state placed as the parameters it follows, the step's outputs kept
+                    there (FSDP / ZeRO's placement; the example's ``gspmd_state``,
+                    ``gspmd_step`` and ``init_params(mesh, cfg, fsdp=True)``): XLA partitions
+                    the step
   jaxkv-jit         the example's plain-``jit`` recipe: the tensor-parallel parameters given to
-                    ``jaxkv.init`` on ``jaxkv.empty(mesh=mesh, axis_name="data")``, which adds
-                    "data" to the big ones and their optimizer state, then one ``jax.jit`` of
+                    ``jaxkv.init`` on ``jaxkv.empty(mesh=mesh, axis_name="data",
+                    bigarray_bound=1024)``, which adds "data" to the big ones (the same bound
+                    as gspmd-fsdp's) and their optimizer state, then one ``jax.jit`` of
                     the gradient with respect to ``state.tree()`` and ``jaxkv.push``
   jaxkv-shard_map   the README's sharded step by hand: a store over the 8 devices on one axis,
-                    ``jaxkv.empty(devices)`` (values of at least 16384 elements split along it
-                    with their optimizer state, ZeRO), ``jax.shard_map`` over its mesh with
-                    ``in_specs=(jaxkv.specs(state, "kv"), P("kv"))``; on each device the loss of
+                    ``jaxkv.empty(devices, bigarray_bound=1024)`` (values of at least 1024
+                    elements split along it with their optimizer state, ZeRO),
+                    ``jax.shard_map`` over its mesh with ``in_specs=(jaxkv.specs(state, "kv"),
+                    P("kv"))``; on each device the loss of
                     ``jaxkv.gather(state, local, "kv")`` (whole parameters) on its rows of the
                     batch, over the example's micro-batches, its gradient with respect to
                     ``state.tree()`` (``jax.vjp`` of the gather: one reduce-scatter of the
@@ -225,14 +229,16 @@ def make_rows(ex, cfg, devices, names=ROWS, total: int = 64) -> dict[str, _Row]:
         if name == "gspmd-fsdp":
             params = ex.init_params(mesh, cfg, fsdp=True)
             batches = [_put(s, NamedSharding(mesh, P("data"))) for s in seqs]
-            carry = (params, jax.jit(tx.init)(params))
-            rows[name] = _Row(ex.gspmd_step(cfg, tx), carry, batches, lambda c: c[0])
+            opt, shardings = ex.gspmd_state(params, tx)
+            rows[name] = _Row(
+                ex.gspmd_step(cfg, tx, shardings), (params, opt), batches, lambda c: c[0]
+            )
         elif name == "jaxkv-jit":
             batches = [_put(s, NamedSharding(mesh, P("data"))) for s in seqs]
             state = ex.make_store(mesh, cfg, tx)
             rows[name] = _Row(ex.jaxkv_step(cfg, tx), (state,), batches, lambda c: c[0].tree())
         elif name == "jaxkv-shard_map":
-            store = jaxkv.empty(list(devices))
+            store = jaxkv.empty(list(devices), bigarray_bound=ex.BOUND)
             state = jaxkv.init_optimizer(jaxkv.init(store, ex.init_params(mesh, cfg)), tx)
             kv = NamedSharding(state.mesh, P("kv"))
             batches = [_put(s, kv) for s in seqs]
@@ -340,6 +346,7 @@ def run(
     devices = jax.devices("cpu")[:8]
     steps = max(steps, 1)
     out: dict = {"config": dataclasses.asdict(cfg), "steps": steps, "rounds": rounds, "jobs": {}}
+    out["bound"] = ex.BOUND
     n = sum(
         x.size
         for x in jax.tree.leaves(
@@ -444,11 +451,14 @@ def report(res: dict) -> list[str]:
         f"tokens; {c['batch']} sequences a step in {c['micro']} micro-batches, {c['compute']} "
         "compute; clipping and AdamW) on 8 CPU devices. gspmd-fsdp: plain `jax.jit` with "
         "NamedShardings on the 2 x 4 mesh ('data', 'model'), tensor parallel along 'model' "
-        "and every big leaf and its optax state also split along 'data' (FSDP / ZeRO); "
+        "and every leaf whose piece has at least the same bound's elements, and its optax state, "
+        "also split along 'data' (FSDP / ZeRO); "
         "jaxkv-jit: the example's plain-`jit` recipe (`jaxkv.empty(mesh=mesh, "
-        "axis_name='data')`, the gradient with respect to `state.tree()`, `jaxkv.push`); "
+        f"axis_name='data', bigarray_bound={res['bound']})`, the gradient with respect to "
+        "`state.tree()`, `jaxkv.push`); "
         "jaxkv-shard_map: the README's sharded step, a store over the 8 devices on one axis "
-        "'kv' (big values and their optimizer state split along it), `jax.shard_map` with "
+        "'kv' (values of at least the same bound and their optimizer state split along it), "
+        "`jax.shard_map` with "
         "`jaxkv.specs`, the loss of `jaxkv.gather` on each device's rows, `jaxkv.push(..., "
         "axis_name='kv', reduce='mean')`. ms/step: median of "
         f"{res['steps']} steps after warm-up, best of {res['rounds']} rounds, the rows "

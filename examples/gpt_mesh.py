@@ -5,8 +5,9 @@ The recipe a JAX engineer writes, with nothing changed in the model:
 
 - the parameters are made on the mesh with tensor-parallel shardings (attention heads and MLP
   columns split along "model", Megatron-style: ``P(None, "model")`` in, ``P("model", None)``
-  out), and given to ``jaxkv.init`` on ``jaxkv.empty(mesh=mesh, axis_name="data")``, which
-  keeps them and splits the big ones along "data" as well, with their optimizer state (ZeRO);
+  out), and given to ``jaxkv.init`` on ``jaxkv.empty(mesh=mesh, axis_name="data",
+  bigarray_bound=1024)``, which keeps them and splits along "data" as well, with their
+  optimizer state (ZeRO), those whose piece on one device has 1024 elements or more;
 - the step is one ``jax.jit``: the gradient of the loss with respect to ``state.tree()`` (the
   flax tree) over 4 micro-batches accumulated in a ``lax.scan``, in bfloat16 compute over the
   float32 master weights, then ``jaxkv.push`` of the gradients with the optax chain: clipping
@@ -16,7 +17,7 @@ The recipe a JAX engineer writes, with nothing changed in the model:
 
 ``train_gspmd`` is the rival: the same model, data and optimizer as a plain ``jax.jit`` with
 NamedShardings (``fsdp=True``: every big leaf also split along "data", ZeRO's placement), and
-optax's state made by ``jax.jit(tx.init)``.
+optax's state placed as the parameters it follows, the step keeping both where they are.
 
 Run it:
 
@@ -134,9 +135,20 @@ def tensor_parallel_spec(path: tuple, leaf: Any) -> P:
     return P()
 
 
-def fsdp_spec(spec: P, shape: tuple[int, ...], data: int) -> P:
-    """``spec`` with "data" added on dimension 0 where it divides (ZeRO / FSDP's placement)."""
-    if not shape or shape[0] % data or math.prod(shape) < 1024:
+# Leaves whose piece on one device of "model" has at least this many elements are split along
+# "data" too, with their optimizer state, by both sides alike: GSPMD's FSDP placement and the
+# store (its ``bigarray_bound``, whose rule this is; the store's default, 16384, would keep this
+# small model's biases whole on each device).
+BOUND = 1024
+
+
+def fsdp_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """``spec`` with "data" added on dimension 0 where the leaf's piece on one device of
+    "model" has at least ``BOUND`` elements and rows that "data" divides (ZeRO / FSDP's
+    placement; the store's rule for a value of its own sharding)."""
+    local = [n // (mesh.shape["model"] if "model" in str(e) else 1) for n, e in zip(shape, spec)]
+    local += shape[len(local) :]
+    if not shape or local[0] % mesh.shape["data"] or math.prod(local) < BOUND:
         return spec
     first = spec[0] if len(spec) else None
     if first is None:
@@ -177,7 +189,7 @@ def init_params(mesh: Mesh, cfg: Config, fsdp: bool = False, seed: int = 0) -> A
     def where(path: tuple, leaf: Any) -> NamedSharding:
         spec = tensor_parallel_spec(path, leaf)
         if fsdp:
-            spec = fsdp_spec(spec, leaf.shape, mesh.shape["data"])
+            spec = fsdp_spec(spec, leaf.shape, mesh)
         return NamedSharding(mesh, spec)
 
     return jax.jit(model.init, out_shardings=jax.tree_util.tree_map_with_path(where, shapes))(*args)
@@ -217,7 +229,7 @@ def loss_and_grads(cfg: Config, params: Any, batch: jax.Array) -> tuple[jax.Arra
 
 # -- jaxkv: the plain-jit recipe ---------------------------------------------------------------
 def make_store(mesh: Mesh, cfg: Config, tx: optax.GradientTransformation) -> jaxkv.KVState:
-    store = jaxkv.empty(mesh=mesh, axis_name="data")
+    store = jaxkv.empty(mesh=mesh, axis_name="data", bigarray_bound=BOUND)
     return jaxkv.init_optimizer(jaxkv.init(store, init_params(mesh, cfg)), tx)
 
 
@@ -232,13 +244,32 @@ def jaxkv_step(cfg: Config, tx: optax.GradientTransformation) -> Callable:
 
 
 # -- the rival: GSPMD and optax ---------------------------------------------------------------
-def gspmd_step(cfg: Config, tx: optax.GradientTransformation) -> Callable:
+def gspmd_state(params: Any, tx: optax.GradientTransformation) -> tuple[Any, Any]:
+    """optax's state for ``params``, each leaf that follows a parameter placed as that parameter
+    (the rest replicated), and the shardings of ``(params, state)``: where the step keeps
+    them, so the state stays in FSDP's placement (left to XLA, a step's outputs are placed as
+    its propagation chooses, which differs from the inputs' placement and from step to step)."""
+    mesh = jax.tree.leaves(params)[0].sharding.mesh
+    where = jax.tree.map(lambda x: x.sharding, params)
+    shapes = jax.eval_shape(tx.init, params)
+    whole = NamedSharding(mesh, P())
+    opt_where = optax.tree_utils.tree_map_params(
+        tx, lambda _, w: w, shapes, where, transform_non_params=lambda _: whole
+    )
+    return jax.jit(tx.init, out_shardings=opt_where)(params), (where, opt_where)
+
+
+def gspmd_step(cfg: Config, tx: optax.GradientTransformation, shardings: Any = None) -> Callable:
+    """``step(params, opt, batch) -> (params, opt, loss)``: one ``jax.jit``, the state donated
+    and kept where ``shardings`` (from :func:`gspmd_state`) says."""
+
     def step(params: Any, opt: Any, batch: jax.Array) -> tuple[Any, Any, jax.Array]:
         loss, grads = loss_and_grads(cfg, params, batch)
         updates, opt = tx.update(grads, opt, params)
         return optax.apply_updates(params, updates), opt, loss
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    out = None if shardings is None else (*shardings, None)
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=out)
 
 
 def train_gspmd(
@@ -248,8 +279,8 @@ def train_gspmd(
     mesh = make_mesh() if mesh is None else mesh
     tx = make_optimizer(cfg)
     params = init_params(mesh, cfg, fsdp=fsdp)
-    opt = jax.jit(tx.init)(params)
-    step, losses = gspmd_step(cfg, tx), []
+    opt, shardings = gspmd_state(params, tx)
+    step, losses = gspmd_step(cfg, tx, shardings), []
     for t in range(steps):
         params, opt, loss = step(params, opt, tokens(cfg, t, mesh))
         losses.append(float(loss))
@@ -281,7 +312,9 @@ def train_jaxkv(
     start = (manager.latest_step() or 0) if manager else 0
     if start:
         assert manager is not None
-        state = manager.restore(into=jaxkv.empty(mesh=mesh, axis_name="data"), optimizer=tx)
+        state = manager.restore(
+            into=jaxkv.empty(mesh=mesh, axis_name="data", bigarray_bound=BOUND), optimizer=tx
+        )
     else:
         state = make_store(mesh, cfg, tx)
     step, losses, compiles = jaxkv_step(cfg, tx), [], []

@@ -27,11 +27,12 @@ F32 = dataclasses.replace(ex.SMALL, compute="float32")
 
 @pytest.mark.standard_promotion
 def test_the_gpt_equals_gspmd_and_optax_and_compiles_once():
-    """bfloat16 compute: the same partitioning as GSPMD's (the tensor-parallel layout) gives
-    the same numbers; the mask by path is optax's on the flax tree."""
+    """bfloat16 compute: the same partitioning as GSPMD's (tensor parallel, and leaves of at
+    least ``ex.BOUND`` elements split along "data": FSDP's placement) gives the same numbers;
+    the mask by path is optax's on the flax tree."""
     mesh = ex.make_mesh(jax.devices("cpu"))
     params, losses, compiles = ex.train_jaxkv(3, ex.SMALL, mesh)
-    ref, ref_losses = ex.train_gspmd(3, ex.SMALL, mesh, fsdp=False)
+    ref, ref_losses = ex.train_gspmd(3, ex.SMALL, mesh, fsdp=True)
     assert ex.max_difference(params, ref) < 1e-6
     assert losses == pytest.approx(ref_losses, rel=1e-6)
     assert compiles[0] >= 1 and compiles[1:] == [0, 0], compiles
