@@ -422,21 +422,27 @@ def worker(args) -> None:
             print(json.dumps({"row": name, **r, "rss_peak_mb": peak}), flush=True)
 
 
-def lines(res: dict) -> list[str]:
-    """The section as printed by ``bench.py --only mesh``: one line per job and row."""
+def _finished(res: dict) -> list[tuple[int, str, dict, float]]:
+    """``(processes, row, its results, gspmd-fsdp's ms/step)`` of each row whose job finished."""
     out = []
     for p, job in res["jobs"].items():
         base = job["gspmd-fsdp"]["ms"] if "gspmd-fsdp" in job else float("nan")
-        for name in [n for n in ROWS if n in job]:  # (a row whose job did not finish: none)
-            r = job[name]
-            diff = "" if r["diff"] is None else f"  max |diff| {r['diff']:.1e}"
-            rss = f"  peak RSS {r['rss_peak_mb']:.0f} MB" if "rss_peak_mb" in r else ""
-            out.append(
-                f"GPT step  {p} process{'es' if p > 1 else ''}  {name:<16} {r['ms']:8.1f} ms/step"
-                f"  gspmd / this {base / r['ms']:.2f}x  compiles {r['compiles']}  "
-                f"state {r['state_bytes'] / 1e6:.2f} MB/device{rss}{diff}  "
-                f"rounds {', '.join(f'{t:.1f}' for t in r['rounds'])}  [{r['where']}]"
-            )
+        out += [(p, name, job[name], base) for name in ROWS if name in job]
+    return out
+
+
+def lines(res: dict) -> list[str]:
+    """The section as printed by ``bench.py --only mesh``: one line per job and row."""
+    out = []
+    for p, name, r, base in _finished(res):
+        diff = "" if r["diff"] is None else f"  max |diff| {r['diff']:.1e}"
+        rss = f"  peak RSS {r['rss_peak_mb']:.0f} MB" if "rss_peak_mb" in r else ""
+        out.append(
+            f"GPT step  {p} process{'es' if p > 1 else ''}  {name:<16} {r['ms']:8.1f} ms/step"
+            f"  gspmd / this {base / r['ms']:.2f}x  compiles {r['compiles']}  "
+            f"state {r['state_bytes'] / 1e6:.2f} MB/device{rss}{diff}  "
+            f"rounds {', '.join(f'{t:.1f}' for t in r['rounds'])}  [{r['where']}]"
+        )
     for p, why in res.get("failed", {}).items():
         out.append(f"GPT step  {p} processes  did not finish: {why}")
     return out
@@ -476,18 +482,15 @@ def report(res: dict) -> list[str]:
         + " | where |",
         "|---|---|---|---|---|---|---|---|" + "---|" * res["rounds"] + "---|",
     ]
-    for p, job in res["jobs"].items():
-        base = job["gspmd-fsdp"]["ms"] if "gspmd-fsdp" in job else float("nan")
-        for name in [n for n in ROWS if n in job]:  # (a row whose job did not finish: none)
-            r = job[name]
-            diff = "—" if r["diff"] is None else f"{r['diff']:.1e}"
-            rss = f"{r['rss_peak_mb']:.0f}" if "rss_peak_mb" in r else ""
-            out.append(
-                f"| {name} | {p} | {r['ms']:.1f} | {base / r['ms']:.2f}x | {r['compiles']} | "
-                f"{r['state_bytes'] / 1e6:.2f} | {rss} | {diff} | "
-                + " | ".join(f"{t:.1f}" for t in r["rounds"])
-                + f" | {r['where']} |"
-            )
+    for p, name, r, base in _finished(res):
+        diff = "—" if r["diff"] is None else f"{r['diff']:.1e}"
+        rss = f"{r['rss_peak_mb']:.0f}" if "rss_peak_mb" in r else ""
+        out.append(
+            f"| {name} | {p} | {r['ms']:.1f} | {base / r['ms']:.2f}x | {r['compiles']} | "
+            f"{r['state_bytes'] / 1e6:.2f} | {rss} | {diff} | "
+            + " | ".join(f"{t:.1f}" for t in r["rounds"])
+            + f" | {r['where']} |"
+        )
     for p, why in res.get("failed", {}).items():
         out.append(f"| (every row) | {p} | did not finish: {why.replace('|', '/')} |")
     return out
