@@ -77,11 +77,24 @@ def put(values: Sequence[Any], shardings: Sequence[Any], agreed: bool = False) -
             out[i] = jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
         else:
             rest.append(i)
+    # A value already on other processes' devices too is moved by a computation with
+    # collectives (a reshard; a collective-permute where the device orders differ): one value
+    # per collective turn, as every computation over several processes takes its turn (those
+    # issued together by one batched put hung in XLA:CPU's collective-permute, 2 processes of 4
+    # devices moving a flax tree from a 2 x 4 mesh onto the store's).
+    spanning = [i for i in rest if _spans(values[i])]
+    for i in spanning:
+        out[i] = collective_order.ordered("put", jax.device_put, values[i], shardings[i])
+    rest = [i for i in rest if i not in set(spanning)]
     if rest:
         placed = jax.device_put([values[i] for i in rest], [shardings[i] for i in rest])
         for i, x in zip(rest, placed):
             out[i] = x
     return out
+
+
+def _spans(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
 
 
 @jax.jit
