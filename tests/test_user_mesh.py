@@ -125,3 +125,17 @@ def test_refusals(cpus, mesh):
         jaxkv.empty(cpus[::-1], mesh=mesh)
     with pytest.raises(jaxkv.KVStoreError, match="Mesh"):
         jaxkv.empty(mesh="data")
+
+
+def test_a_tree_on_the_users_mesh_moves_into_a_store_across_processes():
+    """2 processes of 4 devices: 48 leaves on a 2 x 4 mesh, some split along "model", given to
+    a store over the same devices on one axis that splits them: each moved by its own reshard,
+    one collective turn at a time (issued together they hung), every value the tree's
+    (tests/dist/mesh_move_job.py)."""
+    from _jobs import launch
+
+    run = launch(2, "mesh_move_job.py", per_process=4, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert len([line for line in run.stdout.splitlines() if " ok 48 keys" in line]) == 2, (
+        run.stdout + run.stderr
+    )
