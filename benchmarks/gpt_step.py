@@ -20,7 +20,7 @@ optimizer, from the same initial parameters:
   jaxkv-shard_map   the README's sharded step by hand: a store over the 8 devices on one axis,
                     ``jaxkv.empty(devices)`` (values of at least 16384 elements split along it
                     with their optimizer state, ZeRO; at 1024, as the other rows, its job of 2
-                    processes hung in XLA:CPU's collective-permute),
+                    processes hung in ``jaxkv.init``'s batched put, since made one at a time),
                     ``jax.shard_map`` over its mesh with ``in_specs=(jaxkv.specs(state, "kv"),
                     P("kv"))``; on each device the loss of
                     ``jaxkv.gather(state, local, "kv")`` (whole parameters) on its rows of the
