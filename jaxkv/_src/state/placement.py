@@ -82,10 +82,9 @@ def put(values: Sequence[Any], shardings: Sequence[Any], agreed: bool = False) -
     # per collective turn, as every computation over several processes takes its turn (those
     # issued together by one batched put hung in XLA:CPU's collective-permute, 2 processes of 4
     # devices moving a flax tree from a 2 x 4 mesh onto the store's).
-    spanning = [i for i in rest if _spans(values[i])]
-    for i in spanning:
+    for i in [i for i in rest if _spans(values[i])]:
         out[i] = collective_order.ordered("put", jax.device_put, values[i], shardings[i])
-    rest = [i for i in rest if i not in set(spanning)]
+    rest = [i for i in rest if out[i] is None]
     if rest:
         placed = jax.device_put([values[i] for i in rest], [shardings[i] for i in rest])
         for i, x in zip(rest, placed):
