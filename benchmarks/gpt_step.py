@@ -39,10 +39,9 @@ same steps (bfloat16 compute: the partitionings round differently).
 
 prints the section: the rows in this process (8 simulated CPU devices), each row's peak
 resident set in a process of its own, then the rows in a job of P launched processes of 8 / P
-devices each, each row in a job of its own (``python -m jaxkv.launch -n P --devices-per-process
-8/P benchmarks/gpt_step.py --worker --rows ROW``; rank 0 prints the row's JSON line; its peak
-RSS is the largest of the job's processes). In one job the three rows taking turns hung at the
-default size, so across processes the rows are not interleaved.
+devices each, the rows interleaved as in one process (``python -m jaxkv.launch -n P
+--devices-per-process 8/P benchmarks/gpt_step.py --worker``; rank 0 prints a JSON line per row;
+the peak RSS is the job's, the largest of its processes, all rows together).
 """
 
 from __future__ import annotations
@@ -239,7 +238,7 @@ def make_rows(ex, cfg, devices, names=ROWS, total: int = 64) -> dict[str, _Row]:
             state = ex.make_store(mesh, cfg, tx)
             rows[name] = _Row(ex.jaxkv_step(cfg, tx), (state,), batches, lambda c: c[0].tree())
         elif name == "jaxkv-shard_map":
-            store = jaxkv.empty(list(devices))
+            store = jaxkv.empty(list(devices), bigarray_bound=ex.BOUND)
             state = jaxkv.init_optimizer(jaxkv.init(store, ex.init_params(mesh, cfg)), tx)
             kv = NamedSharding(state.mesh, P("kv"))
             batches = [_put(s, kv) for s in seqs]
@@ -365,20 +364,17 @@ def run(
             (line,) = _launch(1, ["--rows", name, "--steps", "2", "--rounds", "1"], small)
             one[name]["rss_peak_mb"] = line["rss_peak_mb"]
     out["jobs"][1] = one
-    # Across processes each row runs in a job of its own: the three rows' programs taking
-    # turns in one job of 2 processes hung at the default size (each alone finishes).
+    # Across processes the rows take turns in one job, as in one process.
     for p in processes:
-        for name in ROWS:
-            log(f"  [gpt] {name}: {p} processes of {8 // p} devices ...")
-            args = ["--rows", name, "--steps", str(steps), "--rounds", str(rounds)]
-            try:
-                (line,) = _launch(p, args, small)
-            except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:  # reported
-                log(f"  [gpt] {name}, {p} processes: did not finish: {str(e)[-2000:]}")
-                failed = out.setdefault("failed", {})
-                failed[f"{name}, {p} processes"] = str(e).splitlines()[0][:200]
-                continue
-            out["jobs"].setdefault(p, {})[name] = line
+        log(f"  [gpt] every row: {p} processes of {8 // p} devices ...")
+        args = ["--rows", *ROWS, "--steps", str(steps), "--rounds", str(rounds)]
+        try:
+            job = _launch(p, args, small)
+        except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:  # reported
+            log(f"  [gpt] {p} processes: did not finish: {str(e)[-2000:]}")
+            out.setdefault("failed", {})[p] = str(e).splitlines()[0][:200]
+            continue
+        out["jobs"][p] = {line.pop("row"): line for line in job}
     return out
 
 
@@ -464,16 +460,16 @@ def report(res: dict) -> list[str]:
         f"axis_name='data', bigarray_bound={res['bound']})`, the gradient with respect to "
         "`state.tree()`, `jaxkv.push`); "
         "jaxkv-shard_map: the README's sharded step, a store over the 8 devices on one axis "
-        "'kv' (values of at least 16384 elements and their optimizer state split along it), "
+        f"'kv' at the same bound (values of at least {res['bound']} elements and their "
+        "optimizer state split along it), "
         "`jax.shard_map` with "
         "`jaxkv.specs`, the loss of `jaxkv.gather` on each device's rows, `jaxkv.push(..., "
         "axis_name='kv', reduce='mean')`. ms/step: median of "
         f"{res['steps']} steps after warm-up, best of {res['rounds']} rounds, the rows "
         "interleaved step by step; compiles: during the timed rounds; state: bytes of "
         "parameters and optimizer state on the mesh's first device; peak RSS: in one process, "
-        "each row alone in a process of its own (2 steps after warm-up); across processes, each "
-        "row in a launched job of its own (rows not interleaved), the largest of its "
-        "processes; diff (one process): the largest |difference| of the row's parameters from "
+        "each row alone in a process of its own (2 steps after warm-up); across processes, the "
+        "job's (every row in it), the largest of its processes; diff (one process): the largest |difference| of the row's parameters from "
         "gspmd-fsdp's after the same steps.",
         "",
         "| GPT step | processes | ms/step | gspmd / this | compiles | state MB/device | "
