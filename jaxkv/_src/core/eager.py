@@ -281,6 +281,8 @@ def push_fn(
     """The cached push computation ``fn(stored, opt_state, residuals, pushed)`` of this
     signature, for a state with one array per key; ``divisors``: a mean's, per key
     (``reduce.divisors``)."""
+    if updater is None and not state.tp_specs:  # an assignment: the keys' names play no part
+        keys = tuple(range(len(keys)))
     sig = (
         divisors,
         "keys",

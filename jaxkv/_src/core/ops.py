@@ -228,7 +228,10 @@ def push(
       [2.0, 2.0]
     """
     updater = as_updater(updater)  # an optax wrapper (MultiSteps): its transformation
-    state = state.settled()  # keys added one at a time are laid out now, once
+    if not _one_key(keys):
+        # Keys added one at a time are laid out now, once; pushed one at a time, they keep
+        # arrays of their own (each key's computations are then those of its shape).
+        state = state.settled()
     updater = _tree_view.viewed(state, updater)  # optax sees the trees given to init
     reduce = _reduce.effective(state, reduce)
     tree = _trees.split(keys) if values is MISSING else None
@@ -291,6 +294,15 @@ def push(
     if flat:
         return push_eager_flat(state, grouped, stored, updater, donate, extra_args, means)
     return push_eager(state, grouped, index, stored, opt_state, updater, donate, extra_args, means)
+
+
+def _one_key(keys: Any) -> bool:
+    """Whether a push names one key (alone, or in a list or mapping of one)."""
+    if isinstance(keys, int | str):
+        return True
+    if isinstance(keys, list | tuple) and keys and all(isinstance(k, int | str) for k in keys):
+        return len(set(keys)) == 1
+    return False
 
 
 @_annotated(PULL)

@@ -1145,7 +1145,8 @@ class KVStore:
             if value.sharding != stored.sharding:
                 value = jax.device_put(value, stored.sharding)
             new[k] = value
-        return summed.replace(values=new)
+        # Keys made one at a time stay arrays of their own (each program then is per shape).
+        return summed.replace(values=new, defer=True)
 
     def _push_row_sparse(self, key: Any, value: Any) -> None:
         """A push where some values are row-sparse: each key with one is pushed by rows
