@@ -70,8 +70,13 @@ on 8 CPU devices, jaxkv (JAXKV_LAYOUT=auto and keys) beside MXNet 1.9.1 (benchma
             start-up or --gluon-mem-gb GB; --gluon-scale K divides every dimension by K and
             --gluon-keys N takes the first N keys, to try it quickly
 
+New keys (benchmarks/new_keys.py): 100 keys made one at a time (init, push, pull, read), from a
+fresh process, per updater (none, a Python updater, MXNet's SGD and Adam, optax.adam), jaxkv's
+seconds and compiles beside MXNet 1.9.1's seconds:
+  new-keys  each side and updater in a process of its own
+
 Usage: python benchmarks/bench.py [--steps 7] [--quick]
-         [--only in-jit|mesh|processes|dist|proxy|gpu|step|rows|gluon]
+         [--only in-jit|mesh|processes|dist|proxy|gpu|step|rows|gluon|new-keys]
          [--eager-steps 200] [--step-steps 200]
          [--gluon-scale 1] [--gluon-keys N] [--gluon-timeout 900] [--gluon-mem-gb G]
          [--gluon-dist-devices 1 [2]] [--gluon-dist-processes 1 2 3 4]
@@ -102,6 +107,7 @@ import gluon  # noqa: E402  (benchmarks/gluon.py)
 import gpt_step  # noqa: E402  (benchmarks/gpt_step.py)
 import jax.numpy as jnp  # noqa: E402
 import mesh_step  # noqa: E402  (benchmarks/mesh_step.py)
+import new_keys  # noqa: E402  (benchmarks/new_keys.py)
 import numpy as np  # noqa: E402
 import processes  # noqa: E402  (benchmarks/processes.py)
 import rows as sparse_rows  # noqa: E402  (benchmarks/rows.py)
@@ -398,6 +404,7 @@ def main() -> None:
             "step",
             "rows",
             "gluon",
+            "new-keys",
         ],
         help="run only this section; print it, write no report",
     )
@@ -489,6 +496,9 @@ def main() -> None:
     if args.only == "gluon":
         log("\n".join(gluon.report(gluon_section())))
         return
+    if args.only == "new-keys":
+        log("\n".join(new_keys.report(new_keys.run(log=log))))
+        return
     if args.only == "dist":
         with cpu_children():
             rows = dist.run(steps, log=log) + dist.run(steps, log=log, compression="2bit")
@@ -562,6 +572,7 @@ def main() -> None:
         dist_rows = dist.run(steps, log=log) + dist.run(steps, log=log, compression="2bit")
     rows_res = sparse_rows.run_section(steps, MXNET_VENV, log=log)
     gluon_res = gluon_section()
+    new_keys_res = new_keys.run(log=log)
     log("[memory] peak RSS of the imperative resnet50 loop ...")
     mem = memory()
     log(f"  {mem}")
@@ -579,6 +590,7 @@ def main() -> None:
         mesh_res,
         procs_res,
         gpt_res,
+        new_keys_res,
     )
     return 1 if any(eager.failed(r) for r in eager_res) or step.failed(step_res) else 0
 
@@ -605,6 +617,7 @@ def write_report(
     mesh_res,
     procs_res,
     gpt_res,
+    new_keys_res,
 ) -> None:
     lines = [
         "# jaxkv benchmark results",
@@ -654,6 +667,7 @@ def write_report(
     lines += ["", *gpt_step.report(gpt_res)]
     lines += ["", *processes.report(procs_res)]
     lines += ["", *gluon.processes_lines(gluon_res)]
+    lines += ["", *new_keys.report(new_keys_res)]
     lines += [
         "",
         "| workload | path | " + " | ".join(f"round {i + 1} ms" for i in range(ROUNDS)) + " |",

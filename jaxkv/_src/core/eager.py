@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
+from jaxkv._src.core import renamed
 from jaxkv._src.core.collectives import PUSH, SUM, psum_scatter, scatters, scoped, sum_over_devices
 from jaxkv._src.core.compression import compress, exchange, layout_compressed, on_one_device
 from jaxkv._src.core.on_blocks import UPDATER
@@ -85,7 +86,14 @@ def init_opt_states(state: KVState, optimizer: Any, keys: Sequence[Key]) -> KVSt
         state.mesh_axes,
         keyed_shardings(state, group),
     )
-    opt_state = collective_order.ordered("optimizer init", init, {k: state[k] for k in group})
+    tree = {k: state[k] for k in group}
+    opt_state = None
+    if renamed.renamable(state, optimizer, group):  # one computation for keys of a shape
+        opt_state = renamed.init(
+            optimizer, lambda t: collective_order.ordered("optimizer init", init, t), tree
+        )
+    if opt_state is None:
+        opt_state = collective_order.ordered("optimizer init", init, tree)
     return state.replace(opt_states={group: opt_state})
 
 
@@ -277,12 +285,19 @@ def push_fn(
     updater: Any,
     donate: Donate,
     divisors: tuple[int, ...] | None = None,
+    rename: bool = True,
 ) -> Callable:
     """The cached push computation ``fn(stored, opt_state, residuals, pushed)`` of this
     signature, for a state with one array per key; ``divisors``: a mean's, per key
-    (``reduce.divisors``)."""
-    if updater is None and not state.tp_specs:  # an assignment: the keys' names play no part
-        keys = tuple(range(len(keys)))
+    (``reduce.divisors``).
+
+    Where the updater's numbers cannot depend on the keys' names (``renamed.renamable``) and
+    ``rename``, the computation runs on the keys renamed by their rank, so that keys of the
+    same shapes and dtypes share it (keys made one at a time compile nothing new)."""
+    named = keys
+    by_rank = rename and renamed.renamable(state, updater, keys)
+    if by_rank:
+        keys = renamed.ranks(keys)
     sig = (
         divisors,
         "keys",
@@ -295,13 +310,22 @@ def push_fn(
         kinds,
         donate,
         keyed_shardings(state, keys) if state.tp_specs else (),
+        by_rank,
     )
+    optax_push = isinstance(updater, optax.GradientTransformation)
 
     def build() -> Callable:
         logger.debug("jaxkv: new push signature (%d keys, donate=%s)", len(keys), donate)
-        return _build_push(state, keys, kinds, updater, donate, divisors)
+        return _build_push(state, keys, kinds, updater, donate, divisors, by_rank and optax_push)
 
-    return _COMPUTATIONS.get(sig, updater, build)
+    fn = _COMPUTATIONS.get(sig, updater, build)
+    if not (by_rank and optax_push):
+        return fn
+
+    def named_fn() -> Callable:
+        return push_fn(state, named, kinds, updater, donate, divisors, rename=False)
+
+    return functools.partial(renamed.call, fn, named_fn, updater, named)
 
 
 def _sum_stacked(state: KVState, stacked: list[int], pushed: list[Any], stored: list[Any]) -> None:
@@ -378,9 +402,11 @@ def _build_push(
     updater: Any,
     donate: Donate,
     divisors: tuple[int, ...] | None,
+    leaves: bool = False,
 ) -> Callable:
     """The jitted push for one signature. ``state`` supplies only static facts (mesh, bound,
-    compression); the cached computation keeps none of its arrays."""
+    compression); the cached computation keeps none of its arrays. ``leaves``: the optimizer
+    state goes in and out as its leaves, its structure a static last argument."""
     keyed = keyed_shardings(state, keys) if state.tp_specs else ()
     targets = [state.sharding_of(k) for k in keys] if keyed else None
     state = state.emptied()
@@ -447,6 +473,21 @@ def _build_push(
             return placed, place_keyed(state, opt_state, keyed), residuals
         return place(state, values), place(state, opt_state), residuals
 
+    if leaves:
+
+        def run_leaves(
+            stored: list[jax.Array],
+            opt_leaves: list[Any],
+            residuals: list[Any],
+            pushed: list[jax.Array],
+            extra_args: Any,
+            treedef: Any,
+        ) -> tuple[Any, list[Any], list[Any]]:
+            opt_state = jax.tree_util.tree_unflatten(treedef, opt_leaves)
+            values, opt_state, residuals = run(stored, opt_state, residuals, pushed, extra_args)
+            return values, jax.tree_util.tree_leaves(opt_state), residuals
+
+        return jax.jit(scoped(PUSH)(run_leaves), donate_argnums=_donated(donate), static_argnums=5)
     return jax.jit(scoped(PUSH)(run), donate_argnums=_donated(donate))
 
 

@@ -27,14 +27,40 @@ __all__ = [
     "as_transformation",
     "as_updater",
     "init_state",
+    "is_positional",
     "is_pure_updater",
     "optimizer_group",
+    "positional",
     "pure_updater",
     "updater_errors",
     "updater_name",
 ]
 
 _PURE = "__jaxkv_pure_updater__"
+
+# The optax transformations whose numbers do not depend on the keys' names (by id, each kept
+# alive while listed; the least recent dropped first): see `positional`.
+_POSITIONAL: collections.OrderedDict[int, Any] = collections.OrderedDict()
+_POSITIONAL_SIZE = 256
+
+
+def positional(transformation: Any) -> Any:
+    """Mark an optax ``transformation`` as *positional*: its ``init`` and ``update`` treat a
+    tree of keys leaf by leaf in the tree's order, never by the keys' names (MXNet's
+    optimizers, whose per-key numbers are arguments). A push of it may then run one
+    computation for every set of keys of the same shapes and dtypes, the keys renamed by their
+    rank. Returns ``transformation``."""
+    _POSITIONAL[id(transformation)] = transformation
+    _POSITIONAL.move_to_end(id(transformation))
+    while len(_POSITIONAL) > _POSITIONAL_SIZE:
+        _POSITIONAL.popitem(last=False)
+    return transformation
+
+
+def is_positional(updater: Any) -> bool:
+    """Whether ``updater`` gives the same numbers whatever its keys are named: no updater
+    (an assignment), or a transformation marked :func:`positional`."""
+    return updater is None or _POSITIONAL.get(id(updater)) is updater
 
 
 def pure_updater(updater: Any) -> Any:

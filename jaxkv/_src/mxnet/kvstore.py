@@ -34,6 +34,7 @@ from jaxkv._src.core.updater import (
     as_updater,
     is_pure_updater,
     optimizer_group,
+    positional,
     updater_name,
 )
 from jaxkv._src.errors import KVStoreError, ShapeError
@@ -738,7 +739,9 @@ class KVStore:
         mxnet = None
         if isinstance(optimizer, MXNetOptimizer):  # mx.optimizer.SGD / Adam, on optax
             mxnet = optimizer
-            optimizer = mxnet.transformation()
+            # Its per-key numbers are arguments (next_update): the same computation for any
+            # keys of the same shapes.
+            optimizer = positional(mxnet.transformation())
         optimizer = as_transformation(  # optax.MultiSteps: its transformation
             optimizer, "set_optimizer", "optax.sgd(0.1)", "mx.optimizer.SGD / Adam, "
         )

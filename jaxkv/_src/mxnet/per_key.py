@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import optax
 
-from jaxkv._src.core.updater import init_state
+from jaxkv._src.core.updater import init_state, is_positional, positional
 from jaxkv._src.state.kvstate import Key, KVState
 
 __all__ = ["PerKeyState", "alone", "holds_per_key", "per_key", "regroup"]
@@ -85,7 +85,8 @@ def per_key(inner: optax.GradientTransformation) -> optax.GradientTransformation
     # Messages name it by inner's functions: per_key(chain.<locals>.update_fn).
     for fn, of in ((init, inner.init), (update, inner.update)):
         fn.__qualname__ = f"per_key({getattr(of, '__qualname__', None) or type(of).__name__})"
-    return optax.GradientTransformationExtraArgs(init, update)
+    made = optax.GradientTransformationExtraArgs(init, update)
+    return positional(made) if is_positional(inner) else made
 
 
 def _row(extra_args: dict[str, Any], i: int) -> dict[str, Any]:
@@ -127,7 +128,7 @@ def regroup(
             opt_states[rest] = _joined({k: states[k] for k in rest})
     fresh = [k for k in keys if k not in own]
     if fresh:
-        own.update(_fresh(inner, tuple(fresh))({k: state[k] for k in fresh}))
+        own.update(_fresh_states(inner, {k: state[k] for k in fresh}))
     opt_states[keys] = _joined(own)
     return state.replace(opt_states=opt_states)
 
@@ -138,10 +139,34 @@ def _joined(states: dict[Key, Any]) -> Any:
     return next(iter(states.values())) if len(states) == 1 else PerKeyState(states)
 
 
+def _fresh_states(inner: optax.GradientTransformation, values: dict[Key, Any]) -> dict[Key, Any]:
+    """``inner``'s fresh state for each key of ``values`` alone, by one computation: where
+    ``inner`` is positional (MXNet's optimizers), one for every key of the same shape and
+    dtype (each key's state made for a key named 0, then given its own structure)."""
+    keys = tuple(values)
+    if not is_positional(inner):
+        return _fresh(inner, keys)(values)
+    made = _fresh_positional(inner)([values[k] for k in keys])
+    out = {}
+    for k, state in zip(keys, made):
+        own = jax.tree_util.tree_structure(
+            jax.eval_shape(lambda v, k=k: inner.init({k: v}), values[k])
+        )
+        out[k] = jax.tree_util.tree_unflatten(own, jax.tree_util.tree_leaves(state))
+    return out
+
+
 @functools.lru_cache(maxsize=64)
 def _fresh(inner: optax.GradientTransformation, keys: tuple[Key, ...]) -> Any:
     """One computation making ``inner``'s fresh state for each of ``keys`` alone."""
     return jax.jit(lambda values: {k: init_state(inner, {k: values[k]}) for k in keys})
+
+
+@functools.lru_cache(maxsize=64)
+def _fresh_positional(inner: optax.GradientTransformation) -> Any:
+    """One computation making a positional ``inner``'s fresh state for each value of a list
+    alone, as for a key named 0 (compiled per list of shapes and dtypes)."""
+    return jax.jit(lambda values: [init_state(inner, {0: v}) for v in values])
 
 
 def kept_per_key(state: KVState) -> list[tuple[Key, ...]]:

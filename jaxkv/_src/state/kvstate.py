@@ -808,7 +808,7 @@ class KVState:
         opt_states: Mapping[tuple[Key, ...], Any] | None = None,
         residuals: Mapping[Key, Any] | None = None,
         compression: Any = _KEEP,
-        defer: bool = False,
+        defer: bool | None = None,
         trees: Sequence[tuple[str, ...]] = (),
         tp_specs: Mapping[Key, PartitionSpec] | None = None,
     ) -> KVState:
@@ -821,13 +821,16 @@ class KVState:
         groups stay), or the buckets are made anew.
 
         ``defer``: the buckets stay as they are, and the keys not in one (the new keys among
-        them) keep arrays of their own until a state is :meth:`settled` (an eager push settles
-        it): keys added one at a time, each read at once (MXNet's ``init`` then ``pull``),
-        cost no computation over the other keys.
+        them) keep arrays of their own until a state is :meth:`settled` (an eager push of
+        several keys settles it): keys added one at a time, each read at once (MXNet's
+        ``init`` then ``pull``), cost no computation over the other keys. By default (``None``)
+        a state that defers keys goes on deferring them (a push of one key keeps them so).
 
         ``trees``: the paths of trees given to ``init`` with these values, added to the state's;
         ``tp_specs``: the new keys' own shardings along other axes than the store's.
         """
+        if defer is None:
+            defer = self.deferred
         values = dict(values or {})
         compression = self._compression if compression is _KEEP else compression
         shapes = dict(zip(self._keys, self.key_shapes))
@@ -1015,7 +1018,7 @@ class KVState:
             return self
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(self)):
             return self
-        return self.replace()
+        return self.replace(defer=False)
 
 
 def spans_processes(devices: tuple[jax.Device, ...]) -> bool:
