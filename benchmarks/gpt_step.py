@@ -469,7 +469,8 @@ def report(res: dict) -> list[str]:
         "interleaved step by step; compiles: during the timed rounds; state: bytes of "
         "parameters and optimizer state on the mesh's first device; peak RSS: in one process, "
         "each row alone in a process of its own (2 steps after warm-up); across processes, the "
-        "job's (every row in it), the largest of its processes; diff (one process): the largest |difference| of the row's parameters from "
+        "job's (every row in it), the largest of its processes; diff: the "
+        "largest |difference| of the row's parameters from "
         "gspmd-fsdp's after the same steps.",
         "",
         "| GPT step | processes | ms/step | gspmd / this | compiles | state MB/device | "

@@ -8,11 +8,12 @@ Rows (default: all four), in turns within each of 3 rounds; each row's time is t
 STEPS steady steps, the best of the rounds (the first 3 steps, which compile, not timed). The
 mean, not the median: with STEPS a multiple of 10, every round of the default jaxkv row holds
 exactly one step whose sums are checked, so its mean is what the checks cost a step:
-  gspmd             plain jit over the global mesh, every leaf of at least 1M elements whose
-                    rows divide by the devices split by rows (NamedSharding), the rest and the
-                    batch as the store places them: XLA places the collectives
+  gspmd             plain jit over the global mesh, every leaf of at least the store's default
+                    bound (16384 elements) whose rows divide by the devices split by rows
+                    (NamedSharding), the rest replicated, the batch split: XLA places the
+                    collectives and the optimizer state
   jaxkv             the README's step: jaxkv.gather and jaxkv.push inside shard_map over a store
-                    spanning every process's devices (bigarray_bound 1M, as GSPMD's rule),
+                    spanning every process's devices (``jaxkv.empty()``'s default bound),
                     verified sums as by default across processes (every 10th step checked)
   jaxkv-every-sum   the same with JAXKV_VERIFY_SUMS=1 (every step checked)
   jaxkv-unverified  the same with JAXKV_VERIFY_SUMS=0
@@ -46,7 +47,6 @@ STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 10
 ROWS = sys.argv[2:] or ["gspmd", "jaxkv", "jaxkv-every-sum", "jaxkv-unverified"]
 WIDTHS = [256, 2048, 2048, 2048, 16]
 BATCH = 64  # per device
-BOUND = 1 << 20
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
@@ -124,6 +124,7 @@ def main():
     y = rng.standard_normal((n * BATCH, WIDTHS[-1])).astype(np.float32)
     batch = [jax.make_array_from_callback(a.shape, split, lambda i, a=a: a[i]) for a in (x, y)]
     opt = optax.adamw(1e-3)
+    bound = jaxkv.empty(devices).bigarray_bound  # the store's default, GSPMD's rule too
     steps, info = {}, {}
 
     for name in ROWS:
@@ -132,7 +133,7 @@ def main():
 
             def where(a):
                 return (
-                    split if a.size >= BOUND and a.shape[0] % n == 0 else NamedSharding(mesh, P())
+                    split if a.size >= bound and a.shape[0] % n == 0 else NamedSharding(mesh, P())
                 )
 
             p = {k: jax.device_put(v, where(v)) for k, v in params0().items()}
@@ -151,7 +152,7 @@ def main():
                 os.environ.pop(verified.ENV_VERIFY_SUMS, None)
             else:
                 os.environ[verified.ENV_VERIFY_SUMS] = setting
-            state = jaxkv.init(jaxkv.empty(devices, bigarray_bound=BOUND), params0())
+            state = jaxkv.init(jaxkv.empty(devices), params0())
             carry = jaxkv.init_optimizer(state, opt)
             specs = jaxkv.specs(carry, "kv")
 
