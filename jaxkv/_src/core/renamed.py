@@ -79,12 +79,12 @@ def call(
     leaves, own = jax.tree_util.tree_flatten(opt_state)
     avals = tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in stored)
     renamed = _structure(updater, own, ranks(named), avals)
-    if (
-        renamed is None
-        or extra_args is not None
-        and not is_positional(updater)
-        or not _same_update(updater, named, avals, own, renamed, _avals_of(leaves))
-    ):
+    checked = is_positional(updater) or (
+        extra_args is None
+        and renamed is not None
+        and _same_update(updater, named, avals, own, renamed, _avals_of(leaves))
+    )
+    if renamed is None or not checked:
         return named_fn()(stored, opt_state, residuals, pushed, extra_args)
     try:
         values, new_leaves, new_residuals = fn(
@@ -173,9 +173,6 @@ def _same_init(optimizer: Any, keys: tuple, avals: tuple) -> bool:
 def _same_update(
     updater: Any, keys: tuple, avals: tuple, own: Any, renamed: Any, state_avals: tuple
 ) -> bool:
-    if is_positional(updater):
-        return True
-
     def check() -> bool:
         states = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in state_avals]
 
