@@ -377,17 +377,14 @@ def _assemble(
     if values:
         compression = manifest.get("compression")
         base = KVState(
-            (),
-            state.devices,
-            (),
-            (),
-            state.bigarray_bound,
-            (),
-            tuple(compression or ()) or None,
-            (),
-            (),
-            state.user_mesh,
-            state.policy,
+            keys=(),
+            devices=state.devices,
+            values=(),
+            opt_states=(),
+            bound=state.bigarray_bound,
+            compression=tuple(compression or ()) or None,
+            mesh=state.user_mesh,
+            policy=state.policy,
             reduce=state.reduce,
             mesh_axes=state.mesh_axes,
         )

@@ -107,7 +107,15 @@ def _opt_initialiser(
     keyed: Keyed,
 ) -> Callable:
     # Its placement rules (and the keys with their own sharding: their leaves placed so).
-    layout = KVState((), devices, (), (), bound, (), None, (), (), mesh, mesh_axes=axes)
+    layout = KVState(
+        keys=(),
+        devices=devices,
+        values=(),
+        opt_states=(),
+        bound=bound,
+        mesh=mesh,
+        mesh_axes=axes,
+    )
     return jax.jit(lambda tree: place_keyed(layout, init_state(optimizer, tree), keyed))
 
 

@@ -307,17 +307,17 @@ def _run_push(
     if plan.group is not None:
         opts = (*opts[: plan.group], new_opt, *opts[plan.group + 1 :])
     return KVState(
-        state.keys(),
-        state.devices,
-        values,
-        opts,
-        state.bigarray_bound,
-        state.residual_leaves,
-        state.compression,
-        state.key_shapes,
-        state.groups,
-        state.user_mesh,
-        state.policy,  # a per-key state (no flat layout, no packings) under its policy
+        keys=state.keys(),
+        devices=state.devices,
+        values=values,
+        opt_states=opts,
+        bound=state.bigarray_bound,
+        residuals=state.residual_leaves,
+        compression=state.compression,
+        shapes=state.key_shapes,
+        groups=state.groups,
+        mesh=state.user_mesh,
+        policy=state.policy,  # a per-key state (no flat layout, no packings) under its policy
         trees=state.trees,
         reduce=state.reduce,
         mesh_axes=state.mesh_axes,

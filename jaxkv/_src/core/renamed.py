@@ -104,7 +104,7 @@ def init(optimizer: Any, run: Callable[[dict], Any], tree: dict[Key, Any]) -> An
     if not is_positional(optimizer) and not _same_init(optimizer, keys, avals):
         return None
     made = run(dict(zip(ranks(keys), tree.values())))
-    own = jax.tree_util.tree_structure(jax.eval_shape(optimizer.init, _specs(keys, avals)))
+    own: Any = jax.tree_util.tree_structure(jax.eval_shape(optimizer.init, _specs(keys, avals)))
     leaves = jax.tree_util.tree_leaves(made)
     if own.num_leaves != len(leaves):
         return None
@@ -128,7 +128,7 @@ def _structure(updater: Any, own: Any, ranked: tuple[int, ...], avals: tuple) ->
         made = jax.eval_shape(updater.init, _specs(ranked, avals))
     except Exception:  # noqa: BLE001 - then the keys' own names are used
         return None
-    renamed = jax.tree_util.tree_structure(made)
+    renamed: Any = jax.tree_util.tree_structure(made)
     return renamed if renamed.num_leaves == own.num_leaves else None
 
 

@@ -334,6 +334,7 @@ class KVState:
 
     def __init__(
         self,
+        *,
         keys: tuple[Key, ...],
         devices: tuple[jax.Device, ...],
         values: Sequence[Any],
@@ -393,17 +394,14 @@ class KVState:
         """A state with no keys and this one's devices, big-array bound and compression: the
         static facts a cached computation may keep without keeping any of the arrays alive."""
         return KVState(
-            (),
-            self._devices,
-            (),
-            (),
-            self._bound,
-            (),
-            self._compression,
-            (),
-            (),
-            self.user_mesh,
-            self.policy,
+            keys=(),
+            devices=self._devices,
+            values=(),
+            opt_states=(),
+            bound=self._bound,
+            compression=self._compression,
+            mesh=self.user_mesh,
+            policy=self.policy,
             reduce=self.reduce,
             mesh_axes=self.mesh_axes,
         )
@@ -446,23 +444,23 @@ class KVState:
         trees, reduce, mesh_axes, tp_specs = aux[10:]
         values, opt_states, residuals = children
         return cls(
-            keys,
-            devices,
-            values,
-            opt_states,
-            bound,
-            residuals,
-            compression,
-            shapes,
-            groups,
-            mesh,
-            policy,
-            flat,
-            packings,
-            trees,
-            reduce,
-            mesh_axes,
-            tp_specs,
+            keys=keys,
+            devices=devices,
+            values=values,
+            opt_states=opt_states,
+            bound=bound,
+            residuals=residuals,
+            compression=compression,
+            shapes=shapes,
+            groups=groups,
+            mesh=mesh,
+            policy=policy,
+            flat=flat,
+            packings=packings,
+            trees=trees,
+            reduce=reduce,
+            mesh_axes=mesh_axes,
+            tp_specs=tp_specs,
         )
 
     # -- the flat layout -------------------------------------------------------------------
@@ -890,23 +888,25 @@ class KVState:
                 opts.append(opt)
                 packings.append(None)
         new = KVState(
-            keys,
-            self._devices,
-            leaves,
-            opts,
-            self._bound,
-            [old_r.get(k) for k in keys],
-            compression,
-            [shapes[k] for k in keys],
-            order,
-            self.user_mesh,
-            self.policy,
-            flat,
-            packings,
-            self.trees + tuple(trees),
-            self.reduce,
-            self.mesh_axes,
-            tuple(sorted({**dict(self.tp_specs), **(tp_specs or {})}.items(), key=_by_key)),
+            keys=keys,
+            devices=self._devices,
+            values=leaves,
+            opt_states=opts,
+            bound=self._bound,
+            residuals=[old_r.get(k) for k in keys],
+            compression=compression,
+            shapes=[shapes[k] for k in keys],
+            groups=order,
+            mesh=self.user_mesh,
+            policy=self.policy,
+            flat=flat,
+            packings=packings,
+            trees=self.trees + tuple(trees),
+            reduce=self.reduce,
+            mesh_axes=self.mesh_axes,
+            tp_specs=tuple(
+                sorted({**dict(self.tp_specs), **(tp_specs or {})}.items(), key=_by_key)
+            ),
         )
         # Placed where the store keeps each leaf: a split bucket and its moments sharded, and
         # values laid out anew (from a flat layout to one array per key, say, when compression
@@ -1128,17 +1128,14 @@ def empty(
     if reduce not in ("sum", "mean"):
         raise KVStoreError(f"reduce: expected one of ['sum', 'mean'], given {reduce!r}")
     return KVState(
-        (),
-        devs,
-        (),
-        (),
-        bigarray_bound,
-        (),
-        config,
-        (),
-        (),
-        mesh,
-        policy,
+        keys=(),
+        devices=devs,
+        values=(),
+        opt_states=(),
+        bound=bigarray_bound,
+        compression=config,
+        mesh=mesh,
+        policy=policy,
         reduce=reduce,
         mesh_axes=axes,
     )

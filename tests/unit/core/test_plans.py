@@ -90,7 +90,13 @@ def test_any_other_call_is_left_to_the_general_path(keys, values):
 
 
 def test_a_plan_is_anchored_to_the_very_key_set_shapes_and_groups(devices):
-    state = KVState(("a", "b"), (devices[0],), [jnp.ones(1)] * 2, ["S"], groups=[("a",)])
+    state = KVState(
+        keys=("a", "b"),
+        devices=(devices[0],),
+        values=[jnp.ones(1)] * 2,
+        opt_states=["S"],
+        groups=[("a",)],
+    )
     plan = types.SimpleNamespace(keys=state.keys(), shapes_of=state.key_shapes, groups=state.groups)
     assert plans._anchored(plan, state)
     for field in ("keys", "shapes_of", "groups"):
@@ -296,9 +302,19 @@ def test_a_fill_for_another_key_set_or_other_shapes_does_nothing(store, devices)
     others = [
         jaxkv.init(store, {"d": jnp.ones(1)}),
         # The very shapes under other keys, and the very keys with equal shapes of another tuple
-        KVState(("a", "b", "d"), store.devices, store.leaves, (), shapes=store.key_shapes),
         KVState(
-            store.keys(), store.devices, store.leaves, (), shapes=tuple(list(store.key_shapes))
+            keys=("a", "b", "d"),
+            devices=store.devices,
+            values=store.leaves,
+            opt_states=(),
+            shapes=store.key_shapes,
+        ),
+        KVState(
+            keys=store.keys(),
+            devices=store.devices,
+            values=store.leaves,
+            opt_states=(),
+            shapes=tuple(list(store.key_shapes)),
         ),
     ]
     assert others[2].key_shapes == store.key_shapes

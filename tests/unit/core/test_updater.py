@@ -17,7 +17,13 @@ def _grouped_state():
     have none. No computation: the groups are aux data."""
     keys = ("a", "b", "c", "d", "e")
     values = [jnp.zeros(1)] * len(keys)
-    return KVState(keys, (jax.devices("cpu")[0],), values, ["AB", "C"], groups=[("a", "b"), ("c",)])
+    return KVState(
+        keys=keys,
+        devices=(jax.devices("cpu")[0],),
+        values=values,
+        opt_states=["AB", "C"],
+        groups=[("a", "b"), ("c",)],
+    )
 
 
 # -- marking and naming ---------------------------------------------------------------------
