@@ -63,7 +63,7 @@ nitpick_ignore_regex = [
     # The MXNet optimizers' kernels' private alias for their scalars (name -> float32 scalar).
     (r"py:.*", r"Scalars"),
     # The private layout bookkeeping in KVState's constructor (made by jaxkv.empty, not users).
-    (r"py:.*", r"(Policy|_fl\.FlatLayout|_fl\.Packing)"),
+    (r"py:.*", r"(Policy|FlatLayout|Packing)"),
 ]
 
 

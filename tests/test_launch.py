@@ -301,8 +301,8 @@ def test_cluster_detection(monkeypatch, route):
     """A job is found through JAX's own cluster environments, or, where jaxkv may not use them
     (another JAX, JAXKV_NO_FAST_PATHS=1), through SLURM's and Open MPI's variables."""
     if route == "variables":
-        monkeypatch.setattr(dist_join._fast, "cluster_environments", lambda: None)
-    elif dist_join._fast.cluster_environments() is None:
+        monkeypatch.setattr(dist_join.jax_internals, "cluster_environments", lambda: None)
+    elif dist_join.jax_internals.cluster_environments() is None:
         pytest.skip("JAX's cluster environments are not available here (the other route runs)")
     for name in list(os.environ):
         if name.startswith(("SLURM_", "OMPI_")):
@@ -337,7 +337,7 @@ def test_an_environment_jax_cannot_read_in_full_joins_nothing(monkeypatch):
         def get_process_count(cls):
             raise KeyError("SLURM_NTASKS")
 
-    monkeypatch.setattr(dist_join._fast, "cluster_environments", lambda: [Half])
+    monkeypatch.setattr(dist_join.jax_internals, "cluster_environments", lambda: [Half])
     assert dist_join.detected_cluster() is None
 
 

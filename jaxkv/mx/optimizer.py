@@ -9,7 +9,7 @@ name MXNet has and jaxkv does not raises :class:`MissingOptimizerError`, which i
 
 from __future__ import annotations
 
-from jaxkv._src.mxnet.optimizers import catalog as _optimizers
+from jaxkv._src.mxnet.optimizers import catalog as _catalog
 from jaxkv._src.mxnet.optimizers.catalog import DCASGD as DCASGD
 from jaxkv._src.mxnet.optimizers.catalog import FTML as FTML
 from jaxkv._src.mxnet.optimizers.catalog import LAMB as LAMB
@@ -75,6 +75,6 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    if name in _optimizers.MXNET_NAMES:
+    if name in _catalog.MXNET_NAMES:
         raise _missing(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxkv._src.checkpoint import npz, orbax_dirs
 from jaxkv._src.errors import KVStoreError
-from jaxkv._src.processes import order as collective_order
+from jaxkv._src.processes import order
 from jaxkv._src.state.kvstate import KVState, empty
 
 if TYPE_CHECKING:
@@ -208,7 +208,7 @@ class CheckpointManager:
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
         # orbax's barriers between processes here are collectives: one turn for them all.
-        with collective_order.collective("checkpoint manager", watch=False):
+        with order.collective("checkpoint manager", watch=False):
             self._manager = ocp.CheckpointManager(
                 self._directory, options=options, handler_registry=registry
             )
@@ -264,7 +264,7 @@ class CheckpointManager:
         path = os.path.join(self._directory, str(step), ITEM)
         manifest, entries = npz.directory_contents(path, state)
         tree = orbax_dirs.describe(manifest, entries, orbax_dirs.data_name(step))
-        with collective_order.collective("checkpoint manager save", watch=False):
+        with order.collective("checkpoint manager save", watch=False):
             try:
                 item = self._composite(**{ITEM: self._save_args(manifest, tree)})
                 self._manager.save(step, args=item, force=True)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv._src.checkpoint import orbax_dirs as _orbax
+from jaxkv._src.checkpoint import orbax_dirs
 from jaxkv._src.checkpoint.manifest import FORMAT, VERSION, Malformed, check_manifest
 from jaxkv._src.core.compression import residual_layout
 from jaxkv._src.core.tree_view import inner, viewed_trees
@@ -202,13 +202,13 @@ def save(
     record: dict | None = None,
 ) -> None:
     """Write ``state`` (values and/or optimizer states) to ``fname`` atomically: one file for
-    a store on one process, a checkpoint directory (``_orbax``) for a store over every process
-    of a job, or where ``fname`` already is one (or ``directory`` asks for one). ``record``:
-    an MXNet optimizer's bookkeeping (JSON), kept in the manifest."""
+    a store on one process, a checkpoint directory (``orbax_dirs.py``) for a store over every
+    process of a job, or where ``fname`` already is one (or ``directory`` asks for one).
+    ``record``: an MXNet optimizer's bookkeeping (JSON), kept in the manifest."""
     fname = os.fspath(fname)
-    if directory or _processes(fname, state) > 1 or _orbax.is_checkpoint(fname):
+    if directory or _processes(fname, state) > 1 or orbax_dirs.is_checkpoint(fname):
         _together(fname, state)
-        _orbax.save(fname, _header(state, values, record), list(_entries(state, values)))
+        orbax_dirs.save(fname, _header(state, values, record), list(_entries(state, values)))
         return
     manifest = _header(state, values, record)
     arrays = {}
@@ -337,7 +337,7 @@ def load_with_record(
 ) -> tuple[Any, Any]:
     """``state`` with what ``fname`` holds loaded into it; refuses any mismatch before changing.
 
-    ``fname`` is a file (this module's format) or a checkpoint directory (``_orbax``'s). With
+    ``fname`` is a file (this module's format) or a checkpoint directory (``orbax_dirs.py``'s). With
     ``values=True`` the saved keys replace the store's contents. With ``values=False`` only
     optimizer states are loaded, into a store with the saved keys. Optimizer states need
     ``optimizer`` (to rebuild their structure); the saved optimizer groups replace the store's.
@@ -348,7 +348,7 @@ def load_with_record(
     fname = os.fspath(fname)
     if os.path.isdir(fname):
         _together(fname, state)
-        manifest, restore = _orbax.open_checkpoint(fname)
+        manifest, restore = orbax_dirs.open_checkpoint(fname)
     else:
         manifest, arrays = _read(fname)
 

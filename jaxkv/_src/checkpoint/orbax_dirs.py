@@ -1,5 +1,5 @@
 """Checkpoint directories: written by every process of a job through orbax-checkpoint, checked on
-load as strictly as the one-file format (``_checkpoint``).
+load as strictly as the one-file format (``npz.py``).
 
 Layout of a checkpoint directory ``path``:
 
@@ -41,8 +41,7 @@ import numpy as np
 
 from jaxkv._src.checkpoint.manifest import Malformed, check_manifest, expect
 from jaxkv._src.errors import KVStoreError
-from jaxkv._src.processes import host as host_collectives
-from jaxkv._src.processes import order as collective_order
+from jaxkv._src.processes import host, order
 
 __all__ = [
     "MANIFEST",
@@ -116,21 +115,21 @@ def _gather(text: str) -> list[str]:
     if jax.process_count() == 1:
         return [text]
     raw = np.frombuffer(text.encode(), np.uint8)
-    sizes = host_collectives.all_gather(np.array([raw.size], np.int32)).reshape(-1)
+    sizes = host.all_gather(np.array([raw.size], np.int32)).reshape(-1)
     padded = np.zeros(max(int(sizes.max()), 1), np.uint8)
     padded[: raw.size] = raw
-    every = host_collectives.all_gather(padded)
+    every = host.all_gather(padded)
     return [every[p, : int(n)].tobytes().decode() for p, n in enumerate(sizes)]
 
 
 def _token() -> str:
     """A fresh data directory name, the same on every process (rank 0's)."""
     mine = np.frombuffer(secrets.token_hex(8).encode(), np.uint8)
-    return "data-" + np.asarray(host_collectives.from_rank_zero(mine)).tobytes().decode()
+    return "data-" + np.asarray(host.from_rank_zero(mine)).tobytes().decode()
 
 
 def save(path: str, manifest: dict, entries: list) -> None:
-    """Write ``entries`` (``(where, part, tree path, array)``, as ``_checkpoint._entries``
+    """Write ``entries`` (``(where, part, tree path, array)``, as ``npz._entries``
     gives them) and ``manifest`` (their store's fields) to the directory ``path``; every
     process of the job calls it."""
     ocp = orbax()  # refused before anything is written where orbax is missing
@@ -141,7 +140,7 @@ def save(path: str, manifest: dict, entries: list) -> None:
             "file; pass a directory path"
         )
     # One collective turn for the whole save: orbax's own barriers are collectives too.
-    with collective_order.collective("checkpoint save", watch=False):
+    with order.collective("checkpoint save", watch=False):
         _save(ocp, path, manifest, entries)
 
 
@@ -173,7 +172,7 @@ def _save(ocp: ModuleType, path: str, manifest: dict, entries: list) -> None:
     if tree:
         with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
             checkpointer.save(root, args=ocp.args.StandardSave(tree))
-    host_collectives.barrier("jaxkv.save: data written")
+    host.barrier("jaxkv.save: data written")
     manifest["files"] = file_records([json.loads(t) for t in _gather(json.dumps(digests(root)))])
     if jax.process_index() == 0:
         _commit(path, manifest)
@@ -182,7 +181,7 @@ def _save(ocp: ModuleType, path: str, manifest: dict, entries: list) -> None:
                 shutil.rmtree(os.path.join(path, name), ignore_errors=True)
             elif name.startswith(".jaxkv-") and name.endswith(".tmp"):
                 os.unlink(os.path.join(path, name))
-    host_collectives.barrier("jaxkv.save: committed")
+    host.barrier("jaxkv.save: committed")
 
 
 def data_name(number: int) -> str:
@@ -330,7 +329,7 @@ def open_checkpoint(path: str) -> tuple[dict[str, Any], Callable[[list], list]]:
 
     def restore(targets: list) -> list:
         # One collective turn for the whole load: orbax's own barriers are collectives too.
-        with collective_order.collective("checkpoint load", watch=False):
+        with order.collective("checkpoint load", watch=False):
             return _restore(targets)
 
     def _restore(targets: list) -> list:

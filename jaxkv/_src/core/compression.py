@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jaxkv._src.core.collectives import SUM
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import single_device
-from jaxkv._src.processes import order as collective_order
+from jaxkv._src.processes import order
 from jaxkv._src.state.kvstate import (
     AXIS,
     Key,
@@ -258,6 +258,6 @@ def residual_zeros(state: KVState, stored: jax.Array) -> jax.Array:
     """A zero residual for a value like ``stored``."""
     shape, sharding = residual_layout(state, stored.shape)
     spans = len(state.local_positions) != len(state.devices)
-    return collective_order.ordered(
+    return order.ordered(
         "residual", lambda: jnp.zeros(shape, stored.dtype, device=sharding), spans=spans
     )

@@ -28,8 +28,8 @@ from jaxkv._src.core.tree_view import viewed
 from jaxkv._src.core.updater import apply_updater, init_state
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import single_device
-from jaxkv._src.processes import order as collective_order
-from jaxkv._src.state import buckets as _fl
+from jaxkv._src.processes import order
+from jaxkv._src.state import buckets
 from jaxkv._src.state.buckets import as_blocks, block, from_blocks
 from jaxkv._src.state.kvstate import Key, KVState
 from jaxkv._src.state.placement import (
@@ -90,10 +90,10 @@ def init_opt_states(state: KVState, optimizer: Any, keys: Sequence[Key]) -> KVSt
     opt_state = None
     if renamed.renamable(state, optimizer, group):  # one computation for keys of a shape
         opt_state = renamed.init(
-            optimizer, lambda t: collective_order.ordered("optimizer init", init, t), tree
+            optimizer, lambda t: order.ordered("optimizer init", init, t), tree
         )
     if opt_state is None:
-        opt_state = collective_order.ordered("optimizer init", init, tree)
+        opt_state = order.ordered("optimizer init", init, tree)
     return state.replace(opt_states={group: opt_state})
 
 
@@ -359,7 +359,7 @@ def _sum_split(
     buckets, summed with one reduce-scatter per bucket (each key's ``(D, block)`` view side by
     side, so each device gets its chunk of the sum); ``pushed`` gets each key's whole sum, and
     the result maps each bucket whose every key was pushed to its summed gradient, laid out as
-    the bucket (``_bucket.update_bucket`` takes it as it is)."""
+    the bucket (``on_buckets.update_bucket`` takes it as it is)."""
     flat = state.flat_layout
     assert flat is not None  # split buckets exist only in a flat state
     n = len(placement.devices)
@@ -367,11 +367,11 @@ def _sum_split(
     by_bucket: dict[int, list[int]] = {}
     for i in at:
         by_bucket.setdefault(flat.where[state.index(keys[i])][0], []).append(i)
-    buckets = list(by_bucket)
+    bucket_ids = list(by_bucket)
 
     def body(blocks: list[Any]) -> list[Any]:
         out, j = [], 0
-        for b in buckets:
+        for b in bucket_ids:
             count = len(by_bucket[b])
             part = blocks[j : j + count]
             j += count
@@ -388,9 +388,9 @@ def _sum_split(
         mesh=placement.mesh,
         in_specs=PartitionSpec(axis),
         out_specs=PartitionSpec(axis),
-    )([pushed[i] for b in buckets for i in by_bucket[b]])
+    )([pushed[i] for b in bucket_ids for i in by_bucket[b]])
     grids = {}
-    for b, grid in zip(buckets, summed):
+    for b, grid in zip(bucket_ids, summed):
         offset = 0
         for i in by_bucket[b]:
             shape = state.shapes[keys[i]]
@@ -533,7 +533,7 @@ def push_eager(
     residuals = [state.residual_leaves[i] for i in index]
     fn = push_fn(state, tuple(grouped), kinds, updater, donate, divisors)
     # Over other processes' devices too, its collectives run after this process's earlier ones.
-    new_values, new_opt, new_residuals = collective_order.ordered(
+    new_values, new_opt, new_residuals = order.ordered(
         "push", fn, stored, opt_state, residuals, list(pushed), extra_args
     )
     optax_push = isinstance(updater, optax.GradientTransformation)
@@ -565,7 +565,7 @@ def push_eager_flat(
         layouts = [_layout(state, s, xs) for s, xs in zip(stored, grouped.values())]
     kinds, pushed = zip(*layouts)
     fn = flat_push_fn(state, tuple(grouped), kinds, updater, donate, divisors)
-    return collective_order.ordered("push", fn, state, list(pushed), extra_args)
+    return order.ordered("push", fn, state, list(pushed), extra_args)
 
 
 def flat_push_fn(
@@ -618,7 +618,7 @@ def _build_push_flat(
         stored = [held[i] for i in index]
         pushed = [x.astype(s.dtype) for x, s in zip(pushed, stored)]
         inputs.update(id(x) for x in pushed)
-        split = [i for i in stacked if _fl.split_parts(state, index[i]) > 1]
+        split = [i for i in stacked if buckets.split_parts(state, index[i]) > 1]
         grids = _sum_split(placement, state, keys, split, pushed) if split else {}
         rest = [i for i in stacked if i not in split]
         if rest:

@@ -1,7 +1,7 @@
 """Running an elementwise optax updater once over a flat bucket instead of once per key.
 
-Under the flat layout (``_flat.py``) an optimizer group of one dtype lives in one bucket, and
-its optax state's per-key leaves (Adam's ``mu`` and ``nu``) in one bucket per family, with the
+Under the flat layout (``state/buckets.py``) an optimizer group of one dtype lives in one bucket,
+and its optax state's per-key leaves (Adam's ``mu`` and ``nu``) in one bucket per family, with the
 same offsets. An updater whose every step on a key's arrays is elementwise (each output element
 depends only on the same element of the key's inputs, and on scalars shared by all keys: a step
 count, a learning rate, a bias correction) gives on the concatenation of the keys' arrays exactly
@@ -12,7 +12,7 @@ adamw, rmsprop, lion and most custom chains of them qualify. So does one whose o
 sums, maxima or minima over the whole group (each key's whole array reduced, the results
 combined over every key by the same operation: ``clip_by_global_norm``), which equal the same
 reduction over the bucket. A reduction used per key (LAMB's trust ratio), a reshape or a step
-that mixes keys otherwise does not, and runs per key on views (``_update.apply_updater``), with
+that mixes keys otherwise does not, and runs per key on views (``updater.apply_updater``), with
 the same numbers.
 
 Whether an updater qualifies is read from the jaxpr of its ``update`` on the group's per-key
@@ -34,7 +34,7 @@ import optax
 from jax.extend import core as jex
 
 from jaxkv._src.core.on_blocks import ELEMENTWISE, UPDATER, keeps_shape, sub_jaxpr
-from jaxkv._src.state import buckets as _fl
+from jaxkv._src.state import buckets
 from jaxkv._src.state.buckets import as_blocks, padding
 from jaxkv._src.state.kvstate import Key, KVState
 
@@ -69,11 +69,11 @@ def update_bucket(
     packing = state.packings[n]
     index = state.key_positions
     positions = [index[k] for k in keys]
-    buckets = {flat.where[i][0] for i in positions}
-    if packing is None or len(buckets) != 1:
+    bucket_ids = {flat.where[i][0] for i in positions}
+    if packing is None or len(bucket_ids) != 1:
         return None
-    (b,) = buckets
-    chunked = _fl.chunked(state, positions[0])
+    (b,) = bucket_ids
+    chunked = buckets.chunked(state, positions[0])
     if not packing.families and state.devices[0].platform == "cpu" and flat.parts_of(b) == 1:
         # No per-key state (sgd): on CPU, writing each key's new value into the bucket in
         # place measured faster than gathering the gradients into one buffer first (ResNet-50's
@@ -128,7 +128,7 @@ def update_bucket(
             new = optax.apply_updates(params, updates)[_BUCKET].astype(dtype)
         except Exception:  # an update that reads the tree's keys: per key, where an error of
             return None  # its own is raised again, as a KVStoreError (``updater.py``)
-    return _fl.with_leaves(state, {b: new}, {n: tuple(jax.tree_util.tree_leaves(opt_state))})
+    return buckets.with_leaves(state, {b: new}, {n: tuple(jax.tree_util.tree_leaves(opt_state))})
 
 
 def _template(updater: Any, size: int, name: str) -> tuple[Any, list] | None:

@@ -5,13 +5,13 @@ Eagerly, one ``push`` is one jitted computation for all its keys: per-device con
 assembled (without copying) into one array sharded over the store's mesh and summed with a
 ``psum``; then the updater runs once per distinct key. The compiled computation is cached per
 (devices, key set, contribution layout, updater, donation); JAX adds shapes and dtypes, so
-pushing the same structure again never recompiles (``_push.py``).
-A call of a signature already seen replays a plan of that work instead (``_dispatch.py``): no
+pushing the same structure again never recompiles (``eager.py``).
+A call of a signature already seen replays a plan of that work instead (``plans.py``): no
 per-key pairing, lookups or ``device_put`` of values already in place, one dispatch per push.
 
 Inside a trace (the user's ``jit``, ``pmap`` or ``shard_map``) the same updater logic runs in
 the caller's trace, and ``axis_name`` sums each value over the mapped axis exactly once
-(``_trace.py``).
+(``traced.py``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,8 @@ import jax
 import optax
 from jax.sharding import NamedSharding
 
-from jaxkv._src.core import plans as _dispatch
+from jaxkv._src.core import plans, tree_view, trees
 from jaxkv._src.core import reduce as _reduce
-from jaxkv._src.core import tree_view as _tree_view
-from jaxkv._src.core import trees as _trees
 from jaxkv._src.core.collectives import PULL, PUSH
 from jaxkv._src.core.compression import residual_zeros
 from jaxkv._src.core.eager import init_opt_states, push_eager, push_eager_flat
@@ -41,7 +39,7 @@ from jaxkv._src.core.updater import (
     optimizer_group,
 )
 from jaxkv._src.errors import DuplicateKeyError, KeyTypeError, KVStoreError, ShapeError
-from jaxkv._src.state import buckets as _fl
+from jaxkv._src.state import buckets
 from jaxkv._src.state.kvstate import Key, KVState, check_compressible, key_kind, spans_processes
 from jaxkv._src.state.pairing import MISSING, as_array, devices_of, group, is_traced, pairs
 from jaxkv._src.state.placement import copies, put, replicate
@@ -109,12 +107,12 @@ def init_keys(
 ) -> KVState:
     """:func:`init`; ``defer``: the new keys keep arrays of their own until the state is
     settled (``KVState.replace``'s ``defer``: the imperative store's ``init`` one key at a
-    time); ``agreed``: every process gives the same values (``_arrays.put``)."""
-    tree = _trees.split(keys) if values is MISSING else None
+    time); ``agreed``: every process gives the same values (``placement.put``)."""
+    tree = trees.split(keys) if values is MISSING else None
     if tree is not None:
         keys = tree.mapping
     first = list(keys)[:1] if isinstance(keys, Mapping | list | tuple) else [keys]
-    _trees.check_init(state, tree, first)
+    trees.check_init(state, tree, first)
     new = checked_inits(state, keys, values)
     eager = [k for k, x in new.items() if not is_traced(x)]
     # On a mesh of several axes, a value's own sharding along the other axes is kept.
@@ -137,9 +135,9 @@ def init_keys(
                 "eager values, given traced ones"
             )
         residuals = {k: residual_zeros(state, x) for k, x in new.items()}
-    trees = [tree.shape()] if tree is not None and tree.keys else []
+    init_trees = [tree.shape()] if tree is not None and tree.keys else []
     return state.replace(
-        values=new, residuals=residuals, defer=defer, trees=trees, tp_specs=own or None
+        values=new, residuals=residuals, defer=defer, trees=init_trees, tp_specs=own or None
     )
 
 
@@ -232,11 +230,11 @@ def push(
         # Keys added one at a time are laid out now, once; pushed one at a time, they keep
         # arrays of their own (each key's computations are then those of its shape).
         state = state.settled()
-    updater = _tree_view.viewed(state, updater)  # optax sees the trees given to init
+    updater = tree_view.viewed(state, updater)  # optax sees the trees given to init
     reduce = _reduce.effective(state, reduce)
-    tree = _trees.split(keys) if values is MISSING else None
+    tree = trees.split(keys) if values is MISSING else None
     if tree is not None:
-        _trees.check_push(state, tree)
+        trees.check_push(state, tree)
         keys = tree.mapping
     if extra_args is not None and not isinstance(updater, optax.GradientTransformation):
         raise KVStoreError(
@@ -244,14 +242,14 @@ def push(
             f"given updater {updater!r}"
         )
     if axis_name is None and values is not MISSING:
-        fast = _dispatch.push(state, keys, values, updater, donate, extra_args, reduce)
+        fast = plans.push(state, keys, values, updater, donate, extra_args, reduce)
         if fast is not None:
             return fast
     grouped = group(state, keys, values)
     index = [state.index(k) for k in grouped]
     flat = state.flat_layout is not None
     if flat:  # its views are slices of the buckets: made inside the push's computation
-        stored = [_fl.stored_type(state, i) for i in index]
+        stored = [buckets.stored_type(state, i) for i in index]
         traced = any(is_traced(x) for x in jax.tree_util.tree_leaves(state))
     else:
         stored = [state.stored_values[i] for i in index]
@@ -336,13 +334,13 @@ def pull(
       >>> jaxkv.pull(s, 1, devices=jax.devices()[0]).tolist()
       [0.0, 1.0, 2.0]
     """
-    tree = _trees.structure(keys)
+    tree = trees.structure(keys)
     if tree is not None:
         got = pull(state, tree.keys, devices=devices, axis_name=axis_name, local=local)
-        return _trees.fill(tree, got)
+        return trees.fill(tree, got)
     if axis_name is None:
-        fast = _dispatch.pull(state, keys, devices)
-        if fast is not _dispatch.NO_PLAN:
+        fast = plans.pull(state, keys, devices)
+        if fast is not plans.NO_PLAN:
             return fast
     single = not isinstance(keys, list | tuple)
     keys = [keys] if single else list(keys)
@@ -352,7 +350,7 @@ def pull(
         values = [whole[state.keys()[state.index(k)]] for k in keys]
     if devices is not None:
         target = devices_of(devices)
-        if target != state.devices or any(_fl.is_split(state, state.index(k)) for k in keys):
+        if target != state.devices or any(buckets.is_split(state, state.index(k)) for k in keys):
             values = replicate(values, target)
     return values[0] if single else values
 
@@ -363,11 +361,11 @@ def gather(state: KVState, values: Any, axis_name: Any) -> Any:
     ``shard_map``, blocks are all-gathered over ``axis_name``, whole values kept. ``jax.grad``
     through it gives each block's gradient already summed over the axis (AD's
     reduce-scatter). The blocks of one split bucket's keys are gathered together."""
-    tree = _trees.split(values)
+    tree = trees.split(values)
     if tree is None:
         return gather_blocks(state, values, axis_name)
     whole = gather_blocks(state, tree.mapping, axis_name)
-    return _trees.fill(tree, [whole[k] for k in tree.keys])
+    return trees.fill(tree, [whole[k] for k in tree.keys])
 
 
 def specs(state: KVState, axis_name: Any, tree: Any = None) -> Any:
@@ -391,12 +389,12 @@ def specs(state: KVState, axis_name: Any, tree: Any = None) -> Any:
       >>> tuple(sp.values["b"]), tuple(sp.values["w"])
       ((), ('d',))
     """
-    every = _fl.leaf_specs(state, axis_name)
+    every = buckets.leaf_specs(state, axis_name)
     if tree is None:
         return every
-    split = _trees.structure(tree)
+    split = trees.structure(tree)
     if split is not None:
-        return _trees.fill(split, [every.values[k] for k in split.keys])
+        return trees.fill(split, [every.values[k] for k in split.keys])
     if isinstance(tree, list | tuple):
         return [every.values[state.keys()[state.index(k)]] for k in tree]
     return every.values[state.keys()[state.index(tree)]]
@@ -425,10 +423,10 @@ def init_optimizer(state: KVState, optimizer: Any, keys: Any = None) -> KVState:
       >>> list(s.opt_states)
       [('a', 'b')]
     """
-    optimizer = _tree_view.viewed(state, as_transformation(optimizer, "init_optimizer"))
+    optimizer = tree_view.viewed(state, as_transformation(optimizer, "init_optimizer"))
     if keys is None:
         keys = state.keys()
-    tree = _trees.structure(keys)
+    tree = trees.structure(keys)
     if tree is not None:
         keys = tree.keys
     given = keys if isinstance(keys, list | tuple) else [keys]
@@ -478,14 +476,14 @@ def pushpull(
       >>> v.tolist()
       [1.0, 1.0]
     """
-    tree = _trees.split(keys) if values is MISSING else None
+    tree = trees.split(keys) if values is MISSING else None
     if tree is not None:  # flattened once: the push gets its leaves by path
-        _trees.check_push(state, tree)
+        trees.check_push(state, tree)
         new = push(
             state, tree.mapping, updater=updater, axis_name=axis_name, donate=donate, reduce=reduce
         )
         got = pull(new, tree.keys, devices=devices, axis_name=axis_name)
-        return new, _trees.fill(tree, got)
+        return new, trees.fill(tree, got)
     if values is MISSING and isinstance(keys, Mapping):
         keys, values = list(keys.keys()), list(keys.values())
     new = push(

@@ -3,7 +3,7 @@ signature and reused, so that a repeated call is one dispatch with no per-key ho
 reading each value's type, shape, dtype and device.
 
 A *plan* is made by the first call of a signature, after the general path's own checks
-(``_args.group``) have passed, and only for calls it can replay exactly: one process, no
+(``pairing.group``) have passed, and only for calls it can replay exactly: one process, no
 gradient compression, distinct keys, every value a single-device ``jax.Array`` of the stored
 shape, one value per key or one per store device in mesh order. Every later call with the same
 signature is compared with the plan, value by value, in C-level passes (types, shapes, dtypes,
@@ -30,7 +30,7 @@ from jaxkv._src.core.reduce import divisors
 from jaxkv._src.core.updater import optimizer_group
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import all_eager, assemble, per_device, single_device
-from jaxkv._src.state import buckets as _fl
+from jaxkv._src.state import buckets
 from jaxkv._src.state.kvstate import KVState, normalize_key
 from jaxkv._src.state.pairing import devices_of, group
 from jaxkv._src.state.placement import for_outs, stacked_sharding
@@ -383,7 +383,7 @@ def _pull_plan(state: KVState, ckeys: tuple, devices: Any) -> Any:
     if devices is not None:
         if devices_of(devices) != state.devices:
             return _NO_PLAN
-        if any(_fl.is_split(state, i) for i in index):
+        if any(buckets.is_split(state, i) for i in index):
             return _NO_PLAN
     return _PullPlan(state.keys(), state.key_shapes, state.groups, index)
 
@@ -464,7 +464,7 @@ def _fill_plan(state: KVState, ckeys: tuple, per: int) -> Any:
         index = [state.index(k) for k in ckeys]
     except KVStoreError:  # the general path refuses it
         return _NO_PLAN
-    if any(_fl.is_split(state, i) for i in index):
+    if any(buckets.is_split(state, i) for i in index):
         return _NO_PLAN
     held = state.stored_values
     if not all_eager([held[i] for i in index]):

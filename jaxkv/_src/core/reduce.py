@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv._src.errors import KVStoreError
-from jaxkv._src.processes import host as host_collectives
-from jaxkv._src.state import buckets as _fl
+from jaxkv._src.processes import host
+from jaxkv._src.state import buckets
 from jaxkv._src.state.kvstate import Key, KVState
 
 __all__ = ["REDUCES", "axis_count", "check", "divide", "divisors", "effective", "job_counts"]
@@ -53,7 +53,7 @@ def divisors(
     if all(d == 1 for d in out):
         return None
     for key, d in zip(keys, out):
-        dtype = _fl.stored_type(state, state.index(key)).dtype
+        dtype = buckets.stored_type(state, state.index(key)).dtype
         if d > 1 and not jnp.issubdtype(dtype, jnp.inexact):
             raise KVStoreError(
                 f"key {key!r}: reduce='mean' expects a floating-point value (a mean of "
@@ -66,7 +66,7 @@ def divisors(
 def job_counts(counts: Sequence[int]) -> list[int]:
     """Across processes, each key's contributions from every process together (each process
     counts only its own values): one host all-gather, in the store's order of collectives."""
-    every = host_collectives.all_gather(np.asarray(counts, np.int64), "the counts of a mean")
+    every = host.all_gather(np.asarray(counts, np.int64), "the counts of a mean")
     return [int(n) for n in np.asarray(every).reshape(-1, len(counts)).sum(0)]
 
 

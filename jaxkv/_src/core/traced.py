@@ -16,7 +16,7 @@ block shape                            taken as this device's rows of the sum (w
 
 then the updater updates the block: as it is when elementwise along the rows, on the block
 with each reduction over the rows completed across devices when those are its only cross-row
-steps, else on the gathered whole value, keeping this device's rows (``_local.py``). The state
+steps, else on the gathered whole value, keeping this device's rows (``on_blocks.py``). The state
 leaves the step in the layout it came in.
 
 A key with its own sharding along other mesh axes (tensor parallelism, ``KVState.tp_spec``) is,
@@ -65,7 +65,7 @@ from jaxkv._src.jax_internals import (
     manual_axes,
     varying_axes,
 )
-from jaxkv._src.state import buckets as _fl
+from jaxkv._src.state import buckets
 from jaxkv._src.state.buckets import as_blocks, block_shape, from_blocks
 from jaxkv._src.state.kvstate import Key, KVState
 from jaxkv._src.state.placement import place_leaves
@@ -87,8 +87,8 @@ def whole_shape(state: KVState, key: Key, leaf: Any = None) -> tuple[int, ...]:
 def is_block(state: KVState, key: Key, leaf: Any) -> bool:
     """Whether ``leaf`` (the stored value of ``key``) is only this device's block."""
     i = state.index(key)
-    if _fl.split_parts(state, i) > 1:  # in a split bucket: a block where the bucket is a chunk
-        return _fl.chunked(state, i)
+    if buckets.split_parts(state, i) > 1:  # in a split bucket: a block where the bucket is a chunk
+        return buckets.chunked(state, i)
     return tuple(leaf.shape) != whole_shape(state, key, leaf)
 
 
@@ -96,7 +96,7 @@ def _expected_block(state: KVState, key: Key, n: int) -> tuple[int, ...] | None:
     """The shape of ``key``'s block over ``n`` devices, or ``None`` if it cannot have one: rows
     along axis 0, or in a split bucket its flattened value's ``1/n`` (padded)."""
     whole = whole_shape(state, key)
-    parts = _fl.split_parts(state, state.index(key))
+    parts = buckets.split_parts(state, state.index(key))
     if parts > 1:
         return block_shape(whole, parts) if parts == n else None
     if not whole or whole[0] % n:
@@ -140,7 +140,7 @@ def gather(state: KVState, values: Mapping[Key, Any], axis_name: Any) -> dict[Ke
     flat = state.flat_layout
     together: dict[int, list[Key]] = {}  # split bucket -> its blocked keys, in key order
     for key in sorted(set(blocked), key=state.index):
-        if _fl.split_parts(state, state.index(key)) > 1:
+        if buckets.split_parts(state, state.index(key)) > 1:
             assert flat is not None  # split buckets exist only in a flat state
             together.setdefault(flat.where[state.index(key)][0], []).append(key)
     owners = None
@@ -294,7 +294,7 @@ def _opt_splits(
     shapes = {k: whole_shape(state, k, s) for k, s in zip(keys, stored) if owns[k]}
 
     def one(path: Any, w: Any, block: bool) -> Split:
-        owner = _fl.leaf_owner(path, tuple(w.shape), shapes) if shapes else None
+        owner = buckets.leaf_owner(path, tuple(w.shape), shapes) if shapes else None
         return _split(owns[owner] if owner is not None else {}, block, names)
 
     return jax.tree_util.tree_map_with_path(one, whole, blocks)
@@ -458,7 +458,7 @@ def push_in_trace(
     if any(blocks):
         n = _block_size(state, {k: s for k, s, b in zip(keys, stored, blocks) if b}, names)
     index = [state.index(k) for k in keys]
-    chunked = [_fl.chunked(state, i) for i in index]
+    chunked = [buckets.chunked(state, i) for i in index]
 
     # Sum each key's contributions on this device, then over the axes: those still to be
     # summed over the same axes together, so that a value already summed (invariant) is not
@@ -598,7 +598,7 @@ def _on_chunks(
 ) -> KVState:
     """The update of keys of split buckets held here as this device's chunks, by an updater
     that does not run over the bucket (not elementwise, or not optax over one bucket), as the
-    per-key layout runs it: a key whose block is its rows updates its block (``_local.py``:
+    per-key layout runs it: a key whose block is its rows updates its block (``on_blocks.py``:
     as it is, with reductions over the rows completed across devices, or gathered); a key
     whose block is a padded piece of its flattened value (its rows do not divide by the
     devices) is all-gathered whole, updated, and each device keeps its block."""
@@ -615,7 +615,8 @@ def _on_chunks(
     gathered = {
         k
         for k in keys
-        if _fl.chunked(state, state.index(k)) and block_shape(shapes[k], n) != _rows(shapes[k], n)
+        if buckets.chunked(state, state.index(k))
+        and block_shape(shapes[k], n) != _rows(shapes[k], n)
     }
 
     def whole(k: Key, x: Any) -> Any:
@@ -637,7 +638,7 @@ def _on_chunks(
     # the update, and each device keeps its block of the new ones.
     moments = {k for k, s in zip(keys, stored) if family and not is_block(state, k, s)}
     if gathered and not moments:  # a padded piece is a block where the updater is elementwise
-        as_is = [_fl.chunked(state, state.index(k)) for k in keys]
+        as_is = [buckets.chunked(state, state.index(k)) for k in keys]
         if optax_push:
             _check_structure(state, updater, keys, stored, opt_state)
             leaves, treedef = jax.tree_util.tree_flatten(opt_state)

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from jaxkv._src.errors import KVStoreError
-from jaxkv._src.processes import host as host_collectives
+from jaxkv._src.processes import host
 from jaxkv._src.state.kvstate import Key
 
 __all__ = ["Held", "agree", "holding", "run_everything_held"]
@@ -114,12 +114,12 @@ def agree(held: Held, gathered: list[list[Key]]) -> None:
     text = json.dumps(mine, sort_keys=True).encode()
     digest = np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
     # The watchdog names the turn by the held call a process waits in (its keys compared first).
-    every = host_collectives.all_gather(
+    every = host.all_gather(
         digest, "push" if held.pushes else "held init" if held.inits else "held pull"
     )
     if (every == digest).all():
         return
-    texts = host_collectives.all_gather_text(text, "the held keys")
+    texts = host.all_gather_text(text, "the held keys")
     described = []
     everyone = [json.loads(t.decode()) for t in texts]
     if all({**t, "numbers": None} == {**mine, "numbers": None} for t in everyone):
@@ -149,10 +149,10 @@ def agree_numbers(keys: list[Key], table: Any) -> None:
     mine = {"numbers": [[[repr(k), np.asarray(row).tolist()] for k, row in zip(keys, table)]]}
     text = json.dumps(mine, sort_keys=True).encode()
     digest = np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
-    every = host_collectives.all_gather(digest, "the optimizer's numbers of a push")
+    every = host.all_gather(digest, "the optimizer's numbers of a push")
     if (every == digest).all():
         return
-    texts = host_collectives.all_gather_text(text, "the optimizer's numbers")
+    texts = host.all_gather_text(text, "the optimizer's numbers")
     everyone = [json.loads(t.decode()) for t in texts]
     given = [[k for k, _ in t["numbers"][0]] for t in everyone]
     if any(g != given[0] for g in given):

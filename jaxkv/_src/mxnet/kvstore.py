@@ -22,12 +22,10 @@ import jax
 import numpy as np
 import optax
 
-from jaxkv._src import jax_internals as _fast
-from jaxkv._src.checkpoint import npz as _checkpoint
-from jaxkv._src.core import compression as _compression
-from jaxkv._src.core import ops as _ops
-from jaxkv._src.core import plans as _dispatch
-from jaxkv._src.core import trees as _trees
+import jaxkv._src.rows.ops  # noqa: F401 - rows.ops below
+from jaxkv._src import jax_internals, rows
+from jaxkv._src.checkpoint import npz
+from jaxkv._src.core import compression, ops, plans, trees
 from jaxkv._src.core.eager import KEEP_VALUES, check_laid_out
 from jaxkv._src.core.updater import (
     as_transformation,
@@ -38,20 +36,13 @@ from jaxkv._src.core.updater import (
     updater_name,
 )
 from jaxkv._src.errors import KVStoreError, ShapeError
-from jaxkv._src.mxnet import held as _queue
-from jaxkv._src.mxnet import kvstore_rows as _kvsparse
-from jaxkv._src.mxnet import per_key as _perkey
-from jaxkv._src.mxnet import states_file as _states_file
+from jaxkv._src.mxnet import held, kvstore_rows, per_key, states_file
 from jaxkv._src.mxnet.ndarray import NDArray, unwrap
-from jaxkv._src.mxnet.optimizers import catalog as _optimizers  # noqa: F401 - fills the registry
+from jaxkv._src.mxnet.optimizers import catalog  # noqa: F401 - fills the registry
 from jaxkv._src.mxnet.optimizers.optimizer import Optimizer as MXNetOptimizer
 from jaxkv._src.mxnet.updater import Updater as MXNetUpdater
-from jaxkv._src.processes import host as host_collectives
-from jaxkv._src.processes import join as job
-from jaxkv._src.rows import ops as _rows
-from jaxkv._src.state import buckets as _fl
-from jaxkv._src.state import pairing as _args
-from jaxkv._src.state import placement as _arrays
+from jaxkv._src.processes import host, join
+from jaxkv._src.state import buckets, pairing, placement
 from jaxkv._src.state.kvstate import BIGARRAY_BOUND, Key, KVState, empty, spans_processes
 
 __all__ = ["KVStore", "create"]
@@ -135,10 +126,10 @@ def _from_mxnet_updater(updater: Any) -> Any:
     return pure
 
 
-def _opened_tree(given: Any, call: str) -> _trees.Tree | None:
+def _opened_tree(given: Any, call: str) -> trees.Tree | None:
     """What ``call`` (``init``, ``push``) got with no value: a tree (as a ``Tree``), or a flat
     mapping of keys to values (``None``); a key alone is refused."""
-    split = _trees.split(given)
+    split = trees.split(given)
     if split is None and not isinstance(given, Mapping):
         raise KVStoreError(
             f"{call}({given!r}): expected a value for the key, or a tree of parameters (or a "
@@ -193,7 +184,7 @@ class KVStore:
     ) -> None:
         if devices is None and name in _DIST_TYPES:
             try:  # under SLURM or Open MPI with no launcher: JAX's own cluster detection
-                job.join_cluster()
+                join.join_cluster()
             except RuntimeError as e:
                 raise KVStoreError(
                     f"create({name!r}): expected to join the cluster job found in the "
@@ -201,7 +192,7 @@ class KVStore:
                     f"computed ({e}); create the store (or call jax.distributed.initialize()) "
                     "before the first JAX computation"
                 ) from None
-            devices = job.process_devices()
+            devices = join.process_devices()
         elif devices is None:  # MXNet's local and device stores: this process's devices
             devices = jax.local_devices()
         self._type = name
@@ -217,9 +208,9 @@ class KVStore:
         # A row-sparse push under MXNet's optimizer, checked and held until the next call: a
         # row_sparse_pull of its key then runs both in one computation (pushpull_rows); any
         # other use of the state runs it first (see _state).
-        self._deferred: _kvsparse.Held | None = None
-        # Per-key inits, pushes and pulls into outs, held until something reads (_queue).
-        self._held: _queue.Held | None = None
+        self._deferred: kvstore_rows.Held | None = None
+        # Per-key inits, pushes and pulls into outs, held until something reads (held.py).
+        self._held: held.Held | None = None
         self._stored: KVState = empty(devices, bigarray_bound=bound, layout=layout, reduce=reduce)
         self._updater: Any = None
         # An updater that runs as Python on every push (set_updater of a function not marked
@@ -259,19 +250,19 @@ class KVStore:
 
     def _settle(self) -> None:
         with self._lock:
-            held, self._deferred = self._deferred, None
-            if held is not None:
+            deferred, self._deferred = self._deferred, None
+            if deferred is not None:
                 try:
-                    self._stored = _kvsparse.run_held(self._stored, held)
+                    self._stored = kvstore_rows.run_held(self._stored, deferred)
                 except BaseException:
-                    self._uncount(held)
+                    self._uncount(deferred)
                     raise
 
-    def _uncount(self, held: _kvsparse.Held) -> None:
+    def _uncount(self, deferred: kvstore_rows.Held) -> None:
         """A held push of rows refused when it ran (across processes: the processes' numbers
         differ): the MXNet optimizer has not counted it either, as a push refused at once."""
-        if held.counted is not None and self._mxnet_optimizer is not None:
-            self._mxnet_optimizer.restore_bookkeeping(held.counted)
+        if deferred.counted is not None and self._mxnet_optimizer is not None:
+            self._mxnet_optimizer.restore_bookkeeping(deferred.counted)
 
     @property
     def type(self) -> str:
@@ -298,7 +289,7 @@ class KVStore:
             # Keys inited one at a time laid out (kept so: the same state until a change),
             # and each key pushed alone a group of its own.
             self._stored = self._state.settled()
-            state = _perkey.alone(self._stored)
+            state = per_key.alone(self._stored)
             self._share(state)
             return state
 
@@ -321,7 +312,7 @@ class KVStore:
         )
 
     # -- init / push / pull ----------------------------------------------------------------
-    def init(self, key: Any, value: Any = _args.MISSING) -> None:
+    def init(self, key: Any, value: Any = pairing.MISSING) -> None:
         """Add ``key`` (or a list of keys) with an initial value each; or, with no value, a
         tree of parameters (a flax ``params`` dict, any pytree), each leaf a key named by its
         path as in :func:`jaxkv.init` (``kv.pull(tree)`` then gives the tree back).
@@ -329,18 +320,18 @@ class KVStore:
         Checked at once; held until something reads, with the store's other held calls. A
         store holds trees or plain keys, not both: mixing them is refused."""
         with self._lock:
-            if value is _args.MISSING:
+            if value is pairing.MISSING:
                 self._init_tree(key)
                 return
             keys = list(key) if isinstance(key, list | tuple) else [key]
-            _trees.check_init(self._stored, None, keys)  # plain keys into a store of trees
+            trees.check_init(self._stored, None, keys)  # plain keys into a store of trees
             values = _unwrap_values(value)
             if not self._may_hold(values):
                 self._init_now(key, values)
                 return
-            held = self._held if self._held is not None else _queue.Held()
-            held.inits.update(_ops.checked_inits(self._stored, key, values, held.inits))
-            self._hold(held)
+            queue = self._held if self._held is not None else held.Held()
+            queue.inits.update(ops.checked_inits(self._stored, key, values, queue.inits))
+            self._hold(queue)
 
     def _init_tree(self, tree: Any) -> None:
         if _opened_tree(tree, "init") is None:  # a flat mapping of keys to values
@@ -349,8 +340,8 @@ class KVStore:
         tree = jax.tree_util.tree_map(_unwrap_leaf, tree)
         agreed = self._type in _DIST_TYPES and jax.process_count() > 1
         if agreed:  # rank 0's values, as MXNet's servers keep the first init
-            tree = host_collectives.from_rank_zero(jax.tree_util.tree_map(np.asarray, tree))
-        self._state = _ops.init_keys(self._state, tree, defer=True, agreed=agreed)
+            tree = host.from_rank_zero(jax.tree_util.tree_map(np.asarray, tree))
+        self._state = ops.init_keys(self._state, tree, defer=True, agreed=agreed)
 
     def _tree_pairs(self, tree: Any) -> tuple[list, list]:
         """A tree pushed with no value: its keys (the leaves' paths) and leaves, checked
@@ -361,13 +352,13 @@ class KVStore:
         self._check_tree(split)
         return split.keys, [_unwrap_leaf(x) for x in split.leaves]
 
-    def _check_tree(self, tree: _trees.Tree, nested: bool = True) -> None:
+    def _check_tree(self, tree: trees.Tree, nested: bool = True) -> None:
         """Refuse a tree of other paths than a tree given to ``init``, and a tree given to a
         store of plain keys (``nested``: not a flat mapping of keys, which such a store
         takes)."""
         state = self._held_state()
         if nested or state.trees:
-            _trees.check_push(state, tree)
+            trees.check_push(state, tree)
 
     def _held_state(self) -> KVState:
         """The store's state with its held inits in it (its trees, for the checks)."""
@@ -378,10 +369,10 @@ class KVStore:
     def _init_now(self, key: Any, values: Any) -> None:
         agreed = self._type in _DIST_TYPES and jax.process_count() > 1
         if agreed:  # rank 0's values, as MXNet's servers keep the first init
-            values = host_collectives.from_rank_zero(jax.tree_util.tree_map(np.asarray, values))
-        self._state = _ops.init_keys(self._state, key, values, defer=True, agreed=agreed)
+            values = host.from_rank_zero(jax.tree_util.tree_map(np.asarray, values))
+        self._state = ops.init_keys(self._state, key, values, defer=True, agreed=agreed)
 
-    def push(self, key: Any, value: Any = _args.MISSING, priority: int = 0) -> None:
+    def push(self, key: Any, value: Any = pairing.MISSING, priority: int = 0) -> None:
         """Push values: each key's values (one per device) are summed, then the updater runs.
         With no value, a tree of the structure given to :meth:`init` (gradients of the
         parameters): its leaves pushed to the keys named by their paths, as one push.
@@ -391,7 +382,7 @@ class KVStore:
         an updater that runs as Python on every push (``set_updater`` of a function not
         marked with :func:`jaxkv.pure_updater`)."""
         with self._lock:
-            if value is _args.MISSING:
+            if value is pairing.MISSING:
                 key, value = self._tree_pairs(key)
             if _holds_row_sparse(value):
                 self._push_row_sparse(key, value)
@@ -405,32 +396,32 @@ class KVStore:
                 self._update(key, values)
                 return
             inits = self._held.inits if self._held is not None else None
-            grouped = _args.group(self._stored, key, values, inits)
+            grouped = pairing.group(self._stored, key, values, inits)
             check_laid_out(self._stored, grouped)
             if self._plain_optax():
                 for k in grouped:  # refused now, as the push would refuse it when run
                     if k in self._stored:  # (a held init's key has no state yet)
                         _alone(self._stored, k)
-            held = self._held
+            queue = self._held
             if (
-                held is not None
-                and len(held.pushes) >= _HELD_PUSHES
+                queue is not None
+                and len(queue.pushes) >= _HELD_PUSHES
                 and not spans_processes(self._stored.devices)
             ):  # a bound on what one process holds (across processes: held to the next read)
                 self.run_held()
-                held = None
-            held = held if held is not None else _queue.Held()
+                queue = None
+            queue = queue if queue is not None else held.Held()
             opt = self._mxnet_optimizer
             if opt is None:
                 for k, arrays in grouped.items():
-                    held.hold_push(k, arrays)
+                    queue.hold_push(k, arrays)
             else:  # MXNet's bookkeeping now, in its order (a list's keys sorted)
-                if held.counted is None:
-                    held.counted = opt.bookkeeping()
+                if queue.counted is None:
+                    queue.counted = opt.bookkeeping()
                 keys = sorted(grouped)
                 for k, row in zip(keys, opt.next_update(keys)):
-                    held.hold_push(k, grouped[k], row)
-            self._hold(held)
+                    queue.hold_push(k, grouped[k], row)
+            self._hold(queue)
 
     def pull(
         self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True
@@ -444,10 +435,10 @@ class KVStore:
         once."""
         with self._lock:
             if out is None:
-                tree = _trees.structure(key)
+                tree = trees.structure(key)
                 if tree is not None:  # a tree (or a mapping) of keys: its values, as a tree
-                    self._check_tree(tree, _trees.is_tree(key))
-                    return _trees.fill(tree, list(self._values(tree.keys)))
+                    self._check_tree(tree, trees.is_tree(key))
+                    return trees.fill(tree, list(self._values(tree.keys)))
                 return self._values(key)
             if (
                 self._held is None
@@ -457,26 +448,26 @@ class KVStore:
                 # is the batch already. (Across processes it is held: its gathers are agreed.)
                 self._pull_now(key, out, ignore_sparse)
                 return None
-            pairs = _args.pairs(key, out, "outs")
+            pairs = pairing.pairs(key, out, "outs")
             if all(type(o) is NDArray for _, outs in pairs for o in outs):
                 if self._held is not None and any(
                     o.owed_by is self for _, outs in pairs for o in outs
                 ):
                     self.run_held()  # an out owed a pull already: that one lands first
-                held = self._held if self._held is not None else _queue.Held()
+                queue = self._held if self._held is not None else held.Held()
                 self._check_outs(pairs, self._held_shape)
                 for k, outs in pairs:
-                    held.hold_pull(k, outs, self)
-                self._hold(held)
+                    queue.hold_pull(k, outs, self)
+                self._hold(queue)
                 return None
             self._pull_now(key, out, ignore_sparse)
             return None
 
     def _pull_now(self, key: Any, out: Any, ignore_sparse: bool = True) -> None:
-        fill = _dispatch.prepare_fill(self._state, key, out, NDArray)
+        fill = plans.prepare_fill(self._state, key, out, NDArray)
         if fill is not None and fill(self._state, self._keeps_values(), self._lend_whole):
             return
-        pairs = _args.pairs(key, out, "outs")
+        pairs = pairing.pairs(key, out, "outs")
         self._check_outs(pairs)
         self._fill(_sparse_outs(pairs, ignore_sparse))
 
@@ -485,19 +476,19 @@ class KVStore:
         """Whether calls with these values may be held: eager arrays only (a traced value
         cannot outlive its trace)."""
         if isinstance(values, list | tuple):  # (the first test is the cheap one)
-            return all(type(v) is _fast.ArrayImpl or self._may_hold(v) for v in values)
-        return not _args.is_traced(values)
+            return all(type(v) is jax_internals.ArrayImpl or self._may_hold(v) for v in values)
+        return not pairing.is_traced(values)
 
-    def _hold(self, held: _queue.Held) -> None:
-        self._held = held
-        _queue.holding(self)
+    def _hold(self, queue: held.Held) -> None:
+        self._held = queue
+        held.holding(self)
 
-    def _held_shape(self, key: Key, held: _queue.Held | None = None) -> tuple[int, ...]:
-        """``key``'s shape, from a held init (of ``held``, default the store's) or the store
+    def _held_shape(self, key: Key, queue: held.Held | None = None) -> tuple[int, ...]:
+        """``key``'s shape, from a held init (of ``queue``, default the store's) or the store
         (whose held calls need not run)."""
-        held = self._held if held is None else held
-        if held is not None and key in held.inits:
-            return tuple(held.inits[key].shape)
+        queue = self._held if queue is None else queue
+        if queue is not None and key in queue.inits:
+            return tuple(queue.inits[key].shape)
         state = self._stored
         return state.key_shapes[state.index(key)]
 
@@ -508,40 +499,40 @@ class KVStore:
         with self._lock:
             if self._deferred is not None:  # a push of rows held for its row_sparse_pull
                 self._settle()
-            held, self._held = self._held, None
-            if not held:  # (nothing held: no out is owed either)
+            queue, self._held = self._held, None
+            if not queue:  # (nothing held: no out is owed either)
                 return
-            held.release()  # the outs are filled below, or keep what they hold
+            queue.release()  # the outs are filled below, or keep what they hold
             try:
                 state = self._stored
                 if spans_processes(state.devices):
                     # A pull of a value split across processes gathers it: a collective too.
                     gathered = [
-                        sorted({k for k, _ in pulls if state.splits(self._held_shape(k, held))})
-                        for pulls in held.pulls
+                        sorted({k for k, _ in pulls if state.splits(self._held_shape(k, queue))})
+                        for pulls in queue.pulls
                     ]
                     # (pulls alone of values each process holds whole make no collective)
-                    if held.inits or held.pushes or any(gathered):
-                        _queue.agree(held, gathered)
-                if held.inits:  # in key order: the same in every process
-                    keys = sorted(held.inits)
-                    self._init_now(keys, [held.inits[k] for k in keys])
-                for n, pulls in enumerate(held.pulls):
+                    if queue.inits or queue.pushes or any(gathered):
+                        held.agree(queue, gathered)
+                if queue.inits:  # in key order: the same in every process
+                    keys = sorted(queue.inits)
+                    self._init_now(keys, [queue.inits[k] for k in keys])
+                for n, pulls in enumerate(queue.pulls):
                     if n:  # the n-th push of every key pushed n times, in key order
-                        gen = held.pushes[n - 1]
+                        gen = queue.pushes[n - 1]
                         keys = sorted(gen)
-                        self._push_held(keys, [gen[k] for k in keys], held.scalars[n - 1])
+                        self._push_held(keys, [gen[k] for k in keys], queue.scalars[n - 1])
                     if pulls:  # in key order too (a key's own pulls in call order)
                         pulls = sorted(pulls, key=lambda pull: pull[0])
                         self._pull_now([k for k, _ in pulls], [o for _, o in pulls])
             except BaseException as e:
-                if self._stored is state and held.counted is not None and self._mxnet_optimizer:
+                if self._stored is state and queue.counted is not None and self._mxnet_optimizer:
                     # Refused before anything ran (the processes disagree): the optimizer
                     # has not counted the held pushes either.
-                    self._mxnet_optimizer.restore_bookkeeping(held.counted)
+                    self._mxnet_optimizer.restore_bookkeeping(queue.counted)
                 if isinstance(e, KVStoreError) or not isinstance(e, Exception):
                     raise
-                names = held.keys()
+                names = queue.keys()
                 raise KVStoreError(
                     f"keys {names[:8]}{' ...' if len(names) > 8 else ''}: the held calls "
                     f"failed when run ({type(e).__name__}: {e})"
@@ -550,7 +541,7 @@ class KVStore:
     def _push_held(self, keys: list[Key], values: list[list], scalars: dict[Key, Any]) -> None:
         """The held pushes, as one push: each key updated alone, as MXNet updates it (under an
         MXNet optimizer, with the numbers worked out when each push was called)."""
-        self._update(keys, values, per_key=self._plain_optax(), scalars=scalars or None)
+        self._update(keys, values, each_alone=self._plain_optax(), scalars=scalars or None)
 
     def _plain_optax(self) -> bool:
         """Whether the updater is an optax transformation given to set_optimizer (whose list
@@ -560,20 +551,20 @@ class KVStore:
         )
 
     def pushpull(
-        self, key: Any, value: Any = _args.MISSING, out: Any = None, priority: int = 0
+        self, key: Any, value: Any = pairing.MISSING, out: Any = None, priority: int = 0
     ) -> Any:
         """Push ``value`` then pull into ``out`` (or into ``value`` itself when ``out=None``).
         With no value, a tree (as :meth:`push` takes it): pushed, then its new values returned
         as a tree."""
         with self._lock:
-            if value is _args.MISSING:  # a tree, or a mapping: its new values, as it
+            if value is pairing.MISSING:  # a tree, or a mapping: its new values, as it
                 self.push(key)
-                tree = _trees.structure(key)
+                tree = trees.structure(key)
                 assert tree is not None  # push took it: a tree or a mapping
-                return _trees.fill(tree, list(self._values(tree.keys)))
+                return trees.fill(tree, list(self._values(tree.keys)))
             if _holds_row_sparse(value):  # MXNet: push, then pull ignoring row-sparse outs
                 targets = out if out is not None else value
-                to_fill = _args.pairs(key, targets, "outs")
+                to_fill = pairing.pairs(key, targets, "outs")
                 self._check_outs(to_fill)
                 self._push_row_sparse(key, value)
                 self._fill(_sparse_outs(to_fill, True))
@@ -581,15 +572,15 @@ class KVStore:
             pairs = fill = None
             if out is not None or _holds_ndarrays(value):
                 targets = out if out is not None else value
-                fill = _dispatch.prepare_fill(self._state, key, targets, NDArray)
+                fill = plans.prepare_fill(self._state, key, targets, NDArray)
                 if fill is None:  # checked before the push: a refused call changes nothing
-                    pairs = _args.pairs(key, targets, "outs")
+                    pairs = pairing.pairs(key, targets, "outs")
                     self._check_outs(pairs)
             self._update(key, _unwrap_values(value))
             if fill is not None:
                 if fill(self._state, self._keeps_values(), self._lend_whole):
                     return None
-                pairs = _args.pairs(key, out if out is not None else value, "outs")
+                pairs = pairing.pairs(key, out if out is not None else value, "outs")
             if pairs is None:
                 return self._values(key)
             self._fill(_sparse_outs(pairs, True))
@@ -598,7 +589,7 @@ class KVStore:
     def broadcast(self, key: Any, value: Any, out: Any, priority: int = 0) -> None:
         """Initialise ``key`` with ``value``, then pull it into ``out``."""
         with self._lock:
-            pairs = _args.pairs(key, out, "outs")
+            pairs = pairing.pairs(key, out, "outs")
             before = self._state
             self.init(key, value)
             try:
@@ -615,25 +606,29 @@ class KVStore:
         if row_ids is None:
             raise KVStoreError(f"key {key!r}: row_sparse_pull expects row_ids, given None")
         with self._lock:
-            held = self._deferred if out is not None else None
-            if held is not None:
-                pairs = _args.pairs(key, out, "outs")
+            deferred = self._deferred if out is not None else None
+            if deferred is not None:
+                pairs = pairing.pairs(key, out, "outs")
                 outs = pairs[0][1] if len(pairs) == 1 else []
-                if outs and pairs[0][0] == held.key and all(map(_kvsparse.is_row_sparse, outs)):
+                if (
+                    outs
+                    and pairs[0][0] == deferred.key
+                    and all(map(kvstore_rows.is_row_sparse, outs))
+                ):
                     self._deferred = None  # taken: the pull below runs it
                     try:
                         self._check_outs(pairs)
-                        ids = _kvsparse.wanted(
-                            self._stored, held.key, _row_ids_per_out(key, pairs, row_ids)[0]
+                        ids = kvstore_rows.wanted(
+                            self._stored, deferred.key, _row_ids_per_out(key, pairs, row_ids)[0]
                         )
                     except KVStoreError:
-                        self._deferred = held  # refused: the push still runs, alone
+                        self._deferred = deferred  # refused: the push still runs, alone
                         self._settle()
                         raise
                     try:
-                        state, got = _kvsparse.pushpull_into(self._stored, held, outs, ids)
+                        state, got = kvstore_rows.pushpull_into(self._stored, deferred, outs, ids)
                     except BaseException:
-                        self._uncount(held)
+                        self._uncount(deferred)
                         raise
                     self._stored = state
                     for o, x, where in got:
@@ -647,28 +642,28 @@ class KVStore:
                     raise ShapeError(
                         f"keys {keys!r}: expected {len(keys)} row_ids, given {len(ids)}"
                     )
-                rows = [_rows.row_sparse_pull(state, k, unwrap(r)) for k, r in zip(keys, ids)]
+                pulled = [rows.ops.row_sparse_pull(state, k, unwrap(r)) for k, r in zip(keys, ids)]
                 # As pull returns them: whole on the store's devices (split values gathered).
-                rows = [
+                pulled = [
                     r
                     if r.is_fully_replicated and r.sharding.device_set == set(state.devices)
-                    else _arrays.replicate([r], state.devices)[0]
-                    for r in rows
+                    else placement.replicate([r], state.devices)[0]
+                    for r in pulled
                 ]
-                return rows if isinstance(key, list | tuple) else rows[0]
-            pairs = _args.pairs(key, out, "outs")
+                return pulled if isinstance(key, list | tuple) else pulled[0]
+            pairs = pairing.pairs(key, out, "outs")
             self._check_outs(pairs)
             ids_of = _row_ids_per_out(key, pairs, row_ids)
             filled: list = []
             for (k, outs), ids in zip(pairs, ids_of):
-                sparse = [(o, x) for o, x in zip(outs, ids) if _kvsparse.is_row_sparse(o)]
+                sparse = [(o, x) for o, x in zip(outs, ids) if kvstore_rows.is_row_sparse(o)]
                 if sparse:
-                    got = _kvsparse.pull_into(state, k, *map(list, zip(*sparse)))
+                    got = kvstore_rows.pull_into(state, k, *map(list, zip(*sparse)))
                     filled.extend(("rows", *r) for r in got)
                 for o, x in zip(outs, ids):
-                    if not _kvsparse.is_row_sparse(o):  # beyond MXNet, which refuses dense outs
+                    if not kvstore_rows.is_row_sparse(o):  # beyond MXNet, which refuses dense outs
                         device = o.jax_device()
-                        kept = _rows.row_sparse_pull(state, k, unwrap(x), devices=[device])
+                        kept = rows.ops.row_sparse_pull(state, k, unwrap(x), devices=[device])
                         filled.append(("dense", o, kept, device))
             for how, o, x, where in filled:  # every out filled once all are computed
                 if how == "rows":
@@ -773,7 +768,7 @@ class KVStore:
                 f"store type (as MXNet), given {self._type!r}"
             )
         with self._lock:
-            self._state = _compression.set_compression(self._state, compression_params)
+            self._state = compression.set_compression(self._state, compression_params)
 
     def is_capable(self, capability: str) -> bool:
         """Whether the store supports ``capability`` (MXNet knows ``'optimizer'``)."""
@@ -802,7 +797,7 @@ class KVStore:
                         "set_optimizer again after loading"
                     )
                 record = self._mxnet_optimizer.record()
-            _checkpoint.save(fname, _perkey.alone(self._state), values=False, record=record)
+            npz.save(fname, per_key.alone(self._state), values=False, record=record)
 
     def load_optimizer_states(self, fname: str) -> None:
         """Load optimizer states saved by :meth:`save_optimizer_states` (integrity checked).
@@ -815,7 +810,7 @@ class KVStore:
         and refuses anything but MXNet's states and optimizer (see the migration guide)."""
         with self._lock:
             self._require_optimizer("load_optimizer_states")
-            if _states_file.is_pickle_file(fname):
+            if states_file.is_pickle_file(fname):
                 self._load_mxnet_states(fname)
             else:
                 self._load(fname, values=False, optimizer=self._updater)
@@ -830,7 +825,7 @@ class KVStore:
                 "(kv.set_optimizer(mx.optimizer.<the saved run's>(...))), given an optax "
                 "transformation, whose state MXNet's does not describe"
             )
-        states, saved = _states_file.read(fname)
+        states, saved = states_file.read(fname)
         state = self._state
         unknown = sorted(repr(k) for k in states if k not in state)
         if unknown:
@@ -841,25 +836,25 @@ class KVStore:
         put_back = None
         counts = dict(opt._index_update_count)  # noqa: SLF001 - without a dump: the store's
         if saved is not None:
-            record = _states_file.as_record(saved, opt)
+            record = states_file.as_record(saved, opt)
             put_back = opt.restore_record(record, fname)
             counts = dict(saved.fields.get("_index_update_count", {}))
         for k in sorted(states, key=repr):
             group = state.opt_group(k)
             if group is not None and len(group) > 1:  # pushed with others before: alone now
-                state = _perkey.regroup(state, [k], self._updater) or state
+                state = per_key.regroup(state, [k], self._updater) or state
             if state.opt_group(k) is None:
                 from jaxkv._src.core.eager import init_opt_states
 
                 state = init_opt_states(state, self._updater, (k,))
             template = state.opt_states[(k,)]
-            half = _fl.stored_type(state, state.index(k)).dtype == np.float16
-            slots = _states_file.slots_of(
+            half = buckets.stored_type(state, state.index(k)).dtype == np.float16
+            slots = states_file.slots_of(
                 states[k], type(opt).__name__, half and opt.multi_precision
             )
             leaves, treedef = jax.tree_util.tree_flatten(template)
             count = np.int32(counts.get(k, opt.begin_num_update))
-            filled = _states_file.filled(fname, k, leaves, count, slots)
+            filled = states_file.filled(fname, k, leaves, count, slots)
             placed = [jax.device_put(x, t.sharding) for x, t in zip(filled, leaves)]
             state = state.replace(opt_states={(k,): jax.tree_util.tree_unflatten(treedef, placed)})
         self._state = state
@@ -880,7 +875,7 @@ class KVStore:
         with self._lock:
             opt = self._mxnet_optimizer
             record = None if opt is None else opt.record()
-            _checkpoint.save(fname, _perkey.alone(self._state), values=True, record=record)
+            npz.save(fname, per_key.alone(self._state), values=True, record=record)
 
     def load(self, fname: str) -> None:
         """Replace the store's contents with those saved by :meth:`save`.
@@ -913,7 +908,7 @@ class KVStore:
                 )
             return opt.restore_record(record, fname)
 
-        state, put_back = _checkpoint.load_with_record(
+        state, put_back = npz.load_with_record(
             fname, self._state, values=values, optimizer=optimizer, check_record=checked
         )
         self._state = state
@@ -931,7 +926,7 @@ class KVStore:
     def barrier(self) -> None:
         """Wait until every worker reaches this point (and local work has finished)."""
         jax.block_until_ready(jax.tree_util.tree_leaves(self._state))
-        host_collectives.barrier("jaxkv.KVStore.barrier")
+        host.barrier("jaxkv.KVStore.barrier")
 
     _barrier = barrier
 
@@ -947,7 +942,7 @@ class KVStore:
         if self._keep_values is None:
             state = self._state
             self._keep_values = not any(
-                _fl.is_split(state, i) for i in range(len(state.key_shapes))
+                buckets.is_split(state, i) for i in range(len(state.key_shapes))
             )
         return self._keep_values
 
@@ -1003,9 +998,9 @@ class KVStore:
             self._shared[id(leaf)] = leaf
 
     def _update(
-        self, key: Any, values: Any, per_key: bool = False, scalars: dict | None = None
+        self, key: Any, values: Any, each_alone: bool = False, scalars: dict | None = None
     ) -> None:
-        """Push ``values`` to ``key`` with the store's updater; ``per_key``: an optax
+        """Push ``values`` to ``key`` with the store's updater; ``each_alone``: an optax
         optimizer updates each key alone (keys pushed one at a time). Under an MXNet
         optimizer, ``scalars`` are each key's kernel numbers (``Optimizer.next_update``),
         worked out now where not given."""
@@ -1014,9 +1009,9 @@ class KVStore:
             self._state = self._push_python(state, key, values)
             return
         updater = self._updater
-        if self._plain_optax() and not per_key and _perkey.any_per_key(state):
+        if self._plain_optax() and not each_alone and per_key.any_per_key(state):
             keys = sorted(_grouped(state, key, values))  # (checked first: one kind of key)
-            if _perkey.holds_per_key(state, keys):  # keys pushed one at a time before
+            if per_key.holds_per_key(state, keys):  # keys pushed one at a time before
                 if len(keys) > 1:
                     raise KVStoreError(
                         f"keys {keys}: an optax push updates one optimizer group as one tree, "
@@ -1024,9 +1019,9 @@ class KVStore:
                         "time, each a group of its own (kv.state shows the groups); push them "
                         "one at a time"
                     )
-                per_key = True
+                each_alone = True
         if isinstance(updater, optax.GradientTransformation) and (
-            per_key or self._mxnet_optimizer is not None  # MXNet's optimizers: each key alone
+            each_alone or self._mxnet_optimizer is not None  # MXNet's optimizers: each key alone
         ):
             grouped = _grouped(state, key, values)
             keys = sorted(grouped)
@@ -1038,7 +1033,7 @@ class KVStore:
                     table = opt.next_update(keys)
                     if spans_processes(state.devices):  # not held: agreed here
                         try:
-                            _queue.agree_numbers(keys, table)
+                            held.agree_numbers(keys, table)
                         except BaseException:
                             opt.restore_bookkeeping(saved)  # refused: not counted either
                             raise
@@ -1046,17 +1041,17 @@ class KVStore:
                     table = np.stack([scalars[k] for k in keys])
                 extra = {"scalars": table}  # a row per key, in key order (per_key's)
             try:
-                regrouped = _perkey.regroup(state, keys, updater)
+                regrouped = per_key.regroup(state, keys, updater)
                 if regrouped is None:  # a key shares one tree of state with others
                     self._state = self._push_key_by_key(state, grouped, updater, extra)
                     return
                 state, key, values = regrouped, keys, [grouped[k] for k in keys]
                 # KEEP_VALUES is jaxkv's own third answer, beside the public True and False.
-                self._state = _ops.push(
+                self._state = ops.push(
                     state,
                     key,
                     values,
-                    updater=_perkey.per_key(updater),
+                    updater=per_key.per_key(updater),
                     donate=self._donation(state, key, values),  # type: ignore[arg-type]
                     extra_args=extra,
                 )
@@ -1065,7 +1060,7 @@ class KVStore:
                     opt.restore_bookkeeping(saved)
                 raise
             return
-        self._state = _ops.push(
+        self._state = ops.push(
             state,
             key,
             values,
@@ -1080,14 +1075,14 @@ class KVStore:
         donate: bool | str = KEEP_VALUES if self._keeps_values() else True
         if len(self._shared):
             # Forget what the store no longer holds: those arrays it can never donate.
-            held = {id(leaf) for leaf in jax.tree_util.tree_leaves(state)}
-            for gone in [i for i in list(self._shared.keys()) if i not in held]:
+            live = {id(leaf) for leaf in jax.tree_util.tree_leaves(state)}
+            for gone in [i for i in list(self._shared.keys()) if i not in live]:
                 self._shared.pop(gone, None)
         if len(self._shared):  # something handed out through `state` is held: keep it valid
             if state.flat_layout is None and not state.deferred:
                 # One array per key, and none to settle into buckets first: a push donates
                 # only its keys' leaves and their group's state.
-                pushed = {k for k, _ in _args.pairs(key, values, "values") if k in state}
+                pushed = {k for k, _ in pairing.pairs(key, values, "values") if k in state}
                 groups = {g for k in pushed if (g := state.opt_group(k)) is not None}
                 leaves = jax.tree_util.tree_leaves(
                     [[state[k] for k in pushed], [state.opt_states[g] for g in groups]]
@@ -1115,7 +1110,7 @@ class KVStore:
         order. The store's state changes only once every key's push has succeeded."""
         for i, k in enumerate(sorted(grouped)):
             args = None if extra is None else {n: v[i] for n, v in extra.items()}
-            state = _ops.push(state, k, grouped[k], updater=updater, donate=False, extra_args=args)
+            state = ops.push(state, k, grouped[k], updater=updater, donate=False, extra_args=args)
         return state
 
     def _push_python(self, state: KVState, key: Any, values: Any) -> KVState:
@@ -1125,8 +1120,8 @@ class KVStore:
         ``NDArray`` handles; the new value is what it returns, or else the ``stored`` handle's
         final value. An exception raised in it is a ``KVStoreError`` naming the key, and the
         store is unchanged."""
-        summed = _ops.push(state, key, values, updater=None, donate=False)
-        keys = sorted({k for k, _ in _args.pairs(key, values, "values")})
+        summed = ops.push(state, key, values, updater=None, donate=False)
+        keys = sorted({k for k, _ in pairing.pairs(key, values, "values")})
         updater = self._python_updater
         new = {}
         for k in keys:
@@ -1137,7 +1132,7 @@ class KVStore:
                 raise KVStoreError(
                     f"key {k!r}: the updater {updater_name(updater)} raised {type(e).__name__}: {e}"
                 ) from e
-            value = _args.as_array(handle.asjax() if out is None else unwrap(out))
+            value = pairing.as_array(handle.asjax() if out is None else unwrap(out))
             if tuple(value.shape) != tuple(state.shapes[k]):
                 raise ShapeError(
                     f"key {k!r}: the updater {updater_name(updater)} gave shape "
@@ -1153,7 +1148,7 @@ class KVStore:
 
     def _push_row_sparse(self, key: Any, value: Any) -> None:
         """A push where some values are row-sparse: each key with one is pushed by rows
-        (``_kvsparse.push``), the others as one dense push; the store changes only once every
+        (``kvstore_rows.push``), the others as one dense push; the store changes only once every
         part has succeeded (and an MXNet optimizer's counts only then)."""
         opt = self._mxnet_optimizer
         saved = None if opt is None else opt.bookkeeping()
@@ -1166,7 +1161,7 @@ class KVStore:
 
     def _push_rows_now(self, key: Any, value: Any, counted: Any = None) -> None:
         grouped = _grouped(self._state, key, value)
-        sparse = [k for k, vs in grouped.items() if any(map(_kvsparse.is_row_sparse, vs))]
+        sparse = [k for k, vs in grouped.items() if any(map(kvstore_rows.is_row_sparse, vs))]
         dense = [k for k in grouped if k not in sparse]
         updater, lazy = self._updater, True
         if self._python_updater is not None:  # it sees the rows summed into a dense value
@@ -1179,14 +1174,16 @@ class KVStore:
             table = opt.next_update(keys)
             if dense and spans_processes(self._state.devices):  # not held: agreed here
                 # (a push of rows alone agrees its numbers with its sizes: see rows.ops)
-                _queue.agree_numbers(keys, table)
+                held.agree_numbers(keys, table)
             lazy = opt.lazy_update
             # The kernel's numbers (learning rate, bias correction...) are arguments of the
             # computation, as for dense keys: a schedule compiles nothing new.
             state = self._state
             for k in sparse:
                 opt.check_row_sparse(opt.inputs(k))
-            half = {k: _fl.stored_type(state, state.index(k)).dtype == np.float16 for k in sparse}
+            half = {
+                k: buckets.stored_type(state, state.index(k)).dtype == np.float16 for k in sparse
+            }
             updater_of = {
                 k: opt.transformation(row_sparse=True, master=half[k], check=False) for k in sparse
             }
@@ -1198,7 +1195,7 @@ class KVStore:
             inner = self._updater
             for k in sparse:  # a key pushed with others one at a time before: its state alone
                 if (g := state.opt_group(k)) is not None and len(g) > 1:
-                    state = _perkey.regroup(state, [k], inner) or state
+                    state = per_key.regroup(state, [k], inner) or state
             self._stored = state  # (no value changes)
         steps = len(sparse) + bool(dense)
         donate = steps == 1 and self._row_push_donates(state, sparse)
@@ -1207,7 +1204,7 @@ class KVStore:
                 state, {k: _unwrap_values(grouped[k]) for k in dense}, self._updater, extra
             )
         elif dense:
-            state = _ops.push(
+            state = ops.push(
                 state,
                 dense,
                 [_unwrap_values(grouped[k]) for k in dense],
@@ -1219,18 +1216,20 @@ class KVStore:
             # Held until the next call (checked now): a row_sparse_pull of the key then runs
             # with it in one computation, as a training loop's push and pull of rows do.
             k = sparse[0]
-            self._deferred = _kvsparse.held(
+            self._deferred = kvstore_rows.held(
                 state, k, grouped[k], updater_of[k], donate, extra_of[k]
             )._replace(counted=counted)
-            _queue.holding(self)  # nd.waitall runs it
+            held.holding(self)  # nd.waitall runs it
             return
         for k in sparse:
-            state = _kvsparse.push(state, k, grouped[k], updater_of[k], lazy, donate, extra_of[k])
+            state = kvstore_rows.push(
+                state, k, grouped[k], updater_of[k], lazy, donate, extra_of[k]
+            )
         self._state = state
 
     def _values(self, key: Any) -> jax.Array | list[jax.Array]:
         single = not isinstance(key, list | tuple)
-        values = _arrays.replicated_copies(self._state, [key] if single else list(key))
+        values = placement.replicated_copies(self._state, [key] if single else list(key))
         return values[0] if single else values
 
     def _check_outs(self, pairs: list[tuple[Key, list]], shape_of: Any = None) -> None:
@@ -1266,16 +1265,18 @@ class KVStore:
         outs_of: dict[Any, list[NDArray]] = {}
         for k, outs in pairs:
             outs_of.setdefault(k, []).extend(outs)
-        small = [k for k in outs_of if not _fl.is_split(state, state.index(k))]
-        big = [k for k in outs_of if _fl.is_split(state, state.index(k))]
+        small = [k for k in outs_of if not buckets.is_split(state, state.index(k))]
+        big = [k for k in outs_of if buckets.is_split(state, state.index(k))]
         position: dict[Any, int] = {}
 
         def hand_out(keys: list[Key], values: list[jax.Array], lent: bool = False) -> None:
             elsewhere: list[tuple[NDArray, jax.Array, Any]] = []  # outs off the store's devices
             for key, value in zip(keys, values):
-                arrays = _fast.per_device(value)
+                arrays = jax_internals.per_device(value)
                 if not position:
-                    position.update({_fast.single_device(x): i for i, x in enumerate(arrays)})
+                    position.update(
+                        {jax_internals.single_device(x): i for i, x in enumerate(arrays)}
+                    )
                 for o in outs_of[key]:
                     device = o.jax_device()
                     i = position.get(device)
@@ -1283,7 +1284,7 @@ class KVStore:
                         elsewhere.append((o, arrays[0], device))
                     else:
                         _set(o, arrays[i], device)
-                        if lent and not _kvsparse.is_row_sparse(o):
+                        if lent and not kvstore_rows.is_row_sparse(o):
                             self._lend(value, o, o.holding())
             if elsewhere:  # copied there in one call (a dist_sync store: one device per process)
                 moved = jax.device_put([x for _, x, _ in elsewhere], [d for _, _, d in elsewhere])
@@ -1295,13 +1296,13 @@ class KVStore:
         if small:
             index = [state.index(k) for k in small]
             keep = self._keeps_values()
-            hand_out(small, _arrays.for_outs(state, index, keep), lent=keep)
+            hand_out(small, placement.for_outs(state, index, keep), lent=keep)
         chunk, size = [], 0
         for i, key in enumerate(big):
             chunk.append(key)
             size += state[key].nbytes * len(state.devices)
             if size >= _GATHER_CHUNK_BYTES or i == len(big) - 1:
-                hand_out(chunk, _arrays.replicated_copies(state, chunk))
+                hand_out(chunk, placement.replicated_copies(state, chunk))
                 chunk, size = [], 0
 
 
@@ -1318,7 +1319,7 @@ def _holds(entry: tuple[Any, dict[int, tuple[Any, Any]]]) -> bool:
 def _set(out: NDArray, x: jax.Array, device: Any) -> None:
     """Rebind ``out`` to ``x`` (on ``device``), in ``out``'s dtype (a row-sparse out keeps
     the rows of ``x`` that are not zero)."""
-    if _kvsparse.is_row_sparse(out):
+    if kvstore_rows.is_row_sparse(out):
         out.set_value(x, device)
         return
     out.set_value(x if out.asjax().dtype == x.dtype else x.astype(out.asjax().dtype), device)
@@ -1329,7 +1330,7 @@ def _alone(state: KVState, key: Key) -> None:
     keys (a list pushed together): part of a group (keys pushed one at a time keep a state
     each, and may be pushed alone)."""
     group = state.opt_group(key)
-    if group is not None and len(group) > 1 and not _perkey.holds_per_key(state, [key]):
+    if group is not None and len(group) > 1 and not per_key.holds_per_key(state, [key]):
         optimizer_group(state, (key,), unpack=False)  # raises, naming the group
 
 
@@ -1337,7 +1338,7 @@ def _grouped(state: KVState, key: Any, values: Any) -> dict[Key, list]:
     """Each pushed key's values, MXNet's pairing, in call order; unknown keys are refused
     before anything runs."""
     grouped: dict[Key, list] = {}
-    for k, vs in _args.pairs(key, values, "values"):
+    for k, vs in pairing.pairs(key, values, "values"):
         state.index(k)
         grouped.setdefault(k, []).extend(vs)
     return grouped
@@ -1346,7 +1347,7 @@ def _grouped(state: KVState, key: Any, values: Any) -> dict[Key, list]:
 def _holds_row_sparse(x: Any) -> bool:
     if isinstance(x, list | tuple):  # (a dense NDArray, the usual value, tested first)
         return any(type(v) is not NDArray and _holds_row_sparse(v) for v in x)
-    return _kvsparse.is_row_sparse(x)
+    return kvstore_rows.is_row_sparse(x)
 
 
 def _sparse_outs(pairs: list[tuple[Key, list]], ignore_sparse: bool) -> list[tuple[Key, list]]:
@@ -1354,7 +1355,7 @@ def _sparse_outs(pairs: list[tuple[Key, list]], ignore_sparse: bool) -> list[tup
     ``ignore_sparse=True``, pushpull and broadcast): those are left as they are."""
     if not ignore_sparse:
         return pairs
-    kept = [(k, [o for o in outs if not _kvsparse.is_row_sparse(o)]) for k, outs in pairs]
+    kept = [(k, [o for o in outs if not kvstore_rows.is_row_sparse(o)]) for k, outs in pairs]
     if any(len(o) != len(outs) for (_, o), (_, outs) in zip(kept, pairs)):
         logger.info(
             "pull: row-sparse outs left unchanged (ignore_sparse=True, as MXNet); use "
@@ -1412,9 +1413,9 @@ class DropInKVStore(KVStore):
         if out is not None:
             dense = [
                 k
-                for k, outs in _args.pairs(key, out, "outs")
+                for k, outs in pairing.pairs(key, out, "outs")
                 for o in outs
-                if not _kvsparse.is_row_sparse(o)
+                if not kvstore_rows.is_row_sparse(o)
             ]
             if dense:
                 raise KVStoreError(

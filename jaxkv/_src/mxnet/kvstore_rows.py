@@ -1,5 +1,5 @@
 """The imperative store's row-sparse values: MXNet's ``row_sparse`` init, push and
-``row_sparse_pull`` over the functional row operations (``_rows.py``).
+``row_sparse_pull`` over the functional row operations (``rows/ops.py``).
 
 A key initialised with (or assigned) a row-sparse value is stored as its dense value (rows
 absent are zeros), as every key is: the store keeps no storage type per key (MXNet's refusals
@@ -23,11 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._src.core import ops as _ops
+import jaxkv._src.core.ops  # noqa: F401 - core.ops below
+from jaxkv._src import core
 from jaxkv._src.errors import ShapeError
 from jaxkv._src.mxnet.ndarray import NDArray
 from jaxkv._src.mxnet.sparse import RowSparseNDArray
-from jaxkv._src.rows import ops as _rows
+from jaxkv._src.rows import ops
 from jaxkv._src.rows.ops import host_ids, ids_on_host
 from jaxkv._src.state.kvstate import Key, KVState
 
@@ -84,7 +85,7 @@ def held(
     values = _row_sparse_values(state, key, values)
     row_ids, rows = [v.row_ids for v in values], [v.row_values for v in values]
     updater = replace_all if updater is None else updater
-    ids = _rows.check_push(state, key, row_ids, rows, updater)
+    ids = ops.check_push(state, key, row_ids, rows, updater)
     return Held(key, row_ids, rows, ids, updater, donate, extra)
 
 
@@ -107,14 +108,14 @@ def lazy_push(
     """One ``push_rows`` of each device's ``(row_ids, rows)``: only the rows pushed (and their
     optimizer state) change; with no updater the stored value becomes the merged sum (MXNet)."""
     updater = replace_all if updater is None else updater
-    return _rows.push_rows(
+    return ops.push_rows(
         state, key, row_ids, rows, updater=updater, donate=donate, extra_args=extra
     )
 
 
 def _row_sparse_values(state: KVState, key: Key, values: list) -> list:
     shape = state.shapes[key]
-    with _rows.checking(state, key):  # across processes, a refusal here is every process's
+    with ops.checking(state, key):  # across processes, a refusal here is every process's
         _check_shapes(key, shape, values)
     # MXNet sums a mixed list in the first value's storage type.
     return [v if is_row_sparse(v) else _as_row_sparse(v) for v in values]
@@ -143,7 +144,7 @@ def push(
     values = _row_sparse_values(state, key, values)
     if not lazy:  # MXNet's standard update: every row, with the gradient densified
         dense = [dense_of(v) for v in values]
-        return _ops.push(state, key, dense, updater=updater, donate=donate, extra_args=extra)
+        return core.ops.push(state, key, dense, updater=updater, donate=donate, extra_args=extra)
     rows = [v.row_values for v in values]
     return lazy_push(state, key, [v.row_ids for v in values], rows, updater, donate, extra)
 
@@ -158,7 +159,7 @@ def _as_row_sparse(x: Any) -> RowSparseNDArray:
 def pull_into(state: KVState, key: Key, outs: list, row_ids: list) -> list[tuple[Any, Any, Any]]:
     """What each row-sparse out of ``key`` receives: ``(out, rows, ids)`` on the out's device,
     for the distinct ids asked of it (sorted, as MXNet's ``row_sparse_pull`` gives them)."""
-    with _rows.checking(state, key):  # across processes, a refusal is every process's
+    with ops.checking(state, key):  # across processes, a refusal is every process's
         asked = wanted(state, key, row_ids)
     devices = [o.jax_device() for o in outs]
     rows: list[jax.Array]
@@ -167,15 +168,15 @@ def pull_into(state: KVState, key: Key, outs: list, row_ids: list) -> list[tuple
         # then each out's rows on its device.
         first = next(d for d in state.devices if d.process_index == jax.process_index())
         every = np.concatenate(asked) if asked else np.zeros(0, np.int32)
-        got = _rows.pull_rows(state, key, every, devices=[first])
+        got = ops.pull_rows(state, key, every, devices=[first])
         cuts = np.cumsum([x.size for x in asked])[:-1]
         pieces = [got[a:b] for a, b in zip([0, *cuts], [*cuts, every.size])]
         rows = list(jax.device_put(pieces, devices))
         return list(zip(outs, rows, jax.device_put(asked, devices)))
     if tuple(devices) == state.devices and len({x.size for x in asked}) == 1 and len(devices) > 1:
-        rows = _rows.pull_rows(state, key, asked)  # one computation: each device its rows
+        rows = ops.pull_rows(state, key, asked)  # one computation: each device its rows
     else:
-        rows = [_rows.pull_rows(state, key, x, devices=[d]) for x, d in zip(asked, devices)]
+        rows = [ops.pull_rows(state, key, x, devices=[d]) for x, d in zip(asked, devices)]
     ids = jax.device_put(asked, devices)  # one call for every out's ids
     return list(zip(outs, rows, ids))
 
@@ -193,7 +194,7 @@ def pushpull_into(
     store's devices, one each, asking as many rows each (the pushed values one per device of
     the store), a store of one device too; else the push, then the pull."""
     devices = [o.jax_device() for o in outs]
-    if _rows.spans_processes(state):
+    if ops.spans_processes(state):
         # Across processes: this process's outs, one on each of its devices, pulled in the
         # same agreement as the push (one host all-gather for both).
         local = [d for d in state.devices if d.process_index == jax.process_index()]
@@ -209,7 +210,7 @@ def pushpull_into(
         state = run_held(state, push)
         return state, pull_into(state, push.key, outs, asked)
     placed = jax.device_put(asked, devices)  # the outs' ids, and the pull's, in place
-    state, rows = _rows.pushpull_checked(
+    state, rows = ops.pushpull_checked(
         state,
         push.key,
         (push.row_ids, push.rows, push.ids),
@@ -224,6 +225,6 @@ def pushpull_into(
 def _distinct(key: Key, ids: Any, n_rows: int) -> np.ndarray:
     """The distinct ids of ``ids`` (checked as every row id is), sorted."""
     ids = host_ids(key, ids, n_rows)
-    if _rows.sorted_distinct(ids):  # already (as a batch's unique ids)
+    if ops.sorted_distinct(ids):  # already (as a batch's unique ids)
         return ids
     return np.unique(ids)

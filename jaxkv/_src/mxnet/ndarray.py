@@ -84,7 +84,7 @@ class NDArray:
     def __init__(self, data: jax.Array, dtype: npt.DTypeLike | None = None) -> None:
         self._value = data
         # The store that owes this array a pulled value (a pull held until something reads,
-        # ``_queue``), or ``None``. Reading the value makes that store run what it holds.
+        # ``held.py``), or ``None``. Reading the value makes that store run what it holds.
         self.owed_by: Any = None
         self._where: tuple[Any, Any] = (None, None)  # (array, its device), see _device
         # The dtype to report when it is not the one held: int64 asked for, int32 held (x64
@@ -533,7 +533,7 @@ def arange(
 def waitall() -> None:
     """Wait until every computation issued so far has finished (a store's held calls run
     first)."""
-    from jaxkv._src.mxnet import held as _queue  # (the stores import this module)
+    from jaxkv._src.mxnet import held  # (the stores import this module)
 
-    _queue.run_everything_held()
+    held.run_everything_held()
     jax.block_until_ready(jax.live_arrays())

@@ -13,8 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxkv._src.processes import join as job
-from jaxkv._src.processes import order as collective_order
+from jaxkv._src.processes import join, order
 
 logger = logging.getLogger("jaxkv")
 
@@ -23,7 +22,7 @@ logger = logging.getLogger("jaxkv")
 def _process_mesh() -> Any:
     from jax.sharding import Mesh
 
-    return Mesh(np.array(job.process_devices(), dtype=object), ("processes",))
+    return Mesh(np.array(join.process_devices(), dtype=object), ("processes",))
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,7 +40,7 @@ def _rows(x: np.ndarray) -> jax.Array:
     from jax.sharding import NamedSharding, PartitionSpec
 
     mesh = _process_mesh()
-    home = job.process_devices()[jax.process_index()]
+    home = join.process_devices()[jax.process_index()]
     sharding = NamedSharding(mesh, PartitionSpec("processes"))
     shape = (jax.process_count(), *x.shape)
     return jax.make_array_from_single_device_arrays(
@@ -61,7 +60,7 @@ def all_gather(x: np.ndarray, what: str = "all-gather of every process's values"
     x = np.asarray(x)
     if jax.process_count() == 1:
         return x[None]
-    with collective_order.collective(what):
+    with order.collective(what):
         return _mine(_host_collectives()[1](_rows(x)))
 
 
@@ -87,7 +86,7 @@ def from_rank_zero(tree: Any) -> Any:
     buffer = np.concatenate(raw) if raw else np.zeros(0, np.uint8)
     if jax.process_index() != 0:
         buffer = np.zeros_like(buffer)
-    with collective_order.collective("broadcast of rank 0's values"):
+    with order.collective("broadcast of rank 0's values"):
         summed = _mine(_host_collectives()[0](_rows(buffer)))
     out, start = [], 0
     for x, r in zip(leaves, raw):

@@ -29,7 +29,7 @@ from types import TracebackType
 
 import jax
 
-from jaxkv._src import jax_internals as _fast
+from jaxkv._src import jax_internals
 
 logger = logging.getLogger("jaxkv")
 
@@ -107,10 +107,10 @@ def pin_gloo(binding: dict[str, str]) -> bool:
     """Make JAX's CPU backend create its gloo collectives with ``binding`` (gloo's ``hostname``
     or ``interface``). Call it after ``jax.distributed.initialize`` and before JAX starts its
     backends. JAX offers no public setting for this, so it replaces the CPU backend's factory
-    with JAX's own one given gloo collectives made here (private names: ``_fast.py``); where
+    with JAX's own one given gloo collectives made here (private names: ``jax_internals.py``); where
     those are missing (another JAX, or ``JAXKV_NO_FAST_PATHS=1``), it logs a warning and leaves
     gloo's default (the host name's address). Returns whether the pin is in place."""
-    backend = _fast.gloo_cpu_backend(binding)
+    backend = jax_internals.gloo_cpu_backend(binding)
     if backend is None:
         logger.warning(
             "jaxkv: cannot choose gloo's address (no such hook in this JAX, or "
@@ -180,7 +180,7 @@ def detected_cluster() -> str | None:
     environments, tried in JAX's order, where jaxkv may use them
     (:func:`jaxkv._src.jax_internals.cluster_environments`); else SLURM's and Open MPI's
     variables, read here."""
-    environments = _fast.cluster_environments()
+    environments = jax_internals.cluster_environments()
     if environments is None:
         return _from_variables()
     for env in environments:
@@ -229,7 +229,7 @@ def join_cluster() -> bool:
         return False
     _use_gloo()
     jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout())
-    state = _fast.distributed_state()
+    state = jax_internals.distributed_state()
     coordinator = getattr(state, "coordinator_address", None)
     if coordinator:
         pin_gloo(gloo_binding(coordinator))

@@ -1,5 +1,5 @@
 """The row arithmetic and the compiled computations that read, route and update a table's rows
-(used by ``_rows.py``, which checks the ids on the host and picks one of these per call).
+(used by ``ops.py``, which checks the ids on the host and picks one of these per call).
 
 Each works on a whole table or on one device's block of it (``Where``), or on a key's run of
 elements in a flat bucket (``InRun``). Inside ``shard_map``, ``plan`` places each device's ids in
@@ -240,7 +240,7 @@ def plan(ids: Any, block: int, parts: int, c: int) -> tuple[Any, Any]:
     blocks of ``block`` rows), and each slot's id as a row of its owner's block (``block``,
     which selects nothing, where unused). An id outside the table (padding) goes nowhere: its
     slot is ``parts * c``. ``c`` is at least the most ids this device sends one owner (the host
-    counts them: :func:`_rows.busiest`)."""
+    counts them: :func:`ops.busiest`)."""
     valid = (ids >= 0) & (ids < parts * block)
     owner = jnp.where(valid, ids // block, parts)
     to = owner[:, None] == jnp.arange(parts, dtype=owner.dtype)[None, :]

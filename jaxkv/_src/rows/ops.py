@@ -7,14 +7,14 @@ a gather of the rows asked for, a scatter of the rows pushed. A table the store 
 split over the D devices of the mesh, each holding ``R / D`` consecutive rows) is handled in one
 ``shard_map`` over the store's mesh. With one request (or pair) per device, the ids are routed:
 the host checks them and counts the busiest route (``C``), each device places its ids in
-``D * C`` slots, owner-major (:func:`_rowmath.plan`), one all-to-all takes them (and a push's
+``D * C`` slots, owner-major (:func:`kernels.plan`), one all-to-all takes them (and a push's
 rows, its ids a column beside them) to their owners, and another brings a pull's rows back. An
-owner sums the duplicate ids it gets (one sort, see :func:`_rowmath.dedupe`) and updates its own
+owner sums the duplicate ids it gets (one sort, see :func:`kernels.dedupe`) and updates its own
 rows alone where the updater is elementwise. Otherwise every device gets every pair (an
 all-gather), reads the touched rows it holds, and one ``psum`` (or ``psum_scatter``) adds the D
 partial answers. Cost: O(rows touched x D) per device at most, nothing proportional to the
 table (with ``donate=True``: without it, a pure function must leave the old table intact, which
-copies it). This module checks and dispatches; the computations are in ``_rowmath.py``.
+copies it). This module checks and dispatches; the computations are in ``kernels.py``.
 
 An optax updater runs on the touched rows and the same rows of its per-parameter state leaves
 (``optax.tree_utils.tree_map_params`` finds them); its other leaves (Adam's step count) are
@@ -47,8 +47,7 @@ from jaxkv._src.core.tree_view import viewed
 from jaxkv._src.core.updater import as_updater, optimizer_group, updater_errors
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.jax_internals import assemble, per_device
-from jaxkv._src.processes import host as host_collectives
-from jaxkv._src.processes import order as collective_order
+from jaxkv._src.processes import host, order
 from jaxkv._src.rows.kernels import (
     ROUTE,
     Where,
@@ -71,7 +70,7 @@ from jaxkv._src.rows.kernels import (
     update_rows,
 )
 from jaxkv._src.rows.sizes import concat_rows, cut, fit, pad_ids, pad_rows, route, slots
-from jaxkv._src.state import buckets as _fl
+from jaxkv._src.state import buckets
 from jaxkv._src.state.kvstate import Key, KVState, normalize_key
 from jaxkv._src.state.kvstate import spans_processes as _state_spans_processes
 from jaxkv._src.state.pairing import as_array, devices_of, is_traced
@@ -151,7 +150,7 @@ def _block_rows(state: KVState, key: Key, leaf: Any) -> int | None:
     """Inside ``shard_map``: the rows of this device's block of ``key`` (``None``: ``leaf`` is
     the whole value); refuses a block that is not whole rows."""
     shape = state.shapes[key]
-    if tuple(leaf.shape) == shape and not _fl.chunked(state, state.index(key)):
+    if tuple(leaf.shape) == shape and not buckets.chunked(state, state.index(key)):
         return None
     if tuple(leaf.shape[1:]) != shape[1:]:
         raise KVStoreError(
@@ -265,7 +264,7 @@ def _pull_per_device(
         fn = routed_take(state.mesh, state.axis, c)
     else:
         fn = per_device_take(state.mesh, state.axis, False)
-    got = per_device(collective_order.ordered("pull_rows", fn, state.leaves[leaf], asked))
+    got = per_device(order.ordered("pull_rows", fn, state.leaves[leaf], asked))
     return [cut(x, n) for x in got]
 
 
@@ -324,15 +323,15 @@ def _eager_take(state: KVState, key: Key, i: int, ids: np.ndarray) -> jax.Array:
     if place is not None:  # its rows read straight from its bucket
         b, off, split = place
         fn = bucket_rows_take(state.mesh, state.axis, off, state.key_shapes[i], split)
-        out = collective_order.ordered("pull_rows", fn, state.leaves[b], dev_ids)
+        out = order.ordered("pull_rows", fn, state.leaves[b], dev_ids)
     elif leaf is None:  # a view of a bucket: sliced and gathered in one computation
         fn = bucket_take(key, replicated)
-        out = collective_order.ordered("pull_rows", fn, state, dev_ids)
+        out = order.ordered("pull_rows", fn, state, dev_ids)
     else:
         table = state.leaves[leaf]
         sharded = state.is_sharded(state.key_shapes[i])
         fn = sharded_take(state.mesh, state.axis) if sharded else replicated_take(replicated)
-        out = collective_order.ordered("pull_rows", fn, table, dev_ids)
+        out = order.ordered("pull_rows", fn, table, dev_ids)
     return cut(out, ids.size)
 
 
@@ -353,7 +352,7 @@ def _in_bucket(state: KVState, i: int) -> tuple[int, int, bool] | None:
         return None
     parts = flat.parts_of(b)
     shape = state.key_shapes[i]
-    if parts > 1 and _fl.block_rows(shape, parts) is None:
+    if parts > 1 and buckets.block_rows(shape, parts) is None:
         return None
     return b, off, parts > 1
 
@@ -393,8 +392,8 @@ def _bucket_push(
     fn = bucket_pusher(
         state.mesh, state.axis, key, off, shape, split, updater, packing, families, donate
     )
-    value, opt = collective_order.ordered("push_rows", fn, state.leaves[b], opt, ids, rows, extra)
-    return _fl.with_leaves(state, {b: value}, {} if n is None else {n: opt})
+    value, opt = order.ordered("push_rows", fn, state.leaves[b], opt, ids, rows, extra)
+    return buckets.with_leaves(state, {b: value}, {} if n is None else {n: opt})
 
 
 # -- row_sparse_pull --------------------------------------------------------------------------
@@ -432,11 +431,11 @@ def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = No
     dev_ids = jax.device_put(pad_ids(ids, fit(("keep", key), ids.size)), replicated)  # -1: none
     if leaf is None:
         out_to = state.sharding_for(shape)  # named for a key of a split bucket too
-        out = collective_order.ordered("row_sparse_pull", bucket_keep(key, out_to), state, dev_ids)
+        out = order.ordered("row_sparse_pull", bucket_keep(key, out_to), state, dev_ids)
     else:
         sharded = state.is_sharded(shape)
         fn = sharded_keep(state.mesh, state.axis) if sharded else replicated_keep(replicated)
-        out = collective_order.ordered("row_sparse_pull", fn, state.leaves[leaf], dev_ids)
+        out = order.ordered("row_sparse_pull", fn, state.leaves[leaf], dev_ids)
     return out if devices is None else replicate([out], devices_of(devices))[0]
 
 
@@ -630,7 +629,7 @@ def _push(
             "scale them), or push the dense value"
         )
     key, i, shape, pairs, group = _opened(state, key, row_ids, rows, updater)
-    dtype = _fl.stored_type(state, i).dtype
+    dtype = buckets.stored_type(state, i).dtype
     optax_push = isinstance(updater, optax.GradientTransformation)
     traced = (
         _traced_leaves(state)
@@ -645,17 +644,17 @@ def _push(
             "eager call (eagerly, a list of per-device pairs is already summed over devices)"
         )
     if checked is not None:
-        host = list(zip(checked, [r for _, r in pairs]))
+        host_pairs = list(zip(checked, [r for _, r in pairs]))
     else:
         with checking(state, key):
-            host = _host_pairs(key, shape, dtype, pairs)
+            host_pairs = _host_pairs(key, shape, dtype, pairs)
     across = None
     if spans_processes(state):  # agreed before anything runs (init_opt_states may compute)
         # A pull of one id array per device of this process, fused: agreed with the push.
         fused = None
         if pull is not None and pull is not _SAME and len(pull[1]) <= len(_local_devices(state)):
             fused = _asked_here(state, list(pull[1]))
-        across = _across_pairs(state, key, shape, host, extra, fused)
+        across = _across_pairs(state, key, shape, host_pairs, extra, fused)
     if optax_push and state.opt_group(key) is None:
         from jaxkv._src.core.eager import init_opt_states
 
@@ -677,7 +676,7 @@ def _push(
             rows = _pull_agreed(new, key, i, shape, mine, pull_sizes[0], pull_sizes[1])
         return new, rows[: len(pull[1])]
     if leaf is not None and (n is None or state.packings[n] is None):
-        routed = _routed(state, key, shape, host, updater, n, [ids for ids, _ in pairs])
+        routed = _routed(state, key, shape, host_pairs, updater, n, [ids for ids, _ in pairs])
         if routed is not None:
             c, ids, rows = routed
             args = [ids, rows]
@@ -691,22 +690,22 @@ def _push(
                 back = route(busiest(pull[1], shape[0] // parts, parts), to, parts)
             fn = routed_push(state.mesh, state.axis, key, updater, donate, c, back)
             opt = None if n is None else state.group_states[n]
-            out = collective_order.ordered(
+            out = order.ordered(
                 "push_rows", fn, state.leaves[leaf], opt, args[0], args[1], extra, *args[2:]
             )
-            new = _fl.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]})
+            new = buckets.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]})
             if back is None:
                 return new, None
-            wanted = [ids.size for ids, _ in host] if back == 0 else [x.size for x in pull[1]]
+            wanted = [ids.size for ids, _ in host_pairs] if back == 0 else [x.size for x in pull[1]]
             return new, [cut(x, m) for x, m in zip(per_device(out[2]), wanted)]
-    ids, rows = _gathered(state, key, host, dtype)
+    ids, rows = _gathered(state, key, host_pairs, dtype)
     place = _in_bucket(state, i)
     if place is not None and _pushes_in_place(state, updater, n):
         return _bucket_push(state, key, i, place, n, ids, rows, updater, donate, extra), None
     if leaf is not None and (n is None or state.packings[n] is None):
         sharded = state.is_sharded(shape)
         # One pair of sorted distinct ids (as a row-sparse value holds them): nothing to sum.
-        distinct = len(host) == 1 and sorted_distinct(host[0][0])
+        distinct = len(host_pairs) == 1 and sorted_distinct(host_pairs[0][0])
         # A pull from the one device of a store of one, in the same computation.
         back = (
             not sharded
@@ -725,11 +724,11 @@ def _push(
             replicated = NamedSharding(state.mesh, PartitionSpec())
             to = fit(("take", key), asked.size)
             args.append(jax.device_put(pad_ids(asked, to), replicated))
-        out = collective_order.ordered("push_rows", fn, *args)
-        new = _fl.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]})
+        out = order.ordered("push_rows", fn, *args)
+        new = buckets.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]})
         return new, [cut(out[2], pull[1][0].size)] if back else None
     fn = state_push(key, shape[0], updater, donate)
-    return collective_order.ordered("push_rows", fn, state, ids, rows, extra), None
+    return order.ordered("push_rows", fn, state, ids, rows, extra), None
 
 
 def sorted_distinct(ids: np.ndarray) -> bool:
@@ -741,14 +740,14 @@ def _host_pairs(
     key: Key, shape: tuple[int, ...], dtype: Any, pairs: list[tuple[Any, Any]]
 ) -> list[tuple[np.ndarray, Any]]:
     """The pairs with their ids on the host, each pair checked."""
-    host = []
+    host_pairs = []
     fetched = ids_on_host([ids for ids, _ in pairs])
     for j, (ids, r) in enumerate(zip(fetched, [r for _, r in pairs])):
         what = "the rows" if len(pairs) == 1 else f"rows {j}"
         ids = host_ids(key, ids, shape[0])
         _check_rows(key, shape, dtype, ids.size, r, what)
-        host.append((ids, r))
-    return host
+        host_pairs.append((ids, r))
+    return host_pairs
 
 
 def _opened(
@@ -773,8 +772,8 @@ def check_push(state: KVState, key: Any, row_ids: Any, rows: Any, updater: Any) 
     updater = viewed(state, as_updater(updater))  # (an optax wrapper: its transformation)
     key, i, shape, pairs, _ = _opened(state, key, row_ids, rows, updater)
     with checking(state, key):
-        host = _host_pairs(key, shape, _fl.stored_type(state, i).dtype, pairs)
-    return [x for x, _ in host]
+        host_pairs = _host_pairs(key, shape, buckets.stored_type(state, i).dtype, pairs)
+    return [x for x, _ in host_pairs]
 
 
 def pushpull_checked(
@@ -801,7 +800,7 @@ def _routed(
     state: KVState,
     key: Key,
     shape: tuple[int, ...],
-    host: list[tuple[np.ndarray, Any]],
+    host_pairs: list[tuple[np.ndarray, Any]],
     updater: Any,
     n: int | None,
     given: Sequence[Any],
@@ -809,28 +808,28 @@ def _routed(
     """A push of one pair per device of the store, in place there, of as many rows each, into a
     sharded table, with an updater that needs no other device's rows (none, an MXNet-style
     updater on the block, an elementwise optax one): ``C`` and the ``(ids, rows)`` arguments of
-    :func:`_rowmath.routed_push`, each device's rows going straight to the owners of their ids
+    :func:`kernels.routed_push`, each device's rows going straight to the owners of their ids
     (``given``: the row ids as given, used in place where they can be). Else ``None``: every
     device gets every pushed row (:func:`_gathered`)."""
     devices = state.devices
     parts = len(devices)
     if (
         not state.is_sharded(shape)
-        or len(host) != parts
-        or len({r.shape[0] for _, r in host}) != 1
-        or [next(iter(r.devices())) if len(r.devices()) == 1 else None for _, r in host]
+        or len(host_pairs) != parts
+        or len({r.shape[0] for _, r in host_pairs}) != 1
+        or [next(iter(r.devices())) if len(r.devices()) == 1 else None for _, r in host_pairs]
         != list(devices)
-        or len({r.dtype for _, r in host}) != 1
+        or len({r.dtype for _, r in host_pairs}) != 1
         or spans_processes(state)
     ):
         return None
     if not _owners_alone(state, key, shape, updater, n):
         return None
-    to = fit(("routed", key), host[0][1].shape[0])  # a few sizes: few compiles
-    c = route(busiest([ids for ids, _ in host], shape[0] // parts, parts), to, parts)
+    to = fit(("routed", key), host_pairs[0][1].shape[0])  # a few sizes: few compiles
+    c = route(busiest([ids for ids, _ in host_pairs], shape[0] // parts, parts), to, parts)
     split = NamedSharding(state.mesh, PartitionSpec(state.axis))
-    stacked = assemble((to * parts, *shape[1:]), split, [pad_rows(r, to) for _, r in host])
-    return c, _split_ids(state, given, [pad_ids(ids, to) for ids, _ in host]), stacked
+    stacked = assemble((to * parts, *shape[1:]), split, [pad_rows(r, to) for _, r in host_pairs])
+    return c, _split_ids(state, given, [pad_ids(ids, to) for ids, _ in host_pairs]), stacked
 
 
 def _owners_alone(
@@ -841,7 +840,7 @@ def _owners_alone(
     if not isinstance(updater, optax.GradientTransformation):
         return True
     opt = state.group_states[n]  # type: ignore[index]
-    name = np.dtype(_fl.stored_type(state, state.index(key)).dtype).name
+    name = np.dtype(buckets.stored_type(state, state.index(key)).dtype).name
     sig = _structure(opt)
     try:
         return _elementwise_rows(updater, key, tuple(shape), name, sig)
@@ -883,7 +882,7 @@ def _agreed(
     the same in every process, else every process raises, naming each one's."""
     digest = _digest(extra)
     sent = np.array([int(refused), *values, *[0] * (_AGREED - len(values)), *digest], np.int64)
-    got = host_collectives.all_gather(sent, "sizes of a row operation")
+    got = host.all_gather(sent, "sizes of a row operation")
     refusing = np.flatnonzero(got[:, 0]).tolist()
     if refused:
         return values
@@ -915,7 +914,7 @@ def _extra_differs(key: Key, extra: dict | None) -> None:
     mine = json.dumps(
         {n: np.asarray(v).tolist() for n, v in sorted((extra or {}).items())}
     ).encode()
-    texts = host_collectives.all_gather_text(mine, "the numbers of a row push")
+    texts = host.all_gather_text(mine, "the numbers of a row push")
     per = "; ".join(f"process {p}: {t.decode()}" for p, t in enumerate(texts))
     raise KVStoreError(
         f"key {key!r}: expected every process to push with the same numbers (an MXNet "
@@ -1000,13 +999,11 @@ def _pull_agreed(
     if sharded and leaf is not None:
         fn = routed_take(state.mesh, state.axis, route(most, n, len(state.devices)))
         ids = _global(state, [pad_ids(x, n, -1) for x in mine])
-        out = collective_order.ordered("pull_rows", fn, state.leaves[leaf], ids)
+        out = order.ordered("pull_rows", fn, state.leaves[leaf], ids)
     elif leaf is not None:
         fn = per_device_take(state.mesh, state.axis, False)
         zeros_past = [pad_ids(x, n, 0) for x in mine]
-        out = collective_order.ordered(
-            "pull_rows", fn, state.leaves[leaf], _global(state, zeros_past)
-        )
+        out = order.ordered("pull_rows", fn, state.leaves[leaf], _global(state, zeros_past))
     else:  # in a bucket: read in place where its blocks are rows, else from its view
         split = NamedSharding(state.mesh, PartitionSpec(state.axis))
         asked_all = _global(state, [pad_ids(x, n, 0) for x in mine])
@@ -1014,9 +1011,9 @@ def _pull_agreed(
         if place is not None and place[2]:  # a split bucket
             b, off, _ = place
             fn = bucket_rows_take(state.mesh, state.axis, off, shape, True, each=True)
-            out = collective_order.ordered("pull_rows", fn, state.leaves[b], asked_all)
+            out = order.ordered("pull_rows", fn, state.leaves[b], asked_all)
         else:
-            out = collective_order.ordered("pull_rows", bucket_take(key, split), state, asked_all)
+            out = order.ordered("pull_rows", bucket_take(key, split), state, asked_all)
     return [cut(x, a.size) for x, a in zip(per_device(out), mine)]
 
 
@@ -1024,7 +1021,7 @@ def _across_pairs(
     state: KVState,
     key: Key,
     shape: tuple[int, ...],
-    host: list[tuple[np.ndarray, Any]],
+    host_pairs: list[tuple[np.ndarray, Any]],
     extra: dict | None = None,
     pull: list[np.ndarray] | None = None,
 ) -> tuple[list[tuple[np.ndarray, Any]], int, int, tuple[int, int, bool] | None]:
@@ -1035,14 +1032,16 @@ def _across_pairs(
     checked ids, one per device of it), its count and route and whether every process pulls
     the ids it pushes, agreed in the same all-gather."""
     local = _local_devices(state)
-    placed = [next(iter(r.devices())) if len(r.devices()) == 1 else None for _, r in host]
-    dtype = _fl.stored_type(state, state.index(key)).dtype
-    if len(host) == len(local) and placed == local:
-        pairs = [(ids, r.astype(dtype)) for ids, r in host]
+    placed = [next(iter(r.devices())) if len(r.devices()) == 1 else None for _, r in host_pairs]
+    dtype = buckets.stored_type(state, state.index(key)).dtype
+    if len(host_pairs) == len(local) and placed == local:
+        pairs = [(ids, r.astype(dtype)) for ids, r in host_pairs]
     else:
-        ids = np.concatenate([x for x, _ in host])
+        ids = np.concatenate([x for x, _ in host_pairs])
         here = SingleDeviceSharding(local[0])
-        rows = concat_rows([r for _, r in host], here, ids.size, dtype)  # (no compile per count)
+        rows = concat_rows(
+            [r for _, r in host_pairs], here, ids.size, dtype
+        )  # (no compile per count)
         pairs = [(ids, rows)] + [
             (np.zeros(0, np.int32), jax.device_put(np.zeros((0, *shape[1:]), dtype), d))
             for d in local[1:]
@@ -1091,10 +1090,12 @@ def _push_across(
         c = route(most, n, len(state.devices))
         fn = routed_push(state.mesh, state.axis, key, updater, donate, c, 0 if back else None)
         sent = _global(state, [pad_ids(x, n, -1) for x, _ in pairs])
-        out = collective_order.ordered(
+        out = order.ordered(
             "push_rows", fn, state.leaves[leaf], opt, sent, _global(state, rows), extra
         )
-        new = _fl.with_leaves(state, {leaf: out[0]}, {} if n_group is None else {n_group: out[1]})
+        new = buckets.with_leaves(
+            state, {leaf: out[0]}, {} if n_group is None else {n_group: out[1]}
+        )
         if not back:
             return new, None
         return new, [cut(x, ids.size) for x, (ids, _) in zip(per_device(out[2]), pairs)]
@@ -1102,10 +1103,10 @@ def _push_across(
     stacked = _global(state, rows)
     if leaf is not None and (n_group is None or state.packings[n_group] is None):
         fn = own_push(state.mesh, state.axis, key, shape[0], sharded, updater, donate)
-        value, opt = collective_order.ordered(
+        value, opt = order.ordered(
             "push_rows", fn, state.leaves[leaf], opt, stacked_ids, stacked, extra
         )
-        return _fl.with_leaves(
+        return buckets.with_leaves(
             state, {leaf: value}, {} if n_group is None else {n_group: opt}
         ), None
     i = state.index(key)
@@ -1116,38 +1117,38 @@ def _push_across(
             state, key, i, place, n_group, stacked_ids, stacked, updater, donate, extra
         ), None
     fn = state_push(key, shape[0], updater, donate)
-    return collective_order.ordered("push_rows", fn, state, stacked_ids, stacked, extra), None
+    return order.ordered("push_rows", fn, state, stacked_ids, stacked, extra), None
 
 
 def _gathered(
-    state: KVState, key: Key, host: list[tuple[np.ndarray, Any]], dtype: Any
+    state: KVState, key: Key, host_pairs: list[tuple[np.ndarray, Any]], dtype: Any
 ) -> tuple[jax.Array, jax.Array]:
     """Every pair's ids and rows side by side, on the store's devices: rows already on the
     store's devices, one pair on each, are used in place (one array sharded over the mesh);
     others are copied there."""
     replicated = NamedSharding(state.mesh, PartitionSpec())
-    ids = np.concatenate([ids for ids, _ in host])
+    ids = np.concatenate([ids for ids, _ in host_pairs])
     devices = state.devices
-    placed = [next(iter(r.devices())) if len(r.devices()) == 1 else None for _, r in host]
-    sizes = {r.shape[0] for _, r in host}
+    placed = [next(iter(r.devices())) if len(r.devices()) == 1 else None for _, r in host_pairs]
+    sizes = {r.shape[0] for _, r in host_pairs}
     # Counts padded to a few sizes (ids -1, rows of zeros), so a new count compiles nothing.
     if (
-        len(host) == len(devices) > 1
+        len(host_pairs) == len(devices) > 1
         and len(sizes) == 1
         and placed == list(devices)
-        and all(r.dtype == host[0][1].dtype for _, r in host)
+        and all(r.dtype == host_pairs[0][1].dtype for _, r in host_pairs)
         and all(d.process_index == jax.process_index() for d in devices)
     ):
         to = fit(("stacked", key), sizes.pop())
         spec = NamedSharding(state.mesh, PartitionSpec(state.axis))
-        shards = [pad_rows(r, to) for _, r in host]
-        rows = assemble((to * len(devices), *host[0][1].shape[1:]), spec, shards)
-        return jax.device_put(np.concatenate([pad_ids(x, to) for x, _ in host]), spec), rows
+        shards = [pad_rows(r, to) for _, r in host_pairs]
+        rows = assemble((to * len(devices), *host_pairs[0][1].shape[1:]), spec, shards)
+        return jax.device_put(np.concatenate([pad_ids(x, to) for x, _ in host_pairs]), spec), rows
     to = fit(("gathered", key), ids.size)
-    if len(host) == 1:
-        rows = pad_rows(jax.device_put(host[0][1], replicated), to)
+    if len(host_pairs) == 1:
+        rows = pad_rows(jax.device_put(host_pairs[0][1], replicated), to)
     else:
-        rows = concat_rows([r for _, r in host], replicated, to)
+        rows = concat_rows([r for _, r in host_pairs], replicated, to)
     return jax.device_put(pad_ids(ids, to), replicated), rows
 
 
@@ -1162,7 +1163,7 @@ def _push_traced(
     extra: dict[str, Any],
 ) -> KVState:
     """``push_rows`` inside the caller's trace (``jit``, ``pmap`` or ``shard_map``)."""
-    dtype = _fl.stored_type(state, state.index(key)).dtype
+    dtype = buckets.stored_type(state, state.index(key)).dtype
     ids_list, rows_list = [], []
     for n, (ids, r) in enumerate(pairs):
         ids = _traced_ids(ids)

@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxkv._src.errors import KVStoreError
-from jaxkv._src.processes import order as collective_order
+from jaxkv._src.processes import order
 
 if TYPE_CHECKING:  # (a type only: kvstate imports this module)
     from jaxkv._src.state.kvstate import KVState
@@ -307,7 +307,7 @@ def run(what: str, fn: Any, *args: Any) -> Any:
     """``fn(*args)``, one of this module's eager computations: over several processes' devices
     it takes its turn among their collectives, as every computation there does
     (``processes/order.py``: XLA may add collectives to any of them)."""
-    return collective_order.ordered(what, fn, *args)
+    return order.ordered(what, fn, *args)
 
 
 def pack(layout: FlatLayout, values: Sequence[Any]) -> list[Any]:

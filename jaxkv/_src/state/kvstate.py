@@ -21,7 +21,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxkv._src.errors import KeyTypeError, KVStoreError, unknown_key
-from jaxkv._src.state import buckets as _fl
+from jaxkv._src.state import buckets
+from jaxkv._src.state.buckets import FlatLayout, Packing
 from jaxkv._src.state.tree_shapes import TreeShape
 
 __all__ = ["AXIS", "LAYOUTS", "LAYOUT_ENV", "KVState", "empty"]
@@ -40,7 +41,7 @@ LAYOUTS = ("auto", "flat", "keys")
 LAYOUT_ENV = "JAXKV_LAYOUT"
 # A store's layout policy: (the layout asked for, bucket the values with fewer elements than
 # this, or None: one array per key, split buckets). "flat" buckets every value, and splits a
-# bucket of at least the big-array bound over the devices (_flat.py); "auto" does the same on
+# bucket of at least the big-array bound over the devices (buckets.py); "auto" does the same on
 # accelerators, and on CPU buckets the values below AUTO_CPU_BELOW elements that it does not
 # shard, splitting no bucket (docs/design.md).
 Policy = tuple[str, int | None, bool]
@@ -62,8 +63,8 @@ _Aux = tuple[
     tuple[tuple[Key, ...], ...],
     Mesh | None,
     Policy,
-    "_fl.FlatLayout | None",
-    tuple["_fl.Packing | None", ...],
+    "FlatLayout | None",
+    tuple["Packing | None", ...],
     tuple[tuple[str, ...], ...],
     str,
     tuple[str, ...],
@@ -147,12 +148,12 @@ def _deferred(
     bound: int | None,
     devices: tuple[jax.Device, ...],
     shapes: tuple[tuple[int, ...], ...],
-    flat: _fl.FlatLayout | None,
+    flat: FlatLayout | None,
     pad: bool,
 ) -> bool:
     """``KVState.deferred``: whether a key that ``policy`` puts in a bucket lies outside
     ``flat``'s buckets. Cached: a push's state shares its layout with the state pushed."""
-    inside = set(_fl.in_buckets(flat)) if flat is not None else set()
+    inside = set(buckets.in_buckets(flat)) if flat is not None else set()
     bucketed = _bucketed(policy, compression, bound, devices, shapes, pad)
     return any(b and i not in inside for i, b in enumerate(bucketed))
 
@@ -322,8 +323,8 @@ class KVState:
     groups: tuple[tuple[Key, ...], ...]
     user_mesh: Mesh | None
     policy: Policy
-    flat_layout: _fl.FlatLayout | None
-    packings: tuple[_fl.Packing | None, ...]
+    flat_layout: FlatLayout | None
+    packings: tuple[Packing | None, ...]
     _views: tuple[Any, ...] | None
     _deferral: bool | None
     trees: tuple[TreeShape, ...]
@@ -346,8 +347,8 @@ class KVState:
         groups: Sequence[tuple[Key, ...]] = (),
         mesh: Mesh | None = None,
         policy: Policy = KEYS_POLICY,
-        flat: _fl.FlatLayout | None = None,
-        packings: Sequence[_fl.Packing | None] = (),
+        flat: FlatLayout | None = None,
+        packings: Sequence[Packing | None] = (),
         trees: Sequence[tuple[str, ...]] = (),
         reduce: str = "sum",
         mesh_axes: tuple[str, ...] = (),
@@ -357,7 +358,7 @@ class KVState:
         object.__setattr__(self, "_keys", keys)  # sorted, all int or all str
         object.__setattr__(self, "_devices", devices)
         # Aligned with _keys; under a flat layout, its leaves: the buckets, then the keys kept
-        # as arrays of their own (see _fl.FlatLayout).
+        # as arrays of their own (see buckets.FlatLayout).
         object.__setattr__(self, "leaves", tuple(values))
         if shapes is None:  # a fresh state: its values are whole
             shapes = tuple(tuple(v.shape) for v in self.leaves)
@@ -374,7 +375,7 @@ class KVState:
         object.__setattr__(self, "policy", policy)
         object.__setattr__(self, "flat_layout", flat)
         # Aligned with groups: a group's packing, whose group_states entry is then the tuple of
-        # its packed leaves (_fl.pack_opt); None where its optax state is kept as it is.
+        # its packed leaves (buckets.pack_opt); None where its optax state is kept as it is.
         object.__setattr__(self, "packings", tuple(packings) or (None,) * len(self.groups))
         object.__setattr__(self, "_views", None)  # each key's value under a flat layout, cached
         object.__setattr__(self, "_deferral", None)  # `deferred`, once asked
@@ -487,13 +488,13 @@ class KVState:
             return views
         leaves = self.leaves
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
-            views = tuple(_fl.views(flat, leaves))
+            views = tuple(buckets.views(flat, leaves))
         elif all(isinstance(x, jax.Array) for x in leaves):
-            views = tuple(_fl.eager_values(flat, leaves))
+            views = tuple(buckets.eager_values(flat, leaves))
             if any(isinstance(x, jax.core.Tracer) for x in views):
                 return views  # a state closed over by a trace: its views belong to the trace
         elif all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):  # jax.eval_shape's
-            views = _fl.stored_types(self)
+            views = buckets.stored_types(self)
         else:  # other leaves (specs' PartitionSpecs): each key's is its bucket's
             views = tuple(leaves[flat.leaf(i)] for i in range(len(flat.where)))
         object.__setattr__(self, "_views", views)
@@ -506,10 +507,10 @@ class KVState:
         if packing is None:
             return opt
         if any(isinstance(x, jax.core.Tracer) for x in opt):
-            return _fl.unpack_opt(packing, opt)
+            return buckets.unpack_opt(packing, opt)
         if not all(isinstance(x, jax.Array) for x in opt):  # specs, or jax.eval_shape's
-            return _fl.unpack_opt_like(packing, opt)
-        return _fl.run("flat optimizer state", _fl.eager_unpack_opt(packing), list(opt))
+            return buckets.unpack_opt_like(packing, opt)
+        return buckets.run("flat optimizer state", buckets.eager_unpack_opt(packing), list(opt))
 
     # -- read-only views -------------------------------------------------------------------
     def keys(self) -> tuple[Key, ...]:
@@ -832,7 +833,7 @@ class KVState:
         values = dict(values or {})
         compression = self._compression if compression is _KEEP else compression
         shapes = dict(zip(self._keys, self.key_shapes))
-        types = dict(zip(self._keys, _fl.stored_types(self)))
+        types = dict(zip(self._keys, buckets.stored_types(self)))
         for k, v in values.items():
             shapes.setdefault(k, tuple(v.shape))
             types[k] = v
@@ -857,10 +858,10 @@ class KVState:
             compression,
             self._in_buckets() if defer else None,
         )
-        leaves = _fl.kept_leaves(self, keys, values, flat)
+        leaves = buckets.kept_leaves(self, keys, values, flat)
         kept = leaves is not None
         if leaves is None:
-            leaves = _fl.new_leaves(self, keys, values, flat)
+            leaves = buckets.new_leaves(self, keys, values, flat)
         old_n = {g: n for n, g in enumerate(self.groups)}
         opts, packings = [], []
         for g in order:
@@ -879,7 +880,7 @@ class KVState:
                 opt = self.group_state(n)
             if packable:
                 assert flat is not None  # packable says so
-                packing, packed = _fl.packed_group_state(
+                packing, packed = buckets.packed_group_state(
                     g, [shapes[k] for k in g], opt, self, old_n.get(g), split_parts
                 )
                 opts.append(tuple(packed))
@@ -927,11 +928,11 @@ class KVState:
             return self
         mesh = self.mesh
         shardings = jax.tree_util.tree_map(
-            lambda spec: NamedSharding(mesh, spec), _fl.leaf_specs(self, self.axis)
+            lambda spec: NamedSharding(mesh, spec), buckets.leaf_specs(self, self.axis)
         )
         # Over several processes' devices a reshard is a computation there: it takes its
         # collective turn, as the layout's other eager computations do.
-        return _fl.run("placement of split buckets", jax.device_put, self, shardings)
+        return buckets.run("placement of split buckets", jax.device_put, self, shardings)
 
     def _plan(
         self,
@@ -941,7 +942,7 @@ class KVState:
         groups: list[tuple[Key, ...]],
         compression: tuple | None,
         inside: frozenset[Key] | None = None,
-    ) -> _fl.FlatLayout | None:
+    ) -> FlatLayout | None:
         """The flat layout of a state of ``keys`` under this state's policy, or ``None`` (one
         array per key): no value is bucketed in a compressed store (each key keeps its own
         error-feedback residuals) or in a store across processes. Where the policy splits
@@ -959,7 +960,7 @@ class KVState:
         split = split and not spans_processes(self._devices)
         if not any(bucketed):
             return None
-        flat = _fl.plan(
+        flat = buckets.plan(
             keys,
             shapes,
             [t.dtype for t in types],
@@ -992,7 +993,7 @@ class KVState:
         flat = self.flat_layout
         if flat is None:
             return frozenset()
-        return frozenset(self._keys[i] for i in _fl.in_buckets(flat))
+        return frozenset(self._keys[i] for i in buckets.in_buckets(flat))
 
     @property
     def deferred(self) -> bool:

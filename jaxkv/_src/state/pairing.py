@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.jax_internals import ArrayImpl
-from jaxkv._src.state import buckets as _fl
+from jaxkv._src.state import buckets
 from jaxkv._src.state.kvstate import Key, KVState, normalize_key
 
 __all__ = ["MISSING", "as_array", "check_value", "devices_of", "group", "is_traced", "pairs"]
@@ -92,7 +92,7 @@ def group(
             whole = stored.shape
         else:
             i = state.index(key)
-            stored, whole = _fl.stored_type(state, i), state.key_shapes[i]
+            stored, whole = buckets.stored_type(state, i), state.key_shapes[i]
             if state.tp_spec(key) is not None and tuple(stored.shape) != whole:
                 whole = state.local_shape(key)  # in shard_map over the axes of its own split
         arrays = []

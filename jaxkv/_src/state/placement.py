@@ -15,8 +15,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import assemble, per_device, single_device
-from jaxkv._src.processes import order as collective_order
-from jaxkv._src.state import buckets as _fl
+from jaxkv._src.processes import order
+from jaxkv._src.state import buckets
 from jaxkv._src.state.kvstate import Key, KVState, mesh_over
 from jaxkv._src.state.pairing import is_traced
 
@@ -43,7 +43,7 @@ def copies(values: list[jax.Array]) -> list[jax.Array]:
     ``device_put`` may let a shard alias its source even with ``may_alias=False``; a stored
     value that aliased a user's array (or another key's value) would break donation.
     """
-    return collective_order.ordered("copy", _copies, values)
+    return order.ordered("copy", _copies, values)
 
 
 def for_outs(state: KVState, index: Sequence[int], lend: bool) -> list[jax.Array]:
@@ -83,7 +83,7 @@ def put(values: Sequence[Any], shardings: Sequence[Any], agreed: bool = False) -
     # issued together by one batched put hung in XLA:CPU's collective-permute, 2 processes of 4
     # devices moving a flax tree from a 2 x 4 mesh onto the store's).
     for i in [i for i in rest if _spans(values[i])]:
-        out[i] = collective_order.ordered("put", jax.device_put, values[i], shardings[i])
+        out[i] = order.ordered("put", jax.device_put, values[i], shardings[i])
     rest = [i for i in rest if out[i] is None]
     if rest:
         placed = jax.device_put([values[i] for i in rest], [shardings[i] for i in rest])
@@ -108,7 +108,7 @@ def replicated_copies(state: KVState, keys: Sequence[Key]) -> list[jax.Array]:
     CPU devices); replicated ones are copied, so nothing handed out aliases the store.
     """
     values = [state[k] for k in keys]
-    split = [_fl.is_split(state, state.index(k)) for k in keys]
+    split = [buckets.is_split(state, state.index(k)) for k in keys]
     sharded = [i for i, s in enumerate(split) if s]
     replicated = [i for i, s in enumerate(split) if not s]
     out: list[Any] = [None] * len(values)
@@ -128,10 +128,8 @@ def replicated_copies(state: KVState, keys: Sequence[Key]) -> list[jax.Array]:
 
 def _gathered(values: list[jax.Array], sharding: NamedSharding) -> list[jax.Array]:
     """``values`` (split across processes) replicated by ``sharding``: an all-gather across
-    processes, run after this process's earlier collectives (see ``collective_order._Order``)."""
-    return collective_order.ordered(
-        "all-gather of split values", _all_gather, values, sharding, spans=True
-    )
+    processes, run after this process's earlier collectives (see ``order._Order``)."""
+    return order.ordered("all-gather of split values", _all_gather, values, sharding, spans=True)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -152,7 +150,7 @@ def place_leaves(state: KVState) -> KVState:
     mesh = state.mesh
     return jax.tree_util.tree_map(
         lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),
-        _fl.leaf_specs(state, state.axis),
+        buckets.leaf_specs(state, state.axis),
         state,
     )
 
@@ -179,7 +177,7 @@ def place_keyed(state: KVState, tree: Any, keyed: Keyed) -> Any:
     shardings = {k: sharding for k, _, sharding in keyed}
 
     def one(path: Any, x: Any) -> Any:
-        k = _fl.leaf_owner(path, tuple(x.shape), shapes)
+        k = buckets.leaf_owner(path, tuple(x.shape), shapes)
         where = state.sharding_for(x.shape) if k is None else shardings[k]
         return jax.lax.with_sharding_constraint(x, where)
 

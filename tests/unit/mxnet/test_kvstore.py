@@ -26,8 +26,8 @@ def _value(kv, key="a"):
 @pytest.mark.parametrize("name", list(kvstore.TYPES))
 def test_each_of_mxnets_store_types_is_made(name, monkeypatch):
     if name.startswith("dist"):  # no cluster to join: a dist store of this process alone
-        monkeypatch.setattr(kvstore.job, "join_cluster", lambda: None)
-        monkeypatch.setattr(kvstore.job, "process_devices", lambda: jax.devices("cpu")[:1])
+        monkeypatch.setattr(kvstore.join, "join_cluster", lambda: None)
+        monkeypatch.setattr(kvstore.join, "process_devices", lambda: jax.devices("cpu")[:1])
     assert kvstore.create(name).type == name
 
 
@@ -72,13 +72,13 @@ def test_a_pull_gathers_split_values_in_chunks_of_at_least_the_chunk_size(device
     per_key = 16 * 2  # bytes of one value, counted once per device
     monkeypatch.setattr(kvstore, "_GATHER_CHUNK_BYTES", 2 * per_key)  # exactly two keys
     chunks = []
-    gather = kvstore._arrays.replicated_copies
+    gather = kvstore.placement.replicated_copies
 
     def recorded(state, chunk):
         chunks.append(list(chunk))
         return gather(state, chunk)
 
-    monkeypatch.setattr(kvstore._arrays, "replicated_copies", recorded)
+    monkeypatch.setattr(kvstore.placement, "replicated_copies", recorded)
     outs = [ndarray.zeros((4,), ctx=jaxkv.cpu(k % 2)) for k in keys]
     kv.pull(keys, out=outs)
     assert chunks == [[0, 1], [2, 3], [4]]  # the last chunk, though short, is handed out too

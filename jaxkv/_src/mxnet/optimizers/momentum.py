@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxkv._src.mxnet import random as mx_random
+from jaxkv._src.mxnet import random
 from jaxkv._src.mxnet.optimizers import float32 as f32
 from jaxkv._src.mxnet.optimizers.optimizer import (
     Optimizer,
@@ -294,7 +294,7 @@ _LEAF: contextvars.ContextVar[int] = contextvars.ContextVar("sgld_leaf", default
 def _drawn_word() -> int:
     """A 32-bit word drawn from ``mx.random``'s stream (the current device's, so
     ``mx.random.seed`` decides it), as two 16-bit halves."""
-    hi, lo = (int(x) for x in mx_random.randint(0, 1 << 16, shape=(2,)).asnumpy())
+    hi, lo = (int(x) for x in random.randint(0, 1 << 16, shape=(2,)).asnumpy())
     return (hi << 16) | lo
 
 
