@@ -31,9 +31,11 @@ def main():
     check("init from rank 0", kv.pull(3), np.ones(SHAPE))
     # Every worker pushes one value per local device: summed over all devices of all workers.
     kv.push(3, [mx.nd.ones(SHAPE, mx.cpu(i)) * (rank + 1) for i in range(len(local))])
-    # Under the flat layouts the small key lives in a bucket from the first push on (inits
-    # keep arrays of their own until then), across processes too (never split).
-    state = kv._state
+    # Keys made and pushed one at a time keep arrays of their own (a push of one key lays
+    # nothing out); the state the store hands out is laid out: under the flat layouts the
+    # small key in a bucket, across processes too (never split).
+    assert kv._state.buckets == 0, (kv._state.layout, kv._state.buckets)
+    state = kv.state
     assert state.buckets == (0 if state.layout == "keys" else 1), (state.layout, state.buckets)
     assert state.flat_layout is None or not state.flat_layout.split
     total = len(local) * sum(r + 1 for r in range(workers))
