@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROWS = ["gspmd", "jaxkv", "jaxkv-every-sum", "jaxkv-unverified"]
+ROWS = ["gspmd", "jaxkv", "jaxkv-every-sum", "jaxkv-unverified", "jaxkv-jit"]
 
 
 def run(n, row, steps):
@@ -75,7 +75,8 @@ def report(results):
         "`jaxkv.push` step in `shard_map` (`jaxkv.empty()`), with "
         "verified sums as by default across processes (each sum checked at every 10th step), "
         "every sum checked at every step (`JAXKV_VERIFY_SUMS=1`), and none "
-        "(`JAXKV_VERIFY_SUMS=0`). ms/step: mean of the "
+        "(`JAXKV_VERIFY_SUMS=0`); jaxkv-jit: the plain-`jit` recipe (the gradient and "
+        "`jaxkv.push` in one `jax.jit`, no `shard_map`). ms/step: mean of the "
         "timed steps, best of 3 rounds (the slowest process); state: parameters and optimizer "
         "state on a process's devices (the most of any), and as a fraction of the whole; peak "
         "RSS: the process's peak resident set; sent: bytes the process wrote per step (gloo's "

@@ -17,6 +17,9 @@ exactly one step whose sums are checked, so its mean is what the checks cost a s
                     verified sums as by default across processes (every 10th step checked)
   jaxkv-every-sum   the same with JAXKV_VERIFY_SUMS=1 (every step checked)
   jaxkv-unverified  the same with JAXKV_VERIFY_SUMS=0
+  jaxkv-jit         docs/functional.md's plain-jit recipe: the gradient with respect to the
+                    store's values (a dict of its keys) and jaxkv.push in one jax.jit (no
+                    shard_map), the same store
 
 Each process prints one line per row, as JSON (``benchmarks/processes.py`` reads them): its
 rank, the row, ms/step, the bytes of parameters and optimizer state on its devices and of the
@@ -145,6 +148,16 @@ def main():
                 g = jax.grad(loss_fn)(p, x, y)
                 u, s = opt.update(g, s, p)
                 return optax.apply_updates(p, u), s
+
+        elif name == "jaxkv-jit":  # docs/functional.md's plain-jit recipe: no shard_map
+            os.environ.pop(verified.ENV_VERIFY_SUMS, None)
+            state = jaxkv.init(jaxkv.empty(devices), params0())
+            carry = jaxkv.init_optimizer(state, opt)
+
+            @partial(jax.jit, donate_argnums=0)
+            def step(state, x, y):
+                grads = jax.grad(loss_fn)(dict(state.values), x, y)
+                return jaxkv.push(state, grads, updater=opt)
 
         else:
             setting = {"jaxkv-unverified": "0", "jaxkv-every-sum": "1"}.get(name)
