@@ -295,7 +295,8 @@ def push(
 
 
 def _one_key(keys: Any) -> bool:
-    """Whether a push names one key (alone, or in a list or mapping of one)."""
+    """Whether a push names one key: alone, or in a list or tuple of it (a mapping or a tree
+    is taken as several)."""
     if isinstance(keys, int | str):
         return True
     if isinstance(keys, list | tuple) and keys and all(isinstance(k, int | str) for k in keys):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -38,7 +38,7 @@ from jaxkv._src.core.updater import is_positional
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.state.kvstate import Key, KVState
 
-__all__ = ["call", "init", "ranks", "renamable"]
+__all__ = ["call", "init", "ranks", "renamable", "restructured"]
 
 _CHECKED_MAX = 1024  # verdicts of the programs' comparison kept, least recent dropped first
 
@@ -77,7 +77,7 @@ def call(
     raises (the message then names the keys), the computation of the keys' own names
     (``named_fn()``) runs instead."""
     leaves, own = jax.tree_util.tree_flatten(opt_state)
-    avals = tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in stored)
+    avals = _avals_of(stored)
     renamed = _structure(updater, own, ranks(named), avals)
     checked = is_positional(updater) or (
         extra_args is None
@@ -99,12 +99,19 @@ def init(optimizer: Any, run: Callable[[dict], Any], tree: dict[Key, Any]) -> An
     """``optimizer``'s state for ``tree`` made by ``run`` (a compiled ``init``) on the keys
     renamed by rank, then given the keys' own structure; ``None`` where it may not be (see
     the module doc: the caller then runs it on the keys' own names)."""
-    avals = tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in tree.values())
     keys = tuple(tree)
-    if not is_positional(optimizer) and not _same_init(optimizer, keys, avals):
+    if not is_positional(optimizer) and not _same_init(optimizer, keys, _avals_of(tree.values())):
         return None
-    made = run(dict(zip(ranks(keys), tree.values())))
-    own: Any = jax.tree_util.tree_structure(jax.eval_shape(optimizer.init, _specs(keys, avals)))
+    return restructured(optimizer, tree, run(dict(zip(ranks(keys), tree.values()))))
+
+
+def restructured(optimizer: Any, tree: dict[Key, Any], made: Any) -> Any | None:
+    """``made`` (``optimizer``'s state made for ``tree``'s keys renamed by rank) in the
+    structure ``optimizer.init(tree)`` has (traced, not compiled); ``None`` where the two do
+    not hold as many leaves."""
+    own: Any = jax.tree_util.tree_structure(
+        jax.eval_shape(optimizer.init, _specs(tuple(tree), _avals_of(tree.values())))
+    )
     leaves = jax.tree_util.tree_leaves(made)
     if own.num_leaves != len(leaves):
         return None
@@ -116,7 +123,7 @@ def _specs(keys: tuple, avals: tuple) -> dict:
     return {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in zip(keys, avals)}
 
 
-def _avals_of(leaves: list[Any]) -> tuple:
+def _avals_of(leaves: Iterable[Any]) -> tuple:
     return tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves)
 
 

@@ -1143,8 +1143,8 @@ class KVStore:
             if value.sharding != stored.sharding:
                 value = jax.device_put(value, stored.sharding)
             new[k] = value
-        # Keys made one at a time stay arrays of their own (each program then is per shape).
-        return summed.replace(values=new, defer=True)
+        # (A state deferring keys made one at a time goes on deferring them: replace's default.)
+        return summed.replace(values=new)
 
     def _push_row_sparse(self, key: Any, value: Any) -> None:
         """A push where some values are row-sparse: each key with one is pushed by rows

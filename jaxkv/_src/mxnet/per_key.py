@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import optax
 
+from jaxkv._src.core import renamed
 from jaxkv._src.core.updater import init_state, is_positional, positional
 from jaxkv._src.state.kvstate import Key, KVState
 
@@ -144,16 +145,12 @@ def _fresh_states(inner: optax.GradientTransformation, values: dict[Key, Any]) -
     ``inner`` is positional (MXNet's optimizers), one for every key of the same shape and
     dtype (each key's state made for a key named 0, then given its own structure)."""
     keys = tuple(values)
-    if not is_positional(inner):
-        return _fresh(inner, keys)(values)
-    made = _fresh_positional(inner)([values[k] for k in keys])
-    out = {}
-    for k, state in zip(keys, made):
-        own = jax.tree_util.tree_structure(
-            jax.eval_shape(lambda v, k=k: inner.init({k: v}), values[k])
-        )
-        out[k] = jax.tree_util.tree_unflatten(own, jax.tree_util.tree_leaves(state))
-    return out
+    if is_positional(inner):
+        made = _fresh_positional(inner)([values[k] for k in keys])
+        out = {k: renamed.restructured(inner, {k: values[k]}, m) for k, m in zip(keys, made)}
+        if all(m is not None for m in out.values()):
+            return out
+    return _fresh(inner, keys)(values)
 
 
 @functools.lru_cache(maxsize=64)
