@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._src.core.verified import check_sum, check_sums, verify_sums
+from jaxkv._src.core.verified import batched, check_sum, check_sums, verify_sums
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import varying_axes
 from jaxkv._src.state.kvstate import AXIS, BIGARRAY_BOUND, KVState
@@ -37,6 +37,7 @@ __all__ = [
     "axis_size",
     "axis_sum",
     "all_gather",
+    "all_gathers",
     "fused_psum",
     "fused_psum_scatter",
     "fusion_groups",
@@ -224,6 +225,47 @@ def _gathered_bwd(
 _gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
+def all_gathers(
+    xs: list[jax.Array],
+    axis: Any,
+    *,
+    tiled: bool = False,
+    whats: tuple[str, ...] = (),
+    owners: tuple[int, ...] | None = None,
+) -> list[jax.Array]:
+    """:func:`all_gather` of each of ``xs`` (``whats`` naming each), whose gradients' sums are
+    checked together (``verified.batched``): one all-gather of their checksums, not one each."""
+    if reduce_scatter_safe() and not verify_sums():
+        return [jax.lax.all_gather(x, axis, tiled=tiled) for x in xs]
+    return list(_gathered_many(tuple(xs), axis, tiled, whats, owners))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _gathered_many(xs: tuple, axis: Any, tiled: bool, whats: tuple, owners: Any) -> tuple:
+    return tuple(jax.lax.all_gather(x, axis, tiled=tiled) for x in xs)
+
+
+def _gathered_many_fwd(
+    xs: tuple, axis: Any, tiled: bool, whats: tuple, owners: Any
+) -> tuple[tuple, None]:
+    return _gathered_many(xs, axis, tiled, whats, owners), None
+
+
+def _gathered_many_bwd(
+    axis: Any, tiled: bool, whats: tuple, owners: Any, _: None, gs: tuple
+) -> tuple[tuple]:
+    with jax.named_scope(SUM), batched(axis, owners):
+        return (
+            tuple(
+                psum_scatter(g, axis, tiled=tiled, what=what, owners=owners)
+                for g, what in zip(gs, whats)
+            ),
+        )
+
+
+_gathered_many.defvjp(_gathered_many_fwd, _gathered_many_bwd)
+
+
 # Values below this many elements are summed together through one flat buffer (one collective
 # for many small arrays); larger ones are reduce-scattered one by one, which XLA's CPU
 # collectives do much faster than an all-reduce.
@@ -339,6 +381,11 @@ def sum_over_devices(
     Only blocks of one :func:`fusion_key` (dtype, and the other mesh axes they vary along)
     share a collective.
     """
+    with batched(axis):  # every sum's check in one all-gather (verified.batched)
+        return _sum_over_devices(blocks, scatter, axis)
+
+
+def _sum_over_devices(blocks: list[jax.Array], scatter: list[bool], axis: str) -> list[jax.Array]:
     n = jax.lax.axis_size(axis)
     out: list[Any] = [None] * len(blocks)
     groups: dict[tuple, list[int]] = {}
@@ -354,7 +401,7 @@ def sum_over_devices(
             alone.append(i)
         else:
             groups.setdefault((s, *fusion_key(b, axis)), []).append(i)
-    if alone and verify_sums():  # their checks in one collective, not one each
+    if alone and verify_sums():
         check_sums(
             [(blocks[i], out[i], f"an all-reduce of {blocks[i].shape}") for i in alone], axis
         )

@@ -28,6 +28,7 @@ varying-axes tracking over other axes than the summed ones is refused (:func:`_c
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import operator
@@ -45,6 +46,7 @@ from jaxkv._src.core.collectives import (
     SCATTER_FUSE_LIMIT,
     SUM,
     all_gather,
+    all_gathers,
     axis_arg,
     axis_names,
     axis_size,
@@ -58,6 +60,7 @@ from jaxkv._src.core.on_blocks import Split, is_blockwise, run_on_blocks
 from jaxkv._src.core.on_buckets import update_bucket
 from jaxkv._src.core.reduce import axis_count, divide, divisors
 from jaxkv._src.core.updater import apply_updater
+from jaxkv._src.core.verified import batched
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import (
     CAN_MARK_VARYING,
@@ -156,16 +159,17 @@ def gather(state: KVState, values: Mapping[Key, Any], axis_name: Any) -> dict[Ke
         widths = [math.prod(given[k].shape) for k in members]
         for k, part in zip(members, jax.lax.split(grid, widths, axis=1)):
             whole[k] = from_blocks(part, math.prod(state.shapes[k]), state.shapes[k])
-    out = {}
-    for key, value in zip(keys, values.values()):
-        if key in whole:
-            value = whole[key]
-        elif key in blocked:
-            value = all_gather(
-                value, axis_arg(names), tiled=True, what=f"key {key!r}", owners=owners
-            )
-        out[key] = value
-    return out
+    alone = [k for k in keys if k in blocked and k not in whole]
+    if alone:  # one by one (no copy into one buffer), their gradients' sums checked together
+        gathered = all_gathers(
+            [given[k] for k in alone],
+            axis_arg(names),
+            tiled=True,
+            whats=tuple(f"key {k!r}" for k in alone),
+            owners=owners,
+        )
+        whole.update(zip(alone, gathered))
+    return {key: whole.get(key, value) for key, value in zip(keys, values.values())}
 
 
 def _sum_blocks(
@@ -486,14 +490,16 @@ def push_in_trace(
                 (to_scatter if b else whole).append((len(owner) - 1, x))
         if b:
             local[i] = parts
-    sums = _sum_whole(whole, names)
-    if to_scatter:
-        assert n is not None  # set above: to_scatter holds only keys whose values are blocks
-        sums.update(_sum_blocks(to_scatter, names, n))
-    if in_chunks:  # one reduce-scatter per dtype: every split bucket's keys side by side
-        assert n is not None
-        for j, x in _sum_blocks(in_chunks, names, n, fuse_all=True).items():
-            sums[j] = x.reshape(block_shape(state.shapes[keys[owner[j]]], n))
+    # The push's sums over the whole of its axes are checked together (verified.batched).
+    with batched(axis_arg(names)) if names else contextlib.nullcontext():
+        sums = _sum_whole(whole, names)
+        if to_scatter:
+            assert n is not None  # set above: to_scatter holds only keys whose values are blocks
+            sums.update(_sum_blocks(to_scatter, names, n))
+        if in_chunks:  # one reduce-scatter per dtype: every split bucket's keys side by side
+            assert n is not None
+            for j, x in _sum_blocks(in_chunks, names, n, fuse_all=True).items():
+                sums[j] = x.reshape(block_shape(state.shapes[keys[owner[j]]], n))
     totals: dict[int, Any] = {}
     for j in sorted(sums):
         i = owner[j]

@@ -3,17 +3,21 @@
 A sum is linear, so the checksum of a sum is the sum of the inputs' checksums. jaxkv checks its
 reduce-scatters and all-reduces across processes this way (docs/distributed.md, "Verified
 sums"): an engine's collective that gives wrong values is then a :class:`SumError`, not a
-silently wrong number. By default across processes each place that sums is checked at every
-:data:`DEFAULT_EVERY`-th run of its computation (the first included), so that the checks cost
-a few percent of a step; ``JAXKV_VERIFY_SUMS=1`` checks every run."""
+silently wrong number. By default across processes every run of a computation that sums checks
+a :data:`DEFAULT_EVERY`-th of each sum, another one at each run, so that in that many runs every
+element has been checked and a check costs a few percent of a step; ``JAXKV_VERIFY_SUMS=1``
+checks the whole of every sum at every run. The sums of one push share one check
+(:func:`batched`): one small all-gather of their checksums."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -28,6 +32,7 @@ __all__ = [
     "DEFAULT_EVERY",
     "ENV_VERIFY_SUMS",
     "SumError",
+    "batched",
     "check_sum",
     "check_sums",
     "verify_every",
@@ -38,22 +43,25 @@ __all__ = [
 # The named scope of the checks' computations (in the HLO's op names and profiler traces).
 CHECK = "jaxkv.check"
 
-# ``JAXKV_VERIFY_SUMS=1`` checks every sum jaxkv makes across devices, ``0`` none, ``N`` every
-# N-th run of each; by default those across processes, every DEFAULT_EVERY-th run.
+# ``JAXKV_VERIFY_SUMS=1`` checks every sum jaxkv makes across devices whole at every run, ``0``
+# none, ``N`` an N-th of each at every run (another N-th each run); by default those across
+# processes, a DEFAULT_EVERY-th.
 ENV_VERIFY_SUMS = "JAXKV_VERIFY_SUMS"
 
-# Across processes, by default, each place that sums is checked at this run of its computation
-# and every this many after: a check costs 15-20 % of the in-jit step of the many-processes
-# benchmark (a 9M-parameter MLP on this 2-core machine), so about 2 % a step this way. A
-# collective that goes wrong at times is caught within this many steps of going wrong
-# (gloo's reduce-scatter did in most runs of 12 steps; checked at every run in the tests).
+# Across processes, by default, every run of a computation that sums checks this fraction of
+# each sum (1/DEFAULT_EVERY of each segment, another slice at each run): in this many runs every
+# element has been checked once, and a sum that is wrong throughout is caught at its first run.
+# The whole of every sum at every run (JAXKV_VERIFY_SUMS=1) costs 15-25 % of the in-jit step of
+# the many-processes benchmark (a 9M-parameter MLP on this 2-core machine): mostly the dots,
+# which read every gradient once more.
 DEFAULT_EVERY = 10
 
 
 def verify_every() -> int:
     """How often jaxkv checks its reduce-scatters and all-reduces with a checksum
-    (:func:`check_sum`): 0 never, 1 at every run of the computation that sums, N at every
-    N-th run (the first, the (N+1)-th, ...). ``JAXKV_VERIFY_SUMS`` if set, else
+    (:func:`check_sum`): 0 never, 1 the whole of each sum at every run of the computation that
+    sums, N an N-th of each segment of each sum at every run (another N-th each run, so that in
+    N runs every element has been checked). ``JAXKV_VERIFY_SUMS`` if set, else
     :data:`DEFAULT_EVERY` across processes, where the sums are an engine's network
     collectives (gloo's, NCCL's), and 0 in one process. Read when a computation is traced: set
     it before the first step, alike in every process."""
@@ -65,8 +73,8 @@ def verify_every() -> int:
             every = -1
         if every < 0:
             raise KVStoreError(
-                f"{ENV_VERIFY_SUMS}={setting!r}: expected 0 (no checks), 1 (every sum checked) "
-                "or N > 1 (every N-th run of each sum checked)"
+                f"{ENV_VERIFY_SUMS}={setting!r}: expected 0 (no checks), 1 (every sum checked "
+                "whole) or N > 1 (an N-th of each sum checked at each run, another each run)"
             )
         return every
     return DEFAULT_EVERY if jax.process_count() > 1 else 0
@@ -84,26 +92,27 @@ _runs_lock = threading.Lock()
 
 
 def _count_run(site: int, every: int, *coords: Any) -> np.ndarray:
-    """On the host, for one device (``coords``: its place on the mesh): whether this run of
-    check ``site`` is one to check."""
+    """On the host, for one device (``coords``: its place on the mesh): which slice of its
+    sums this run of check ``site`` checks (the run's number modulo ``every``)."""
     key = (site, tuple(int(c) for c in coords))
     with _runs_lock:
         k = _runs.get(key, 0)
         _runs[key] = k + 1
-    return np.asarray(k % every == 0)
+    return np.asarray(k % every, np.int32)
 
 
-def _due(every: int, axis: Any) -> jax.Array:
-    """Inside ``shard_map``: whether this run of the computation checks this place's sums,
-    the same on every device and in every process (each device counts its own runs of the
-    place, and every device runs every computation, in the same order)."""
+def _turn(every: int, axis: Any) -> jax.Array:
+    """Inside ``shard_map``: which of ``every`` slices of each sum this run of the computation
+    checks, the same on every device and in every process (each device counts its own runs of
+    the place, and every device runs every computation, in the same order). A host callback
+    with no array operands: it costs no copy of the values summed."""
     site = next(_sites)
     names = sorted(manual_axes() or (), key=str)
     if not names:  # pmap, or a JAX without the abstract mesh: the sum's own axes
         names = list(axis) if isinstance(axis, tuple | list) else [axis]
     coords = [jax.lax.axis_index(name) for name in names]
     counted = functools.partial(_count_run, site, every)
-    return io_callback(counted, jax.ShapeDtypeStruct((), jnp.bool_), *coords)
+    return io_callback(counted, jax.ShapeDtypeStruct((), jnp.int32), *coords)
 
 
 def _weights(size: int) -> jax.Array:
@@ -164,41 +173,84 @@ def check_sums(
 ) -> None:
     """:func:`check_sum` of several sums ``(x, out, what)`` over one ``axis`` at once: one
     all-gather carries every sum's dots (a small collective costs about 3 ms on gloo, so one
-    per sum would cost more than the dots of a push of many keys). At every
-    :func:`verify_every`-th run only, where that is above 1: otherwise nothing is computed."""
-    every = verify_every()
-    if every > 1:
-        jax.lax.cond(_due(every, axis), lambda: _check(sums, axis, owners), lambda: None)
-    else:
-        _check(sums, axis, owners)
+    per sum would cost more than the dots of a push of many keys). Inside :func:`batched` over
+    the same ``axis`` and ``owners``, the sums join the batch's one check instead. Where
+    :func:`verify_every` is N above 1, each run checks an N-th of each segment of each sum,
+    another N-th at each run."""
+    open_ = getattr(_batches, "open", None)
+    if open_ and open_[-1][0] == (axis, owners):
+        open_[-1][1].extend(sums)
+        return
+    if sums:
+        _check(sums, axis, owners, verify_every())
+
+
+_batches = threading.local()  # .open: the batches being traced, innermost last
+
+
+@contextlib.contextmanager
+def batched(axis: Any, owners: tuple[int, ...] | None = None) -> Iterator[None]:
+    """Inside ``shard_map``: the sums checked within (:func:`check_sum`, :func:`check_sums`)
+    over ``axis`` (and ``owners``) are checked together when it closes, with one all-gather
+    and one count of the runs: a push's sums, however many keys and collectives it takes."""
+    if not hasattr(_batches, "open"):
+        _batches.open = []
+    pending: list[tuple[jax.Array, jax.Array, str]] = []
+    _batches.open.append(((axis, owners), pending))
+    try:
+        yield
+    finally:
+        _batches.open.pop()
+    if pending:
+        _check(pending, axis, owners, verify_every())
+
+
+def _slice(rows: jax.Array, turn: jax.Array | None, every: int) -> jax.Array:
+    """Run ``turn``'s slice of each row of ``rows`` (along its last axis): the ``turn``-th of
+    ``every`` contiguous slices, rounded up to a multiple of the row's power-of-two factor (up
+    to 256, the period of the checksum's vector) and moved back inside the row at its end. In
+    ``every`` runs, every element has been in a slice."""
+    size = rows.shape[-1]
+    if turn is None or every <= 1 or size <= 1:
+        return rows
+    q = math.gcd(size, 256)
+    per = -(-size // every)  # ceil(size / every)
+    chunk = min(size, -(-per // q) * q)
+    if chunk == size:
+        return rows
+    start = jnp.minimum(turn * chunk, size - chunk)
+    return jax.lax.dynamic_slice_in_dim(rows, start, chunk, axis=rows.ndim - 1)
 
 
 def _check(
     sums: list[tuple[jax.Array, jax.Array, str]],
     axis: Any,
     owners: tuple[int, ...] | None,
+    every: int,
 ) -> None:
     names = tuple(axis) if isinstance(axis, tuple | list) else (axis,)
     n = math.prod(jax.lax.axis_size(name) for name in names)
+    turn = _turn(every, axis) if every > 1 else None
     pieces, shapes, wholes = [], [], []
     for x, out, _ in sums:
         whole = tuple(out.shape) == tuple(x.shape)
         segments = next(s for s in (SEGMENTS, 32, 16, 8, 4, 2, 1) if out.size % s == 0)
-        expected, scale = _dots(x.reshape(1 if whole else n, segments, -1))  # (parts, segments)
-        got = _dots(out.reshape(segments, -1))[0]
+        mine = _slice(x.reshape(1 if whole else n, segments, -1), turn, every)
+        expected, scale = _dots(mine)  # (parts, segments)
+        got = _dots(_slice(out.reshape(segments, -1), turn, every))[0]
         pieces += [expected.ravel(), scale.ravel(), got]
         shapes.append(expected.shape)
         wholes.append(whole)
     # One all-gather of every device's dots: the inputs' are summed here.
     with jax.named_scope(CHECK):
-        every = jax.lax.all_gather(jnp.concatenate(pieces), axis)
+        every_dot = jax.lax.all_gather(jnp.concatenate(pieces), axis)
     f32 = float(jnp.finfo(jnp.float32).eps)
     offs, reports, at = [], [], 0
     for (x, _, what), shape, whole in zip(sums, shapes, wholes):
         k = math.prod(shape)
-        expected = every[:, at : at + k].sum(0).reshape(shape)
-        scale = every[:, at + k : at + 2 * k].sum(0).reshape(shape)
-        got = every[:, at + 2 * k : at + 2 * k + shape[-1]]  # (devices, segments)
+        expected = every_dot[:, at : at + k].sum(0).reshape(shape)
+        scale = every_dot[:, at + k : at + 2 * k].sum(0).reshape(shape)
+        got = every_dot[:, at + 2 * k : at + 2 * k + shape[-1]]  # (devices, segments)
         at += 2 * k + shape[-1]
         eps = float(jnp.finfo(x.dtype).eps) if jnp.issubdtype(x.dtype, jnp.floating) else 0.0
         tolerance = (2 * n * eps + 64 * f32) * scale + 1e-30
@@ -213,7 +265,8 @@ def _check(
             compare(arrays[2 * j], arrays[2 * j + 1])
 
     args = [a for _, totals, got in reports for a in (totals, got)]
-    # The host is called only when a part is off: a right sum costs no host round trip.
+    # The host is called only when a part is off: a right sum costs no host round trip (and
+    # the conditional's operands are the small checksums, never the values summed).
     jax.lax.cond(
         functools.reduce(jnp.logical_or, offs),
         lambda: jax.debug.callback(report, *args),

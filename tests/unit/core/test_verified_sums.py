@@ -2,12 +2,13 @@
 reduce-scatter that replaces gloo's (an all-to-all and a sum; over several axes an all-reduce and
 a slice) gives lax.psum_scatter's values, all_gather's gradient is that sum, and verified sums
 pass right sums and refuse wrong ones, naming the values and the device whose part was wrong, at
-every run or every N-th.
+whole at every run or an N-th of each at every run.
 
 One process stands in for a job: ``reduce_scatter_safe`` and ``JAXKV_VERIFY_SUMS`` are set as
 across processes on CPU devices."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -193,19 +194,33 @@ def test_the_checksums_compare_on_the_host():
         )
 
 
-def test_every_nth_run_of_a_sum_is_checked(as_across_processes, monkeypatch):
-    """``JAXKV_VERIFY_SUMS=3``: a sum that is always wrong raises at the first run of its
-    computation and every third after, and the runs between pass unchecked."""
+@pytest.mark.parametrize(
+    ("where", "caught"),
+    [
+        ((0, 0), [True, False, False, True, False, False, True]),  # the first slice of a segment
+        ((-1, -1), [False, False, True, False, False, True, False]),  # the last
+        (None, [True] * 7),  # the whole part wrong
+    ],
+)
+def test_each_run_checks_another_nth_of_every_segment(
+    as_across_processes, monkeypatch, where, caught
+):
+    """``JAXKV_VERIFY_SUMS=3``: each run checks a third of each segment of each sum, the next
+    third at the next run, so that in 3 runs every element has been checked; a part that is
+    wrong throughout is caught at every run."""
     monkeypatch.setenv(verified.ENV_VERIFY_SUMS, "3")
-    x = _blocks((N * 64, 8))
+    x = _blocks((N * 6144, 8))  # each device's part: 64 segments of 768 elements, in 3 slices
 
     def fn(b):
         out = jax.lax.psum_scatter(b, "kv", scatter_dimension=0, tiled=True)
-        out = out.at[-1, -1].add(jnp.where(jax.lax.axis_index("kv") == 1, 5.0, 0.0))
+        off = jnp.where(jax.lax.axis_index("kv") == 1, 5.0, 0.0)
+        out = out + off if where is None else out.at[where].add(off)
         verified.check_sum(b, out, "kv", "key 'w'")
         return out
 
     step = jax.jit(jax.shard_map(fn, mesh=_mesh(), in_specs=P("kv"), out_specs=P("kv")))
+    # No conditional takes the values summed: the only one calls the host with the checksums.
+    assert step.lower(x).as_text().count("stablehlo.case") == 1
     raised = []
     for _ in range(7):
         try:
@@ -215,11 +230,39 @@ def test_every_nth_run_of_a_sum_is_checked(as_across_processes, monkeypatch):
             raised.append(True)
         else:
             raised.append(False)
-    assert raised == [True, False, False, True, False, False, True]
-    # The next run (unchecked) passes, and with it the effects the failed run left behind: a
-    # later barrier, and the process's exit, no longer raise the old SumError.
-    jax.block_until_ready(step(x))
-    jax.effects_barrier()
+    assert raised == caught
+    # After a failed run, a run that passes leaves no error behind: a later barrier, and the
+    # process's exit, no longer raise the old SumError.
+    if not all(caught):
+        while True:
+            try:
+                jax.block_until_ready(step(x))
+                break
+            except Exception:  # noqa: BLE001, S112 (a run whose slice holds the wrong element)
+                continue
+        jax.effects_barrier()
+
+
+def test_a_pushs_sums_share_one_check(as_across_processes, monkeypatch):
+    """``sum_over_devices`` of big blocks reduce-scattered one by one, big ones all-reduced and
+    small ones fused: one all-gather of the checksums for them all, and one count of the runs,
+    whether every sum is checked whole or a slice of each."""
+    big = collectives.SCATTER_FUSE_LIMIT
+    xs = [_blocks((big // 8, 8)), _blocks((N, 8), seed=1), _blocks((N * 4, 3), seed=2)]
+
+    for setting, callbacks in (("1", 1), ("10", 2)):  # the report; and the count of runs
+        monkeypatch.setenv(verified.ENV_VERIFY_SUMS, setting)
+
+        def fn(a, b, c):
+            return tuple(collectives.sum_over_devices([a, b, c], [True, False, True], "kv"))
+
+        body = jax.jit(jax.shard_map(fn, mesh=_mesh(), in_specs=P("kv"), out_specs=P("kv")))
+        text = body.lower(*xs).as_text()
+        assert text.count("stablehlo.all_gather") == 1, setting
+        assert len(re.findall(r"custom_call @\w*python_cpu_callback", text)) == callbacks
+        got = body(*xs)
+        want = xs[0].reshape(N, -1, 8).sum(0)
+        np.testing.assert_allclose(np.asarray(got[0]).reshape(N, -1, 8)[0], want[: big // 8 // N])
 
 
 @pytest.mark.parametrize(
