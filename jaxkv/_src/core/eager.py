@@ -24,8 +24,10 @@ from jaxkv._src.core.compression import compress, exchange, layout_compressed, o
 from jaxkv._src.core.on_blocks import UPDATER
 from jaxkv._src.core.on_buckets import update_bucket
 from jaxkv._src.core.reduce import divide
+from jaxkv._src.core.signature import KEEP_VALUES, Donate, Kind, PushKey
 from jaxkv._src.core.tree_view import viewed
 from jaxkv._src.core.updater import apply_updater, init_state
+from jaxkv._src.core.verified import batched
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import single_device
 from jaxkv._src.processes import order
@@ -45,19 +47,6 @@ from jaxkv._src.state.placement import (
 __all__ = ["KEEP_VALUES", "check_laid_out", "init_opt_states", "push_eager", "push_eager_flat"]
 
 logger = logging.getLogger("jaxkv")
-
-# How a key's contributions reach the push computation: ``'one'`` (one value, on the store's
-# devices), ``'stacked'`` (one block per device, to be summed), ``('compressed', mask)``
-# (one block per device, compressed first; ``mask`` says which devices pushed), or
-# ``'exchanged'`` (one block per process, its devices' sum, compressed and exchanged across
-# the processes: a compressed store with one device per process).
-Kind = str | tuple[str, tuple[bool, ...]]
-
-# What a push may reuse the buffers of: ``True`` (the stored values, optimizer state and
-# residuals), ``False`` (nothing), or ``KEEP_VALUES`` (all but the stored values: a ``KVStore``
-# that keeps its values to lend them to the outs of its pulls).
-KEEP_VALUES = "all but the values"
-Donate = bool | str
 
 
 def _donated(donate: Donate) -> tuple[int, ...]:
@@ -262,21 +251,24 @@ def _add_up(xss: list[list[jax.Array]], dtypes: tuple) -> list[jax.Array]:
 
 
 class _Computations:
-    """Jitted push computations, one per static signature and updater, least recently used
-    dropped first. An entry holds its updater, so that the updater's id (part of the key)
-    is not reused while the entry lives."""
+    """Jitted push computations, one per :class:`~jaxkv._src.core.signature.PushKey` and
+    updater, least recently used dropped first; each built from its key and updater alone. An
+    entry holds its updater, so that the updater's id (part of the key) is not reused while
+    the entry lives."""
 
     def __init__(self, size: int = 256):
         self._size = size
         self._fns: collections.OrderedDict = collections.OrderedDict()
 
-    def get(self, sig: tuple, updater: Any, build: Callable[[], Callable]) -> Callable:
+    def get(
+        self, sig: PushKey, updater: Any, build: Callable[[PushKey, Any], Callable]
+    ) -> Callable:
         key = (sig, id(updater))
         entry = self._fns.get(key)
         if entry is not None and entry[0] is updater:
             self._fns.move_to_end(key)
             return entry[1]
-        fn = build()
+        fn = build(sig, updater)
         self._fns[key] = (updater, fn)
         if len(self._fns) > self._size:
             self._fns.popitem(last=False)
@@ -306,28 +298,18 @@ def push_fn(
     by_rank = rename and renamed.renamable(state, updater, keys)
     if by_rank:
         keys = renamed.ranks(keys)
-    sig = (
-        divisors,
-        "keys",
-        state.devices,
-        state.user_mesh,
-        state.mesh_axes,
-        state.bigarray_bound,
-        state.compression,
-        keys,
-        kinds,
-        donate,
-        keyed_shardings(state, keys) if state.tp_specs else (),
-        by_rank,
+    sig = PushKey(
+        facts=state.facts(),
+        layout="keys",
+        keys=keys,
+        kinds=kinds,
+        donate=donate,
+        divisors=divisors,
+        by_rank=by_rank,
+        keyed=keyed_shardings(state, keys) if state.tp_specs else (),
     )
-    optax_push = isinstance(updater, optax.GradientTransformation)
-
-    def build() -> Callable:
-        logger.debug("jaxkv: new push signature (%d keys, donate=%s)", len(keys), donate)
-        return _build_push(state, keys, kinds, updater, donate, divisors, by_rank and optax_push)
-
-    fn = _COMPUTATIONS.get(sig, updater, build)
-    if not (by_rank and optax_push):
+    fn = _COMPUTATIONS.get(sig, updater, _build_push)
+    if not (by_rank and isinstance(updater, optax.GradientTransformation)):
         return fn
 
     def named_fn() -> Callable:
@@ -369,6 +351,7 @@ def _sum_split(
         by_bucket.setdefault(flat.where[state.index(keys[i])][0], []).append(i)
     bucket_ids = list(by_bucket)
 
+    @batched(axis)  # the buckets' sums checked together
     def body(blocks: list[Any]) -> list[Any]:
         out, j = [], 0
         for b in bucket_ids:
@@ -403,21 +386,15 @@ def _sum_split(
     return grids
 
 
-def _build_push(
-    state: KVState,
-    keys: tuple[Key, ...],
-    kinds: tuple[Kind, ...],
-    updater: Any,
-    donate: Donate,
-    divisors: tuple[int, ...] | None,
-    leaves: bool = False,
-) -> Callable:
-    """The jitted push for one signature. ``state`` supplies only static facts (mesh, bound,
-    compression); the cached computation keeps none of its arrays. ``leaves``: the optimizer
-    state goes in and out as its leaves, its structure a static last argument."""
-    keyed = keyed_shardings(state, keys) if state.tp_specs else ()
-    targets = [state.sharding_of(k) for k in keys] if keyed else None
-    state = state.emptied()
+def _build_push(sig: PushKey, updater: Any) -> Callable:
+    """The jitted push of ``sig`` (built from it and ``updater`` alone: the cached computation
+    keeps none of a state's arrays). Keys renamed by rank under an optax updater take the
+    optimizer state as its leaves, its structure a static last argument."""
+    logger.debug("jaxkv: new push signature (%d keys, donate=%s)", len(sig.keys), sig.donate)
+    state = sig.placement()
+    keys, kinds, donate, divisors, keyed = sig.keys, sig.kinds, sig.donate, sig.divisors, sig.keyed
+    leaves = sig.by_rank and isinstance(updater, optax.GradientTransformation)
+    own = {k: sharding for k, _, sharding in keyed}  # keys with their own sharding
     axis = state.axis
     masks = {
         i: kind[1]
@@ -476,7 +453,8 @@ def _build_push(
         # A pushed array returned as is (assign) would be forwarded by jit, and the store would
         # share the caller's buffer; a later donating push would then delete the caller's array.
         values = [jnp.copy(v) if id(v) in inputs else v for v in values]
-        if targets is not None:  # keys with their own sharding: each placed as its key
+        if keyed:  # keys with their own sharding: each placed as its key
+            targets = [own.get(k) or state.sharding_for(s.shape) for k, s in zip(keys, stored)]
             placed = [jax.lax.with_sharding_constraint(v, t) for v, t in zip(values, targets)]
             return placed, place_keyed(state, opt_state, keyed), residuals
         return place(state, values), place(state, opt_state), residuals
@@ -578,36 +556,24 @@ def flat_push_fn(
 ) -> Callable:
     """The cached flat push computation ``fn(state, pushed) -> new state`` of this signature
     (the state's layout is part of the computation's own cache key: its tree structure)."""
-    sig = (
-        "flat",
-        state.devices,
-        state.user_mesh,
-        state.bigarray_bound,
-        keys,
-        kinds,
-        donate,
-        divisors,
+    sig = PushKey(
+        facts=state.facts(),
+        layout="flat",
+        keys=keys,
+        kinds=kinds,
+        donate=donate,
+        divisors=divisors,
     )
-
-    def build() -> Callable:
-        logger.debug("jaxkv: new flat push signature (%d keys, donate=%s)", len(keys), donate)
-        return _build_push_flat(state, keys, kinds, updater, donate, divisors)
-
-    return _COMPUTATIONS.get(sig, updater, build)
+    return _COMPUTATIONS.get(sig, updater, _build_push_flat)
 
 
-def _build_push_flat(
-    state: KVState,
-    keys: tuple[Key, ...],
-    kinds: tuple[Kind, ...],
-    updater: Any,
-    donate: Donate,
-    divisors: tuple[int, ...] | None,
-) -> Callable:
-    """The jitted push of ``keys`` into a flat state: sums as :func:`_build_push`'s, the
+def _build_push_flat(sig: PushKey, updater: Any) -> Callable:
+    """The jitted push of ``sig.keys`` into a flat state: sums as :func:`_build_push`'s, the
     updater on each key's view (the same numbers as one array per key), the new values
     written into the buckets, every leaf placed where the store keeps it."""
-    placement = state.emptied()
+    logger.debug("jaxkv: new flat push signature (%d keys, donate=%s)", len(sig.keys), sig.donate)
+    placement = sig.placement()
+    keys, kinds, donate, divisors = sig.keys, sig.kinds, sig.donate, sig.divisors
     stacked = [i for i, kind in enumerate(kinds) if kind != "one"]
     optax_push = isinstance(updater, optax.GradientTransformation)
 

@@ -25,8 +25,9 @@ from typing import Any, cast
 import jax
 import optax
 
-from jaxkv._src.core.eager import Donate, Kind, flat_push_fn, push_fn
+from jaxkv._src.core.eager import flat_push_fn, push_fn
 from jaxkv._src.core.reduce import divisors
+from jaxkv._src.core.signature import Donate, Kind
 from jaxkv._src.core.updater import optimizer_group
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import all_eager, assemble, per_device, single_device
@@ -156,19 +157,18 @@ def push(
     ckeys, values, per, flat = call
     if not all_eager(flat) or (per > 1 and state.multi_axis):
         return None
+    # The plan's key: the state it was made for (anchored by the very objects, which the plan
+    # keeps alive) and its facts, the call's keys and values per key, and the push's options.
     sig = (
         id(state.keys()),
         id(state.key_shapes),
         id(state.groups),
-        state.devices,
-        state.user_mesh,
-        state.bigarray_bound,
+        state.facts(),
         ckeys,
         per,
         id(updater),
         donate,
         reduce,
-        state.mesh_axes,
     )
     plan = _PUSHES.get(sig)
     if plan is None or (
@@ -328,16 +328,7 @@ def _planned(plans: _Plans, state: KVState, ckeys: tuple, how: Any, make: Callab
     """The plan of a read of ``ckeys`` (``how``: where to, or how many outs per key) from
     states of ``state``'s key set, shapes and placement: cached in ``plans``, made by
     ``make()`` where none is cached or the cached one was made for another key set."""
-    sig = (
-        id(state.keys()),
-        id(state.key_shapes),
-        state.devices,
-        state.user_mesh,
-        state.bigarray_bound,
-        ckeys,
-        how,
-        state.mesh_axes,
-    )
+    sig = (id(state.keys()), id(state.key_shapes), state.facts(), ckeys, how)
     plan = plans.get(sig)
     if plan is None or (plan is not _NO_PLAN and not _anchored(plan, state)):
         plan = make()

@@ -26,7 +26,8 @@ import jaxkv._src.rows.ops  # noqa: F401 - rows.ops below
 from jaxkv._src import jax_internals, rows
 from jaxkv._src.checkpoint import npz
 from jaxkv._src.core import compression, ops, plans, trees
-from jaxkv._src.core.eager import KEEP_VALUES, check_laid_out
+from jaxkv._src.core.eager import check_laid_out
+from jaxkv._src.core.signature import KEEP_VALUES
 from jaxkv._src.core.updater import (
     as_transformation,
     as_updater,

@@ -6,6 +6,7 @@ on them; stored values and optimizer states are the leaves, so ``tree_map`` only
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -25,7 +26,7 @@ from jaxkv._src.state import buckets
 from jaxkv._src.state.buckets import FlatLayout, Packing
 from jaxkv._src.state.tree_shapes import TreeShape
 
-__all__ = ["AXIS", "LAYOUTS", "LAYOUT_ENV", "KVState", "empty"]
+__all__ = ["AXIS", "LAYOUTS", "LAYOUT_ENV", "Facts", "KVState", "empty"]
 
 logger = logging.getLogger("jaxkv")
 
@@ -255,6 +256,40 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """A store's static facts, compared and hashed by value (:meth:`KVState.facts`)."""
+
+    devices: tuple[jax.Device, ...]
+    bound: int | None
+    compression: tuple | None
+    mesh: Mesh | None
+    policy: Policy
+    reduce: str
+    mesh_axes: tuple[str, ...]
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Hashed once: a fact of every push's cache keys (core/plans.py, core/signature.py).
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in _FACTS)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def emptied(self) -> KVState:
+        """A state with no keys and these facts."""
+        return KVState(keys=(), values=(), opt_states=(), **{f: getattr(self, f) for f in _FACTS})
+
+
+_FACTS = ("devices", "bound", "compression", "mesh", "policy", "reduce", "mesh_axes")
+
+
+@functools.lru_cache(maxsize=256)
+def _facts(*fields: Any) -> Facts:
+    """The :class:`Facts` of these field values, made once (states share it)."""
+    return Facts(*fields)
+
+
 @jax.tree_util.register_pytree_with_keys_class
 class KVState:
     """An immutable key-value store of arrays over a set of devices.
@@ -308,6 +343,7 @@ class KVState:
         "mesh_axes",
         "tp_specs",
         "_tp",
+        "_facts",
     )
     # The slots' types (annotations only: a class-level value would clash with the slot).
     _keys: tuple[Key, ...]
@@ -332,6 +368,7 @@ class KVState:
     mesh_axes: tuple[str, ...]
     tp_specs: tuple[tuple[Key, PartitionSpec], ...]
     _tp: dict[Key, PartitionSpec] | None
+    _facts: Facts | None
 
     def __init__(
         self,
@@ -387,25 +424,33 @@ class KVState:
         object.__setattr__(self, "mesh_axes", tuple(mesh_axes))
         object.__setattr__(self, "tp_specs", tuple(tp_specs))
         object.__setattr__(self, "_tp", None)  # tp_specs as a dict, on first use
+        object.__setattr__(self, "_facts", None)  # facts(), on first use
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("KVState is immutable: operations return a new state")
 
+    def facts(self) -> Facts:
+        """The store's static facts (devices, mesh, big-array bound, compression, layout
+        policy, reduce): hashable, the part of a cached computation's key that comes from the
+        store, and all a computation built from it may read (:meth:`Facts.emptied`)."""
+        facts = self._facts
+        if facts is None:
+            facts = _facts(
+                self._devices,
+                self._bound,
+                self._compression,
+                self.user_mesh,
+                self.policy,
+                self.reduce,
+                self.mesh_axes,
+            )
+            object.__setattr__(self, "_facts", facts)
+        return facts
+
     def emptied(self) -> KVState:
-        """A state with no keys and this one's devices, big-array bound and compression: the
-        static facts a cached computation may keep without keeping any of the arrays alive."""
-        return KVState(
-            keys=(),
-            devices=self._devices,
-            values=(),
-            opt_states=(),
-            bound=self._bound,
-            compression=self._compression,
-            mesh=self.user_mesh,
-            policy=self.policy,
-            reduce=self.reduce,
-            mesh_axes=self.mesh_axes,
-        )
+        """A state with no keys and this one's static facts (:meth:`facts`): what a cached
+        computation may keep without keeping any of the arrays alive."""
+        return self.facts().emptied()
 
     # -- pytree protocol -------------------------------------------------------------------
     def tree_flatten_with_keys(
