@@ -106,7 +106,9 @@ def test_saved_by_2x2_loads_on_1x4_4x1_and_3x1_and_training_continues_exactly(tm
 def test_a_save_killed_part_way_leaves_the_previous_checkpoint(tmp_path, devices):
     # The job fails: process 1's exit, or process 0's as its collective loses process 1.
     launch(2, 2, "killed", str(tmp_path), ok=False)
-    assert len([n for n in os.listdir(tmp_path / "killed") if n.startswith("data-")]) == 2
+    # The killed save's data directory, never committed: removed by process 0 as its
+    # collective fails, or left where the launcher stopped it first (the next save removes it).
+    assert len([n for n in os.listdir(tmp_path / "killed") if n.startswith("data-")]) in (1, 2)
     kv = jaxkv.KVStore("device", devices=devices[:4])
     kv.set_optimizer(job.OPT)
     kv.load(tmp_path / "killed")

@@ -135,8 +135,9 @@ def test_a_failed_save_leaves_no_temporary_file_and_changes_nothing(tmp_path):
     kv.init("w", nd.ones(2))
     target = tmp_path / "taken"
     target.mkdir()  # the file cannot replace a directory
-    with pytest.raises(OSError):
+    with pytest.raises(jaxkv.KVStoreError, match="is a directory") as error:
         kv.save(target)
+    assert isinstance(error.value.__cause__, IsADirectoryError)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
     assert list(target.iterdir()) == []
     kv.save(tmp_path / "s.npz")  # the store is fine

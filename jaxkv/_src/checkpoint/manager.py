@@ -7,16 +7,16 @@ import dataclasses
 import functools
 import json
 import os
-import shutil
+import re
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, overload
 
 import jax
 import numpy as np
 
-from jaxkv._src.checkpoint import npz, orbax_dirs
+from jaxkv._src.checkpoint import disk, npz, orbax_dirs
 from jaxkv._src.errors import KVStoreError
-from jaxkv._src.processes import order
+from jaxkv._src.processes import host, order
 from jaxkv._src.state.kvstate import KVState, empty
 
 if TYPE_CHECKING:
@@ -31,6 +31,10 @@ ITEM = "kv"
 #: put in the manifest (removed before the step is committed).
 DIGESTS = ".jaxkv-digests"
 _MAX_STEP = 16**16 - 1  # a step names its data directory in 16 hex digits
+#: What saves cut short leave in the directory: orbax's temporary directory of a step
+#: (``<step>.orbax-checkpoint-tmp``, with a suffix of its own in some orbax versions) and
+#: jaxkv's temporary files.
+_INTERRUPTED = re.compile(r"(\d+)\.orbax-checkpoint-tmp.*|\.jaxkv-.*\.tmp")
 
 
 def _is_store(target: Any) -> bool:
@@ -103,7 +107,7 @@ def _orbax_types() -> tuple[type, type]:
                 [orbax_dirs.digests(root), *_digests_left(os.fspath(directory))]
             )
             orbax_dirs.commit(os.fspath(directory), manifest)
-            shutil.rmtree(os.path.join(os.fspath(directory), DIGESTS), ignore_errors=True)
+            disk.remove(os.path.join(os.fspath(directory), DIGESTS))
 
         def close(self) -> None:
             self._arrays.close()
@@ -119,14 +123,21 @@ def _leave_digests(directory: str, root: str) -> None:
     me = jax.process_index()
     if me == 0:
         return
-    folder = os.path.join(directory, DIGESTS)
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"process_{me}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(orbax_dirs.digests(root), f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    with disk.replacing(os.path.join(directory, DIGESTS, f"process_{me}.json")) as f:
+        f.write(json.dumps(orbax_dirs.digests(root)).encode())
+
+
+def _remove_interrupted(directory: str, step: int | None = None) -> None:
+    """On process 0, remove what saves cut short left in ``directory`` (of ``step`` alone,
+    where given): orbax's temporary step directories and jaxkv's temporary files."""
+    if jax.process_index() != 0:
+        return
+
+    def left(name: str) -> bool:
+        match = _INTERRUPTED.fullmatch(name)
+        return match is not None and (step is None or match.group(1) == str(step))
+
+    disk.remove_in(directory, left)
 
 
 def _digests_left(directory: str) -> list[dict]:
@@ -156,8 +167,13 @@ class CheckpointManager:
     save returns once the arrays are copied to the host and writes them in a background
     thread; the step's directory is renamed into place once every process has written, so a
     save cut short (a process killed) leaves the steps before it as they were and is never
-    listed. In a multi-process job every process makes the manager and calls each method, in
-    the same order, with a store over every process's devices.
+    listed. Opening the directory removes what saves cut short left there (orbax's
+    ``<step>.orbax-checkpoint-tmp*`` directories, jaxkv's ``.jaxkv-*.tmp`` files), and a save
+    that fails removes its own: a disk fault (a read-only directory, a full disk) is a
+    :class:`KVStoreError` naming the step's directory and the OS's reason, and the steps before
+    it are kept. In a multi-process job every process makes the manager and calls each method,
+    in the same order, with a store over every process's devices; process 0 removes the
+    leftovers while the others wait.
 
     Args:
       directory: where the steps are (made if missing).
@@ -202,13 +218,16 @@ class CheckpointManager:
             preservation_policy=(
                 None if max_to_keep is None else ocp.checkpoint_managers.LatestN(n=max_to_keep)
             ),
-            cleanup_tmp_directories=True,  # saves that a kill cut short
+            # Saves that a kill cut short: removed below, before orbax lists the steps.
+            cleanup_tmp_directories=False,
             enable_async_checkpointing=True,
             # The item's directory exists when the handler starts writing into it.
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
         # orbax's barriers between processes here are collectives: one turn for them all.
-        with order.collective("checkpoint manager", watch=False):
+        with order.collective("checkpoint manager", watch=False), disk.faults(self._directory):
+            _remove_interrupted(self._directory)  # process 0, while the others wait here:
+            host.barrier("jaxkv.CheckpointManager: interrupted saves removed")
             self._manager = ocp.CheckpointManager(
                 self._directory, options=options, handler_registry=registry
             )
@@ -241,8 +260,9 @@ class CheckpointManager:
 
         Raises:
           KVStoreError: ``step`` is not after the latest step, ``target`` is neither a state
-            nor a store, the state is not on one process's devices or every process's, or the
-            previous save failed.
+            nor a store, the state is not on one process's devices or every process's, the
+            previous save failed, or a disk fault (naming the step's directory and the OS's
+            reason; the step's temporary directory is removed).
         """
         self._open("save")
         step = self._step(step)
@@ -264,7 +284,10 @@ class CheckpointManager:
         path = os.path.join(self._directory, str(step), ITEM)
         manifest, entries = npz.directory_contents(path, state)
         tree = orbax_dirs.describe(manifest, entries, orbax_dirs.data_name(step))
-        with order.collective("checkpoint manager save", watch=False):
+        with (
+            order.collective("checkpoint manager save", watch=False),
+            disk.faults(os.path.dirname(path), undo=self._removing(step)),
+        ):
             try:
                 item = self._composite(**{ITEM: self._save_args(manifest, tree)})
                 self._manager.save(step, args=item, force=True)
@@ -278,15 +301,21 @@ class CheckpointManager:
         """Wait until the save in progress, if any, is complete on every process.
 
         Raises:
-          KVStoreError: that save failed; its step is then not listed.
+          KVStoreError: that save failed (a disk fault names the step's directory and the OS's
+            reason); its step is then not listed, and its temporary directory is removed.
         """
         step, self._saving = self._saving, None
-        try:
-            self._manager.wait_until_finished()
-        except Exception as e:
-            raise KVStoreError(
-                f"{self._directory}: the save of step {step} failed ({type(e).__name__}: {e})"
-            ) from e
+        if step is None:
+            target, undo = self._directory, None
+        else:
+            target, undo = os.path.join(self._directory, str(step)), self._removing(step)
+        with disk.faults(target, undo=undo):
+            try:
+                self._manager.wait_until_finished()
+            except Exception as e:
+                raise KVStoreError(
+                    f"{self._directory}: the save of step {step} failed ({type(e).__name__}: {e})"
+                ) from e
 
     @overload
     def restore(
@@ -367,6 +396,10 @@ class CheckpointManager:
         traceback: TracebackType | None,
     ) -> None:
         self.close()
+
+    def _removing(self, step: int) -> functools.partial[None]:
+        """What removes the temporary directory of a failed save of ``step``."""
+        return functools.partial(_remove_interrupted, self._directory, step)
 
     def _open(self, what: str) -> None:
         if self._closed:

@@ -14,7 +14,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import zipfile
 from collections.abc import Iterator
 from typing import Any
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv._src.checkpoint import orbax_dirs
+from jaxkv._src.checkpoint import disk, orbax_dirs
 from jaxkv._src.checkpoint.manifest import FORMAT, VERSION, Malformed, check_manifest
 from jaxkv._src.core.compression import residual_layout
 from jaxkv._src.core.tree_view import inner, viewed_trees
@@ -204,7 +203,9 @@ def save(
     """Write ``state`` (values and/or optimizer states) to ``fname`` atomically: one file for
     a store on one process, a checkpoint directory (``orbax_dirs.py``) for a store over every
     process of a job, or where ``fname`` already is one (or ``directory`` asks for one).
-    ``record``: an MXNet optimizer's bookkeeping (JSON), kept in the manifest."""
+    ``record``: an MXNet optimizer's bookkeeping (JSON), kept in the manifest. A file is
+    written through a symbolic link, as ``numpy.save`` writes one. A disk fault is a
+    :class:`KVStoreError` naming ``fname`` and the OS's reason; what ``fname`` held is kept."""
     fname = os.fspath(fname)
     if directory or _processes(fname, state) > 1 or orbax_dirs.is_checkpoint(fname):
         _together(fname, state)
@@ -231,20 +232,10 @@ def save(
     text = json.dumps(manifest).encode()
     arrays["manifest"] = np.frombuffer(text, np.uint8)
     arrays["manifest_sha256"] = np.frombuffer(_sha256(text).encode(), np.uint8)
-    parent = os.path.dirname(os.path.abspath(fname))
-    os.makedirs(parent, exist_ok=True)  # as a checkpoint directory's save does
-    fd, tmp = tempfile.mkstemp(prefix=".jaxkv-", suffix=".tmp", dir=parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            # numpy's stub: a ** argument might reach savez's allow_pickle.
-            np.savez(f, **arrays)  # type: ignore[arg-type]
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, fname)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    # Its directories are made, as a checkpoint directory's save makes them. numpy's stub: a **
+    # argument might reach savez's allow_pickle.
+    with disk.replacing(fname) as f:
+        np.savez(f, **arrays)  # type: ignore[arg-type]
 
 
 def is_pickle(head: bytes) -> bool:
@@ -256,7 +247,8 @@ def is_pickle(head: bytes) -> bool:
 def _read(fname: str) -> tuple[dict, list[np.ndarray]]:
     """The manifest and arrays of ``fname``, every checksum and manifest field checked."""
     try:
-        with open(fname, "rb") as f:  # ours to close, whatever np.load makes of it
+        # The file is ours to close, whatever np.load makes of it.
+        with disk.faults(fname, writing=False), open(fname, "rb") as f:
             if is_pickle(f.read(2)):
                 raise KVStoreError(
                     f"{fname}: expected a jaxkv store file, given a Python pickle, which jaxkv "

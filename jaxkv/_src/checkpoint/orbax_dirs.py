@@ -14,10 +14,12 @@ Layout of a checkpoint directory ``path``:
 A save writes a new data directory, has each process hash the files it wrote (those under a
 ``...process_<i>`` name; process 0 also hashes the shared ones), gathers the digests, and then
 process 0 commits the manifest and removes older data directories. A save killed part way
-leaves the previous manifest, and so the previous checkpoint, in place. A load checks the
-manifest (checksum and every field) and its fit to the loading store, then the processes share
-out the files and verify every size and SHA-256 (and that no file is missing or added), and only
-then asks orbax to restore the arrays onto the loading store's shardings: any topology.
+leaves the previous manifest, and so the previous checkpoint, in place; one that fails before
+its commit removes its data directory (a disk fault is a KVStoreError naming ``path``). A load
+checks the manifest (checksum and every field) and its fit to the loading store, then the
+processes share out the files and verify every size and SHA-256 (and that no file is missing
+or added), and only then asks orbax to restore the arrays onto the loading store's shardings:
+any topology.
 No file is read with pickle: orbax keeps its metadata in JSON, its data in tensorstore's formats.
 """
 
@@ -30,8 +32,6 @@ import logging
 import os
 import re
 import secrets
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxkv._src.checkpoint import disk
 from jaxkv._src.checkpoint.manifest import Malformed, check_manifest, expect
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.processes import host, order
@@ -60,6 +61,7 @@ MANIFEST = "manifest.json"
 FORMAT = "jaxkv-checkpoint"
 VERSION = 1
 _DATA = re.compile(r"data-[0-9a-f]{16}")
+_LEFT = re.compile(rf"{_DATA.pattern}|\.jaxkv-.*\.tmp")  # data directories, temporary files
 _OWNER = re.compile(r"process_(\d+)")
 _HEX = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 1 << 22
@@ -166,21 +168,28 @@ def _without_missing_metadata_warning() -> Iterator[None]:
 
 def _save(ocp: ModuleType, path: str, manifest: dict, entries: list) -> None:
     token = _token()
-    root = os.path.join(path, token, "state")
-    os.makedirs(os.path.dirname(root), exist_ok=True)
-    tree = describe(manifest, entries, token)
-    if tree:
-        with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
-            checkpointer.save(root, args=ocp.args.StandardSave(tree))
-    host.barrier("jaxkv.save: data written")
-    manifest["files"] = file_records([json.loads(t) for t in _gather(json.dumps(digests(root)))])
-    if jax.process_index() == 0:
-        _commit(path, manifest)
-        for name in os.listdir(path):  # older checkpoints, and saves that were cut short
-            if _DATA.fullmatch(name) and name != token:
-                shutil.rmtree(os.path.join(path, name), ignore_errors=True)
-            elif name.startswith(".jaxkv-") and name.endswith(".tmp"):
-                os.unlink(os.path.join(path, name))
+    data = os.path.join(path, token)
+    root = os.path.join(data, "state")
+
+    def undo() -> None:
+        """Until the commit the new data directory is the save's own: an error removes it
+        (process 0's: it keeps the directory, as it commits and removes older ones)."""
+        if jax.process_index() == 0:
+            disk.remove(data)
+
+    with disk.faults(path, undo=undo):
+        os.makedirs(data, exist_ok=True)
+        tree = describe(manifest, entries, token)
+        if tree:
+            with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+                checkpointer.save(root, args=ocp.args.StandardSave(tree))
+        host.barrier("jaxkv.save: data written")
+        every = _gather(json.dumps(digests(root)))
+        manifest["files"] = file_records([json.loads(t) for t in every])
+        if jax.process_index() == 0:
+            commit(path, manifest)
+    if jax.process_index() == 0:  # older data, and what saves cut short left (else: next time)
+        disk.remove_in(path, lambda name: name != token and bool(_LEFT.fullmatch(name)))
     host.barrier("jaxkv.save: committed")
 
 
@@ -236,33 +245,10 @@ def file_records(every: list[dict]) -> dict[str, dict[str, Any]]:
 def commit(path: str, manifest: dict) -> None:
     """Put ``manifest`` in place in the directory ``path`` (an atomic rename): the save's
     commit."""
-    _commit(path, manifest)
-
-
-def _commit(path: str, manifest: dict) -> None:
     text = json.dumps(manifest)
     outer = json.dumps({"manifest": text, "sha256": hashlib.sha256(text.encode()).hexdigest()})
-    fd, tmp = tempfile.mkstemp(prefix=".jaxkv-", suffix=".tmp", dir=path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(outer.encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(path, MANIFEST))
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    try:
-        fd = os.open(path, os.O_RDONLY)  # the rename itself reaches the disk
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    with disk.replacing(os.path.join(path, MANIFEST), target=path) as f:
+        f.write(outer.encode())
 
 
 def _check_files(manifest: dict) -> None:
@@ -292,16 +278,15 @@ def open_checkpoint(path: str) -> tuple[dict[str, Any], Callable[[list], list]]:
     which verifies every data file and returns the arrays placed as ``targets`` (one
     ``jax.ShapeDtypeStruct`` with a sharding per manifest entry) say."""
     path = os.path.abspath(path)
-    try:
-        with open(os.path.join(path, MANIFEST), "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise KVStoreError(
-            f"{path}: expected a jaxkv checkpoint (a file, or a directory with {MANIFEST}), "
-            f"given a directory without {MANIFEST}"
-        ) from None
-    except OSError as e:
-        raise KVStoreError(f"{path}: {MANIFEST} cannot be read ({e})") from None
+    with disk.faults(path, writing=False):
+        try:
+            with open(os.path.join(path, MANIFEST), "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            raise KVStoreError(
+                f"{path}: expected a jaxkv checkpoint (a file, or a directory with {MANIFEST}), "
+                f"given a directory without {MANIFEST}"
+            ) from None
     try:
         outer = json.loads(raw.decode())
         if not (
@@ -390,12 +375,13 @@ def _empty(target: Any) -> jax.Array:
 
 
 def _verify(path: str, root: str, files: dict) -> None:
-    """Every process checks its share of the data files; all raise if any found a fault."""
-    fault = ""
+    """Every process checks its share of the data files; all raise if any found a fault (the
+    process whose fault is an OS error raises it from that error)."""
+    fault, error = "", None
     try:
         present = _files(root) if os.path.isdir(root) else []
     except OSError as e:
-        present, fault = [], f"the data directory cannot be listed ({e})"
+        present, fault, error = [], f"the data directory cannot be read: {disk.reason(e)}", e
     if not fault and set(present) != set(files):
         missing = sorted(set(files) - set(present))
         extra = sorted(set(present) - set(files))
@@ -411,7 +397,7 @@ def _verify(path: str, root: str, files: dict) -> None:
             try:
                 size, sha256 = _digest(os.path.join(root, rel))
             except OSError as e:
-                fault = f"data file {rel} cannot be read ({e})"
+                fault, error = f"data file {rel} cannot be read: {disk.reason(e)}", e
                 break
             want = files[rel]
             if size != want["size"]:
@@ -427,4 +413,5 @@ def _verify(path: str, root: str, files: dict) -> None:
     if faults:
         p, f = faults[0]
         where = "" if jax.process_count() == 1 else f" (found by process {p})"
-        raise KVStoreError(f"{path}: {f}{where}")
+        mine = error if p == jax.process_index() else None
+        raise KVStoreError(f"{path}: {f}{where}") from mine

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxkv._src.checkpoint import disk
 from jaxkv._src.checkpoint.npz import is_pickle
 from jaxkv._src.errors import KVStoreError
 
@@ -213,11 +214,13 @@ def read(fname: str) -> tuple[dict[Any, Any], Saved | None]:
 
     Raises:
       KVStoreError: the file holds anything else than MXNet's states and optimizer (naming
-        it), or cannot be read; nothing it names is called.
+        it), or cannot be read (a disk fault names ``fname`` and the OS's reason); nothing it
+        names is called.
     """
     try:
-        with open(fname, "rb") as f:
-            loaded = _Reader(io.BytesIO(f.read())).load()
+        with disk.faults(fname, writing=False), open(fname, "rb") as f:
+            raw = f.read()
+        loaded = _Reader(io.BytesIO(raw)).load()
         states, optimizer = loaded, None
         if isinstance(loaded, tuple) and len(loaded) == 2 and isinstance(loaded[1], Saved):
             states, optimizer = loaded
