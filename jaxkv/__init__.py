@@ -31,6 +31,7 @@ from jaxkv._src.devices import Context as Context
 from jaxkv._src.devices import cpu as cpu
 from jaxkv._src.devices import current_context as current_context
 from jaxkv._src.devices import gpu as gpu
+from jaxkv._src.errors import DiskError as DiskError
 from jaxkv._src.errors import DuplicateKeyError as DuplicateKeyError
 from jaxkv._src.errors import KeyTypeError as KeyTypeError
 from jaxkv._src.errors import KVStoreError as KVStoreError
@@ -77,6 +78,7 @@ __all__ = [
     "KeyTypeError",
     "ShapeError",
     "SumError",
+    "DiskError",
     "UnknownKeyError",
     "Updater",
     "cpu",

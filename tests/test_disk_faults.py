@@ -16,7 +16,9 @@ import builtins
 import contextlib
 import errno
 import os
+import shutil
 import signal
+import subprocess
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -113,7 +115,8 @@ def assert_fault(error, target, code):
     """``error`` is a KVStoreError naming ``target`` and ``code``'s reason, raised from the
     OSError, and naming no temporary file or directory."""
     message = str(error.value)
-    assert type(error.value) is jaxkv.KVStoreError, type(error.value)
+    assert type(error.value) is jaxkv.DiskError, type(error.value)
+    assert isinstance(error.value, jaxkv.KVStoreError) and isinstance(error.value, OSError)
     assert os.fspath(target) in message, message
     assert REASONS[code] in message.lower(), message
     assert ".jaxkv-" not in message and "orbax-checkpoint-tmp" not in message, message
@@ -287,14 +290,36 @@ def test_a_full_disk(tmp_path, devices, monkeypatch, saving):
         np.testing.assert_array_equal(got, want)
 
 
-def test_a_full_small_file_system(devices):
-    """A real full disk: a store bigger than what is left on a small file system."""
+@pytest.fixture
+def small_file_system(tmp_path):
+    """A directory on a file system of 2 MB: JAXKV_TEST_FULL_FS where set, else a tmpfs this
+    test mounts (as root, where mounting is allowed)."""
     where = os.environ.get("JAXKV_TEST_FULL_FS")
-    if not where:
-        pytest.skip(
-            "needs a small file system (a tmpfs mount of a few MB) named by JAXKV_TEST_FULL_FS; "
-            "test_a_full_disk makes fsync fail instead"
+    if where:
+        yield where
+        return
+    where = str(tmp_path / "small")
+    os.mkdir(where)
+    mounted = os.geteuid() == 0 and shutil.which("mount") is not None
+    if mounted:
+        run = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", where], capture_output=True
         )
+        mounted = run.returncode == 0
+    if not mounted:
+        pytest.skip(
+            "needs a small file system: mounting a tmpfs is not allowed here (set "
+            "JAXKV_TEST_FULL_FS to a directory on one); test_a_full_disk makes fsync fail instead"
+        )
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", where], capture_output=True)
+
+
+def test_a_full_small_file_system(devices, small_file_system):
+    """A real full disk: a store bigger than what is left on a small file system."""
+    where = small_file_system
     target = os.path.join(where, "kv.npz")
     old = store(devices, 1.0)
     old.save(target)

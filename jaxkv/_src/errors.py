@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 __all__ = [
+    "DiskError",
     "DuplicateKeyError",
     "KVStoreError",
     "KeyTypeError",
@@ -50,8 +51,21 @@ class SumError(KVStoreError):
     (verified sums, docs/distributed.md). Unlike other refusals it reports a step that ran."""
 
 
+class DiskError(KVStoreError, OSError):
+    """A file or checkpoint could not be written or read: the message names the path given and
+    the OS's reason, and the ``OSError`` is its cause (an ``except OSError`` still catches it)."""
+
+
 # Tracebacks and reprs name the classes where users import them from (``jaxkv.KVStoreError``).
-for _cls in (KVStoreError, UnknownKeyError, DuplicateKeyError, KeyTypeError, ShapeError, SumError):
+for _cls in (
+    KVStoreError,
+    UnknownKeyError,
+    DuplicateKeyError,
+    KeyTypeError,
+    ShapeError,
+    SumError,
+    DiskError,
+):
     _cls.__module__ = "jaxkv"
 del _cls
 

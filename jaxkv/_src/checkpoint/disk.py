@@ -1,4 +1,4 @@
-"""Disk faults as KVStoreErrors naming the target and the OS's reason; files replaced atomically."""
+"""Disk faults as DiskErrors naming the target and the OS's reason; files replaced atomically."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
-from jaxkv._src.errors import KVStoreError
+from jaxkv._src.errors import DiskError
 
 __all__ = ["faults", "reason", "remove", "remove_in", "replacing"]
 
@@ -53,15 +53,16 @@ def _os_error(error: BaseException | None) -> OSError | None:
 def faults(
     target: str, *, writing: bool = True, undo: Callable[[], object] | None = None
 ) -> Iterator[None]:
-    """Raise an OS error of the block (or an error raised from one) as a KVStoreError that
-    names ``target`` and the OS's reason, from the OSError; on any error, ``undo()`` first
-    removes what the block left (its own OS errors ignored).
+    """Raise an OS error of the block (or an error raised from one) as a :class:`DiskError`
+    (a KVStoreError and an OSError) that names ``target`` and the OS's reason, from the
+    OSError; on any error, ``undo()`` first removes what the block left (its own OS errors
+    ignored).
 
     Examples:
       >>> with faults("/data/kv.npz"):  # doctest: +ELLIPSIS
       ...     raise OSError(errno.ENOSPC, "No space left on device", "/data/.jaxkv-1.tmp")
       Traceback (most recent call last):
-      jaxkv.KVStoreError: /data/kv.npz: cannot be written: no space left on device (ENOSPC); ...
+      jaxkv.DiskError: /data/kv.npz: cannot be written: no space left on device (ENOSPC); ...
     """
     try:
         yield
@@ -78,7 +79,7 @@ def faults(
             message += f"; {fix}"
         if writing:
             message += ". Nothing saved there before has changed"
-        raise KVStoreError(message) from cause
+        raise DiskError(message) from cause
 
 
 @contextlib.contextmanager
