@@ -362,5 +362,5 @@ def test_a_store_remembers_only_the_outs_that_still_hold_its_arrays(one):
         kept = mx.nd.zeros((4, 4))
         kv.pull("w", out=kept)
         kept.asnumpy()
-    notes = kv._lent_to  # noqa: SLF001 - the bookkeeping itself
+    notes = kv._lending.lent_to  # noqa: SLF001 - the bookkeeping itself
     assert sum(len(outs) for _, outs in notes.values()) <= 16

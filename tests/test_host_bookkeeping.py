@@ -8,7 +8,7 @@ import numpy as np
 
 import jaxkv
 import jaxkv.mx as mx
-from jaxkv._src.mxnet import kvstore as kvstore_module
+from jaxkv._src.mxnet import lending
 
 
 def test_the_notes_of_lent_arrays_cost_o_keys_a_step(monkeypatch):
@@ -25,13 +25,13 @@ def test_the_notes_of_lent_arrays_cost_o_keys_a_step(monkeypatch):
     outs = [[mx.nd.zeros((4, 4), ctx=d) for d in devices] for _ in names]
     grads = [[mx.nd.ones((4, 4), ctx=d) for d in devices] for _ in names]
     calls = []
-    holds = kvstore_module._holds  # noqa: SLF001 - the bookkeeping itself
+    holds = lending.holds
 
     def counted(entry):
         calls[-1] += 1
         return holds(entry)
 
-    monkeypatch.setattr(kvstore_module, "_holds", counted)
+    monkeypatch.setattr(lending, "holds", counted)
     for _ in range(6):
         calls.append(0)
         kv.push(names, grads)

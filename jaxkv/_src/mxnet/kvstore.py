@@ -14,7 +14,6 @@ import functools
 import logging
 import os
 import threading
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,7 +26,6 @@ from jaxkv._src import jax_internals, rows
 from jaxkv._src.checkpoint import npz
 from jaxkv._src.core import compression, ops, plans, trees
 from jaxkv._src.core.eager import check_laid_out
-from jaxkv._src.core.signature import KEEP_VALUES
 from jaxkv._src.core.updater import (
     as_transformation,
     as_updater,
@@ -37,7 +35,7 @@ from jaxkv._src.core.updater import (
     updater_name,
 )
 from jaxkv._src.errors import KVStoreError, ShapeError
-from jaxkv._src.mxnet import held, kvstore_rows, per_key, states_file
+from jaxkv._src.mxnet import held, kvstore_rows, lending, per_key, states_file
 from jaxkv._src.mxnet.ndarray import NDArray, unwrap
 from jaxkv._src.mxnet.optimizers import catalog  # noqa: F401 - fills the registry
 from jaxkv._src.mxnet.optimizers.optimizer import Optimizer as MXNetOptimizer
@@ -219,17 +217,8 @@ class KVStore:
         self._python_updater: Any = None
         self._mxnet_optimizer: MXNetOptimizer | None = None  # where set_optimizer got one
         self._wrappers: dict[int, tuple[Any, Any]] = {}  # id(updater) -> (updater, wrapper)
-        # Arrays handed out through `state`: never donated while the store still holds them.
-        self._shared: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-        # Whether the store keeps its values at each push (donating only the optimizer state
-        # and residuals) and lends them to the outs of a pull, with no copy; decided once, at
-        # the first push or pull (see _keeps_values), so every push has one donation mode.
-        self._keep_values: bool | None = None
-        # Stored arrays lent to outs: id -> (the array, {id(out): (out, what it got)}), all
-        # weakly held. A push of rows donates a table unless an out still holds what it was
-        # lent (see _lent).
-        self._lent_to: dict[int, tuple[Any, dict[int, tuple[Any, Any]]]] = {}
-        self._lent_limit = 64  # _lend sweeps _lent_to when it grows past this
+        # What the store lent to outs and handed out, and what a push may donate (lending.py).
+        self._lending = lending.Lending()
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -291,7 +280,7 @@ class KVStore:
             # and each key pushed alone a group of its own.
             self._stored = self._state.settled()
             state = per_key.alone(self._stored)
-            self._share(state)
+            self._lending.share(state)
             return state
 
     @state.setter
@@ -299,7 +288,7 @@ class KVStore:
         if not isinstance(state, KVState):
             raise KVStoreError(f"state: expected a jaxkv.KVState, given {type(state).__name__}")
         with self._lock:
-            self._share(state)
+            self._lending.share(state)
             self._state = state
 
     def keys(self) -> list:
@@ -933,70 +922,15 @@ class KVStore:
 
     # -- internals -------------------------------------------------------------------------
     def _keeps_values(self) -> bool:
-        """Whether this store keeps its values at each push and lends them to outs, decided at
-        its first push or pull: yes where no value is split across devices, in one process or
-        several (a pull into outs can then hand out the stored arrays as they are, MXNet's
-        usual push-then-pull loop copies nothing, and a push holds the old and new values as a
-        donating push followed by a copying pull would); no otherwise (split values are
-        gathered into fresh copies at each pull anyway, and donating them saves their
-        memory)."""
-        if self._keep_values is None:
-            state = self._state
-            self._keep_values = not any(
-                buckets.is_split(state, i) for i in range(len(state.key_shapes))
-            )
-        return self._keep_values
-
-    def _lend(self, stored: jax.Array, out: NDArray, handed: jax.Array) -> None:
-        """Note that ``out`` was given ``handed``, a part of the stored array ``stored``."""
-        entry = self._lent_to.get(id(stored))
-        if entry is None or entry[0]() is not stored:
-            if len(self._lent_to) > self._lent_limit:  # forget the dead
-                self._lent_to = {
-                    i: e for i, e in self._lent_to.items() if e[0]() is not None and _holds(e)
-                }
-                # The next sweep after as many new entries again as survive this one: the
-                # sweeps cost O(1) a lend, however many arrays stay lent (MXNet's loop keeps
-                # one lent array per key and out).
-                self._lent_limit = 2 * len(self._lent_to) + 4 * len(self._stored.leaves) + 64
-            entry = (weakref.ref(stored), {})
-            self._lent_to[id(stored)] = entry
-        outs = entry[1]
-        if len(outs) >= 8:  # lent to out after out: keep the outs that still hold it
-            for i in [i for i, pair in outs.items() if not _holds((entry[0], {i: pair}))]:
-                del outs[i]
-        outs[id(out)] = (weakref.ref(out), weakref.ref(handed))
+        """Whether this store keeps its values at each push and lends them to outs
+        (``Lending.keeps_values``, decided at its first push or pull)."""
+        if self._lending.keep_values is None:
+            return self._lending.keeps_values(self._state)
+        return self._lending.keep_values
 
     def _lend_whole(self, stored: jax.Array, out: NDArray) -> None:
-        """:meth:`_lend` of what ``out`` holds now, given it from ``stored``."""
-        self._lend(stored, out, out.holding())
-
-    def _lent(self, leaves: list[Any]) -> bool:
-        """Whether an out still holds a part of one of the stored arrays ``leaves`` (then a
-        push must not donate it)."""
-        for leaf in leaves:
-            entry = self._lent_to.get(id(leaf))
-            if entry is not None and entry[0]() is leaf and _holds(entry):
-                return True
-        return False
-
-    def _row_push_donates(self, state: KVState, keys: list[Key]) -> bool:
-        """Whether a push of rows to ``keys`` may donate the buffers it updates (the table,
-        in place, and its optimizer state): nothing handed out through ``state`` is held, and
-        no out holds a table it was lent. A store that keeps its values lends them only to
-        the outs of a dense pull, which an embedding table's loop never makes: its table is
-        then updated in place, at a cost that grows with the rows alone."""
-        if len(self._shared):
-            return False
-        if not self._keeps_values():
-            return True
-        if state.flat_layout is not None:  # a lent view may alias a bucket the push takes
-            return not any(e[0]() is not None and _holds(e) for e in self._lent_to.values())
-        return not self._lent([state[k] for k in keys])
-
-    def _share(self, state: KVState) -> None:
-        for leaf in jax.tree_util.tree_leaves(state):
-            self._shared[id(leaf)] = leaf
+        """``Lending.lend`` of what ``out`` holds now, given it from ``stored``."""
+        self._lending.lend(stored, out, out.holding(), len(self._stored.leaves))
 
     def _update(
         self, key: Any, values: Any, each_alone: bool = False, scalars: dict | None = None
@@ -1053,7 +987,7 @@ class KVStore:
                     key,
                     values,
                     updater=per_key.per_key(updater),
-                    donate=self._donation(state, key, values),  # type: ignore[arg-type]
+                    donate=self._lending.donation(state, key, values),  # type: ignore[arg-type]
                     extra_args=extra,
                 )
             except BaseException:
@@ -1066,36 +1000,8 @@ class KVStore:
             key,
             values,
             updater=updater,
-            donate=self._donation(state, key, values),  # type: ignore[arg-type]
+            donate=self._lending.donation(state, key, values),  # type: ignore[arg-type]
         )
-
-    def _donation(self, state: KVState, key: Any, values: Any) -> bool | str:
-        """What a push of ``values`` to ``key`` into the store's ``state`` may donate: its
-        values and the rest, or all but the values (``_keeps_values``), or nothing while
-        something handed out through ``state`` is held."""
-        donate: bool | str = KEEP_VALUES if self._keeps_values() else True
-        if len(self._shared):
-            # Forget what the store no longer holds: those arrays it can never donate.
-            live = {id(leaf) for leaf in jax.tree_util.tree_leaves(state)}
-            for gone in [i for i in list(self._shared.keys()) if i not in live]:
-                self._shared.pop(gone, None)
-        if len(self._shared):  # something handed out through `state` is held: keep it valid
-            if state.flat_layout is None and not state.deferred:
-                # One array per key, and none to settle into buckets first: a push donates
-                # only its keys' leaves and their group's state.
-                pushed = {k for k, _ in pairing.pairs(key, values, "values") if k in state}
-                groups = {g for k in pushed if (g := state.opt_group(k)) is not None}
-                leaves = jax.tree_util.tree_leaves(
-                    [[state[k] for k in pushed], [state.opt_states[g] for g in groups]]
-                )
-                if any(id(leaf) in self._shared for leaf in leaves):
-                    donate = False
-            else:
-                # A push may write into buckets other keys share, or settle keys held apart
-                # into buckets first (then donating every leaf): any leaf handed out counts,
-                # and every one left in `_shared` is a leaf of `state` (forgotten above if not).
-                donate = False
-        return donate
 
     def _push_key_by_key(
         self,
@@ -1199,7 +1105,7 @@ class KVStore:
                     state = per_key.regroup(state, [k], inner) or state
             self._stored = state  # (no value changes)
         steps = len(sparse) + bool(dense)
-        donate = steps == 1 and self._row_push_donates(state, sparse)
+        donate = steps == 1 and self._lending.row_push_donates(state, sparse)
         if dense and opt is not None:
             state = self._push_key_by_key(
                 state, {k: _unwrap_values(grouped[k]) for k in dense}, self._updater, extra
@@ -1286,7 +1192,7 @@ class KVStore:
                     else:
                         _set(o, arrays[i], device)
                         if lent and not kvstore_rows.is_row_sparse(o):
-                            self._lend(value, o, o.holding())
+                            self._lend_whole(value, o)
             if elsewhere:  # copied there in one call (a dist_sync store: one device per process)
                 moved = jax.device_put([x for _, x, _ in elsewhere], [d for _, _, d in elsewhere])
                 for (o, _, device), x in zip(elsewhere, moved):
@@ -1305,16 +1211,6 @@ class KVStore:
             if size >= _GATHER_CHUNK_BYTES or i == len(big) - 1:
                 hand_out(chunk, placement.replicated_copies(state, chunk))
                 chunk, size = [], 0
-
-
-def _holds(entry: tuple[Any, dict[int, tuple[Any, Any]]]) -> bool:
-    """Whether an out of a lent array's entry (see ``KVStore._lend``) still holds what it was
-    given."""
-    for out_ref, handed_ref in entry[1].values():
-        out, handed = out_ref(), handed_ref()
-        if out is not None and handed is not None and out.holding() is handed:
-            return True
-    return False
 
 
 def _set(out: NDArray, x: jax.Array, device: Any) -> None:
