@@ -73,7 +73,7 @@ def report(results):
         "gspmd: plain `jit` over the global mesh, leaves of at least 16384 elements (the "
         "store's default bound) split by rows; jaxkv: the README's `jaxkv.gather` + "
         "`jaxkv.push` step in `shard_map` (`jaxkv.empty()`), with "
-        "verified sums as by default across processes (each sum checked at every 10th step), "
+        "verified sums as by default across processes (a tenth of each sum checked at every step), "
         "every sum checked at every step (`JAXKV_VERIFY_SUMS=1`), and none "
         "(`JAXKV_VERIFY_SUMS=0`); jaxkv-jit: the plain-`jit` recipe (the gradient and "
         "`jaxkv.push` in one `jax.jit`, no `shard_map`). ms/step: mean of the "

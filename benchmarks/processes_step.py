@@ -5,16 +5,15 @@
         benchmarks/processes_step.py [STEPS] [ROW ...]
 
 Rows (default: all four), in turns within each of 3 rounds; each row's time is the mean of
-STEPS steady steps, the best of the rounds (the first 3 steps, which compile, not timed). The
-mean, not the median: with STEPS a multiple of 10, every round of the default jaxkv row holds
-exactly one step whose sums are checked, so its mean is what the checks cost a step:
+STEPS steady steps, the best of the rounds (the first 3 steps, which compile, not timed):
   gspmd             plain jit over the global mesh, every leaf of at least the store's default
                     bound (16384 elements) whose rows divide by the devices split by rows
                     (NamedSharding), the rest replicated, the batch split: XLA places the
                     collectives and the optimizer state
   jaxkv             the README's step: jaxkv.gather and jaxkv.push inside shard_map over a store
                     spanning every process's devices (``jaxkv.empty()``'s default bound),
-                    verified sums as by default across processes (every 10th step checked)
+                    verified sums as by default across processes (a tenth of each sum
+                    checked at every step, another tenth each step)
   jaxkv-every-sum   the same with JAXKV_VERIFY_SUMS=1 (every step checked)
   jaxkv-unverified  the same with JAXKV_VERIFY_SUMS=0
   jaxkv-jit         docs/functional.md's plain-jit recipe: the gradient with respect to the
@@ -161,7 +160,7 @@ def main():
 
         else:
             setting = {"jaxkv-unverified": "0", "jaxkv-every-sum": "1"}.get(name)
-            if setting is None:  # jaxkv's default across processes: every 10th run checked
+            if setting is None:  # jaxkv's default across processes: a tenth of each sum
                 os.environ.pop(verified.ENV_VERIFY_SUMS, None)
             else:
                 os.environ[verified.ENV_VERIFY_SUMS] = setting
