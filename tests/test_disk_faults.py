@@ -434,17 +434,20 @@ def checkpoint_dir(tmp_path, devices):
     return path, old
 
 
+def a_fault(monkeypatch, path, fault):
+    """The errno of ``fault`` ("read-only" or "full") and a context that makes it under
+    ``path``."""
+    if fault == "read-only":
+        return errno.EROFS, read_only(monkeypatch, path, "refused", errno.EROFS)
+    return errno.ENOSPC, fsync_fails(monkeypatch)
+
+
 @pytest.mark.parametrize("fault", ["read-only", "full"])
 def test_a_checkpoint_directory_keeps_its_checkpoint(checkpoint_dir, devices, monkeypatch, fault):
     path, old = checkpoint_dir
     before = snapshot(path)
-    code = errno.EROFS if fault == "read-only" else errno.ENOSPC
-    with contextlib.ExitStack() as stack:
-        if fault == "read-only":
-            stack.enter_context(read_only(monkeypatch, path, "refused", code))
-        else:
-            stack.enter_context(fsync_fails(monkeypatch))
-        error = stack.enter_context(pytest.raises(jaxkv.KVStoreError))
+    code, made = a_fault(monkeypatch, path, fault)
+    with made, pytest.raises(jaxkv.KVStoreError) as error:
         store(devices, 2.0).save(str(path))
     assert_fault(error, path, code)
     assert snapshot(path) == before
@@ -486,14 +489,9 @@ def assert_step_one(path, old, devices):
 def test_a_checkpoint_manager_keeps_its_steps(manager_dir, devices, monkeypatch, fault):
     path, old = manager_dir
     before = snapshot(path)
-    code = errno.EROFS if fault == "read-only" else errno.ENOSPC
+    code, made = a_fault(monkeypatch, path, fault)
     with jaxkv.CheckpointManager(path) as ckpt:
-        with contextlib.ExitStack() as stack:
-            if fault == "read-only":
-                stack.enter_context(read_only(monkeypatch, path, "refused", code))
-            else:
-                stack.enter_context(fsync_fails(monkeypatch))
-            error = stack.enter_context(pytest.raises(jaxkv.KVStoreError))
+        with made, pytest.raises(jaxkv.KVStoreError) as error:
             ckpt.save(2, store(devices, 2.0))
             ckpt.wait_until_finished()
         assert_fault(error, path, code)
