@@ -34,7 +34,7 @@ def test_the_cache_keeps_exactly_its_size_and_drops_the_least_recently_used():
     built = []
 
     def get(sig, updater=None):
-        return cache.get(sig, updater, lambda: built.append(sig) or sig)
+        return cache.get(sig, updater, lambda key, _: built.append(key) or key)
 
     assert get("a") == "a" and get("b") == "b"
     assert get("a") == "a" and built == ["a", "b"]  # both kept at exactly the size
@@ -47,13 +47,15 @@ def test_the_cache_keeps_exactly_its_size_and_drops_the_least_recently_used():
 def test_a_cached_computation_is_used_only_with_the_very_updater_it_was_built_for():
     cache = eager._Computations()
     first, second = _add, lambda k, p, s: p
-    assert cache.get("sig", first, lambda: 1) == 1
-    assert cache.get("sig", first, lambda: 2) == 1
-    assert cache.get("sig", second, lambda: 3) == 3
+    assert cache.get("sig", first, lambda *_: 1) == 1
+    assert cache.get("sig", first, lambda *_: 2) == 1
+    assert cache.get("sig", second, lambda *_: 3) == 3
     # An entry under the id of ``first`` that holds another updater (an id reused after the
     # updater died) is built anew.
     cache._fns[("sig", id(first))] = (second, 4)
-    assert cache.get("sig", first, lambda: 5) == 5
+    assert cache.get("sig", first, lambda *_: 5) == 5
+    # The computation is built from the key and the updater alone.
+    assert cache.get("key", second, lambda key, updater: (key, updater)) == ("key", second)
 
 
 # -- sums on the host ------------------------------------------------------------------------

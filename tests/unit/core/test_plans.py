@@ -28,7 +28,7 @@ def _cached(state, ckeys):
     return [
         plan
         for sig, plan in plans._PUSHES._plans.items()
-        if (sig[0], sig[3], sig[6]) == (id(state.keys()), state.devices, ckeys)
+        if (sig[0], sig[3].devices, sig[4]) == (id(state.keys()), state.devices, ckeys)
     ]
 
 
