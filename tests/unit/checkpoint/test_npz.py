@@ -234,7 +234,7 @@ def _empty(path):
         (_npy, "expected an .npz archive, given one ndarray"),
         (_no_checksum, "expected a jaxkv-store v3 file with a checksummed manifest"),
         (_empty, "expected a jaxkv store file, given one that cannot be read"),
-        (None, r"cannot be read \(FileNotFoundError"),
+        (None, r"x.npz: cannot be read: no such file or directory \(ENOENT\)"),
     ],
 )
 def test_a_file_that_is_not_a_store_file_is_refused(tmp_path, plain, make, match):
