@@ -198,31 +198,9 @@ def all_gather(
 ) -> jax.Array:
     """``jax.lax.all_gather`` whose gradient is summed by :func:`psum_scatter` (AD's own
     transpose of an all-gather is ``lax.psum_scatter``, which is neither safe everywhere nor
-    verified); ``what`` and ``owners`` as there."""
-    if reduce_scatter_safe() and not verify_sums():
-        return jax.lax.all_gather(x, axis, tiled=tiled)
-    return _gathered(x, axis, tiled, what, owners)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _gathered(x: jax.Array, axis: Any, tiled: bool, what: str, owners: Any) -> jax.Array:
-    return jax.lax.all_gather(x, axis, tiled=tiled)
-
-
-def _gathered_fwd(
-    x: jax.Array, axis: Any, tiled: bool, what: str, owners: Any
-) -> tuple[jax.Array, None]:
-    return jax.lax.all_gather(x, axis, tiled=tiled), None
-
-
-def _gathered_bwd(
-    axis: Any, tiled: bool, what: str, owners: Any, _: None, g: jax.Array
-) -> tuple[jax.Array]:
-    with jax.named_scope(SUM):
-        return (psum_scatter(g, axis, tiled=tiled, what=what, owners=owners),)
-
-
-_gathered.defvjp(_gathered_fwd, _gathered_bwd)
+    verified); ``what`` names the values and ``owners`` the process of each device along
+    ``axis``, for a failed check's error. :func:`all_gathers` of one array."""
+    return all_gathers([x], axis, tiled=tiled, whats=(what,), owners=owners)[0]
 
 
 def all_gathers(

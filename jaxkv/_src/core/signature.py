@@ -9,7 +9,6 @@ field here, and with it part of every key."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from jaxkv._src.state.kvstate import Facts, Key, KVState
 from jaxkv._src.state.placement import Keyed
@@ -49,6 +48,3 @@ class PushKey:
     def placement(self) -> KVState:
         """A state with no keys and the key's facts: all a computation reads of the store."""
         return self.facts.emptied()
-
-    def replace(self, **changes: Any) -> PushKey:
-        return dataclasses.replace(self, **changes)

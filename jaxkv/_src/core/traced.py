@@ -359,16 +359,11 @@ def _where_stored(
         return pushed
     if manual_axes() != frozenset():  # inside shard_map (or a JAX that cannot say)
         return pushed
-    mesh = state.mesh
-    if state.flat_layout is not None:
-        return [
-            p
-            if buckets.split_parts(state, state.index(k)) > 1
-            else jax.lax.with_sharding_constraint(p, NamedSharding(mesh, state.key_spec(k)))
-            for k, p in zip(keys, pushed)
-        ]
+    flat = state.flat_layout is not None
     return [
-        jax.lax.with_sharding_constraint(p, NamedSharding(mesh, state.key_spec(k)))
+        p
+        if flat and buckets.split_parts(state, state.index(k)) > 1  # a split bucket's view
+        else jax.lax.with_sharding_constraint(p, NamedSharding(state.mesh, state.key_spec(k)))
         for k, p in zip(keys, pushed)
     ]
 

@@ -205,18 +205,23 @@ def batched(axis: Any, owners: tuple[int, ...] | None = None) -> Iterator[None]:
         _check(pending, axis, owners, verify_every())
 
 
-def _slice(rows: jax.Array, turn: jax.Array | None, every: int) -> jax.Array:
-    """Run ``turn``'s slice of each row of ``rows`` (along its last axis): the ``turn``-th of
-    ``every`` contiguous slices, rounded up to a multiple of the row's power-of-two factor (up
-    to 256, the period of the checksum's vector) and moved back inside the row at its end. In
-    ``every`` runs, every element has been in a slice."""
-    size = rows.shape[-1]
-    if turn is None or every <= 1 or size <= 1:
-        return rows
+def _chunk(size: int, every: int) -> int:
+    """How many elements of a row of ``size`` one run checks: an ``every``-th, rounded up to a
+    multiple of the row's power-of-two factor (up to 256, the period of the checksum's vector);
+    ``size`` where that is the whole row (``every`` of 1, or rows too short to slice)."""
+    if every <= 1 or size <= 1:
+        return size
     q = math.gcd(size, 256)
     per = -(-size // every)  # ceil(size / every)
-    chunk = min(size, -(-per // q) * q)
-    if chunk == size:
+    return min(size, -(-per // q) * q)
+
+
+def _slice(rows: jax.Array, turn: jax.Array | None, chunk: int) -> jax.Array:
+    """Run ``turn``'s slice of ``chunk`` elements of each row of ``rows`` (along its last axis):
+    the ``turn``-th, moved back inside the row at its end. In as many runs as a row holds
+    chunks, every element has been in a slice."""
+    size = rows.shape[-1]
+    if turn is None or chunk == size:
         return rows
     start = jnp.minimum(turn * chunk, size - chunk)
     return jax.lax.dynamic_slice_in_dim(rows, start, chunk, axis=rows.ndim - 1)
@@ -230,14 +235,20 @@ def _check(
 ) -> None:
     names = tuple(axis) if isinstance(axis, tuple | list) else (axis,)
     n = math.prod(jax.lax.axis_size(name) for name in names)
-    turn = _turn(every, axis) if every > 1 else None
+    # Each sum's segments, and the elements of a segment one run checks.
+    segments = [
+        next(s for s in (SEGMENTS, 32, 16, 8, 4, 2, 1) if out.size % s == 0) for _, out, _ in sums
+    ]
+    chunks = [_chunk(out.size // k, every) for (_, out, _), k in zip(sums, segments)]
+    # The run's count only where a slice is taken: no host callback for sums checked whole.
+    sliced = any(c < out.size // k for (_, out, _), k, c in zip(sums, segments, chunks))
+    turn = _turn(every, axis) if sliced else None
     pieces, shapes, wholes = [], [], []
-    for x, out, _ in sums:
+    for (x, out, _), k, chunk in zip(sums, segments, chunks):
         whole = tuple(out.shape) == tuple(x.shape)
-        segments = next(s for s in (SEGMENTS, 32, 16, 8, 4, 2, 1) if out.size % s == 0)
-        mine = _slice(x.reshape(1 if whole else n, segments, -1), turn, every)
+        mine = _slice(x.reshape(1 if whole else n, k, -1), turn, chunk)
         expected, scale = _dots(mine)  # (parts, segments)
-        got = _dots(_slice(out.reshape(segments, -1), turn, every))[0]
+        got = _dots(_slice(out.reshape(k, -1), turn, chunk))[0]
         pieces += [expected.ravel(), scale.ravel(), got]
         shapes.append(expected.shape)
         wholes.append(whole)

@@ -281,7 +281,7 @@ class Facts:
         return KVState(keys=(), values=(), opt_states=(), **{f: getattr(self, f) for f in _FACTS})
 
 
-_FACTS = ("devices", "bound", "compression", "mesh", "policy", "reduce", "mesh_axes")
+_FACTS = tuple(f.name for f in dataclasses.fields(Facts) if f.compare)
 
 
 @functools.lru_cache(maxsize=256)
