@@ -64,6 +64,8 @@ nitpick_ignore_regex = [
     (r"py:.*", r"Scalars"),
     # The private layout bookkeeping in KVState's constructor (made by jaxkv.empty, not users).
     (r"py:.*", r"(Policy|FlatLayout|Packing)"),
+    # The store's private static facts, a cached computation's key (KVState.facts).
+    (r"py:.*", r"Facts(\..*)?"),
 ]
 
 

@@ -286,7 +286,7 @@ _FACTS = tuple(f.name for f in dataclasses.fields(Facts) if f.compare)
 
 @functools.lru_cache(maxsize=256)
 def _facts(*fields: Any) -> Facts:
-    """The :class:`Facts` of these field values, made once (states share it)."""
+    """The ``Facts`` of these field values, made once (states share it)."""
     return Facts(*fields)
 
 
@@ -432,7 +432,7 @@ class KVState:
     def facts(self) -> Facts:
         """The store's static facts (devices, mesh, big-array bound, compression, layout
         policy, reduce): hashable, the part of a cached computation's key that comes from the
-        store, and all a computation built from it may read (:meth:`Facts.emptied`)."""
+        store, and all a computation built from it may read (``Facts.emptied``)."""
         facts = self._facts
         if facts is None:
             facts = _facts(
