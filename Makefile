@@ -175,7 +175,7 @@ bench: $(STAMP)
 # unchanged), jaxkv replays them, then random KVStore programs run through both.
 RECORDS := conformance/record_optimizers.py conformance/record_schedules.py \
 	conformance/record_lr_training.py $(sort $(wildcard conformance/record_opt_*.py)) \
-	conformance/record_resume.py conformance/record_adam_rates.py
+	conformance/record_resume.py conformance/record_adam_rates.py conformance/record_casts.py
 REPLAYS := tests/test_mx_optimizer.py tests/test_mx_lr_scheduler.py tests/test_mx_lr_training.py \
 	$(sort $(wildcard tests/test_mx_opt_*.py)) tests/test_embedding_loop.py
 # Every replay by default; CI, which has just run make test (the replays but their variants

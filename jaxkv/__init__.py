@@ -32,6 +32,7 @@ from jaxkv._src.devices import cpu as cpu
 from jaxkv._src.devices import current_context as current_context
 from jaxkv._src.devices import gpu as gpu
 from jaxkv._src.errors import DiskError as DiskError
+from jaxkv._src.errors import DtypeError as DtypeError
 from jaxkv._src.errors import DuplicateKeyError as DuplicateKeyError
 from jaxkv._src.errors import KeyTypeError as KeyTypeError
 from jaxkv._src.errors import KVStoreError as KVStoreError
@@ -79,6 +80,7 @@ __all__ = [
     "ShapeError",
     "SumError",
     "DiskError",
+    "DtypeError",
     "UnknownKeyError",
     "Updater",
     "cpu",

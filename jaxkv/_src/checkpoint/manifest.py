@@ -7,7 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxkv._src.errors import KVStoreError
+from jaxkv._src.errors import KVStoreError, shown
 from jaxkv._src.state.kvstate import compression_config
 
 __all__ = ["FORMAT", "PARTS", "VERSION", "Malformed", "check_manifest", "expect", "is_dtype_name"]
@@ -142,7 +142,7 @@ def check_manifest(
     for key, c in counts.items():
         expect(
             c["value"] == value and c["residual"] == residual,
-            f"key {key!r} with {value} value and {residual} residual entries",
+            f"key {shown(key)} with {value} value and {residual} residual entries",
             f"{c['value']} and {c['residual']}",
         )
     if files is not None:  # nothing beside them, as a checkpoint directory holds no stray file

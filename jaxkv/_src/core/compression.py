@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxkv._src.core.collectives import SUM
-from jaxkv._src.errors import KVStoreError
+from jaxkv._src.errors import KVStoreError, shown
 from jaxkv._src.jax_internals import single_device
 from jaxkv._src.processes import order
 from jaxkv._src.state.kvstate import (
@@ -199,7 +199,7 @@ def on_one_device(key: Key, x: jax.Array) -> jax.Device:
     device = single_device(x)
     if device is None:
         raise KVStoreError(
-            f"key {key!r}: a compressed push expects each value on one device (whose "
+            f"key {shown(key)}: a compressed push expects each value on one device (whose "
             f"error-feedback residual it uses), given one on several devices "
             f"{sorted(x.devices(), key=str)}; push one array per device"
         )

@@ -28,7 +28,7 @@ from jaxkv._src.core.signature import KEEP_VALUES, Donate, Kind, PushKey
 from jaxkv._src.core.tree_view import viewed
 from jaxkv._src.core.updater import apply_updater, init_state
 from jaxkv._src.core.verified import batched
-from jaxkv._src.errors import KVStoreError
+from jaxkv._src.errors import KVStoreError, shown
 from jaxkv._src.jax_internals import single_device
 from jaxkv._src.processes import order
 from jaxkv._src.state import buckets
@@ -206,7 +206,7 @@ def _own(key: Key, x: jax.Array) -> None:
     if not x.is_fully_addressable:
         devices: set[jax.Device] = x.sharding.device_set
         raise KVStoreError(
-            f"key {key!r}: a multi-process push expects this process's own values "
+            f"key {shown(key)}: a multi-process push expects this process's own values "
             f"(arrays on its devices), given an array over several processes' devices "
             f"{sorted(d.id for d in devices)}; push each process's part"
         )

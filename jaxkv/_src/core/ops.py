@@ -38,10 +38,17 @@ from jaxkv._src.core.updater import (
     init_state,
     optimizer_group,
 )
-from jaxkv._src.errors import DuplicateKeyError, KeyTypeError, KVStoreError, ShapeError
+from jaxkv._src.errors import DuplicateKeyError, KeyTypeError, KVStoreError, ShapeError, shown
 from jaxkv._src.state import buckets
 from jaxkv._src.state.kvstate import Key, KVState, check_compressible, key_kind, spans_processes
-from jaxkv._src.state.pairing import MISSING, as_array, devices_of, group, is_traced, pairs
+from jaxkv._src.state.pairing import (
+    MISSING,
+    as_value,
+    devices_of,
+    group,
+    is_traced,
+    pairs,
+)
 from jaxkv._src.state.placement import copies, put, replicate
 
 __all__ = [
@@ -155,20 +162,20 @@ def checked_inits(
         kind = kind or key_kind(key)
         if key_kind(key) != kind:
             raise KeyTypeError(
-                f"key {key!r}: expected {kind} keys, given a {key_kind(key)} key (one store "
+                f"key {shown(key)}: expected {kind} keys, given a {key_kind(key)} key (one store "
                 "holds one kind of key, as in MXNet)"
             )
         if key in state or key in pending or key in new:
             raise DuplicateKeyError(
-                f"duplicate init of key {key!r}: expected a key not yet in the store, given "
-                f"{key!r}, which is already there"
+                f"duplicate init of key {shown(key)}: expected a key not yet in the store, given "
+                f"{shown(key)}, which is already there"
                 + (" (init takes one value per key)" if len(vs) > 1 else "")
             )
         if len(vs) != 1:
             raise ShapeError(
-                f"key {key!r}: init expects one value, given a list of {len(vs)} values"
+                f"key {shown(key)}: init expects one value, given a list of {len(vs)} values"
             )
-        new[key] = as_array(vs[0])
+        new[key] = as_value(key, vs[0], "the value")
         check_compressible(state.compression, key, new[key].dtype)
     return new
 
@@ -280,7 +287,7 @@ def push(
     if state.multi_axis and any(len(xs) > 1 for xs in grouped.values()):
         key = next(k for k, xs in grouped.items() if len(xs) > 1)
         raise KVStoreError(
-            f"key {key!r}: a store on a mesh of several axes {tuple(state.mesh.axis_names)} "
+            f"key {shown(key)}: a store on a mesh of several axes {tuple(state.mesh.axis_names)} "
             f"sums along {state.axis!r} inside shard_map; eagerly it expects one value per "
             f"key, given {len(grouped[key])}; push them inside your shard_map step with "
             f"axis_name={state.axis!r}, or sum them first"

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._src.errors import KVStoreError
+from jaxkv._src.errors import KVStoreError, shown
 from jaxkv._src.processes import host
 from jaxkv._src.state import buckets
 from jaxkv._src.state.kvstate import Key, KVState
@@ -56,7 +56,7 @@ def divisors(
         dtype = buckets.stored_type(state, state.index(key)).dtype
         if d > 1 and not jnp.issubdtype(dtype, jnp.inexact):
             raise KVStoreError(
-                f"key {key!r}: reduce='mean' expects a floating-point value (a mean of "
+                f"key {shown(key)}: reduce='mean' expects a floating-point value (a mean of "
                 f"integers would round), given dtype {np.dtype(dtype)}; push it with "
                 "reduce='sum'"
             )

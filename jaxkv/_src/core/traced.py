@@ -61,7 +61,7 @@ from jaxkv._src.core.on_buckets import update_bucket
 from jaxkv._src.core.reduce import axis_count, divide, divisors
 from jaxkv._src.core.updater import apply_updater
 from jaxkv._src.core.verified import batched
-from jaxkv._src.errors import KVStoreError
+from jaxkv._src.errors import KVStoreError, shown
 from jaxkv._src.jax_internals import (
     CAN_MARK_VARYING,
     all_gather_invariant,
@@ -120,7 +120,7 @@ def _block_size(state: KVState, leaves: Mapping[Key, Any], names: tuple) -> int:
         whole = whole_shape(state, key)
         if tuple(leaf.shape) != _expected_block(state, key, n):
             raise KVStoreError(
-                f"key {key!r}: its leaf has shape {tuple(leaf.shape)}, expected the whole "
+                f"key {shown(key)}: its leaf has shape {tuple(leaf.shape)}, expected the whole "
                 f"shape {whole} or its block over axis {names} ({n} devices); enter "
                 "shard_map with in_specs=jaxkv.specs(state, axis_name) on the store's devices"
             )
@@ -165,7 +165,7 @@ def gather(state: KVState, values: Mapping[Key, Any], axis_name: Any) -> dict[Ke
             [given[k] for k in alone],
             axis_arg(names),
             tiled=True,
-            whats=tuple(f"key {k!r}" for k in alone),
+            whats=tuple(f"key {shown(k)}" for k in alone),
             owners=owners,
         )
         whole.update(zip(alone, gathered))
@@ -397,7 +397,7 @@ def _same_axes(state: KVState, new: KVState, keys: Sequence[Key]) -> None:
         if extra:
             had = sorted(varying_axes(state[key]))
             raise KVStoreError(
-                f"key {key!r}: its new value varies along mesh axes {sorted(extra)}, expected "
+                f"key {shown(key)}: its new value varies along mesh axes {sorted(extra)}, expected "
                 f"only the axes its stored value varies along ({had}), as its out_specs "
                 f"{state.key_spec(key)} say; its pushed value or the updater "
                 f"mixed in a value varying along {sorted(extra)}: sum its gradient over those "

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxkv._src.errors import KeyTypeError, KVStoreError
+from jaxkv._src.errors import KeyTypeError, KVStoreError, shown
 from jaxkv._src.state.kvstate import Key, KVState
 from jaxkv._src.state.tree_shapes import TreeShape
 
@@ -94,7 +94,7 @@ class Tree:
             if key in seen:
                 paths = [jax.tree_util.keystr(with_paths[i][0]) for i in (seen[key], n)]
                 raise KVStoreError(
-                    f"tree key {key!r}: expected each leaf's path to name one key, given two "
+                    f"tree key {shown(key)}: expected each leaf's path to name one key, given two "
                     f"leaves named so ({paths[0]} and {paths[1]}); rename one"
                 )
             seen[key] = n

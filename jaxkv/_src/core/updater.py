@@ -16,7 +16,7 @@ import jax
 import optax
 
 from jaxkv._src.core.tree_view import inner
-from jaxkv._src.errors import KVStoreError, ShapeError
+from jaxkv._src.errors import KVStoreError, ShapeError, shown
 from jaxkv._src.state.kvstate import Key, KVState
 from jaxkv._src.state.pairing import as_array
 
@@ -361,9 +361,9 @@ def apply_updater(
                 value = updater(key, p, s)
             if value is None:
                 raise KVStoreError(
-                    f"key {key!r}: the updater {updater_name(updater)} returned None, expected "
-                    "the new stored value. MXNet-style in-place updaters (stored += ...) work "
-                    "through jaxkv.KVStore; a functional updater must return the new value"
+                    f"key {shown(key)}: the updater {updater_name(updater)} returned None, "
+                    "expected the new stored value. MXNet-style in-place updaters (stored += ...) "
+                    "work through jaxkv.KVStore; a functional updater must return the new value"
                 )
             new.append(value)
     out = []
@@ -372,7 +372,7 @@ def apply_updater(
             value = as_array(value)
         if tuple(value.shape) != tuple(s.shape):
             raise ShapeError(
-                f"key {key!r}: the updater returned shape {tuple(value.shape)}, expected the "
+                f"key {shown(key)}: the updater returned shape {tuple(value.shape)}, expected the "
                 f"stored shape {tuple(s.shape)} (the updater: {updater_name(updater)})"
             )
         out.append(value.astype(s.dtype))

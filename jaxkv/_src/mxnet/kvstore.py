@@ -34,14 +34,14 @@ from jaxkv._src.core.updater import (
     positional,
     updater_name,
 )
-from jaxkv._src.errors import KVStoreError, ShapeError
-from jaxkv._src.mxnet import held, kvstore_rows, lending, per_key, states_file
+from jaxkv._src.errors import DtypeError, KVStoreError, ShapeError, shown
+from jaxkv._src.mxnet import casts, held, kvstore_rows, lending, per_key, states_file
 from jaxkv._src.mxnet.ndarray import NDArray, unwrap
 from jaxkv._src.mxnet.optimizers import catalog  # noqa: F401 - fills the registry
 from jaxkv._src.mxnet.optimizers.optimizer import Optimizer as MXNetOptimizer
 from jaxkv._src.mxnet.updater import Updater as MXNetUpdater
 from jaxkv._src.processes import host, join
-from jaxkv._src.state import buckets, pairing, placement
+from jaxkv._src.state import buckets, dtypes, pairing, placement
 from jaxkv._src.state.kvstate import BIGARRAY_BOUND, Key, KVState, empty, spans_processes
 
 __all__ = ["KVStore", "create"]
@@ -594,7 +594,7 @@ class KVStore:
     ) -> jax.Array | list[jax.Array] | None:
         """Pull only the rows ``row_ids`` (others zero) into ``out``, or return them."""
         if row_ids is None:
-            raise KVStoreError(f"key {key!r}: row_sparse_pull expects row_ids, given None")
+            raise KVStoreError(f"key {shown(key)}: row_sparse_pull expects row_ids, given None")
         with self._lock:
             deferred = self._deferred if out is not None else None
             if deferred is not None:
@@ -1037,12 +1037,13 @@ class KVStore:
                 out = updater(k, NDArray(summed[k]), handle)
             except Exception as e:
                 raise KVStoreError(
-                    f"key {k!r}: the updater {updater_name(updater)} raised {type(e).__name__}: {e}"
+                    f"key {shown(k)}: the updater {updater_name(updater)} raised "
+                    f"{type(e).__name__}: {e}"
                 ) from e
             value = pairing.as_array(handle.asjax() if out is None else unwrap(out))
             if tuple(value.shape) != tuple(state.shapes[k]):
                 raise ShapeError(
-                    f"key {k!r}: the updater {updater_name(updater)} gave shape "
+                    f"key {shown(k)}: the updater {updater_name(updater)} gave shape "
                     f"{tuple(value.shape)}, expected the stored shape {tuple(state.shapes[k])}"
                 )
             stored = state[k]
@@ -1150,13 +1151,14 @@ class KVStore:
                     continue  # the common case, checked cheaply
                 if not isinstance(o, NDArray):
                     raise KVStoreError(
-                        f"key {k!r}: out expected a jaxkv.nd.NDArray, given "
+                        f"key {shown(k)}: out expected a jaxkv.nd.NDArray, given "
                         f"{type(o).__name__}; a jax.Array cannot be filled in place, so use "
-                        f"the return value instead: value = kv.pull({k!r})"
+                        f"the return value instead: value = kv.pull({shown(k)})"
                     )
                 if o.shape != shape:
                     raise ShapeError(
-                        f"key {k!r}: out has shape {o.shape}, expected the stored shape {shape}"
+                        f"key {shown(k)}: out has shape {o.shape}, expected the stored "
+                        f"shape {shape}"
                     )
 
     def _fill(self, pairs: list[tuple[Key, list]]) -> None:
@@ -1273,14 +1275,16 @@ def _row_ids_per_out(key: Any, pairs: list[tuple[Key, list]], row_ids: Any) -> l
             ids = list(ids) if isinstance(ids, list | tuple) else [ids] * len(outs)
             if len(ids) != len(outs):
                 raise ShapeError(
-                    f"key {k!r}: expected {len(outs)} row_ids (one per out), given {len(ids)}"
+                    f"key {shown(k)}: expected {len(outs)} row_ids (one per out), given {len(ids)}"
                 )
             out.append(ids)
         return out
     if len(row_ids) == 1 and n > 1:
         row_ids = list(row_ids) * n
     if len(row_ids) != n:
-        raise ShapeError(f"key {key!r}: expected {n} row_ids (one per out), given {len(row_ids)}")
+        raise ShapeError(
+            f"key {shown(key)}: expected {n} row_ids (one per out), given {len(row_ids)}"
+        )
     it = iter(row_ids)
     return [[next(it) for _ in outs] for _, outs in pairs]
 
@@ -1298,11 +1302,69 @@ def _holds_ndarrays(x: Any) -> bool:
     return isinstance(x, NDArray)
 
 
+# MXNet's store types whose values meet in CommCPU, which fails on several values of another
+# dtype than the key's ("data type do not match"); the others (CommDevice) cast each value.
+_CPU_COMM = ("local", "local_update_cpu", "local_allreduce_cpu", "dist_sync")
+
+
 class DropInKVStore(KVStore):
     """The store of the MXNet drop-in (``jaxkv.mx.kv.create``): :class:`KVStore` with MXNet
     1.9.1's refusals where jaxkv's own store accepts more, so that code written against
     ``jaxkv.mx`` also runs on MXNet: ``row_sparse_pull`` into a dense out is refused, as
-    MXNet's check does ("Expected row_sparse storage type for row_sparse_pull values")."""
+    MXNet's check does ("Expected row_sparse storage type for row_sparse_pull values").
+
+    And MXNet's casts: a dense value of a dtype the key's cannot hold without loss, which
+    jaxkv's own store refuses, is cast as MXNet 1.9.1 casts it (:func:`casts.mxnet_cast`: 300.0
+    into a uint8 key is 44), then summed in the key's dtype; where MXNet fails instead (several
+    such values of one key in a ``local`` or ``dist_sync`` store), the push is refused."""
+
+    def push(self, key: Any, value: Any = pairing.MISSING, priority: int = 0) -> None:
+        try:
+            super().push(key, value, priority)
+        except DtypeError:  # refused before anything changed: cast as MXNet does, and again
+            if value is pairing.MISSING:
+                raise
+            super().push(key, self._mxnet_cast(key, value), priority)
+
+    def pushpull(
+        self, key: Any, value: Any = pairing.MISSING, out: Any = None, priority: int = 0
+    ) -> jax.Array | list[jax.Array] | None:
+        try:
+            return super().pushpull(key, value, out, priority)
+        except DtypeError:
+            if value is pairing.MISSING:
+                raise
+            cast = self._mxnet_cast(key, value)
+            return super().pushpull(key, cast, value if out is None else out, priority)
+
+    def _mxnet_cast(self, key: Any, value: Any) -> Any:
+        """``value`` (as a push of ``key`` takes it) with each array cast to its key's dtype as
+        MXNet casts it; refuses what MXNet fails on."""
+        value = _unwrap_values(value)
+        given = value if isinstance(key, list | tuple) else [value]
+        out = []
+        for (k, vs), v in zip(pairing.pairs(key, value, "values"), given):
+            dtype = self._dtype_of(k)
+            arrays = [pairing.as_value(k, x, "the pushed value") for x in vs]
+            lossy = [x.dtype for x in arrays if not dtypes.holds(dtype, x.dtype)]
+            if lossy and (
+                not casts.castable(dtype) or (len(arrays) > 1 and self._type in _CPU_COMM)
+            ):
+                raise DtypeError(
+                    f"key {shown(k)}: {len(arrays)} pushed values of dtype {lossy[0]} into a "
+                    f"key of dtype {dtype}: MXNet 1.9.1's {self._type!r} store fails on them "
+                    "('data type do not match'); push value.astype(...) of the key's dtype"
+                )
+            cast = [casts.mxnet_cast(x, dtype) for x in arrays]
+            out.append(cast if isinstance(v, list | tuple) else cast[0])
+        return out if isinstance(key, list | tuple) else out[0]
+
+    def _dtype_of(self, key: Key) -> Any:
+        inits = self._held.inits if self._held is not None else {}
+        if key in inits:
+            return inits[key].dtype
+        state = self._stored
+        return buckets.stored_type(state, state.index(key)).dtype
 
     def row_sparse_pull(
         self, key: Any, out: Any = None, priority: int = 0, row_ids: Any = None

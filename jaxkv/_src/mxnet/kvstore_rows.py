@@ -25,7 +25,7 @@ import numpy as np
 
 import jaxkv._src.core.ops  # noqa: F401 - core.ops below
 from jaxkv._src import core
-from jaxkv._src.errors import ShapeError
+from jaxkv._src.errors import ShapeError, shown
 from jaxkv._src.mxnet.ndarray import NDArray
 from jaxkv._src.mxnet.sparse import RowSparseNDArray
 from jaxkv._src.rows import ops
@@ -125,8 +125,8 @@ def _check_shapes(key: Key, shape: tuple[int, ...], values: list) -> None:
     for v in values:
         if tuple(v.shape) != tuple(shape):
             raise ShapeError(
-                f"key {key!r}: the pushed value has shape {tuple(v.shape)}, expected the stored "
-                f"shape {tuple(shape)}"
+                f"key {shown(key)}: the pushed value has shape {tuple(v.shape)}, expected the "
+                f"stored shape {tuple(shape)}"
             )
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxkv._src.checkpoint import disk
 from jaxkv._src.checkpoint.npz import is_pickle
-from jaxkv._src.errors import KVStoreError
+from jaxkv._src.errors import KVStoreError, shown
 
 __all__ = [
     "Saved",
@@ -280,7 +280,7 @@ def filled(
     if len(slots) > len(want) or not slots and want:
         shapes = [tuple(x.shape) for x in slots]
         raise KVStoreError(
-            f"{fname}: key {key!r}: MXNet's optimizer state holds arrays of shapes {shapes}, "
+            f"{fname}: key {shown(key)}: MXNet's optimizer state holds arrays of shapes {shapes}, "
             f"expected {[tuple(t.shape) for t in want]} for this store's optimizer; load it "
             "into a store with the optimizer (and arguments) that saved it"
         )
@@ -294,7 +294,7 @@ def filled(
             out.append(np.broadcast_to(x, t.shape).astype(t.dtype))
         except ValueError:
             raise KVStoreError(
-                f"{fname}: key {key!r}: MXNet's optimizer state holds an array of shape "
+                f"{fname}: key {shown(key)}: MXNet's optimizer state holds an array of shape "
                 f"{tuple(x.shape)}, expected {tuple(t.shape)} (the stored value's); load it "
                 "into a store with the keys and optimizer that saved it"
             ) from None

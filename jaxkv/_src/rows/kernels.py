@@ -28,7 +28,7 @@ from jaxkv._src.core.collectives import SUM, psum_scatter
 from jaxkv._src.core.on_blocks import UPDATER
 from jaxkv._src.core.on_buckets import elementwise as _elementwise
 from jaxkv._src.core.updater import apply_updates, init_state, updater_errors, updater_name
-from jaxkv._src.errors import KVStoreError, ShapeError
+from jaxkv._src.errors import KVStoreError, ShapeError, shown
 from jaxkv._src.state.buckets import block_rows
 from jaxkv._src.state.kvstate import Key, KVState
 from jaxkv._src.state.pairing import as_array
@@ -179,15 +179,15 @@ def _updated(
         value = updater(key, pushed, stored)
         if value is None:
             raise KVStoreError(
-                f"key {key!r}: the updater {updater_name(updater)} returned None, expected the "
-                "new stored value. MXNet-style in-place updaters (stored += ...) work through "
-                "jaxkv.KVStore; a functional updater must return the new value"
+                f"key {shown(key)}: the updater {updater_name(updater)} returned None, "
+                "expected the new stored value. MXNet-style in-place updaters (stored += ...) "
+                "work through jaxkv.KVStore; a functional updater must return the new value"
             )
         value = as_array(value)
     if tuple(value.shape) != tuple(stored.shape):
         raise ShapeError(
-            f"key {key!r}: the updater returned shape {tuple(value.shape)}, expected the stored "
-            f"shape {tuple(stored.shape)} (the updater: {updater_name(updater)})"
+            f"key {shown(key)}: the updater returned shape {tuple(value.shape)}, expected the "
+            f"stored shape {tuple(stored.shape)} (the updater: {updater_name(updater)})"
         )
     return value.astype(stored.dtype), opt_state
 

@@ -45,7 +45,7 @@ from jaxkv._src.core.on_buckets import elementwise as _elementwise
 from jaxkv._src.core.on_buckets import structure as _structure
 from jaxkv._src.core.tree_view import viewed
 from jaxkv._src.core.updater import as_updater, optimizer_group, updater_errors
-from jaxkv._src.errors import KVStoreError, ShapeError
+from jaxkv._src.errors import KVStoreError, ShapeError, shown
 from jaxkv._src.jax_internals import assemble, per_device
 from jaxkv._src.processes import host, order
 from jaxkv._src.rows.kernels import (
@@ -71,6 +71,7 @@ from jaxkv._src.rows.kernels import (
 )
 from jaxkv._src.rows.sizes import concat_rows, cut, fit, pad_ids, pad_rows, route, slots
 from jaxkv._src.state import buckets
+from jaxkv._src.state.dtypes import check_dtype
 from jaxkv._src.state.kvstate import Key, KVState, normalize_key
 from jaxkv._src.state.kvstate import spans_processes as _state_spans_processes
 from jaxkv._src.state.pairing import as_array, devices_of, is_traced
@@ -87,14 +88,14 @@ def _table(state: KVState, key: Any, what: str) -> tuple[Key, int, tuple[int, ..
     i = state.index(key)
     shape = state.key_shapes[i]
     if not shape:
-        raise ShapeError(f"key {key!r}: {what} expects a value with rows, given a scalar")
+        raise ShapeError(f"key {shown(key)}: {what} expects a value with rows, given a scalar")
     if shape[0] >= 2**31:
         raise KVStoreError(
-            f"key {key!r}: {what} expects a table of fewer than 2**31 rows, given {shape[0]}"
+            f"key {shown(key)}: {what} expects a table of fewer than 2**31 rows, given {shape[0]}"
         )
     if state.multi_axis:
         raise KVStoreError(
-            f"key {key!r}: {what} expects a store on one mesh axis, given a store on the axes "
+            f"key {shown(key)}: {what} expects a store on one mesh axis, given a store on the axes "
             f"{tuple(state.mesh.axis_names)}; keep row-sparse tables in a store of their own "
             "(jaxkv.empty over the same devices)"
         )
@@ -116,9 +117,9 @@ def host_ids(key: Key, row_ids: Any, n_rows: int) -> np.ndarray:
         or ids.min() < 0
         or ids.max() >= n_rows
     ):
-        shown = ids.tolist() if ids.size <= 16 else f"{ids[:16].tolist()} ... ({ids.size} ids)"
+        given = ids.tolist() if ids.size <= 16 else f"{ids[:16].tolist()} ... ({ids.size} ids)"
         raise KVStoreError(
-            f"key {key!r}: row_ids expected integers in [0, {n_rows}), given {shown}"
+            f"key {shown(key)}: row_ids expected integers in [0, {n_rows}), given {given}"
         )
     if ids.size == 0 and not np.issubdtype(ids.dtype, np.number):
         ids = ids.astype(np.int32)
@@ -154,10 +155,10 @@ def _block_rows(state: KVState, key: Key, leaf: Any) -> int | None:
         return None
     if tuple(leaf.shape[1:]) != shape[1:]:
         raise KVStoreError(
-            f"key {key!r}: expected this device's block to be whole rows of the table {shape}, "
-            f"given a block of shape {tuple(leaf.shape)} (a split bucket cuts a table whose rows "
-            "do not divide by the devices across rows); use layout='keys' for this table, or "
-            "call this outside shard_map"
+            f"key {shown(key)}: expected this device's block to be whole rows of the table "
+            f"{shape}, given a block of shape {tuple(leaf.shape)} (a split bucket cuts a table "
+            "whose rows do not divide by the devices across rows); use layout='keys' for this "
+            "table, or call this outside shard_map"
         )
     return int(leaf.shape[0])
 
@@ -166,7 +167,7 @@ def _axis(state: KVState, axis_name: Any, key: Key) -> Any:
     names = axis_names(axis_name) if axis_name is not None else (state.axis,)
     if len(names) != 1:
         raise KVStoreError(
-            f"key {key!r}: expected one mapped axis for the rows of a table, given {names}"
+            f"key {shown(key)}: expected one mapped axis for the rows of a table, given {names}"
         )
     return names[0]
 
@@ -242,7 +243,7 @@ def _pull_per_device(
     targets = devices_of(devices) if devices is not None else state.devices
     if len(targets) != len(row_ids):
         raise ShapeError(
-            f"key {key!r}: expected one row_ids per device ({len(targets)} devices), given "
+            f"key {shown(key)}: expected one row_ids per device ({len(targets)} devices), given "
             f"{len(row_ids)} row_ids"
         )
     ids = [host_ids(key, x, shape[0]) for x in ids_on_host(row_ids)]
@@ -446,11 +447,11 @@ def _pairs(key: Key, row_ids: Any, rows: Any) -> list[tuple[Any, Any]]:
     if many and (not isinstance(row_ids, list | tuple) or len(rows) != len(row_ids)):
         given = f"{len(row_ids)} row_ids" if isinstance(row_ids, list | tuple) else "one row_ids"
         raise ShapeError(
-            f"key {key!r}: push_rows expects one (row_ids, rows) pair or a list of each of the "
-            f"same length (one per device), given {given} and {len(rows)} rows"
+            f"key {shown(key)}: push_rows expects one (row_ids, rows) pair or a list of each "
+            f"of the same length (one per device), given {given} and {len(rows)} rows"
         )
     if many and not rows:
-        raise ShapeError(f"key {key!r}: push_rows expects at least one (row_ids, rows) pair")
+        raise ShapeError(f"key {shown(key)}: push_rows expects at least one (row_ids, rows) pair")
     return list(zip(row_ids, rows)) if many else [(row_ids, rows)]
 
 
@@ -462,14 +463,10 @@ def _check_rows(key: Key, shape: tuple[int, ...], dtype: Any, n: int, rows: Any,
     want = (n, *shape[1:])
     if tuple(rows.shape) != want:
         raise ShapeError(
-            f"key {key!r}: {what} has shape {tuple(rows.shape)}, expected {want} (one row of the "
-            f"table {shape} per row id)"
+            f"key {shown(key)}: {what} has shape {tuple(rows.shape)}, expected {want} (one row "
+            f"of the table {shape} per row id)"
         )
-    if jnp.dtype(rows.dtype).kind == "c" and jnp.dtype(dtype).kind != "c":
-        raise KVStoreError(
-            f"key {key!r}: {what} has dtype {rows.dtype}, expected a real dtype castable to the "
-            f"stored {dtype}"
-        )
+    check_dtype(key, rows, jax.ShapeDtypeStruct(want, dtype), what)
 
 
 def push_rows(
@@ -570,7 +567,7 @@ def pushpull_rows(
     ):
         with checking(state, key):  # across processes, a refusal is every process's
             raise ShapeError(
-                f"key {key!r}: pushpull_rows with {len(rows)} pairs expects a list of "
+                f"key {shown(key)}: pushpull_rows with {len(rows)} pairs expects a list of "
                 f"{len(rows)} pull_ids, one per pair"
             )
     traced = _traced_leaves(state) or is_traced(asked) or many and any(map(is_traced, asked))
@@ -624,7 +621,7 @@ def _push(
     extra = {} if extra is None else dict(extra)
     if state.reduce != "sum":
         raise KVStoreError(
-            f"key {key!r}: a row-sparse push sums its rows, given a store with "
+            f"key {shown(key)}: a row-sparse push sums its rows, given a store with "
             f"reduce={state.reduce!r}; push the rows to a store with reduce='sum' (and "
             "scale them), or push the dense value"
         )
@@ -888,7 +885,7 @@ def _agreed(
         return values
     if refusing:
         raise KVStoreError(
-            f"key {key!r}: the row operation was refused on process(es) {refusing} (their "
+            f"key {shown(key)}: the row operation was refused on process(es) {refusing} (their "
             "error says why; each process checks its own ids and rows); nothing changed on any "
             "process"
         )
@@ -917,7 +914,7 @@ def _extra_differs(key: Key, extra: dict | None) -> None:
     texts = host.all_gather_text(mine, "the numbers of a row push")
     per = "; ".join(f"process {p}: {t.decode()}" for p, t in enumerate(texts))
     raise KVStoreError(
-        f"key {key!r}: expected every process to push with the same numbers (an MXNet "
+        f"key {shown(key)}: expected every process to push with the same numbers (an MXNet "
         f"optimizer's learning rate, ...), given {per}; nothing changed on any process"
     )
 
@@ -957,7 +954,8 @@ def _pull_across(
         asked = [host_ids(key, x, shape[0]) for x in given]
         if per and len(asked) != len(local):
             raise ShapeError(
-                f"key {key!r}: expected one row_ids per device of this process ({len(local)}), "
+                f"key {shown(key)}: expected one row_ids per device of this process "
+                f"({len(local)}), "
                 f"given {len(asked)} row_ids"
             )
     mine = _asked_here(state, asked)
@@ -1191,9 +1189,9 @@ def _push_traced(
     opt = None if group is None else state.opt_states[group]
     if isinstance(updater, optax.GradientTransformation) and opt is None:
         raise KVStoreError(
-            f"key {key!r}: expected optimizer state made before the step for a row push of this "
-            "device's block inside shard_map; call jaxkv.init_optimizer(state, optimizer, "
-            f"[{key!r}]) before it"
+            f"key {shown(key)}: expected optimizer state made before the step for a row push "
+            "of this device's block inside shard_map; call jaxkv.init_optimizer(state, optimizer, "
+            f"[{shown(key)}]) before it"
         )
     where = Where(axis, block)
     value, opt = update_rows(key, where, stored, opt, ids, rows, shape[0], updater, extra)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxkv._src.errors import KeyTypeError, KVStoreError, unknown_key
+from jaxkv._src.errors import KeyTypeError, KVStoreError, shown, unknown_key
 from jaxkv._src.state import buckets
 from jaxkv._src.state.buckets import FlatLayout, Packing
 from jaxkv._src.state.tree_shapes import TreeShape
@@ -215,7 +215,7 @@ def normalize_key(key: Any) -> Key:
         return key
     if isinstance(key, numbers.Integral) and not isinstance(key, bool):
         return int(key)
-    raise KeyTypeError(f"key {key!r}: expected an int or a str, given {type(key).__name__}")
+    raise KeyTypeError(f"key {shown(key)}: expected an int or a str, given {type(key).__name__}")
 
 
 def key_kind(key: Key) -> str:
@@ -659,7 +659,7 @@ class KVState:
                 n = _axes_size(self.mesh, (entry,) if isinstance(entry, str) else tuple(entry))
                 if shape[d] % n:
                     raise KVStoreError(
-                        f"key {key!r}: its sharding {spec} splits dimension {d} of shape "
+                        f"key {shown(key)}: its sharding {spec} splits dimension {d} of shape "
                         f"{shape} over {n} devices, expected a size that divides"
                     )
         return spec
@@ -842,7 +842,7 @@ class KVState:
         kind = self.key_kind
         if kind is not None and key_kind(key) != kind:
             raise KeyTypeError(
-                f"key {key!r}: this store holds {kind} keys, given a {key_kind(key)} key "
+                f"key {shown(key)}: this store holds {kind} keys, given a {key_kind(key)} key "
                 "(one store holds one kind of key, as in MXNet)"
             )
 
@@ -1277,7 +1277,7 @@ def check_compressible(config: tuple | None, key: Key, dtype: Any) -> None:
     value, and fp16/bf16 rounding of large integers changes them: both silently."""
     if config is not None and not jnp.issubdtype(dtype, jnp.floating):
         raise KVStoreError(
-            f"key {key!r}: gradient compression {config[0]!r} expects a floating-point value "
+            f"key {shown(key)}: gradient compression {config[0]!r} expects a floating-point value "
             f"(as in MXNet), given dtype {np.dtype(dtype)}; store this key in a store without "
             "compression"
         )

@@ -8,12 +8,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxkv._src.errors import KVStoreError, ShapeError
+from jaxkv._src.errors import KVStoreError, ShapeError, shown
 from jaxkv._src.jax_internals import ArrayImpl
 from jaxkv._src.state import buckets
+from jaxkv._src.state.dtypes import check_dtype
 from jaxkv._src.state.kvstate import Key, KVState, normalize_key
 
-__all__ = ["MISSING", "as_array", "check_value", "devices_of", "group", "is_traced", "pairs"]
+__all__ = [
+    "MISSING",
+    "as_array",
+    "as_value",
+    "check_value",
+    "devices_of",
+    "group",
+    "is_traced",
+    "pairs",
+]
 
 MISSING = object()  # ``values`` not given: ``keys`` is a mapping
 
@@ -32,7 +42,7 @@ def pairs(keys: Any, values: Any, what: str) -> list[tuple[Key, list]]:
         if not isinstance(keys, Mapping):
             raise KVStoreError(
                 f"expected a mapping {{key: {what[:-1]}}} or keys and {what}, "
-                f"given only {type(keys).__name__} {keys!r}"
+                f"given only {type(keys).__name__} {shown(keys)}"
             )
         keys, values = list(keys.keys()), list(keys.values())
     if isinstance(keys, list | tuple):
@@ -46,7 +56,9 @@ def pairs(keys: Any, values: Any, what: str) -> list[tuple[Key, list]]:
         out = [(normalize_key(keys), _as_list(values))]
     for k, vs in out:
         if not vs:
-            raise ShapeError(f"key {k!r}: expected at least one {what[:-1]}, given an empty list")
+            raise ShapeError(
+                f"key {shown(k)}: expected at least one {what[:-1]}, given an empty list"
+            )
     return out
 
 
@@ -70,14 +82,29 @@ def check_value(key: Key, x: jax.Array, stored: Any, what: str, whole: Any = Non
     if tuple(x.shape) not in (whole, tuple(stored.shape)):
         block = "" if whole == tuple(stored.shape) else f" or this device's block {stored.shape}"
         raise ShapeError(
-            f"key {key!r}: {what} has shape {tuple(x.shape)}, expected the stored shape "
+            f"key {shown(key)}: {what} has shape {tuple(x.shape)}, expected the stored shape "
             f"{whole}{block} (dtype {stored.dtype})"
         )
-    if x.dtype.kind == "c" and stored.dtype.kind != "c":
+    check_dtype(key, x, stored, what)
+
+
+def as_value(key: Key, v: Any, what: str) -> jax.Array:
+    """``v`` as an array, or a refusal naming the key where it is not one (``None``, a str,
+    a dict, an object)."""
+    if type(v) is ArrayImpl or isinstance(v, jax.Array):
+        return v
+    try:
+        x = as_array(v)
+    except (TypeError, ValueError) as e:
         raise KVStoreError(
-            f"key {key!r}: {what} has dtype {x.dtype}, expected a real dtype castable to the "
-            f"stored {stored.dtype}"
+            f"key {shown(key)}: {what} is {type(v).__name__} {shown(v)}, expected an array "
+            "(a jax.Array, a NumPy array, an NDArray) or a number"
+        ) from e
+    if not (jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.bool_)):
+        raise KVStoreError(
+            f"key {shown(key)}: {what} has dtype {x.dtype}, expected an array of numbers"
         )
+    return x
 
 
 def group(
@@ -97,8 +124,8 @@ def group(
                 whole = state.local_shape(key)  # in shard_map over the axes of its own split
         arrays = []
         for n, v in enumerate(vs):
-            x = as_array(v)
             what = "the pushed value" if len(vs) == 1 else f"pushed value {n}"
+            x = as_value(key, v, what)
             check_value(key, x, stored, what, whole)
             arrays.append(x)
         grouped.setdefault(key, []).extend(arrays)

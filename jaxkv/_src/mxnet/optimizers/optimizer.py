@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxkv._src.errors import KVStoreError
+from jaxkv._src.errors import KVStoreError, shown
 from jaxkv._src.mxnet.optimizers import float32 as f32
 
 __all__ = [
@@ -862,5 +862,5 @@ def from_json(x: Any) -> Any:
 
 def _hashable(k: Any) -> Any:
     if isinstance(k, list):
-        raise ValueError(f"a list as a key: {k!r}")
+        raise ValueError(f"a list as a key: {shown(k)}")
     return k
