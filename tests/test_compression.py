@@ -233,19 +233,25 @@ def test_integer_values_are_refused_as_mxnet_does(kind):
 def test_values_from_one_device_are_cast_before_they_are_summed(devices):
     """As in an uncompressed push: each value is cast to the stored dtype, then the device's
     values are summed, then compressed. (Summed in float32 first, cpu(0)'s share would round to
-    1 + 2**-10 in float16 and leave a residual of 0.5 + 2**-10.)"""
+    1 + 2**-10 in float16 and leave a residual of 0.5 + 2**-10.) float32 into float16 is the
+    drop-in's cast (MXNet's); jaxkv's own store refuses it and widens float16 into float32."""
+    import jaxkv.mx as mx
+
+    kv = mx.kv.create("device")
+    kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    kv.init("h", mx.nd.zeros((1,), dtype="float16"))
+    a, b = np.float32(1 + 2**-11), np.float32(2**-11)
+    on0 = lambda x: jax.device_put(jnp.asarray(x), devices[0])  # noqa: E731
+    kv.push("h", [mx.nd.array([a], dtype="float32"), mx.nd.array([b], dtype="float32")])
+    assert float(np.asarray(kv.state.residuals["h"])[0]) == 0.5
+    assert float(np.asarray(kv.pull("h"))[0]) == 0.5
     state = jaxkv.init(
         jaxkv.empty(devices, compression={"type": "2bit", "threshold": 0.5}),
         {"h": jnp.zeros(1, jnp.float16), "f": jnp.zeros(1)},
     )
-    a, b = np.float32(1 + 2**-11), np.float32(2**-11)
-    on0 = lambda x: jax.device_put(jnp.asarray(x), devices[0])  # noqa: E731
-    new = jaxkv.push(
-        state,
-        {"h": [on0([a]), on0([b])], "f": [on0(jnp.ones(1, jnp.float16)), on0(np.ones(1))]},
-    )
-    assert float(np.asarray(new.residuals["h"])[0]) == 0.5
-    assert float(np.asarray(new["h"])[0]) == 0.5
+    with pytest.raises(jaxkv.DtypeError, match="key 'h'"):
+        jaxkv.push(state, {"h": [on0([a]), on0([b])]})
+    new = jaxkv.push(state, {"f": [on0(jnp.ones(1, jnp.float16)), on0(np.ones(1))]})
     np.testing.assert_array_equal(np.asarray(new.residuals["f"])[0], [1.5])  # 2 - 0.5
 
 

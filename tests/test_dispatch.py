@@ -132,7 +132,7 @@ def test_a_value_elsewhere_or_of_another_dtype_takes_the_general_way(cpus):
     for _ in range(2):
         state = jaxkv.push(state, 0, jnp.ones(3, device=cpus[0]), updater=optax.sgd(1.0))
     state = jaxkv.push(state, 0, jnp.ones(3, device=cpus[3]), updater=optax.sgd(1.0))
-    state = jaxkv.push(state, 0, jnp.ones(3, jnp.int32, device=cpus[0]), updater=optax.sgd(1.0))
+    state = jaxkv.push(state, 0, jnp.ones(3, jnp.int8, device=cpus[0]), updater=optax.sgd(1.0))
     assert jaxkv.pull(state, 0).devices() == {cpus[0]}
     np.testing.assert_array_equal(np.asarray(jaxkv.pull(state, 0)), -4 * np.ones(3))
 

@@ -50,7 +50,7 @@ def test_one_value_per_device_in_any_order_is_summed(devices, order, shape):
 
 def test_values_of_mixed_dtypes_are_cast_to_the_stored_dtype_then_summed(devices):
     s = jaxkv.init(cpu_empty(), {"w": jnp.zeros(4, jnp.float32)})
-    dtypes = [jnp.float32, jnp.float16, jnp.int32, jnp.bfloat16] * 2
+    dtypes = [jnp.float32, jnp.float16, jnp.int16, jnp.bfloat16] * 2
     values = [
         jax.device_put(jnp.arange(4, dtype=dt) * (i + 1), d)
         for i, (dt, d) in enumerate(zip(dtypes, devices))
@@ -80,7 +80,8 @@ def test_several_values_on_one_device_and_off_store_values_are_summed(devices):
 
 def test_one_value_is_stored_as_given_on_the_store_devices(devices):
     s = jaxkv.init(jaxkv.empty(devices[2:6]), {"w": jnp.zeros((2, 2), jnp.float16)})
-    new = jaxkv.push(s, "w", jax.device_put(jnp.array([[1.5, 2], [3, 4]]), devices[7]))
+    value = jnp.array([[1.5, 2], [3, 4]], jnp.float16)
+    new = jaxkv.push(s, "w", jax.device_put(value, devices[7]))
     np.testing.assert_array_equal(pulled(new, "w"), [[1.5, 2], [3, 4]])
     assert new["w"].dtype == jnp.float16
     assert new["w"].sharding.device_set == set(devices[2:6])

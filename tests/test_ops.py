@@ -140,14 +140,16 @@ def test_push_sums_lists_and_duplicate_keys_then_updates_once_per_key(state, cal
     np.testing.assert_array_equal(state["v"], np.arange(4.0))  # pure
 
 
-def test_push_casts_to_the_stored_dtype(state, call):
-    new = call(lambda s, x: jaxkv.push(s, {"v": x}), state, jnp.arange(4, dtype=jnp.int32) - 2)
+def test_push_widens_to_the_stored_dtype_and_refuses_a_lossy_cast(state, call):
+    new = call(lambda s, x: jaxkv.push(s, {"v": x}), state, jnp.arange(4, dtype=jnp.int16) - 2)
     assert new["v"].dtype == jnp.float32
     np.testing.assert_array_equal(new["v"], np.arange(4.0) - 2)
     ints = jaxkv.init(cpu_empty(), {"i": jnp.zeros(3, jnp.int32)})
-    new = call(lambda s, x: jaxkv.push(s, "i", x), ints, jnp.array([1.0, -2.0, 3.0]))
+    new = call(lambda s, x: jaxkv.push(s, "i", x), ints, jnp.array([1, -2, 3], jnp.int8))
     assert new["i"].dtype == jnp.int32
     np.testing.assert_array_equal(new["i"], [1, -2, 3])
+    with pytest.raises(jaxkv.DtypeError, match="key 'i': the pushed value has dtype float32"):
+        call(lambda s, x: jaxkv.push(s, "i", x), ints, jnp.array([1.0, -2.0, 3.0]))
 
 
 def test_pull_returns_the_stored_values(state, call):
@@ -254,7 +256,7 @@ def test_pushpull_returns_the_new_value(state, devices):
             r"updater returned shape \(\)",
         ),
         (lambda s: jaxkv.pull(s, 3), jaxkv.KeyTypeError, "str keys"),
-        (lambda s: jaxkv.push(s, "v", jnp.ones(4, jnp.complex64)), jaxkv.KVStoreError, "real"),
+        (lambda s: jaxkv.push(s, "v", jnp.ones(4, jnp.complex64)), jaxkv.DtypeError, "complex64"),
     ],
 )
 def test_refusals_name_the_key_and_change_nothing(state, call, error, pattern):

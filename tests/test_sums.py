@@ -104,17 +104,17 @@ def test_mixed_dtypes_from_different_devices_are_cast_before_the_sum(devices):
         {"f": jnp.zeros((8, 4)), "i": jnp.zeros(3, jnp.int32), "h": jnp.zeros(2, jnp.float16)},
     )
     f = [  # the first value's dtype is not the stored one
-        jax.device_put(np.full((8, 4), 2, np.int32), devices[1]),
+        jax.device_put(np.full((8, 4), 2, np.int16), devices[1]),
         jax.device_put(np.full((8, 4), 1.5, np.float32), devices[0]),
         jax.device_put(jnp.full((8, 4), 0.25, jnp.bfloat16), devices[2]),
     ]
     i = [
         jax.device_put(np.full(3, 7, np.int32), devices[3]),
-        jax.device_put(np.full(3, 2.0, np.float32), devices[4]),
+        jax.device_put(np.full(3, 2, np.int8), devices[4]),
     ]
     h = [
-        jax.device_put(np.full(2, 0.5, np.float32), devices[7]),
-        jax.device_put(np.full(2, 3, np.int8), devices[6]),
+        jax.device_put(np.full(2, 3, np.int8), devices[7]),
+        jax.device_put(np.full(2, 0.5, np.float16), devices[6]),
     ]
     new = jaxkv.push(state, {"f": f, "i": i, "h": h})
     np.testing.assert_array_equal(np.asarray(new["f"]), np.full((8, 4), 3.75, np.float32))

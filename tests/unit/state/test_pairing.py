@@ -54,7 +54,7 @@ def test_a_value_of_the_whole_shape_or_the_device_block_is_accepted_nothing_else
 
 def test_a_complex_value_for_a_real_key_is_refused():
     stored = jax.ShapeDtypeStruct((2,), jnp.float32)
-    with pytest.raises(jaxkv.KVStoreError, match="expected a real dtype"):
+    with pytest.raises(jaxkv.DtypeError, match="dtype complex64, which the key's dtype float32"):
         pairing.check_value("w", np.zeros(2, np.complex64), stored, "the pushed value")
 
 
