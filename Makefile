@@ -39,6 +39,7 @@ test: $(STAMP)
 # processes.
 SLOW_TESTS := tests/test_stateful.py tests/test_rows.py tests/test_per_key.py \
 	tests/test_dist_stress.py tests/test_dist_sums.py tests/test_launch.py tests/test_launch_cause.py \
+	tests/test_launch_hang.py \
 	tests/test_launch_hosts.py tests/test_launch_env.py tests/test_launch_output.py \
 	tests/test_checkpoint_dist.py \
 	tests/test_split_buckets.py tests/test_flat_store.py tests/test_demo.py tests/test_notebook.py \

@@ -2,9 +2,10 @@
 
 The launcher starts ``-n`` processes on its node, each running the script through runner.py,
 and passes their output on through output.py's relay. When one fails, it names the first to
-fail and stops the others, or restarts the whole job (``--max-restarts``); a stop signal stops
-every process. docs/distributed.md says how, for users: its "One host" and "Failures, hangs and
-restarts" sections. What ``--help`` prints is :data:`USAGE` and :data:`EXAMPLES`.
+fail, after any that had stopped responding before (unresponsive.py), and stops the others, or
+restarts the whole job (``--max-restarts``); a stop signal stops every process.
+docs/distributed.md says how, for users: its "One host" and "Failures, hangs and restarts"
+sections. What ``--help`` prints is :data:`USAGE` and :data:`EXAMPLES`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from jaxkv._src.processes import unresponsive
 from jaxkv._src.processes.join import (
     ENV_COORDINATOR,
     ENV_DEVICES_PER_PROCESS,
@@ -354,7 +356,8 @@ class Launcher:
             notes = ""
         # Output as it is, to the launcher's own stdout and stderr, only when nothing is to be
         # prefixed or dropped.
-        relay = Relay(self.prefix, gloo_lines=self.verbose)
+        reports = unresponsive.HeartbeatReports()  # what the processes' stderr says of silent peers
+        relay = Relay(self.prefix, gloo_lines=self.verbose, on_error_line=reports.feed)
         piped = self.prefix or not self.verbose
         pipe = subprocess.PIPE if piped else None
         try:
@@ -405,7 +408,7 @@ class Launcher:
                     os.path.join(notes, "pids"),
                     "".join(f"{rank} {p.pid}\n" for rank, p in zip(ranks, procs)),
                 )
-            return self._watch(ranks, procs, notes, signals)
+            return self._watch(ranks, procs, notes, signals, reports)
         finally:
             _stop(procs)
             relay.close()
@@ -414,21 +417,34 @@ class Launcher:
 
     @staticmethod
     def _watch(
-        ranks: list[int], procs: list[subprocess.Popen], notes: str, signals: _Signals
+        ranks: list[int],
+        procs: list[subprocess.Popen],
+        notes: str,
+        signals: _Signals,
+        reports: unresponsive.HeartbeatReports | None = None,
     ) -> int:
         """Waits for the processes to end, or for a failure or a stop signal; returns the status
-        of the attempt."""
+        of the attempt. Until the first failure, it looks at the processes' states every
+        :data:`.unresponsive.LOOK_EVERY` seconds, to name one that stopped responding, with
+        ``reports`` (what the processes logged of their peers)."""
         exits = _Exits(ranks, procs)
         ended: dict[int, tuple[int, float]] = {}
         failed_at: float | None = None  # when the launcher saw the first failure
+        stops, looked = unresponsive.Stops(), -unresponsive.LOOK_EVERY
         try:
             while signals.received is None:
                 ended = exits.wait(0.05)
                 if len(ended) == len(procs):
                     break
                 if failed_at is None:
+                    now = time.monotonic()
                     if any(status for status, _ in ended.values()):
-                        failed_at = time.monotonic()
+                        failed_at = now
+                    elif now - looked >= unresponsive.LOOK_EVERY:
+                        looked = now
+                        for rank, p in zip(ranks, procs):
+                            if rank not in ended:
+                                stops.look(rank, p.pid, now)
                     continue
                 # After SETTLE, only for a process that is ending or has noted its failure.
                 waited = time.monotonic() - failed_at
@@ -453,11 +469,17 @@ class Launcher:
         if not failures:
             return 0
         (rank, code), after = failures[0], failures[1:]
-        logger.error(
-            "jaxkv.launch: %s; stopping the others%s",
-            _describe(rank, code),
-            f" (after it, {', '.join(_describe(*f) for f in after)})" if after else "",
+        first = _describe(rank, code)
+        if after:
+            first += f" (after it, {', '.join(_describe(*f) for f in after)})"
+        missing = reports.missing() if reports is not None else {}
+        at = time.monotonic() if failed_at is None else failed_at
+        cause = unresponsive.silent(
+            stops.seen, missing, set(ended), at, unresponsive.least_silence()
         )
+        if cause:  # the first to fail failed because these had stopped responding
+            first = f"{', '.join(cause)}; as a result, {first}"
+        logger.error("jaxkv.launch: %s; stopping the others", first)
         return code if code > 0 else 128 - code
 
 

@@ -9,6 +9,7 @@ import selectors
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, TextIO
 
@@ -48,6 +49,9 @@ class Relay:
         (:data:`GLOO_CONNECTED`); by default they are dropped.
       streams: where a process's stdout and stderr go; by default the launcher's
         ``sys.stdout`` and ``sys.stderr`` at the time of each write.
+      on_error_line: called from the relay's thread with the rank and each whole line of a
+        process's stderr (JAX's own errors), before the line is passed on; the launcher reads
+        the coordination service's reports of silent processes there (unresponsive.py).
 
     Lines from different processes never mix: a line is passed on whole, and the start of a
     line passed on early (:data:`PARTIAL_WAIT`) is ended by a newline before another
@@ -59,8 +63,10 @@ class Relay:
         prefix: bool = True,
         gloo_lines: bool = False,
         streams: tuple[TextIO, TextIO] | None = None,
+        on_error_line: Callable[[int, bytes], None] | None = None,
     ) -> None:
         self.prefix, self.gloo_lines, self._streams = prefix, gloo_lines, streams
+        self._on_error_line = on_error_line
         self._selector = selectors.DefaultSelector()
         self._pipes: dict[int, _Pipe] = {}
         # Per stream: the pipe whose line's start was passed on without its end, if any.
@@ -117,6 +123,7 @@ class Relay:
         end = p.pending.rfind(b"\n") + 1
         if end:
             for line in bytes(p.pending[:end]).splitlines(keepends=True):
+                self._heard(p, line)
                 self._pass_on(p, line, whole=True)
             del p.pending[:end]
             p.since = time.monotonic()
@@ -125,6 +132,7 @@ class Relay:
         """The end of ``p``: what is left of its last line is passed on, with a newline when
         lines are prefixed (the next line, from another process, must start a line)."""
         if p.pending:
+            self._heard(p, bytes(p.pending))
             self._pass_on(p, bytes(p.pending) + (b"\n" if self.prefix else b""), whole=True)
             p.pending.clear()
         elif self._mid_line[p.stream] is p and self.prefix:
@@ -132,6 +140,10 @@ class Relay:
         self._selector.unregister(p.pipe.fileno())
         del self._pipes[p.pipe.fileno()]
         p.pipe.close()
+
+    def _heard(self, p: _Pipe, line: bytes) -> None:
+        if p.stream == 2 and self._on_error_line is not None:
+            self._on_error_line(p.rank, line.rstrip(b"\r\n"))
 
     def _finish(self) -> None:
         for p in list(self._pipes.values()):

@@ -11,12 +11,17 @@ import types
 
 import pytest
 
-from jaxkv._src.processes import join, launcher
+from jaxkv._src.processes import join, launcher, order, unresponsive
 
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for name in ("GLIBC_TUNABLES", join.ENV_HEARTBEAT_TIMEOUT, join.ENV_DEVICES_PER_PROCESS):
+    for name in (
+        "GLIBC_TUNABLES",
+        join.ENV_HEARTBEAT_TIMEOUT,
+        join.ENV_DEVICES_PER_PROCESS,
+        order.ENV_COLLECTIVE_TIMEOUT,
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -50,7 +55,7 @@ def attempt(monkeypatch):
     them and the contents of the launcher's pid file as the processes would see it."""
     seen = {}
 
-    def watch(ranks, procs, notes, signals):
+    def watch(ranks, procs, notes, signals, reports):
         with open(os.path.join(notes, "pids")) as f:
             seen["pids"] = f.read()
         seen["procs"], seen["ranks"] = procs, ranks
@@ -242,10 +247,10 @@ STEP = 0.25  # the fake clock's tick per wait: SETTLE and GRACE are multiples of
 @pytest.fixture
 def watch(monkeypatch):
     """``watch(schedule, ...)``: run ``Launcher._watch`` on processes that end as ``schedule``
-    says (rank -> (when, status)), on a clock that ticks :data:`STEP` per wait; returns the
-    status and the number of waits."""
+    says (rank -> (when, status)), and are stopped from the times in ``stopped`` (rank -> when),
+    on a clock that ticks :data:`STEP` per wait; returns the status and the number of waits."""
 
-    def run(schedule, ending=(), notes="", received=None):
+    def run(schedule, ending=(), notes="", received=None, stopped=None, reports=None):
         clock = types.SimpleNamespace(now=0.0, waits=0)
 
         class Exits:
@@ -263,10 +268,16 @@ def watch(monkeypatch):
         monkeypatch.setattr(launcher, "_Exits", Exits)
         monkeypatch.setattr(launcher, "time", types.SimpleNamespace(monotonic=lambda: clock.now))
         monkeypatch.setattr(launcher, "_ending", lambda pid: pid - 100 in ending)
+
+        def stopped_by(pid):
+            since = (stopped or {}).get(pid - 100, NEVER)
+            return "stopped by SIGSTOP" if since <= clock.now else None
+
+        monkeypatch.setattr(unresponsive, "stopped_by", stopped_by)
         ranks = [0, 1, 2]
         procs = [types.SimpleNamespace(pid=100 + r) for r in ranks]
         signals = types.SimpleNamespace(received=received)
-        return launcher.Launcher._watch(ranks, procs, notes, signals), clock.waits
+        return launcher.Launcher._watch(ranks, procs, notes, signals, reports), clock.waits
 
     return run
 
@@ -304,6 +315,33 @@ def test_a_peer_killed_before_the_noted_failure_is_named_with_128_plus_its_signa
     schedule = {0: (3 * STEP, -signal.SIGKILL), 1: (STEP, 3), 2: (NEVER, 0)}
     status, _ = watch(schedule, notes=str(tmp_path))
     assert status == 128 + signal.SIGKILL
+
+
+def test_a_process_stopped_long_before_the_first_failure_is_named_as_its_cause(watch, caplog):
+    """Rank 1 stops at 1 s; rank 0 aborts at 21 s (the heartbeat timeout, 60 s by default, is
+    the launcher's to know: least 15 s): rank 1 is named first, rank 0's status is the job's."""
+    schedule = {0: (21.0, -signal.SIGABRT), 1: (NEVER, 0), 2: (NEVER, 0)}
+    status, _ = watch(schedule, stopped={1: 1.0})
+    assert status == 128 + signal.SIGABRT
+    assert caplog.messages[-1] == (
+        "jaxkv.launch: process 1 stopped responding (stopped by SIGSTOP) for 20 s; as a result, "
+        "process 0 was killed by SIGABRT; stopping the others"
+    )
+
+
+def test_a_short_stop_is_not_named_unless_a_peer_reported_it(watch, caplog, monkeypatch):
+    monkeypatch.setenv(join.ENV_HEARTBEAT_TIMEOUT, "40")  # least 10 s
+    schedule = {0: (NEVER, 0), 1: (NEVER, 0), 2: (20.25, 3)}  # seen stopped from 11.25
+    assert watch(schedule, stopped={1: 11.0})[0] == 3
+    assert caplog.messages[-1] == "jaxkv.launch: process 2 exited with 3; stopping the others"
+    reports = unresponsive.HeartbeatReports()
+    for line in (unresponsive.UNHEALTHY, b"1"):
+        reports.feed(2, line)
+    assert watch(schedule, stopped={1: 11.0}, reports=reports)[0] == 3
+    assert caplog.messages[-1] == (
+        "jaxkv.launch: process 1 stopped responding (stopped by SIGSTOP) for 9.0 s; as a result, "
+        "process 2 exited with 3; stopping the others"
+    )
 
 
 def test_a_stop_signal_ends_the_watch_with_128_plus_its_number(watch):

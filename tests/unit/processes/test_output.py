@@ -162,6 +162,20 @@ def test_the_last_line_without_its_end_is_ended_when_prefixed(job):
     j.wait_for(b"[0] no end\n[1] next\n")
 
 
+def test_each_whole_line_of_stderr_is_heard_with_its_rank_before_it_is_passed_on(job):
+    heard = []
+    j = job(on_error_line=lambda rank, line: heard.append((rank, line)))
+    j.write(0, b"out\n")  # stdout: not heard
+    j.write(1, b"E1202 half ", stream=2)
+    time.sleep(0.05)
+    j.write(1, b"a line\r\n1\n", stream=2)
+    j.wait_for(b"[1] E1202 half a line\r\n[1] 1\n", stream=2)
+    j.write(0, b"no end", stream=2)
+    j.end(0)
+    j.wait_for(b"[1] E1202 half a line\r\n[1] 1\n[0] no end\n", stream=2)
+    assert heard == [(1, b"E1202 half a line"), (1, b"1"), (0, b"no end")]
+
+
 class _TextOnly(io.StringIO):
     """A text stream with no bytes beneath, as a notebook's ``sys.stdout`` may be."""
 
