@@ -98,6 +98,11 @@ WATCH = 10  # how many handed-over arrays stay watched
 MESH = jax.sharding.Mesh(jax.devices("cpu")[:2], ("d",))  # for values that span two devices
 
 
+def _widens(given, stored) -> bool:
+    """Whether a value of dtype ``given`` is a safe widening into a key of ``stored``."""
+    return np.dtype(given) != np.dtype(stored) and bool(np.can_cast(given, stored, "safe"))
+
+
 def add_updater(key, pushed, stored):
     """A pure updater: returns the new stored value."""
     return stored + pushed
@@ -345,11 +350,13 @@ class KVStoreMachine(RuleBasedStateMachine):
         ]
 
     def draw_push_dtype(self, data, key) -> np.dtype:
-        """Mostly the stored dtype; sometimes another, which the store casts."""
+        """Mostly the stored dtype; sometimes another that the stored one holds without loss
+        (a safe widening, which the store casts; the others are refused: ``refusal``)."""
         stored = self.dtype_of(key)
         if self.family != "plain":
             return stored
-        return np.dtype(data.draw(st.sampled_from([stored, stored, F32, I32])))
+        wider = [d for d in (F32, I32, F16, BF16, np.dtype(np.int8)) if _widens(d, stored)]
+        return np.dtype(data.draw(st.sampled_from([stored, stored, *wider])))
 
     def draw_outs(self, data, shape, dtype):
         """``out`` for one key: one NDArray or a list of them, on various devices, of the stored
@@ -1228,7 +1235,9 @@ class KVStoreMachine(RuleBasedStateMachine):
         compressed push of a value that spans several devices, a non-optax optimizer, a state
         that is not a KVState: refused, and nothing changes."""
         what = data.draw(
-            st.sampled_from(["compression", "int32", "int32", "spread", "optimizer", "state"])
+            st.sampled_from(
+                ["compression", "int32", "int32", "spread", "optimizer", "state", "lossy"]
+            )
         )
         fresh = [k for k in KEYS[self.kind] if k not in self.m.keys] + [NEVER[self.kind]]
         ints = [k for k, km in self.m.keys.items() if not is_float(km.dtype)]
@@ -1265,6 +1274,15 @@ class KVStoreMachine(RuleBasedStateMachine):
                     raise AssertionError("compression of int32 values was accepted")
                 assert other.state.compression is None
                 _same(other.pull(1), np.full((2, 3), 3), I32, "an int32 value")
+        elif what == "lossy" and self.m.keys:
+            # A value whose dtype the key's cannot hold without loss (a float into an int32
+            # key, float32 into float16) is refused, not cast.
+            k = data.draw(st.sampled_from(self.known))
+            stored = self.dtype_of(k)
+            lossy = [d for d in (F32, I32, F16, BF16) if d != stored and not _widens(d, stored)]
+            dt = data.draw(st.sampled_from(lossy))
+            event("refused: a push of a dtype the key cannot hold")
+            self.refused(lambda: self.kv.push(k, nd.ones(self.shape_of(k), dtype=dt)))
         elif what == "optimizer":
             self.refused(lambda: self.kv.set_optimizer("sgd"))
         elif what == "state":
