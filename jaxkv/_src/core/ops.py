@@ -196,7 +196,9 @@ def push(
 
     Each value is one array or a list of arrays (one per device), which are summed; duplicate
     keys in one call are summed together. Then ``updater(key, pushed, stored)`` runs once per
-    distinct key (default: assign). Values of another dtype are cast to the stored dtype.
+    distinct key (default: assign). A value of another dtype is taken where the stored dtype
+    holds it without loss (a safe widening, cast before the sum; a Python number of a kind the
+    key holds) and refused otherwise (:class:`jaxkv.DtypeError`: cast it on purpose).
 
     Args:
       state: the store.
@@ -223,7 +225,9 @@ def push(
     Raises:
       UnknownKeyError: a key was never initialised.
       ShapeError: a value's shape differs from the stored one, or keys and values do not pair.
-      KVStoreError: any other refusal; in every case nothing has changed.
+      DtypeError: a value's dtype is one the stored dtype cannot hold without loss.
+      KVStoreError: any other refusal (a value that is not an array); in every case nothing
+        has changed.
 
     Examples:
       >>> import jax.numpy as jnp, jaxkv
