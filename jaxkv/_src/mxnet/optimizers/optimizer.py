@@ -260,8 +260,8 @@ class Optimizer:
     ``rescale_grad`` (arguments or attributes); a refusal changes nothing. A schedule refuses
     its own (``mx.lr_scheduler``), and a learning rate that is still NaN or infinite when an
     update reads it (a schedule of your own, a Gluon parameter's ``lr_mult``) refuses that
-    push, which changes nothing either. A rate given as a JAX array is checked where it is concrete (once, when
-    set), never inside a computation.
+    push, which changes nothing either. A rate given as a JAX array is checked where it is
+    concrete (once, when set), never inside a computation.
 
     Raises:
       KVStoreError: (``OptimizerArgumentError``) an argument MXNet's optimizers do not take,
