@@ -1,8 +1,7 @@
-"""The imperative KVStore: MXNet's API and semantics, refusals, threads, donation, optimizers,
-saving and loading."""
+"""The imperative KVStore: MXNet's API and semantics, refusals, donation, optimizers, saving
+and loading (threads: tests/test_threads.py)."""
 
 import os
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -267,24 +266,6 @@ def test_state_moves_between_imperative_and_functional(kv):
     np.testing.assert_array_equal(kv.pull(5), np.full(SHAPE, 4.0))
     with pytest.raises(jaxkv.KVStoreError, match="KVState"):
         kv.state = {"not": "a state"}
-
-
-def test_concurrent_pushes_lose_nothing(kv):
-    kv.set_updater(lambda k, i, s: s + i)
-    n_threads, n_pushes = 8, 25
-
-    def worker(i):
-        for _ in range(n_pushes):
-            kv.push([3, 5], [nd.ones(SHAPE, jaxkv.cpu(i)), nd.ones(SHAPE, jaxkv.cpu(i))])
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n_threads)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    total = n_threads * n_pushes
-    np.testing.assert_array_equal(kv.pull(3), np.full(SHAPE, 2.0 + total))
-    np.testing.assert_array_equal(kv.pull(5), np.full(SHAPE, float(total)))
 
 
 # -- optimizers and saving -------------------------------------------------------------------

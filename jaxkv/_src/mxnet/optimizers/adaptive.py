@@ -32,6 +32,7 @@ from jaxkv._src.mxnet.optimizers.optimizer import (
     cast,
     clipped,
     number,
+    rate,
     register,
 )
 
@@ -603,7 +604,7 @@ class Ftrl(Optimizer):
         super().__init__(**kwargs)  # as MXNet: learning_rate replaces no schedule's base_lr
         self.lamda1 = number("Ftrl", "lamda1", lamda1)
         self.beta = number("Ftrl", "beta", beta)
-        self.lr = number("Ftrl", "learning_rate", learning_rate)
+        self.lr = rate("Ftrl", "learning_rate", learning_rate)
         self.lazy_update = True  # ftrl_update's row-sparse kernel: the pushed rows only
 
     def _repr_args(self) -> dict[str, object]:

@@ -32,7 +32,10 @@ these raise :class:`SchedulerArgumentError` (a ``ValueError``) or
 :class:`SchedulerAssertionError` (an ``AssertionError``), both ``jaxkv.KVStoreError``, naming
 the argument, what was expected and what was given. The checks run in MXNet's order, so several
 bad arguments give the error MXNet gives; unlike MXNet's ``assert``, they run under
-``python -O`` too. Messages MXNet logs with ``logging.info`` go to this module's logger
+``python -O`` too. A NaN or infinite rate (``base_lr``, ``warmup_begin_lr``, ``final_lr``,
+``factor``, ``stop_factor_lr``, ``pwr``), which MXNet takes, is refused too
+(:class:`SchedulerArgumentError`), after MXNet's own checks: it would give a NaN or infinite
+learning rate. Messages MXNet logs with ``logging.info`` go to this module's logger
 (``logging.getLogger("jaxkv._src.mxnet.optimizers.lr_scheduler")``), at ``INFO``.
 """
 
@@ -40,6 +43,10 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import ClassVar
+
+import jax
+import numpy as np
 
 from jaxkv._src.errors import KVStoreError
 
@@ -59,7 +66,8 @@ _WARMUP_MODES = ("linear", "constant")
 
 
 class SchedulerArgumentError(KVStoreError, ValueError):
-    """An argument MXNet's scheduler refuses with ``ValueError``: a value out of its range."""
+    """An argument MXNet's scheduler refuses with ``ValueError``: a value out of its range; or
+    one jaxkv refuses where MXNet takes it: a NaN or infinite rate."""
 
 
 class SchedulerAssertionError(KVStoreError, AssertionError):
@@ -72,6 +80,49 @@ class SchedulerZeroDivisionError(KVStoreError, ZeroDivisionError):
     """A call where MXNet divides by zero: a negative ``num_update`` with no warm-up (a
     linear warm-up of no steps), or a :class:`PolyScheduler` or :class:`CosineScheduler` whose
     warm-up lasts until ``max_update`` called at ``max_update`` (a decay of no steps)."""
+
+
+# Magnitudes from here up round to infinity in float32 (half-way to 2**128, the tie to even).
+FLOAT32_OVERFLOW = 2.0**128 - 2.0**103
+
+
+def nonfinite(value: object, float32: bool = False) -> bool:
+    """Whether ``value`` is a concrete number (or array of numbers) that is NaN or infinite, or
+    with ``float32`` whose float32 value (as an update takes it) is; a traced value, or
+    anything that is not a number, is not looked at (``False``)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int | float):
+        try:
+            x = float(value)
+        except OverflowError:  # an int beyond every float
+            return True
+        return not (abs(x) < FLOAT32_OVERFLOW if float32 else math.isfinite(x))
+    if isinstance(value, jax.core.Tracer):
+        return False
+    try:
+        a = np.asarray(value)
+    except (TypeError, ValueError):
+        return False
+    if a.dtype.kind not in "fc":
+        return False
+    a = np.abs(a.astype(np.complex128 if a.dtype.kind == "c" else np.float64))
+    return not bool((a < FLOAT32_OVERFLOW).all() if float32 else np.isfinite(a).all())
+
+
+def finite(
+    error: type[KVStoreError], owner: str, name: str, value: object, float32: bool = False
+) -> None:
+    """Refuse a NaN or infinite ``value`` of the rate ``name`` (with ``float32``: one whose
+    float32 value is) with ``error``, naming the owner, the argument, what is expected and
+    what was given; anything else passes."""
+    if nonfinite(value, float32):
+        in32 = "" if nonfinite(value) else ", infinite in float32 as the update takes it"
+        raise error(
+            f"{owner}: {name} expected a finite number, given {value!r}{in32} (jaxkv refuses "
+            "a NaN or infinite rate when it is set, where MXNet 1.9.1 takes it: see "
+            "docs/migrating-from-mxnet.md)"
+        )
 
 
 class LRScheduler:
@@ -92,7 +143,10 @@ class LRScheduler:
       KVStoreError: (``SchedulerAssertionError``, an ``AssertionError``) ``warmup_steps`` is
         not an ``int``; (``SchedulerArgumentError``, a ``ValueError``) ``warmup_begin_lr`` is
         larger than ``base_lr``, ``warmup_steps`` is negative, or ``warmup_mode`` is another
-        string. In this order, MXNet's.
+        string. In this order, MXNet's. Then (``SchedulerArgumentError``, jaxkv's own)
+        ``base_lr`` or ``warmup_begin_lr`` is NaN or infinite, or a linear warm-up between them
+        would compute an infinite rate (their difference overflows); a subclass's own
+        arguments are checked before these.
 
     Examples:
       >>> from jaxkv.mx import lr_scheduler
@@ -105,6 +159,10 @@ class LRScheduler:
       >>> [sched(n) for n in (0, 1, 2, 10, 25)]
       [0.1, 0.25, 0.4, 0.2, 0.1]
     """
+
+    # Whether the subclass's constructor calls refuse_nonfinite itself, after its own checks
+    # (MXNet's order: the built-in schedules do); otherwise the constructor here does.
+    checks_rates: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -137,6 +195,30 @@ class LRScheduler:
                 f"{owner}: warmup_mode expected 'linear' or 'constant', given {warmup_mode!r}"
             )
         self.warmup_mode = warmup_mode
+        if not self.checks_rates:
+            self.refuse_nonfinite()
+
+    def refuse_nonfinite(self, **rates: object) -> None:
+        """Refuse a NaN or infinite ``base_lr``, ``warmup_begin_lr`` or ``rates`` (the
+        subclass's own, by argument name; a learning rate also where its float32 value is
+        infinite), and a linear warm-up whose ``(base_lr - warmup_begin_lr) * num_update``
+        overflows (it would compute an infinite rate from finite ones), with
+        :class:`SchedulerArgumentError`: jaxkv's own check, after MXNet's."""
+        owner = type(self).__name__
+        given = {"base_lr": self.warmup_final_lr, "warmup_begin_lr": self.warmup_begin_lr}
+        for name, value in {**given, **rates}.items():
+            # A learning rate as the update takes it (float32); a factor or power as is.
+            lr = name.endswith("_lr")
+            finite(SchedulerArgumentError, owner, name, value, float32=lr)
+        if self.warmup_mode == "linear" and self.warmup_steps > 0:
+            span, last = self.warmup_final_lr - self.warmup_begin_lr, self.warmup_steps - 1
+            if nonfinite(last) or nonfinite(span * float(last)):
+                raise SchedulerArgumentError(
+                    f"{owner}: base_lr and warmup_begin_lr expected a difference the linear "
+                    f"warm-up can scale by its warmup_steps, given {self.warmup_final_lr!r} and "
+                    f"{self.warmup_begin_lr!r} over {len(str(self.warmup_steps))}-digit "
+                    "warmup_steps: the warm-up's rate overflows to infinity"
+                )
 
     def get_warmup_lr(self, num_update: int) -> float:
         """The learning rate of the warm-up after ``num_update`` updates.
@@ -233,7 +315,8 @@ class FactorScheduler(LRScheduler):
 
     Raises:
       KVStoreError: :class:`LRScheduler`'s refusals, then (``SchedulerArgumentError``)
-        ``step`` less than 1, then ``factor`` larger than 1.
+        ``step`` less than 1, then ``factor`` larger than 1; then a NaN or infinite rate
+        (``factor``, ``stop_factor_lr`` too), as :class:`LRScheduler`.
 
     Examples:
       >>> from jaxkv.mx import lr_scheduler
@@ -243,6 +326,8 @@ class FactorScheduler(LRScheduler):
       >>> sched.base_lr, sched.count, sched(0)
       (0.125, 6, 0.125)
     """
+
+    checks_rates: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -264,6 +349,7 @@ class FactorScheduler(LRScheduler):
         self.factor = factor
         self.stop_factor_lr = stop_factor_lr
         self.count: float = 0
+        self.refuse_nonfinite(factor=factor, stop_factor_lr=stop_factor_lr)
 
     def __call__(self, num_update: int) -> float:
         """The learning rate after ``num_update`` updates, applying the decays reached.
@@ -315,7 +401,7 @@ class MultiFactorScheduler(LRScheduler):
       KVStoreError: :class:`LRScheduler`'s refusals, then (``SchedulerAssertionError``)
         ``step`` not a non-empty list, then (``SchedulerArgumentError``) from the first value
         on, one not larger than the one before it or less than 1, then ``factor`` larger
-        than 1.
+        than 1; then a NaN or infinite rate (``factor`` too), as :class:`LRScheduler`.
 
     Examples:
       >>> from jaxkv.mx import lr_scheduler
@@ -325,6 +411,8 @@ class MultiFactorScheduler(LRScheduler):
       >>> sched.cur_step_ind, sched.count
       (2, 5)
     """
+
+    checks_rates: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -357,6 +445,7 @@ class MultiFactorScheduler(LRScheduler):
         self.cur_step_ind = 0
         self.factor = factor
         self.count = 0
+        self.refuse_nonfinite(factor=factor)
 
     def __call__(self, num_update: int) -> float:
         """The learning rate after ``num_update`` updates, applying the decays reached.
@@ -425,9 +514,10 @@ class PolyScheduler(LRScheduler):
 
     Raises:
       KVStoreError: :class:`LRScheduler`'s refusals, then (``SchedulerAssertionError``)
-        ``max_update`` not an ``int``, then (``SchedulerArgumentError``) less than 1. A call
-        at ``max_update`` when ``warmup_steps == max_update``:
-        ``SchedulerZeroDivisionError``, a ``ZeroDivisionError``.
+        ``max_update`` not an ``int``, then (``SchedulerArgumentError``) less than 1; then a
+        NaN or infinite rate (``final_lr`` and ``pwr`` too), as :class:`LRScheduler`. A call
+        at ``max_update`` when ``warmup_steps == max_update``: ``SchedulerZeroDivisionError``,
+        a ``ZeroDivisionError``.
 
     Examples:
       >>> from jaxkv.mx import lr_scheduler
@@ -437,6 +527,8 @@ class PolyScheduler(LRScheduler):
       >>> lr_scheduler.PolyScheduler(max_update=4, base_lr=1.0)(5)  # nothing computed yet
       1.0
     """
+
+    checks_rates: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -455,6 +547,7 @@ class PolyScheduler(LRScheduler):
         self.max_update = max_update
         self.final_lr = final_lr
         self.max_steps = self.max_update - self.warmup_steps
+        self.refuse_nonfinite(final_lr=final_lr, pwr=pwr)
 
     def __call__(self, num_update: int) -> float:
         """The learning rate after ``num_update`` updates, kept in ``base_lr``.
@@ -511,6 +604,8 @@ class CosineScheduler(LRScheduler):
       [1.0, 0.882842712474619, 0.6000000000000001, 0.317157287525381, 0.2, 0.2]
     """
 
+    checks_rates: ClassVar[bool] = True
+
     def __init__(
         self,
         max_update: int,
@@ -526,6 +621,7 @@ class CosineScheduler(LRScheduler):
         self.max_update = max_update
         self.final_lr = final_lr
         self.max_steps = self.max_update - self.warmup_steps
+        self.refuse_nonfinite(final_lr=final_lr)
 
     def __call__(self, num_update: int) -> float:
         """The learning rate after ``num_update`` updates, kept in ``base_lr``.

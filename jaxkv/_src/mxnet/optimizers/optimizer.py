@@ -52,6 +52,7 @@ import optax
 
 from jaxkv._src.errors import KVStoreError, shown
 from jaxkv._src.mxnet.optimizers import float32 as f32
+from jaxkv._src.mxnet.optimizers.lr_scheduler import finite, nonfinite
 
 __all__ = [
     "LearningRateError",
@@ -100,8 +101,9 @@ class MissingOptimizerError(KVStoreError, AttributeError):
 
 
 class OptimizerArgumentError(KVStoreError, TypeError):
-    """An argument MXNet's optimizer does not take, or one jaxkv cannot give MXNet's numbers for,
-    or a compiled-in hyperparameter changed after the store compiled it."""
+    """An argument MXNet's optimizer does not take, or one jaxkv cannot give MXNet's numbers for
+    (a NaN or infinite learning rate, weight decay or ``rescale_grad``), or a compiled-in
+    hyperparameter changed after the store compiled it."""
 
 
 class LearningRateError(KVStoreError, UserWarning):
@@ -195,6 +197,24 @@ def number(owner: str, name: str, value: object) -> float:
     return float(value)
 
 
+def rate(owner: str, name: str, value: object) -> float:
+    """:func:`number`, refusing NaN and infinities (a learning rate, weight decay or
+    ``rescale_grad``: MXNet takes them; see :class:`Optimizer`)."""
+    x = number(owner, name, value)
+    finite(OptimizerArgumentError, owner, name, x, float32=True)
+    return x
+
+
+# The numbers refused when NaN or infinite, whenever they are set (opt.lr = ... too).
+RATES = frozenset({"lr", "wd", "rescale_grad"})
+
+
+def _finite_mults(owner: str, name: str, mults: dict) -> None:
+    """Refuse a NaN or infinite multiplier of ``set_lr_mult`` / ``set_wd_mult``."""
+    for key, value in dict(mults).items():
+        finite(OptimizerArgumentError, owner, f"{name}[{key!r}]", value)
+
+
 class OptimizerState(NamedTuple):
     """The state of an MXNet optimizer for one key: its update count and its per-parameter
     arrays (``slots``: SGD's momentum; Adam's mean and var; each a tree like the parameters)."""
@@ -233,9 +253,20 @@ class Optimizer:
       param_dict: index -> an object with ``lr_mult`` and ``wd_mult`` (Gluon's parameters),
         which take precedence over ``set_lr_mult``/``set_wd_mult``, as in MXNet.
 
+    **NaN and infinite rates are refused when set.** MXNet 1.9.1 takes a NaN or infinite
+    learning rate and its update then leaves the weights unchanged; jaxkv refuses it, with an
+    ``OptimizerArgumentError`` naming the argument and the value, wherever it is set:
+    ``learning_rate``, :meth:`set_learning_rate`, ``opt.lr = ...``, and likewise ``wd`` and
+    ``rescale_grad`` (arguments or attributes); a refusal changes nothing. A schedule refuses
+    its own (``mx.lr_scheduler``), and a learning rate that is still NaN or infinite when an
+    update reads it (a schedule of your own, a Gluon parameter's ``lr_mult``) refuses that
+    push, which changes nothing either. A rate given as a JAX array is checked where it is
+    concrete (once, when set), never inside a computation.
+
     Raises:
       KVStoreError: (``OptimizerArgumentError``) an argument MXNet's optimizers do not take,
-        or one whose numbers jaxkv does not reproduce (named in the message).
+        one whose numbers jaxkv does not reproduce (named in the message), or a NaN or
+        infinite ``learning_rate``, ``wd`` or ``rescale_grad``.
     """
 
     # The kernel's numbers, in the order of the scalars' vector (see next_update).
@@ -300,11 +331,11 @@ class Optimizer:
                 f"{owner}: lr_scheduler expected an mx.lr_scheduler schedule (a callable of "
                 f"num_update with a base_lr), given {lr_scheduler!r}"
             )
-        self.rescale_grad = number(owner, "rescale_grad", rescale_grad)
+        self.rescale_grad = rate(owner, "rescale_grad", rescale_grad)
         self.lr_scheduler = lr_scheduler
         if lr_scheduler is None and learning_rate is None:
             learning_rate = 0.01
-        self.lr = None if learning_rate is None else number(owner, "learning_rate", learning_rate)
+        self.lr = None if learning_rate is None else rate(owner, "learning_rate", learning_rate)
         if lr_scheduler is not None and self.lr is not None and lr_scheduler.base_lr != self.lr:
             warnings.warn(
                 "learning rate from ``lr_scheduler`` has been overwritten by "
@@ -313,7 +344,7 @@ class Optimizer:
                 stacklevel=2,
             )
             lr_scheduler.base_lr = self.lr
-        self.wd = number(owner, "wd", wd)
+        self.wd = rate(owner, "wd", wd)
         self.lr_mult: dict = {}
         self.wd_mult: dict = {}
         self.begin_num_update = begin_num_update
@@ -347,6 +378,8 @@ class Optimizer:
                 f"the computation. Give kv.set_optimizer a new optimizer with {name}={value!r} "
                 "(the learning rate, weight decay, rescale_grad and clip_gradient may change)"
             )
+        if name in RATES and value is not None:  # opt.lr = nan: refused, lr kept
+            finite(OptimizerArgumentError, type(self).__name__, name, value, float32=True)
         super().__setattr__(name, value)
 
     # -- MXNet's bookkeeping -------------------------------------------------------------
@@ -361,11 +394,25 @@ class Optimizer:
         """Set the learning rate; the store uses it from the next push, every state kept.
 
         Args:
-          lr: the new learning rate.
+          lr: the new learning rate, a finite number.
 
         Raises:
           KVStoreError: (``LearningRateError``, also a ``UserWarning`` as MXNet's) the
-            optimizer has an ``lr_scheduler``.
+            optimizer has an ``lr_scheduler``; (``OptimizerArgumentError``) ``lr`` is not a
+            number, or is NaN or infinite (MXNet 1.9.1 takes it and then leaves the weights
+            unchanged): the learning rate stays as it was.
+
+        Examples:
+          >>> import jaxkv
+          >>> from jaxkv.mx import optimizer
+          >>> opt = optimizer.SGD(learning_rate=0.1)
+          >>> try:
+          ...     opt.set_learning_rate(float("nan"))
+          ... except jaxkv.KVStoreError as e:
+          ...     print(str(e).split(" (")[0])
+          SGD: lr expected a finite number, given nan
+          >>> opt.lr
+          0.1
         """
         if self.lr_scheduler is not None:
             raise LearningRateError(
@@ -374,7 +421,7 @@ class Optimizer:
                 "optimizer only when the LRScheduler of the optimizer is undefined (expected "
                 f"lr_scheduler=None, given {self.lr_scheduler!r})"
             )
-        self.lr = number(type(self).__name__, "lr", lr)
+        self.lr = rate(type(self).__name__, "lr", lr)
 
     def set_lr_scale(self, args_lrscale: dict) -> None:  # noqa: ARG002 - MXNet's signature
         """Deprecated in MXNet, which raises ``DeprecationWarning``: use :meth:`set_lr_mult`."""
@@ -385,7 +432,12 @@ class Optimizer:
 
         Args:
           args_lr_mult: index or name (``param_idx2name``'s) -> multiplier; replaces all.
+
+        Raises:
+          KVStoreError: (``OptimizerArgumentError``) a multiplier is NaN or infinite (it would
+            make the learning rate so); the multipliers stay as they were.
         """
+        _finite_mults(type(self).__name__, "lr_mult", args_lr_mult)
         self.lr_mult = dict(args_lr_mult)
 
     def set_wd_mult(self, args_wd_mult: dict) -> None:
@@ -394,7 +446,12 @@ class Optimizer:
 
         Args:
           args_wd_mult: index or name -> multiplier; replaces all.
+
+        Raises:
+          KVStoreError: (``OptimizerArgumentError``) a multiplier is NaN or infinite; the
+            multipliers stay as they were.
         """
+        _finite_mults(type(self).__name__, "wd_mult", args_wd_mult)
         mult = {}
         for n in self.idx2name.values():
             if not (str(n).endswith("_weight") or str(n).endswith("_gamma")):
@@ -420,6 +477,20 @@ class Optimizer:
                 lrs[i] *= self.lr_mult[index]
             elif index in self.idx2name:
                 lrs[i] *= self.lr_mult.get(self.idx2name[index], 1.0)
+        for index, lr in zip(indices, lrs):
+            # Host numbers only: a JAX array is not read back here (it was checked when set).
+            if isinstance(lr, float | int | np.floating) and nonfinite(lr, float32=True):
+                source = (
+                    f"lr_scheduler {type(self.lr_scheduler).__name__} at num_update "
+                    f"{self.num_update}"
+                    if self.lr_scheduler is not None
+                    else f"lr {self.lr!r}"
+                )
+                raise OptimizerArgumentError(
+                    f"{type(self).__name__}: the learning rate of index {index!r} expected a "
+                    f"finite number, given {lr!r} (from {source}, times the index's lr_mult); "
+                    "this update is refused and changes nothing"
+                )
         return lrs
 
     def _get_lr(self, index: Any) -> float:
@@ -556,6 +627,13 @@ class Optimizer:
                     f"store's {mine_name}; set an optimizer with the saved run's schedule first"
                 )
             numbers = dict(from_json(record["numbers"]))
+            for name in ("lr", "wd", "rescale_grad"):
+                if numbers[name] is not None and nonfinite(numbers[name], float32=True):
+                    raise KVStoreError(
+                        f"{where}: the saved {owner}'s {name} expected a finite number, given "
+                        f"{numbers[name]!r} (jaxkv refuses a NaN or infinite rate); nothing "
+                        "was loaded"
+                    )
             counts = dict(from_json(record["counts"]))
             num_update = int(record["num_update"])
             begin = int(record["begin_num_update"])
@@ -590,12 +668,38 @@ class Optimizer:
         Returns:
           float32 array ``(len(indices), len(SCALARS))``: each row the ``scalars`` argument of
           that key's update.
+
+        Raises:
+          KVStoreError: (``OptimizerArgumentError``) a learning rate read is NaN or infinite
+            (a schedule or multiplier gave it); an exception raised here changes nothing
+            (counts, ``num_update``, the schedule's state are put back).
         """
+        scheduler = self.lr_scheduler
+        before = (  # what the loop changes, for a refusal: these indices' counts only
+            self.num_update,
+            {index: self._index_update_count.get(index) for index in indices},
+            None if scheduler is None else dict(vars(scheduler)),
+            self._host_state(),
+        )
         rows = []
-        for index in indices:
-            self._update_count(index)
-            self._advance(index)
-            rows.append(self.scalars(index))
+        try:
+            for index in indices:
+                self._update_count(index)
+                self._advance(index)
+                rows.append(self.scalars(index))
+        except BaseException:
+            num_update, counts, sched_state, host = before
+            self.num_update = num_update
+            for index, count in counts.items():
+                if count is None:
+                    self._index_update_count.pop(index, None)
+                else:
+                    self._index_update_count[index] = count
+            if sched_state is not None:
+                vars(scheduler).clear()
+                vars(scheduler).update(sched_state)
+            self._set_host_state(host)
+            raise
         table = np.asarray(rows, np.float64).astype(np.float32).reshape(len(rows), -1)
         for j, name in enumerate(self.SCALARS):
             if name in self.TEXT_SCALARS:
