@@ -32,16 +32,17 @@ test: $(STAMP)
 # exercised (tests/unit mirrors them), without the slowest files, which make test runs (and
 # make test-deep runs on the oldest and newest JAX too): the property state machine, the rows
 # and per-key property tests, the stress test, the launcher's tests, multi-process checkpoints,
-# split buckets, the flat store's own suite (make test-layouts runs flat stores), the GPT example,
-# the demo and the notebook; and the multi-process tests whose JAX calls test_dist.py makes too
-# (joining, gloo's sums, the launcher: one array per key in every layout), each ~1 minute with
-# every JAX: the default store over every process, compression and the flax example across
-# processes.
+# the kill -9 matrix (7 launched jobs, 2 to 4 minutes; tests/test_checkpoint_manager.py, in the
+# selection, kills a job of 2 processes and resumes it too), split buckets, the flat store's own
+# suite (make test-layouts runs flat stores), the GPT example, the demo and the notebook; and
+# the multi-process tests whose JAX calls test_dist.py makes too (joining, gloo's sums, the
+# launcher: one array per key in every layout), each ~1 minute with every JAX: the default
+# store over every process, compression and the flax example across processes.
 SLOW_TESTS := tests/test_stateful.py tests/test_rows.py tests/test_per_key.py \
 	tests/test_dist_stress.py tests/test_dist_sums.py tests/test_launch.py tests/test_launch_cause.py \
 	tests/test_launch_hang.py \
 	tests/test_launch_hosts.py tests/test_launch_env.py tests/test_launch_output.py \
-	tests/test_checkpoint_dist.py \
+	tests/test_checkpoint_dist.py tests/test_kill_matrix.py \
 	tests/test_split_buckets.py tests/test_flat_store.py tests/test_demo.py tests/test_notebook.py \
 	tests/test_example_gpt.py \
 	tests/test_dist_default.py tests/test_dist_compression.py tests/test_example_processes.py

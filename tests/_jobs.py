@@ -22,9 +22,9 @@ def cpu_env(env=None, **extra):
     return {**base, **extra, "JAX_PLATFORMS": "cpu"}
 
 
-def launch(n, script, *args, per_process=2, timeout=240):
-    """``python -m jaxkv.launch -n N --devices-per-process K tests/dist/SCRIPT ARGS...``, on CPU
-    devices, its output captured as text."""
+def launch(n, script, *args, per_process=2, options=(), timeout=240):
+    """``python -m jaxkv.launch -n N --devices-per-process K [OPTIONS...] tests/dist/SCRIPT
+    ARGS...``, on CPU devices, its output captured as text."""
     return subprocess.run(
         [
             sys.executable,
@@ -34,6 +34,7 @@ def launch(n, script, *args, per_process=2, timeout=240):
             str(n),
             "--devices-per-process",
             str(per_process),
+            *options,
             os.path.join(DIST, script),
             *map(str, args),
         ],
