@@ -50,8 +50,15 @@ def main() -> None:
     for t in range(1, STEPS + 1):
         lr = sched(t) * math.sqrt(1.0 - 0.999**t) / (1.0 - 0.9**t)
         w = mx.nd.adam_update(
-            mx.nd.zeros((1,)), mx.nd.ones((1,)), mx.nd.zeros((1,)), mx.nd.zeros((1,)),
-            lr=lr, beta1=0.0, beta2=0.0, epsilon=0.0, wd=0.0,
+            mx.nd.zeros((1,)),
+            mx.nd.ones((1,)),
+            mx.nd.zeros((1,)),
+            mx.nd.zeros((1,)),
+            lr=lr,
+            beta1=0.0,
+            beta2=0.0,
+            epsilon=0.0,
+            wd=0.0,
         )
         rates.append(-float(w.asnumpy()[0]))
     path = os.path.join(HERE, "data", "mxnet_adam_rates.json")

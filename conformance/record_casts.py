@@ -6,8 +6,8 @@ It prints one JSON object: for each store type (``local``, ``device``), number o
 key dtype and value dtype, each value of VALUES pushed from every device (device d pushes the
 value as it is) into a key initialised to zeros, and the pull after it: MXNet casts every
 pushed value to the key's dtype (C's cast: a float into an integer truncates toward zero through
-a 32-bit integer and keeps the low bits), then sums in the key's dtype. Where MXNet fails instead (its error's last line is recorded in
-place of the pull), jaxkv.mx refuses.
+a 32-bit integer and keeps the low bits), then sums in the key's dtype. Where MXNet fails
+instead (its error's last line is recorded in place of the pull), jaxkv.mx refuses.
 """
 
 import json
