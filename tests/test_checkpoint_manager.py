@@ -92,6 +92,21 @@ def test_steps_are_listed_and_the_latest_or_any_one_restored(tmp_path, devices):
         assert_same(again.restore(optimizer=OPT), states[5])
 
 
+def test_a_step_whose_deletion_was_cut_short_is_removed_when_a_manager_opens(tmp_path):
+    """orbax deletes an old step (max_to_keep) in place: a kill there leaves the step's
+    directory without its manifest. A new manager removes it, as it removes cut-short saves."""
+    states = {step: state_at(step) for step in (1, 2)}
+    with jaxkv.CheckpointManager(tmp_path / "ckpt") as ckpt:
+        for step, state in states.items():
+            ckpt.save(step, state)
+        ckpt.wait_until_finished()
+    os.remove(tmp_path / "ckpt" / "1" / "kv" / orbax_dirs.MANIFEST)  # half deleted
+    with jaxkv.CheckpointManager(tmp_path / "ckpt") as again:
+        assert (again.all_steps(), again.latest_step()) == ([2], 2)
+        assert sorted(os.listdir(tmp_path / "ckpt")) == ["2"]
+        assert_same(again.restore(optimizer=OPT), states[2])
+
+
 def test_a_restore_logs_no_warning(tmp_path, devices, caplog):
     """A step that restores correctly logs nothing alarming: orbax's warning that the step's
     arrays have no _CHECKPOINT_METADATA (jaxkv's manifest is their metadata) is not logged."""

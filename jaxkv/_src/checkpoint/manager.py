@@ -129,13 +129,24 @@ def _leave_digests(directory: str, root: str) -> None:
 
 def _remove_interrupted(directory: str, step: int | None = None) -> None:
     """On process 0, remove what saves cut short left in ``directory`` (of ``step`` alone,
-    where given): orbax's temporary step directories and jaxkv's temporary files."""
+    where given): orbax's temporary step directories and jaxkv's temporary files; and, on
+    opening (``step`` None), a step whose deletion was cut short (``max_to_keep``'s: orbax
+    deletes a step's files in place, so a kill there leaves a step directory without its
+    manifest, which a committed step always has: orbax renames a step into place once
+    jaxkv's manifest is in it)."""
     if jax.process_index() != 0:
         return
 
     def left(name: str) -> bool:
         match = _INTERRUPTED.fullmatch(name)
-        return match is not None and (step is None or match.group(1) == str(step))
+        if match is not None:
+            return step is None or match.group(1) == str(step)
+        return (
+            step is None
+            and name.isdigit()
+            and os.path.isdir(os.path.join(directory, name))
+            and not os.path.exists(os.path.join(directory, name, ITEM, orbax_dirs.MANIFEST))
+        )
 
     disk.remove_in(directory, left)
 
