@@ -1,6 +1,7 @@
 """``python -m jaxkv.launch`` names the process that stopped responding (SIGSTOP), and for how
-long, not the peer that JAX then aborted because that one sent no more heartbeats; the job's
-status stays the aborted peer's."""
+long, not the peer that JAX then aborted because that one sent no more heartbeats; and the
+process that hung (alive, heartbeating), not the peer whose collective then timed out. The job's
+status stays the peer's."""
 
 import os
 import re
@@ -13,6 +14,7 @@ import pytest
 from _jobs import DIST, cpu_env
 
 from jaxkv._src.processes.join import ENV_HEARTBEAT_TIMEOUT
+from jaxkv._src.processes.order import ENV_COLLECTIVE_TIMEOUT, EXIT_HUNG
 
 #: JAX's heartbeat timeout in these jobs (seconds): short, yet long enough for a loaded machine.
 HEARTBEAT = 10
@@ -48,4 +50,39 @@ def test_the_stopped_process_is_named_not_the_peer_that_aborted(stopped):
     assert summary, output
     # JAX declares it dead between half a timeout and a timeout after its last heartbeat.
     assert HEARTBEAT / 4 <= float(summary[1]) <= 2 * HEARTBEAT, output
+    assert elapsed < 90, f"{elapsed:.0f} s"  # (a loaded machine starts JAX slowly)
+
+
+#: The collective timeout in the hung job (seconds): short, yet long enough for a loaded machine.
+COLLECTIVE = 8
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the launcher reads /proc")
+def test_the_hung_process_is_named_not_the_peer_whose_collective_timed_out():
+    """stop_job.py 1 hang: after a push, rank 1 sleeps (alive, heartbeating) while rank 0 waits
+    for it in the next push. Rank 0 says so at half the collective timeout and exits with 124 at
+    the timeout, which ends rank 1 too (SIGABRT: rank 0 served the coordination service). Before,
+    the launcher said only ``process 0 exited with 124``."""
+    start = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-m", "jaxkv.launch", "-n", "2", "--devices-per-process", "1"]
+        + [os.path.join(DIST, "stop_job.py"), "1", "hang"],
+        env=cpu_env(**{ENV_COLLECTIVE_TIMEOUT: str(COLLECTIVE)}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    elapsed = time.monotonic() - start
+    output = run.stdout + run.stderr
+    assert "rank 0 pushed" in run.stdout and "rank 1 pushed" in run.stdout, output
+    assert run.returncode == EXIT_HUNG, output
+    summary = re.search(
+        r"^jaxkv.launch: process 1 did not reach the (.+) that process 0 waited (\d+) s for: it "
+        r"is hung or far behind; as a result, process 0 exited with 124( \(after it, process 1 "
+        r"was killed by SIGABRT\))?; stopping the others$",
+        run.stderr,
+        re.MULTILINE,
+    )
+    assert summary, output
+    assert COLLECTIVE <= int(summary[2]) <= 2 * COLLECTIVE, output
     assert elapsed < 90, f"{elapsed:.0f} s"  # (a loaded machine starts JAX slowly)

@@ -2,8 +2,9 @@
 
 The launcher starts ``-n`` processes on its node, each running the script through runner.py,
 and passes their output on through output.py's relay. When one fails, it names the first to
-fail, after any that had stopped responding before (unresponsive.py), and stops the others, or
-restarts the whole job (``--max-restarts``); a stop signal stops every process.
+fail, after any that had stopped responding before, or that the others waited for when a
+collective timed out (unresponsive.py), and stops the others, or restarts the whole job
+(``--max-restarts``); a stop signal stops every process.
 docs/distributed.md says how, for users: its "One host" and "Failures, hangs and restarts"
 sections. What ``--help`` prints is :data:`USAGE` and :data:`EXAMPLES`.
 """
@@ -39,6 +40,7 @@ from jaxkv._src.processes.join import (
     heartbeat_timeout,
     split_address,
 )
+from jaxkv._src.processes.order import EXIT_HUNG
 from jaxkv._src.processes.output import Relay
 
 logger = logging.getLogger("jaxkv.launch")
@@ -426,7 +428,8 @@ class Launcher:
         """Waits for the processes to end, or for a failure or a stop signal; returns the status
         of the attempt. Until the first failure, it looks at the processes' states every
         :data:`.unresponsive.LOOK_EVERY` seconds, to name one that stopped responding, with
-        ``reports`` (what the processes logged of their peers)."""
+        ``reports`` (what the processes logged of their peers, and of their own collectives:
+        when the first to fail timed out in one, those that were not waiting are named)."""
         exits = _Exits(ranks, procs)
         ended: dict[int, tuple[int, float]] = {}
         failed_at: float | None = None  # when the launcher saw the first failure
@@ -477,10 +480,46 @@ class Launcher:
         cause = unresponsive.silent(
             stops.seen, missing, set(ended), at, unresponsive.least_silence()
         )
+        if not cause and code == EXIT_HUNG and reports is not None:
+            cause = _behind(rank, ranks, procs, ended, reports, stops)
         if cause:  # the first to fail failed because these had stopped responding
             first = f"{', '.join(cause)}; as a result, {first}"
         logger.error("jaxkv.launch: %s; stopping the others", first)
         return code if code > 0 else 128 - code
+
+
+def _behind(
+    first: int,
+    ranks: list[int],
+    procs: list[subprocess.Popen],
+    ended: dict[int, tuple[int, float]],
+    reports: unresponsive.HeartbeatReports,
+    stops: unresponsive.Stops,
+) -> list[str]:
+    """Process ``first``'s collective timed out: the processes the others waited for, described
+    (see unresponsive.py), or none.
+
+    They are the processes that had not said that a collective of theirs was waiting (nor were
+    stopped, nor had ended with 0), provided that ``first``'s own word that it was waiting was
+    read (its output relayed, jaxkv's warnings not filtered out)."""
+    waiting = reports.waiting()
+    if first not in waiting:
+        return []
+    seen = ended[first][1]
+    behind = [
+        rank
+        for rank, p in zip(ranks, procs)
+        if rank not in waiting
+        and rank not in stops.seen
+        and (
+            ended[rank][0] != 0 and ended[rank][1] >= seen  # ended as a result (SIGABRT)
+            if rank in ended
+            else unresponsive.stopped_by(p.pid) is None
+        )
+    ]
+    if not behind:
+        return []
+    return [unresponsive.behind(behind, first, reports.timed_out().get(first))]
 
 
 #: ``--help``'s description.

@@ -8,6 +8,7 @@ import atexit
 import contextlib
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -29,6 +30,14 @@ DEFAULT_COLLECTIVE_TIMEOUT = 90
 
 #: The exit status of a process whose collective waited longer than that (as ``timeout``'s).
 EXIT_HUNG = 124
+
+#: The start of what a process logs when a collective has waited half the timeout (then
+#: :data:`FINISHED` once it finishes), and when it timed out (:data:`TIMED_OUT`, then it exits
+#: with :data:`EXIT_HUNG`). The launcher reads them (unresponsive.py): a process that had not
+#: said it was waiting when another's collective timed out is the one the others waited for.
+WAITING = re.compile(rb"jaxkv: process \d+: a (.+?) has waited \d+ s, half of ")
+FINISHED = re.compile(rb"jaxkv: process \d+: a (.+?) finished after \d+ s")
+TIMED_OUT = re.compile(rb"jaxkv: process \d+: a (.+?) has waited (\d+) s for the other processes")
 
 
 def collective_timeout() -> float:
@@ -53,6 +62,7 @@ class _Watchdog:
         # handle -> (what, when it started, the timeout it was armed with, whether it is done)
         self._pending: dict[int, tuple[str, float, float, Callable[[], bool]]] = {}
         self._count = 0
+        self._warned: set[int] = set()  # the handles that have waited half their timeout
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
 
@@ -75,7 +85,16 @@ class _Watchdog:
 
     def forget(self, handle: int | None) -> None:
         with self._lock:
-            self._pending.pop(handle or 0, None)
+            entry = self._pending.pop(handle or 0, None)
+            warned = handle in self._warned
+            self._warned.discard(handle or 0)
+        if entry is not None and warned:  # said it was waiting: now it is not
+            logger.warning(
+                "jaxkv: process %d: a %s finished after %.0f s",
+                jax.process_index(),
+                entry[0],
+                time.monotonic() - entry[1],
+            )
 
     def stop(self) -> None:
         """End the thread as the process ends (an ``atexit`` handler), before JAX shuts down.
@@ -102,10 +121,28 @@ class _Watchdog:
                     self.forget(handle)
                 elif now - start > timeout:
                     _hung(what, now - start, timeout)
+                elif now - start > timeout / 2:
+                    self._half_way(handle, what, now - start, timeout)
             period = min([1.0] + [entry[2] / 4 for _, entry in pending])
+
+    def _half_way(self, handle: int, what: str, waited: float, timeout: float) -> None:
+        """Say, once, that a collective still pending has waited half its timeout."""
+        with self._lock:
+            if handle not in self._pending or handle in self._warned:
+                return
+            self._warned.add(handle)
+        logger.warning(
+            "jaxkv: process %d: a %s has waited %.0f s, half of %s=%g, for the other processes",
+            jax.process_index(),
+            what,
+            waited,
+            ENV_COLLECTIVE_TIMEOUT,
+            timeout,
+        )
 
 
 def _hung(what: str, waited: float, timeout: float) -> None:
+    # The launcher reads its start (TIMED_OUT).
     message = (
         f"jaxkv: process {jax.process_index()}: a {what} has waited {waited:.0f} s for the "
         f"other processes ({ENV_COLLECTIVE_TIMEOUT}={timeout:g}); one of them is hung or far "

@@ -17,9 +17,16 @@ would name one of them. So the launcher (launcher.py) keeps two records:
   error): process 0 stopped answering. This covers processes on
   other hosts, whose state the launcher cannot see.
 
-:func:`silent` then says which processes to name as the cause. What the launcher cannot tell
-(a process alive and heartbeating that never reaches the next collective) is in
-docs/distributed.md, "Failures, hangs and restarts".
+:func:`silent` then says which processes to name as the cause.
+
+A process that is alive and heartbeating but never reaches the next collective (a deadlock, an
+endless loop) does not stop: its peers' collectives time out instead (status 124, ``order.py``),
+and when process 0 is one of them, its exit ends every other process, the hung one included
+(SIGABRT: the coordination service is gone). So the processes say it themselves: one whose
+collective has waited half the timeout logs so (``order.WAITING``, and ``order.FINISHED`` once
+it finishes). :class:`HeartbeatReports` reads that too, and when the first failure is a
+time-out, the launcher names with :func:`behind` the processes that had not said they were
+waiting (nor were stopped): the others were waiting for them.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import signal
 import threading
 
 from jaxkv._src.processes.join import heartbeat_timeout
-from jaxkv._src.processes.order import collective_timeout
+from jaxkv._src.processes.order import FINISHED, TIMED_OUT, WAITING, collective_timeout
 
 #: Seconds between two looks at the processes' states.
 LOOK_EVERY = 0.5
@@ -99,7 +106,8 @@ class Stops:
 
 class HeartbeatReports:
     """The processes that JAX's coordination service, or a peer's failed heartbeat, reported
-    silent, from the lines the processes print on stderr (fed from the relay's thread).
+    silent, and those that said a collective of theirs was waiting or timed out, from the lines
+    the processes print on stderr (fed from the relay's thread).
 
     Examples:
       What process 0 logs when process 1 stopped sending heartbeats:
@@ -109,6 +117,16 @@ class HeartbeatReports:
       ...     reports.feed(0, line)
       >>> reports.missing()
       {1: 0}
+
+    And, from what order.py logs, the processes waiting in a collective, and those whose
+    collective timed out:
+
+      >>> reports.feed(0, b"jaxkv: process 0: a push has waited 4 s, half of ...")
+      >>> reports.feed(2, b"jaxkv: process 2: a push has waited 4 s, half of ...")
+      >>> reports.feed(2, b"jaxkv: process 2: a push finished after 5 s")
+      >>> reports.feed(0, b"jaxkv: process 0: a push has waited 9 s for the other processes")
+      >>> reports.waiting(), reports.timed_out()
+      ({0}, {0: ('push', 9)})
     """
 
     def __init__(self) -> None:
@@ -116,6 +134,8 @@ class HeartbeatReports:
         self._missing: dict[int, int] = {}  # silent rank -> the rank that reported it
         self._listing: set[int] = set()  # ranks whose last line was in a list of tasks
         self._status: dict[int, bytes] = {}  # rank -> the code of the last error it logged
+        self._waiting: set[int] = set()  # the ranks waiting in a collective, as they said
+        self._timed_out: dict[int, tuple[str, int]] = {}  # rank -> (its collective, seconds)
 
     def feed(self, rank: int, line: bytes) -> None:
         """One whole line that process ``rank`` printed on stderr."""
@@ -140,14 +160,33 @@ class HeartbeatReports:
             and self._status.get(rank) in _UNANSWERED
         ):
             named.append(str(COORDINATOR).encode())
+        timed_out = TIMED_OUT.search(line)
         with self._lock:
             for silent_rank in named:
                 self._missing.setdefault(int(silent_rank), rank)
+            if WAITING.search(line):
+                self._waiting.add(rank)
+            elif FINISHED.search(line):
+                self._waiting.discard(rank)
+            if timed_out:
+                what = timed_out[1].decode(errors="replace")
+                self._timed_out.setdefault(rank, (what, int(timed_out[2])))
 
     def missing(self) -> dict[int, int]:
         """Silent rank -> the rank that reported it, each as first reported."""
         with self._lock:
             return dict(self._missing)
+
+    def waiting(self) -> set[int]:
+        """The ranks that said a collective of theirs had waited half its timeout, and have not
+        said since that it finished."""
+        with self._lock:
+            return set(self._waiting)
+
+    def timed_out(self) -> dict[int, tuple[str, int]]:
+        """Rank -> (what collective of it timed out, the seconds it had waited), as logged."""
+        with self._lock:
+            return dict(self._timed_out)
 
 
 def least_silence() -> float:
@@ -214,3 +253,29 @@ def silent(
                 said = f"no heartbeats, said JAX's coordination service in process {by}"
             described.append(f"process {rank} stopped responding ({said})")
     return described
+
+
+def behind(ranks: list[int], first: int, waited: tuple[str, int] | None) -> str:
+    """The processes ``ranks`` described as the cause of process ``first``'s timed-out
+    collective.
+
+    Args:
+      ranks: the processes that had not said they were waiting in a collective
+        (:meth:`HeartbeatReports.waiting`), nor were stopped, when ``first`` timed out.
+      first: the rank whose collective timed out first.
+      waited: what collective of ``first`` timed out, and after how many seconds
+        (:meth:`HeartbeatReports.timed_out`), or ``None`` where its log was not read.
+
+    Examples:
+      >>> behind([1], 0, ("push", 20))
+      'process 1 did not reach the push that process 0 waited 20 s for: it is hung or far behind'
+      >>> behind([1, 3], 2, None)
+      'processes 1, 3 did not reach the collective that process 2 waited for: hung or far behind'
+    """
+    one = len(ranks) == 1
+    who = f"process {ranks[0]}" if one else f"processes {', '.join(map(str, ranks))}"
+    what, seconds = (waited[0], f" {waited[1]} s") if waited else ("collective", "")
+    return (
+        f"{who} did not reach the {what} that process {first} waited{seconds} for: "
+        f"{'it is ' if one else ''}hung or far behind"
+    )

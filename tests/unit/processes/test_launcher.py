@@ -344,6 +344,92 @@ def test_a_short_stop_is_not_named_unless_a_peer_reported_it(watch, caplog, monk
     )
 
 
+HUNG = order.EXIT_HUNG
+
+
+def _said(lines):
+    """What the processes logged (order.py): rank -> lines, ``waiting``, ``finished`` or
+    ``timed out``."""
+    reports = unresponsive.HeartbeatReports()
+    said = {
+        "waiting": "a push has waited 4 s, half of JAXKV_COLLECTIVE_TIMEOUT=8, for the other ...",
+        "finished": "a push finished after 5 s",
+        "timed out": "a push has waited 8 s for the other processes (JAXKV_COLLECTIVE_TIMEOUT=8)",
+    }
+    for rank, words in lines.items():
+        for word in words:
+            reports.feed(rank, f"jaxkv: process {rank}: {said[word]}".encode())
+    return reports
+
+
+def test_the_process_the_others_waited_for_is_named_when_a_collective_timed_out(watch, caplog):
+    """Rank 0's push times out (124) and rank 2's, both waiting: rank 1, which had not said it
+    was waiting, is named, even though it ended after rank 0 (SIGABRT, rank 0's coordination
+    service gone); rank 0's status is the job's, and nothing waits longer than SETTLE."""
+    waited = _said({0: ["waiting", "timed out"], 2: ["waiting"]})
+    schedule = {0: (1.0, HUNG), 1: (1.25, -signal.SIGABRT), 2: (1.25, HUNG)}
+    assert watch(schedule, reports=waited) == (HUNG, 1.25 / STEP)
+    assert caplog.messages[-1] == (
+        "jaxkv.launch: process 1 did not reach the push that process 0 waited 8 s for: it is hung "
+        "or far behind; as a result, process 0 exited with 124 (after it, process 1 was killed by "
+        "SIGABRT, process 2 exited with 124); stopping the others"
+    )
+    # Still running after SETTLE, as when a process other than 0 timed out; a push that had
+    # waited, then finished, is not waiting; the timed-out line unread: "the collective".
+    schedule = {0: (1.0, HUNG), 1: (NEVER, 0), 2: (NEVER, 0)}
+    assert watch(schedule, reports=_said({0: ["waiting"], 1: ["waiting", "finished"]})) == (
+        HUNG,
+        (1.0 + launcher.SETTLE) / STEP,
+    )
+    assert caplog.messages[-1] == (
+        "jaxkv.launch: processes 1, 2 did not reach the collective that process 0 waited for: "
+        "hung or far behind; as a result, process 0 exited with 124; stopping the others"
+    )
+
+
+@pytest.mark.parametrize(
+    "said",
+    [
+        {0: ["waiting", "timed out"], 1: ["waiting"], 2: ["waiting"]},  # every one waiting
+        {1: ["waiting"], 2: ["waiting"]},  # rank 0's warnings unread: nothing to go by
+        {},  # nothing relayed (--no-prefix --verbose)
+    ],
+)
+def test_no_process_is_named_as_hung_unless_the_timed_out_one_said_it_was_waiting(
+    watch, caplog, said
+):
+    schedule = {0: (1.0, HUNG), 1: (NEVER, 0), 2: (1.5, HUNG)}
+    assert watch(schedule, reports=_said(said))[0] == HUNG
+    assert caplog.messages[-1] == (
+        "jaxkv.launch: process 0 exited with 124 (after it, process 2 exited with 124); "
+        "stopping the others"
+    )
+
+
+def test_only_a_timed_out_collective_first_names_a_process_as_hung(watch, caplog):
+    said = _said({0: ["waiting"], 2: ["waiting", "timed out"]})
+    schedule = {0: (NEVER, 0), 1: (1.0, 3), 2: (1.5, HUNG)}
+    assert watch(schedule, reports=said)[0] == 3
+    assert caplog.messages[-1] == (
+        "jaxkv.launch: process 1 exited with 3 (after it, process 2 exited with 124); "
+        "stopping the others"
+    )
+
+
+def test_a_stopped_process_or_one_that_ended_well_is_not_named_as_hung(watch, caplog):
+    # Stopped long before: named as stopped, as without the time-out.
+    said = _said({0: ["waiting", "timed out"]})
+    schedule = {0: (21.0, HUNG), 1: (NEVER, 0), 2: (2.0, 0)}
+    assert watch(schedule, stopped={1: 1.0}, reports=said)[0] == HUNG
+    assert caplog.messages[-1] == (
+        "jaxkv.launch: process 1 stopped responding (stopped by SIGSTOP) for 20 s; as a result, "
+        "process 0 exited with 124; stopping the others"
+    )
+    # Stopped too shortly before to be named as the cause: not named at all.
+    watch(schedule, stopped={1: 20.0}, reports=said)
+    assert caplog.messages[-1] == "jaxkv.launch: process 0 exited with 124; stopping the others"
+
+
 def test_a_stop_signal_ends_the_watch_with_128_plus_its_number(watch):
     assert watch({0: (NEVER, 0)}, received=signal.SIGINT) == (128 + signal.SIGINT, 0)
 

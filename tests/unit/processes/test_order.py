@@ -223,3 +223,36 @@ def test_ordered_takes_a_turn_only_for_a_computation_that_spans_processes(two_pr
     last = order._ORDER._last
     assert last.what == "spanning"
     np.testing.assert_array_equal(last.token, [1.0])  # the first result's first element
+
+
+def test_a_collective_says_once_that_it_waited_half_its_timeout_and_then_that_it_finished(
+    monkeypatch, clock, caplog
+):
+    """What the launcher reads (unresponsive.py) to name the process the others waited for."""
+    watchdog = order._Watchdog()
+    done = []
+    watchdog._pending = {
+        1: ("push", clock.now - 4.5, 8.0, lambda: bool(done)),
+        2: ("barrier", clock.now - 3.5, 8.0, lambda: False),
+    }
+    with caplog.at_level(logging.WARNING, logger="jaxkv"):
+        _one_round(watchdog, monkeypatch, rounds=2)
+        assert caplog.messages == [
+            "jaxkv: process 0: a push has waited 4 s, half of JAXKV_COLLECTIVE_TIMEOUT=8, for "
+            "the other processes"
+        ]
+        done.append(True)
+        clock.now += 1.5
+        hung, _ = _one_round(watchdog, monkeypatch)
+        assert caplog.messages[1:] == [
+            "jaxkv: process 0: a push finished after 6 s",
+            "jaxkv: process 0: a barrier has waited 5 s, half of JAXKV_COLLECTIVE_TIMEOUT=8, for "
+            "the other processes",
+        ]
+        watchdog.forget(2)  # finished, as a watched block ends
+        watchdog.forget(2)  # once only
+    assert caplog.messages[3:] == ["jaxkv: process 0: a barrier finished after 5 s"]
+    assert hung == [] and watchdog._pending == {} and watchdog._warned == set()
+    for message, pattern in zip(caplog.messages, [order.WAITING, order.FINISHED]):
+        assert pattern.search(message.encode())
+    assert order.TIMED_OUT.search(caplog.messages[0].encode()) is None

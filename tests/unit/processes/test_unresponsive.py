@@ -250,3 +250,44 @@ SIGSTOP = "stopped by SIGSTOP"
 )
 def test_a_process_stopped_long_enough_or_reported_silent_is_named(stops, missing, ended, named):
     assert silent(stops, missing, ended, 20.0, 5.0) == named
+
+
+# ---- the processes that a timed-out collective waited for ----
+
+
+def test_waiting_and_timed_out_collectives_are_read_from_what_the_watchdog_logs():
+    reports = HeartbeatReports()
+    reports.feed(1, b"rank 1: a push has waited 3 s, half of it")  # not jaxkv's
+    reports.feed(0, b"WARNING:jaxkv:jaxkv: process 0: a barrier has waited 4 s, half of ...")
+    reports.feed(2, b"jaxkv: process 2: a push has waited 45 s, half of ...")
+    reports.feed(2, b"jaxkv: process 2: a push finished after 50 s")
+    assert reports.waiting() == {0}
+    reports.feed(
+        0,
+        b"ERROR:jaxkv:jaxkv: process 0: a broadcast of rank 0's values has waited 91 s for the "
+        b"other processes (JAXKV_COLLECTIVE_TIMEOUT=90); one of them is hung or far behind.",
+    )
+    reports.feed(0, b"jaxkv: process 0: a push has waited 95 s for the other processes")
+    assert reports.timed_out() == {0: ("broadcast of rank 0's values", 91)}  # the first kept
+    assert reports.waiting() == {0} and reports.missing() == {}
+
+
+@pytest.mark.parametrize(
+    "ranks, waited, described",
+    [
+        (
+            [1],
+            ("push", 20),
+            "process 1 did not reach the push that process 0 waited 20 s for: it is hung or far "
+            "behind",
+        ),
+        (
+            [1, 3],
+            None,
+            "processes 1, 3 did not reach the collective that process 0 waited for: hung or far "
+            "behind",
+        ),
+    ],
+)
+def test_processes_that_never_reached_the_collective_are_described(ranks, waited, described):
+    assert unresponsive.behind(ranks, 0, waited) == described
