@@ -473,8 +473,7 @@ class Launcher:
             return 0
         (rank, code), after = failures[0], failures[1:]
         first = _describe(rank, code)
-        if after:
-            first += f" (after it, {', '.join(_describe(*f) for f in after)})"
+        then = f" (after it, {', '.join(_describe(*f) for f in after)})" if after else ""
         missing = reports.missing() if reports is not None else {}
         at = time.monotonic() if failed_at is None else failed_at
         cause = unresponsive.silent(
@@ -484,7 +483,7 @@ class Launcher:
             cause = _behind(rank, ranks, procs, ended, reports, stops)
         if cause:  # the first to fail failed because these had stopped responding
             first = f"{', '.join(cause)}; as a result, {first}"
-        logger.error("jaxkv.launch: %s; stopping the others", first)
+        logger.error("jaxkv.launch: %s; stopping the others%s", first, then)
         return code if code > 0 else 128 - code
 
 

@@ -371,8 +371,8 @@ def test_the_process_the_others_waited_for_is_named_when_a_collective_timed_out(
     assert watch(schedule, reports=waited) == (HUNG, 1.25 / STEP)
     assert caplog.messages[-1] == (
         "jaxkv.launch: process 1 did not reach the push that process 0 waited 8 s for: it is hung "
-        "or far behind; as a result, process 0 exited with 124 (after it, process 1 was killed by "
-        "SIGABRT, process 2 exited with 124); stopping the others"
+        "or far behind; as a result, process 0 exited with 124; stopping the others (after it, "
+        "process 1 was killed by SIGABRT, process 2 exited with 124)"
     )
     # Still running after SETTLE, as when a process other than 0 timed out; a push that had
     # waited, then finished, is not waiting; the timed-out line unread: "the collective".
@@ -401,8 +401,8 @@ def test_no_process_is_named_as_hung_unless_the_timed_out_one_said_it_was_waitin
     schedule = {0: (1.0, HUNG), 1: (NEVER, 0), 2: (1.5, HUNG)}
     assert watch(schedule, reports=_said(said))[0] == HUNG
     assert caplog.messages[-1] == (
-        "jaxkv.launch: process 0 exited with 124 (after it, process 2 exited with 124); "
-        "stopping the others"
+        "jaxkv.launch: process 0 exited with 124; stopping the others (after it, process 2 "
+        "exited with 124)"
     )
 
 
@@ -411,8 +411,8 @@ def test_only_a_timed_out_collective_first_names_a_process_as_hung(watch, caplog
     schedule = {0: (NEVER, 0), 1: (1.0, 3), 2: (1.5, HUNG)}
     assert watch(schedule, reports=said)[0] == 3
     assert caplog.messages[-1] == (
-        "jaxkv.launch: process 1 exited with 3 (after it, process 2 exited with 124); "
-        "stopping the others"
+        "jaxkv.launch: process 1 exited with 3; stopping the others (after it, process 2 "
+        "exited with 124)"
     )
 
 
