@@ -324,7 +324,11 @@ class KVStoreMachine(RuleBasedStateMachine):
         """One array of ``shape``: made here, or one the store handed out earlier."""
         how = data.draw(st.sampled_from(["array", "array", "ones", "full", "jax", "pulled"]))
         if how == "pulled":
-            same = [(a, x, dt) for a, x, dt in self.pulled if a.shape == shape]
+            same = [  # of a dtype the key holds (another is refused: ``refusal``'s "lossy")
+                (a, x, dt)
+                for a, x, dt in self.pulled
+                if a.shape == shape and np.can_cast(dt, dtype, "safe")
+            ]
             if same and allow_pulled:
                 a, x, dt = data.draw(st.sampled_from(same))
                 return Part("pulled", None, dt, x, a)
