@@ -28,13 +28,13 @@ go, which makes them depend on the order of the calls:
   :class:`SchedulerZeroDivisionError`, a ``ZeroDivisionError``).
 
 MXNet's refusals are kept: where its constructors raise ``ValueError`` or fail an ``assert``,
-these raise :class:`SchedulerArgumentError` (a ``ValueError``) or
+these raise ``SchedulerArgumentError`` (a ``ValueError``) or
 :class:`SchedulerAssertionError` (an ``AssertionError``), both ``jaxkv.KVStoreError``, naming
 the argument, what was expected and what was given. The checks run in MXNet's order, so several
 bad arguments give the error MXNet gives; unlike MXNet's ``assert``, they run under
 ``python -O`` too. A NaN or infinite rate (``base_lr``, ``warmup_begin_lr``, ``final_lr``,
 ``factor``, ``stop_factor_lr``, ``pwr``), which MXNet takes, is refused too
-(:class:`SchedulerArgumentError`), after MXNet's own checks: it would give a NaN or infinite
+(``SchedulerArgumentError``), after MXNet's own checks: it would give a NaN or infinite
 learning rate. Messages MXNet logs with ``logging.info`` go to this module's logger
 (``logging.getLogger("jaxkv._src.mxnet.optimizers.lr_scheduler")``), at ``INFO``.
 """
@@ -203,7 +203,7 @@ class LRScheduler:
         subclass's own, by argument name; a learning rate also where its float32 value is
         infinite), and a linear warm-up whose ``(base_lr - warmup_begin_lr) * num_update``
         overflows (it would compute an infinite rate from finite ones), with
-        :class:`SchedulerArgumentError`: jaxkv's own check, after MXNet's."""
+        ``SchedulerArgumentError``: jaxkv's own check, after MXNet's."""
         owner = type(self).__name__
         given = {"base_lr": self.warmup_final_lr, "warmup_begin_lr": self.warmup_begin_lr}
         for name, value in {**given, **rates}.items():

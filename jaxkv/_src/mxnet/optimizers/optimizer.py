@@ -189,7 +189,7 @@ def create(name: str, **kwargs: Any) -> Optimizer:
 
 
 def number(owner: str, name: str, value: object) -> float:
-    """``value`` as a Python float, or an :class:`OptimizerArgumentError` naming the argument."""
+    """``value`` as a Python float, or an ``OptimizerArgumentError`` naming the argument."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise OptimizerArgumentError(
             f"{owner}: {name} expected a number, given {type(value).__name__} {value!r}"
