@@ -86,7 +86,7 @@ class _Watchdog:
     def forget(self, handle: int | None) -> None:
         with self._lock:
             entry = self._pending.pop(handle or 0, None)
-            warned = handle in self._warned
+            warned = (handle or 0) in self._warned
             self._warned.discard(handle or 0)
         if entry is not None and warned:  # said it was waiting: now it is not
             logger.warning(

@@ -52,9 +52,11 @@ def check_dtype(key: Any, x: Any, stored: Any, what: str) -> None:
     """Refuse ``x`` (an array or tracer) for a key stored as ``stored``'s dtype, unless the key
     holds it without loss (:func:`holds`): a float into an integer key, a float32 into a
     float16 key, an int32 into a float32 key (above 2**24) would each change the number."""
+    if x.dtype == stored.dtype:  # the common case, before any conversion (every push)
+        return
     given = jax.dtypes.canonicalize_dtype(x.dtype)  # NumPy's float64 is float32 in JAX
     dtype = np.dtype(stored.dtype)
-    if given == dtype or holds(dtype, given, bool(getattr(x, "weak_type", False))):
+    if holds(dtype, given, bool(getattr(x, "weak_type", False))):
         return
     raise DtypeError(
         f"key {shown(key)}: {what} has dtype {given.name}, which the key's dtype {dtype.name} "

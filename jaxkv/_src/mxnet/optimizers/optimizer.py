@@ -254,7 +254,8 @@ class Optimizer:
         which take precedence over ``set_lr_mult``/``set_wd_mult``, as in MXNet.
 
     **NaN and infinite rates are refused when set.** MXNet 1.9.1 takes a NaN or infinite
-    learning rate and its update then leaves the weights unchanged; jaxkv refuses it, with an
+    learning rate (then its SGD leaves the weights unchanged, its Adam makes them NaN); jaxkv
+    refuses it, with an
     ``OptimizerArgumentError`` naming the argument and the value, wherever it is set:
     ``learning_rate``, :meth:`set_learning_rate`, ``opt.lr = ...``, and likewise ``wd`` and
     ``rescale_grad`` (arguments or attributes); a refusal changes nothing. A schedule refuses
@@ -399,8 +400,8 @@ class Optimizer:
         Raises:
           KVStoreError: (``LearningRateError``, also a ``UserWarning`` as MXNet's) the
             optimizer has an ``lr_scheduler``; (``OptimizerArgumentError``) ``lr`` is not a
-            number, or is NaN or infinite (MXNet 1.9.1 takes it and then leaves the weights
-            unchanged): the learning rate stays as it was.
+            number, or is NaN or infinite (MXNet 1.9.1 takes it): the learning rate stays as
+            it was.
 
         Examples:
           >>> import jaxkv
