@@ -212,7 +212,7 @@ RATES = frozenset({"lr", "wd", "rescale_grad"})
 def _finite_mults(owner: str, name: str, mults: dict) -> None:
     """Refuse a NaN or infinite multiplier of ``set_lr_mult`` / ``set_wd_mult``."""
     for key, value in dict(mults).items():
-        finite(OptimizerArgumentError, owner, f"{name}[{key!r}]", value)
+        finite(OptimizerArgumentError, owner, f"{name}[{key!r}]", value, float32=True)
 
 
 class OptimizerState(NamedTuple):
