@@ -19,6 +19,8 @@ STEPS steady steps, the best of the rounds (the first 3 steps, which compile, no
   jaxkv-jit         docs/functional.md's plain-jit recipe: the gradient with respect to the
                     store's values (a dict of its keys) and jaxkv.push in one jax.jit (no
                     shard_map), the same store
+  jaxkv-jit-every-sum, jaxkv-jit-unverified
+                    the same with JAXKV_VERIFY_SUMS=1 and =0
 
 Each process prints one line per row, as JSON (``benchmarks/processes.py`` reads them): its
 rank, the row, ms/step, the bytes of parameters and optimizer state on its devices and of the
@@ -148,8 +150,12 @@ def main():
                 u, s = opt.update(g, s, p)
                 return optax.apply_updates(p, u), s
 
-        elif name == "jaxkv-jit":  # docs/functional.md's plain-jit recipe: no shard_map
-            os.environ.pop(verified.ENV_VERIFY_SUMS, None)
+        elif name.startswith("jaxkv-jit"):  # docs/functional.md's plain-jit recipe
+            setting = {"jaxkv-jit-unverified": "0", "jaxkv-jit-every-sum": "1"}.get(name)
+            if setting is None:
+                os.environ.pop(verified.ENV_VERIFY_SUMS, None)
+            else:
+                os.environ[verified.ENV_VERIFY_SUMS] = setting
             state = jaxkv.init(jaxkv.empty(devices), params0())
             carry = jaxkv.init_optimizer(state, opt)
 

@@ -11,7 +11,8 @@ import logging
 import jax
 import pytest
 
-# Scripts that tests/test_dist.py runs in launched processes: never import them here.
+# Scripts that tests/test_dist.py, tests/test_dist_loops.py and others run in launched
+# processes: never import them here.
 collect_ignore_glob = ["dist/*"]
 
 

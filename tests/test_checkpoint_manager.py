@@ -326,6 +326,7 @@ def test_a_save_killed_part_way_leaves_the_previous_step_and_a_restart_resumes(t
 JOB_KEYS = {"['params']['big']": (64, 512), "['params']['w']": (4, 3), "['empty']": (0,)}
 
 
+@pytest.mark.whole
 def test_a_job_of_2_processes_keeps_steps_and_resumes_from_the_latest_after_a_kill(tmp_path):
     import _jobs
 

@@ -7,8 +7,6 @@ import sys
 import pytest
 from _jobs import launch
 
-from jaxkv._src.mxnet.optimizers.optimizer import MXNET_OPTIMIZERS
-
 # make test: 3 processes (values split over them unevenly, and more orders of arrival); 2 in
 # make test-deep (most other jobs here run 2).
 N_PROCESSES = [pytest.param(2, marks=pytest.mark.deep), 3]
@@ -74,55 +72,6 @@ def test_dist_sync_sums_within_each_process_then_across(n):
         assert f"rank {rank} done" in run.stdout
 
 
-@pytest.mark.parametrize(("bound", "rows"), [(0, 64), (64, 64), (64, 66)])
-def test_rows_across_processes(bound, rows):
-    """Each process pushes and pulls its own rows of one table (kept whole on every device, or
-    split over every process's devices by MXNet's bound; 66 rows do not divide by the 4
-    devices, so blocks of 17 rows, padded): functionally, and through a dist_sync KVStore's
-    row-sparse values with MXNet's lazy SGD; every process checks the whole table."""
-    run = launch(2, "rows_job.py", bound, rows)
-    assert run.returncode == 0, run.stdout + run.stderr
-    tag = "split" if bound else "whole"
-    for rank in range(2):
-        for check in (
-            "functional pull per device",
-            "functional pull of one array",
-            "functional assign of one pair per process",
-            "row_sparse_pull after lazy sgd",
-            "the whole table after lazy sgd",
-            "functional pull and push of no rows",
-            "row_sparse_pull of no rows",
-            "one process's bad ids refused everywhere",
-            "one process's bad row_sparse_pull refused everywhere",
-        ):
-            assert f"rank {rank} ok {tag} {check}" in run.stdout, run.stdout + run.stderr
-        assert f"rank {rank} done" in run.stdout
-
-
-# The table split (bound 0) at 2 processes and whole at 3; whole at 2 in make test-deep.
-@pytest.mark.parametrize(
-    ("n", "bound"), [(2, 0), pytest.param(2, 1000, marks=pytest.mark.deep), (3, 1000)]
-)
-def test_an_embedding_loop_across_processes(n, bound):
-    """MXNet code's embedding loop on dist_sync, one device per process (issue 38): each
-    process pushes its own varying number of rows under lazy Adam with a schedule and pulls its
-    rows back; every step equals a one-process store given both processes' rows, nothing
-    compiles after warm-up, and float16 rows under multi_precision update a float32 master
-    copy; the table kept whole in every process, and split across them (bound 1000), over 2
-    and 3 processes."""
-    run = launch(n, "embedding_job.py", bound, per_process=1)
-    assert run.returncode == 0, run.stdout + run.stderr
-    for rank in range(n):
-        for check in (
-            "rows after every step",
-            "no compile after warm-up",
-            "the whole table",
-            "float16 rows under multi_precision",
-        ):
-            assert f"rank {rank} ok {check}" in run.stdout, run.stdout + run.stderr
-        assert f"rank {rank} done" in run.stdout
-
-
 @pytest.mark.parametrize("n", N_PROCESSES)
 def test_dist_sync_matches_pushes_by_key(n):
     """Processes push the same keys one at a time, each in its own shuffled order: every
@@ -143,32 +92,3 @@ def test_dist_sync_matches_pushes_by_key(n):
             assert f"rank {rank} ok {check}" in run.stdout, run.stdout + run.stderr
         assert f"rank {rank} done" in run.stdout
     assert "held push failed" not in run.stdout + run.stderr, run.stdout + run.stderr
-
-
-# make test: SGD (with the refusals of processes whose learning rates differ), Adam, and the
-# optimizers whose numbers depend on more than the summed gradient and the weight (SGLD's noise,
-# LARS's norms, DCASGD's previous weight) or whose state or shape differs (GroupAdaGrad's 2-D
-# rows, Ftrl's weight rewritten from its state), in one job; make test-deep: every other.
-QUICK = ["sgd", "adam", "sgld", "lars", "dcasgd", "groupadagrad", "ftrl"]
-DEEP = [n for n in MXNET_OPTIMIZERS if n not in QUICK]
-
-
-@pytest.mark.parametrize(
-    "names",
-    [",".join(QUICK), pytest.param(",".join(DEEP), marks=pytest.mark.deep)],
-    ids=["sgd-and-six", "the-others"],
-)
-def test_mxnet_optimizers_with_a_schedule_across_processes(names):
-    """MXNet's optimizers with a learning-rate schedule, keys pushed one at a time in each
-    process's own order: every process holds what one process alone computes from the sums;
-    processes whose optimizers work out different numbers are refused before anything moves."""
-    run = launch(2, "mx_optimizer_job.py", "2", names, timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
-    for rank in range(2):
-        for name in names.split(","):
-            assert f"rank {rank} ok {name} with a schedule" in run.stdout
-        if names.startswith("sgd,"):
-            for refused in ("", " in a pushpull", " in a row-sparse push"):
-                assert f"rank {rank} ok different learning rates refused{refused}" in run.stdout
-            assert f"rank {rank} ok alike learning rates pushed" in run.stdout
-        assert f"rank {rank} done" in run.stdout

@@ -152,6 +152,7 @@ def test_the_modules_declare_local_shapes_only_with_a_model_axis(store):
         fn(params, x)
 
 
+@pytest.mark.whole
 def test_the_script_prints_the_losses_and_the_difference():
     proc = run_example(EXAMPLE.name)
     assert proc.returncode == 0, proc.stderr

@@ -5,12 +5,14 @@ calls, not timed."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import jaxkv
 import jaxkv.mx as mx
 from jaxkv._src.mxnet import lending
 
 
+@pytest.mark.whole
 def test_the_notes_of_lent_arrays_cost_o_keys_a_step(monkeypatch):
     """A list push of per-device gradients and a list pull into per-device outs, as MXNet's
     data-parallel loop, on a store whose small keys share a bucket (few stored arrays, many

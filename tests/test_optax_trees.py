@@ -294,6 +294,7 @@ def test_a_checkpoint_resumes_with_the_trees_structure(devices, tmp_path, monkey
     _close(a, b, atol=0)
 
 
+@pytest.mark.whole
 def test_a_mask_by_path_across_processes():
     """2 processes of 2 devices, the README's sharded step with a mask by path: optax's numbers
     on one device (tests/dist/tree_mask_job.py)."""

@@ -1359,7 +1359,7 @@ def _keep_rows(value: np.ndarray, rows) -> np.ndarray:
 _PHASES = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]
 settings.register_profile(
     "jaxkv-stateful",
-    max_examples=150,
+    max_examples=100,
     stateful_step_count=30,
     derandomize=True,
     database=None,

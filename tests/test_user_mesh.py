@@ -127,6 +127,7 @@ def test_refusals(cpus, mesh):
         jaxkv.empty(mesh="data")
 
 
+@pytest.mark.whole
 def test_a_tree_on_the_users_mesh_moves_into_a_store_across_processes():
     """2 processes of 4 devices: 48 leaves on a 2 x 4 mesh, some split along "model", given to
     a store over the same devices on one axis that splits them: each moved by its own reshard,

@@ -1,4 +1,4 @@
-"""Run by tests/test_dist.py under ``python -m jaxkv.launch -n N --devices-per-process 1``: an
+"""Run by tests/test_dist_loops.py under ``python -m jaxkv.launch -n N --devices-per-process 1``: an
 embedding table's loop as MXNet code runs it on a ``dist_sync`` store (issue 38).
 
 Each process pushes its own row-sparse gradient of a different number of distinct rows every

@@ -1,4 +1,4 @@
-"""Run by tests/test_dist.py through ``python -m jaxkv.launch``: one worker of a dist_sync job
+"""Run by tests/test_dist_loops.py through ``python -m jaxkv.launch``: one worker of a dist_sync job
 training with MXNet's optimizers and a learning-rate schedule, keys pushed one at a time in each
 process's own order; every process must hold the numbers one process alone computes.
 

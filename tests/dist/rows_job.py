@@ -1,4 +1,4 @@
-"""Run by tests/test_dist.py through ``python -m jaxkv.launch``: rows of a table across processes.
+"""Run by tests/test_dist_loops.py through ``python -m jaxkv.launch``: rows of a table across processes.
 
 Every process pushes its own rows (one pair per local device) and pulls its own, functionally
 (``jaxkv.push_rows`` / ``pull_rows`` on a store over every process's devices) and through a
