@@ -21,6 +21,9 @@ STEPS steady steps, the best of the rounds (the first 3 steps, which compile, no
                     shard_map), the same store
   jaxkv-jit-every-sum, jaxkv-jit-unverified
                     the same with JAXKV_VERIFY_SUMS=1 and =0
+  jaxkv-jit-bound-2048
+                    the same with a bigarray_bound of 2048: the biases split too, as XLA
+                    splits GSPMD's
 
 Each process prints one line per row, as JSON (``benchmarks/processes.py`` reads them): its
 rank, the row, ms/step, the bytes of parameters and optimizer state on its devices and of the
@@ -156,7 +159,9 @@ def main():
                 os.environ.pop(verified.ENV_VERIFY_SUMS, None)
             else:
                 os.environ[verified.ENV_VERIFY_SUMS] = setting
-            state = jaxkv.init(jaxkv.empty(devices), params0())
+            small = 2048 if name == "jaxkv-jit-bound-2048" else None
+            store = jaxkv.empty(devices, bigarray_bound=small) if small else jaxkv.empty(devices)
+            state = jaxkv.init(store, params0())
             carry = jaxkv.init_optimizer(state, opt)
 
             @partial(jax.jit, donate_argnums=0)

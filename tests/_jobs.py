@@ -45,6 +45,18 @@ def launch(n, script, *args, per_process=2, options=(), timeout=240):
     )
 
 
+def expect_ok(run, n, checks, tag=""):
+    """``run``, a job of ``n`` processes, ended with 0, and each of its ranks printed
+    ``rank R ok [TAG ]CHECK`` for every one of ``checks``, then ``rank R done``."""
+    shown = run.stdout + run.stderr
+    assert run.returncode == 0, shown
+    prefix = f"{tag} " if tag else ""
+    for rank in range(n):
+        for check in checks:
+            assert f"rank {rank} ok {prefix}{check}" in run.stdout, shown
+        assert f"rank {rank} done" in run.stdout, shown
+
+
 def run_example(name, timeout=300):
     """``python examples/NAME`` from the repository's root, on CPU devices, its output captured
     as text: an example run as the README tells a user to run it."""

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from _jobs import launch
+from _jobs import expect_ok, launch
 
 # make test: 3 processes (values split over them unevenly, and more orders of arrival); 2 in
 # make test-deep (most other jobs here run 2).
@@ -15,9 +15,10 @@ N_PROCESSES = [pytest.param(2, marks=pytest.mark.deep), 3]
 @pytest.mark.parametrize("n", N_PROCESSES)
 def test_dist_sync_job(n):
     run = launch(n, "kvstore_job.py", str(n))
-    assert run.returncode == 0, run.stdout + run.stderr
-    for rank in range(n):
-        for check in (
+    expect_ok(
+        run,
+        n,
+        (
             "init from rank 0",
             "push sums over workers",
             "sharded value with sgd",
@@ -28,9 +29,8 @@ def test_dist_sync_job(n):
             "broadcast nan bits",
             "all-gather",
             "mismatched barriers refused",
-        ):
-            assert f"rank {rank} ok {check}" in run.stdout
-        assert f"rank {rank} done" in run.stdout
+        ),
+    )
 
 
 def test_a_dying_process_stops_the_job():
@@ -55,9 +55,10 @@ def test_dist_sync_sums_within_each_process_then_across(n):
     store's own) are summed there, then across processes; pulls to every device equal a NumPy
     sum, assigned or through sgd, with values kept whole or split by MXNet's bound."""
     run = launch(n, "hierarchy_job.py")
-    assert run.returncode == 0, run.stdout + run.stderr
-    for rank in range(n):
-        for check in (
+    expect_ok(
+        run,
+        n,
+        (
             "assign step 1 key big",
             "sgd step 1 key i",
             "split step 1 key m",
@@ -67,9 +68,8 @@ def test_dist_sync_sums_within_each_process_then_across(n):
             "mean across processes",
             "mean per key across processes",
             "global value refused",
-        ):
-            assert f"rank {rank} ok {check}" in run.stdout, run.stdout + run.stderr
-        assert f"rank {rank} done" in run.stdout
+        ),
+    )
 
 
 @pytest.mark.parametrize("n", N_PROCESSES)
@@ -78,9 +78,10 @@ def test_dist_sync_matches_pushes_by_key(n):
     process gets the sums MXNet's servers give (keys of one shape, and of several), and keys
     that differ between processes are refused on every process, naming each one's keys."""
     run = launch(n, "order_job.py")
-    assert run.returncode == 0, run.stdout + run.stderr
-    for rank in range(n):
-        for check in (
+    expect_ok(
+        run,
+        n,
+        (
             "one shape step 2 key c",
             "shapes step 2 key f",
             "different keys refused",
@@ -88,7 +89,6 @@ def test_dist_sync_matches_pushes_by_key(n):
             "out keeps its value",
             "different pulls of split values refused",
             "split value t pulled in each process's order",
-        ):
-            assert f"rank {rank} ok {check}" in run.stdout, run.stdout + run.stderr
-        assert f"rank {rank} done" in run.stdout
+        ),
+    )
     assert "held push failed" not in run.stdout + run.stderr, run.stdout + run.stderr
