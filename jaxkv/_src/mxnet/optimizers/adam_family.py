@@ -32,6 +32,7 @@ import numpy as np
 from jaxkv._src.mxnet.optimizers import float32 as f32
 from jaxkv._src.mxnet.optimizers.momentum import mx_clip, reaching
 from jaxkv._src.mxnet.optimizers.optimizer import (
+    ABSENT,
     Optimizer,
     OptimizerArgumentError,
     Scalars,
@@ -370,6 +371,21 @@ class Nadam(Optimizer):
 
     def _host_state(self) -> Any:
         return (self.m_schedule, dict(self._coefficients))
+
+    def _host_scalars(self) -> Any:
+        return self.m_schedule
+
+    def _set_host_scalars(self, scalars: Any) -> None:
+        self.m_schedule = scalars
+
+    def _host_entry(self, index: Any) -> Any:
+        return self._coefficients.get(index, ABSENT)
+
+    def _set_host_entry(self, index: Any, entry: Any) -> None:
+        if entry is ABSENT:
+            self._coefficients.pop(index, None)
+        else:
+            self._coefficients[index] = entry
 
     def _set_host_state(self, state: Any) -> None:
         self.m_schedule, coefficients = state

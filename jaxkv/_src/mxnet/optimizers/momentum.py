@@ -27,6 +27,7 @@ import optax
 from jaxkv._src.mxnet import random
 from jaxkv._src.mxnet.optimizers import float32 as f32
 from jaxkv._src.mxnet.optimizers.optimizer import (
+    ABSENT,
     Optimizer,
     OptimizerArgumentError,
     Scalars,
@@ -645,6 +646,12 @@ class LARS(Optimizer):
     def _host_state(self) -> Any:
         return (self.last_lr, self.cur_lr)
 
+    def _host_scalars(self) -> Any:
+        return (self.last_lr, self.cur_lr)
+
+    def _set_host_scalars(self, scalars: Any) -> None:
+        self.last_lr, self.cur_lr = scalars
+
     def _set_host_state(self, state: Any) -> None:
         self.last_lr, self.cur_lr = state
 
@@ -829,6 +836,15 @@ class LBSGD(Optimizer):
 
     def _host_state(self) -> Any:
         return dict(self._lr_read)
+
+    def _host_entry(self, index: Any) -> Any:
+        return self._lr_read.get(index, ABSENT)
+
+    def _set_host_entry(self, index: Any, entry: Any) -> None:
+        if entry is ABSENT:
+            self._lr_read.pop(index, None)
+        else:
+            self._lr_read[index] = entry
 
     def _set_host_state(self, state: Any) -> None:
         self._lr_read = dict(state)

@@ -42,6 +42,7 @@ import builtins
 import inspect
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, NamedTuple
 
@@ -67,6 +68,25 @@ __all__ = [
 ]
 
 logger = logging.getLogger("jaxkv")
+
+# An index's update count or host entry that it does not have (yet).
+ABSENT = object()
+
+
+class _Mark:
+    """What :meth:`Optimizer.bookkeeping` gives: ``num_update``, the schedule's state and the
+    optimizer's host scalars at that moment, and ``before``: each index a later
+    :meth:`Optimizer.next_update` counted, with its count and host entry as they were the first
+    time (so a mark costs what the updates after it touch, not every index counted so far)."""
+
+    __slots__ = ("__weakref__", "before", "host", "num_update", "scheduler")
+
+    def __init__(self, num_update: int, scheduler: dict | None, host: Any) -> None:
+        self.num_update = num_update
+        self.scheduler = scheduler
+        self.host = host
+        self.before: dict[Any, tuple[Any, Any]] = {}
+
 
 # MXNet 1.9.1's optimizer registry (mx.optimizer.Optimizer.opt_registry), lower-case names.
 MXNET_OPTIMIZERS = (
@@ -351,6 +371,7 @@ class Optimizer:
         self.begin_num_update = begin_num_update
         self.num_update = begin_num_update
         self._index_update_count: dict = {}
+        self._marks: weakref.WeakSet[_Mark] = weakref.WeakSet()  # bookkeeping()'s, still held
         self.clip_gradient = (
             None if clip_gradient is None else number(owner, "clip_gradient", clip_gradient)
         )
@@ -534,35 +555,66 @@ class Optimizer:
         """What else MXNet's update changes on the host at an update of ``index``, before the
         kernel's numbers are read (none here)."""
 
-    def bookkeeping(self) -> tuple:
-        """A copy of what :meth:`next_update` changes (the counts, ``num_update``, the
-        schedule's own state, the optimizer's host state), for :meth:`restore_bookkeeping`
-        when the push it was counted for is refused."""
+    def bookkeeping(self) -> _Mark:
+        """A mark of what :meth:`next_update` changes from now on (the counts, ``num_update``,
+        the schedule's own state, the optimizer's host state), for :meth:`restore_bookkeeping`
+        when the push it was counted for is refused. It keeps only what the updates after it
+        touch (each index as it was the first time), O(indices touched), not a copy of every
+        index counted so far."""
         scheduler = self.lr_scheduler
-        return (
+        mark = _Mark(
             self.num_update,
-            dict(self._index_update_count),
             None if scheduler is None else dict(vars(scheduler)),
-            self._host_state(),
+            self._host_scalars(),
         )
+        self._marks.add(mark)
+        return mark
 
-    def restore_bookkeeping(self, saved: tuple) -> None:
-        """Undo :meth:`next_update` calls made since :meth:`bookkeeping` gave ``saved``."""
-        num_update, counts, scheduler, host = saved
+    def restore_bookkeeping(self, mark: _Mark) -> None:
+        """Undo :meth:`next_update` calls made since :meth:`bookkeeping` gave ``mark``."""
+        self._put_back(mark.num_update, mark.before, mark.scheduler, mark.host)
+        self._marks.discard(mark)
+
+    def _entries(self, index: Any) -> tuple[Any, Any]:
+        """``index``'s update count and host entry, as :meth:`_put_back` takes them."""
+        return self._index_update_count.get(index, ABSENT), self._host_entry(index)
+
+    def _put_back(
+        self, num_update: int, before: Mapping[Any, tuple[Any, Any]], scheduler: Any, host: Any
+    ) -> None:
         self.num_update = num_update
-        self._index_update_count.clear()
-        self._index_update_count.update(counts)
+        for index, (count, entry) in before.items():
+            if count is ABSENT:
+                self._index_update_count.pop(index, None)
+            else:
+                self._index_update_count[index] = count
+            self._set_host_entry(index, entry)
         if scheduler is not None:
             vars(self.lr_scheduler).clear()
             vars(self.lr_scheduler).update(scheduler)
-        self._set_host_state(host)
+        self._set_host_scalars(host)
 
     def _host_state(self) -> Any:
-        """The optimizer's own host state that :meth:`_advance` changes (none here)."""
+        """The optimizer's own host state that :meth:`_advance` changes (none here), whole: as
+        :meth:`record` saves it."""
         return None
 
     def _set_host_state(self, state: Any) -> None:
         """Put back what :meth:`_host_state` gave."""
+
+    def _host_scalars(self) -> Any:
+        """The part of :meth:`_host_state` that any update changes (none here)."""
+        return None
+
+    def _set_host_scalars(self, scalars: Any) -> None:
+        """Put back what :meth:`_host_scalars` gave."""
+
+    def _host_entry(self, index: Any) -> Any:  # noqa: ARG002
+        """The part of :meth:`_host_state` that an update of ``index`` changes (none here)."""
+        return None
+
+    def _set_host_entry(self, index: Any, entry: Any) -> None:
+        """Put back what :meth:`_host_entry` gave for ``index``."""
 
     # -- saved with the states (MXNet's dump_optimizer) ------------------------------------
     def record(self) -> dict[str, Any]:
@@ -658,7 +710,13 @@ class Optimizer:
             self.lr_mult = dict(numbers["lr_mult"])
             self.wd_mult = dict(numbers["wd_mult"])
             self.begin_num_update = begin
-            self.restore_bookkeeping((num_update, counts, sched_state, host))
+            self.num_update = num_update
+            self._index_update_count.clear()
+            self._index_update_count.update(counts)
+            if sched_state is not None:
+                vars(self.lr_scheduler).clear()
+                vars(self.lr_scheduler).update(sched_state)
+            self._set_host_state(host)
 
         return put_back
 
@@ -676,11 +734,14 @@ class Optimizer:
             (counts, ``num_update``, the schedule's state are put back).
         """
         scheduler = self.lr_scheduler
-        before = (  # what the loop changes, for a refusal: these indices' counts only
+        before = {index: self._entries(index) for index in indices}  # what the loop changes
+        for mark in list(self._marks):  # a mark keeps each index as it was the first time
+            for index, entry in before.items():
+                mark.before.setdefault(index, entry)
+        saved = (
             self.num_update,
-            {index: self._index_update_count.get(index) for index in indices},
             None if scheduler is None else dict(vars(scheduler)),
-            self._host_state(),
+            self._host_scalars(),
         )
         rows = []
         try:
@@ -689,17 +750,8 @@ class Optimizer:
                 self._advance(index)
                 rows.append(self.scalars(index))
         except BaseException:
-            num_update, counts, sched_state, host = before
-            self.num_update = num_update
-            for index, count in counts.items():
-                if count is None:
-                    self._index_update_count.pop(index, None)
-                else:
-                    self._index_update_count[index] = count
-            if sched_state is not None:
-                vars(scheduler).clear()
-                vars(scheduler).update(sched_state)
-            self._set_host_state(host)
+            num_update, sched_state, host = saved
+            self._put_back(num_update, before, sched_state, host)
             raise
         table = np.asarray(rows, np.float64).astype(np.float32).reshape(len(rows), -1)
         for j, name in enumerate(self.SCALARS):

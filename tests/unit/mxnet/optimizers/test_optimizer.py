@@ -178,6 +178,37 @@ def test_next_update_counts_as_mxnet_and_reads_the_multipliers():
     assert opt.num_update == 6 and opt._index_update_count[7] == 6
 
 
+@pytest.mark.parametrize("name", ["sgd", "nadam", "lbsgd", "lars"])
+def test_a_refused_push_is_undone_in_what_it_touched_alone(name):
+    """bookkeeping() keeps only the indices counted after it, each as it was the first time
+    (O(indices touched), not a copy of the 5000 counted before), and restoring it undoes every
+    next_update made since: counts, num_update, the schedule, Nadam's coefficients, LBSGD's
+    rates read, LARS's rates (an index new since the mark is forgotten again)."""
+    sched = jaxkv.mx.lr_scheduler.FactorScheduler(step=2, factor=0.5, base_lr=0.1)
+    opt = optimizer.create(name, learning_rate=0.1, lr_scheduler=sched)
+    opt.next_update(list(range(5000)))
+    opt.next_update([3, 4])
+
+    def snapshot():
+        return (
+            opt.num_update,
+            dict(opt._index_update_count),
+            dict(vars(sched)),
+            repr(opt._host_state()),
+            [opt.inputs(i) for i in (3, 4)],
+        )
+
+    expected = snapshot()
+    mark = opt.bookkeeping()
+    opt.next_update([4, 3, 4])
+    inner = opt.bookkeeping()
+    opt.next_update([5000, 3])
+    assert sorted(mark.before) == [3, 4, 5000] and sorted(inner.before) == [3, 5000]
+    assert snapshot() != expected
+    opt.restore_bookkeeping(mark)
+    assert snapshot() == expected and 5000 not in opt._index_update_count
+
+
 def test_a_schedule_drives_the_learning_rate_and_refuses_set_learning_rate():
     sched = jaxkv.mx.lr_scheduler.FactorScheduler(step=1, factor=0.5, base_lr=1.0)
     opt = optimizer.SGD(lr_scheduler=sched)  # SGD's learning_rate is None: base_lr stands
