@@ -21,6 +21,8 @@ STEPS steady steps, the best of the rounds (the first 3 steps, which compile, no
                     shard_map), the same store
   jaxkv-jit-every-sum, jaxkv-jit-unverified
                     the same with JAXKV_VERIFY_SUMS=1 and =0
+  shard_map-by-hand the same step written by hand in shard_map, no jaxkv: parameters and
+                    optimizer state replicated, the gradients summed by lax.psum
   jaxkv-jit-bound-2048
                     the same with a bigarray_bound of 2048: the biases split too, as XLA
                     splits GSPMD's
@@ -150,6 +152,19 @@ def main():
             def step(carry, x, y):
                 p, s = carry
                 g = jax.grad(loss_fn)(p, x, y)
+                u, s = opt.update(g, s, p)
+                return optax.apply_updates(p, u), s
+
+        elif name == "shard_map-by-hand":  # no jaxkv: the same step written in shard_map
+            p = {k: jax.device_put(v, NamedSharding(mesh, P())) for k, v in params0().items()}
+            carry = (p, jax.jit(opt.init)(p))
+
+            @partial(jax.jit, donate_argnums=0)
+            @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("kv"), P("kv")), out_specs=P())
+            def step(carry, x, y):
+                p, s = carry
+                g = jax.lax.psum(jax.grad(loss_fn)(p, x, y), "kv")
+                g = jax.tree.map(lambda a: a / n, g)
                 u, s = opt.update(g, s, p)
                 return optax.apply_updates(p, u), s
 
