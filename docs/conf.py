@@ -66,6 +66,8 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(Policy|FlatLayout|Packing)"),
     # The store's private static facts, a cached computation's key (KVState.facts).
     (r"py:.*", r"Facts(\..*)?"),
+    # An MXNet optimizer's private mark of its bookkeeping (Optimizer.bookkeeping).
+    (r"py:.*", r"_Mark"),
 ]
 
 
