@@ -34,8 +34,8 @@ def run(n, row, steps):
 
 def collect(steps, processes=(1, 2, 3, 4), log=None):
     """Every process's row of every job: ``steps`` timed steps per round, rounded up to a
-    multiple of 10 (each round then holds one step the default row checks)."""
-    steps = -(-max(steps, 1) // 10) * 10
+    multiple of 20 (each round then checks every slice of each sum once in the default row)."""
+    steps = -(-max(steps, 1) // 20) * 20
     results = []
     for n in processes:
         for row in ROWS:
@@ -73,7 +73,8 @@ def report(results):
         "gspmd: plain `jit` over the global mesh, leaves of at least 16384 elements (the "
         "store's default bound) split by rows; jaxkv: the README's `jaxkv.gather` + "
         "`jaxkv.push` step in `shard_map` (`jaxkv.empty()`), with "
-        "verified sums as by default across processes (a tenth of each sum checked at every step), "
+        "verified sums as by default across processes (a twentieth of each sum checked at "
+        "every step), "
         "every sum checked at every step (`JAXKV_VERIFY_SUMS=1`), and none "
         "(`JAXKV_VERIFY_SUMS=0`); jaxkv-jit: the plain-`jit` recipe (the gradient and "
         "`jaxkv.push` in one `jax.jit`, no `shard_map`). ms/step: mean of the "

@@ -12,10 +12,12 @@ STEPS steady steps, the best of the rounds (the first 3 steps, which compile, no
                     collectives and the optimizer state
   jaxkv             the README's step: jaxkv.gather and jaxkv.push inside shard_map over a store
                     spanning every process's devices (``jaxkv.empty()``'s default bound),
-                    verified sums as by default across processes (a tenth of each sum
-                    checked at every step, another tenth each step)
+                    verified sums as by default across processes (a twentieth of each sum
+                    checked at every step, another twentieth each step)
   jaxkv-every-sum   the same with JAXKV_VERIFY_SUMS=1 (every step checked)
   jaxkv-unverified  the same with JAXKV_VERIFY_SUMS=0
+  jaxkv-verify-N    the same with JAXKV_VERIFY_SUMS=N (an N-th of each sum checked at each run;
+                    a large N: what the check's machinery costs, its dots next to nothing)
   jaxkv-jit         docs/functional.md's plain-jit recipe: the gradient with respect to the
                     store's values (a dict of its keys) and jaxkv.push in one jax.jit (no
                     shard_map), the same store
@@ -186,7 +188,9 @@ def main():
 
         else:
             setting = {"jaxkv-unverified": "0", "jaxkv-every-sum": "1"}.get(name)
-            if setting is None:  # jaxkv's default across processes: a tenth of each sum
+            if name.startswith("jaxkv-verify-"):  # JAXKV_VERIFY_SUMS=N: an N-th at each run
+                setting = name.removeprefix("jaxkv-verify-")
+            if setting is None:  # jaxkv's default across processes: a twentieth of each sum
                 os.environ.pop(verified.ENV_VERIFY_SUMS, None)
             else:
                 os.environ[verified.ENV_VERIFY_SUMS] = setting

@@ -17,7 +17,7 @@ def cpu_env(env=None, **extra):
     """``env`` (default: this process's environment) and ``extra``, with ``JAX_PLATFORMS=cpu``:
     the environment of a process that must run on CPU devices whatever this machine has. The
     suite's jobs check every sum they make across processes (``JAXKV_VERIFY_SUMS=1``, where
-    users' jobs check a tenth of each at every run) unless the environment says otherwise."""
+    users' jobs check a twentieth of each at every run) unless the environment says otherwise."""
     base = {"JAXKV_VERIFY_SUMS": "1", **(os.environ if env is None else env)}
     return {**base, **extra, "JAX_PLATFORMS": "cpu"}
 

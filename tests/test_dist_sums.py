@@ -46,8 +46,8 @@ def test_the_sharded_step_is_exact_run_after_run(n, rows, loaded):
 
 
 def test_the_default_checks_a_slice_of_each_sum_alike_in_every_process(monkeypatch):
-    """Users' default (``JAXKV_VERIFY_SUMS`` unset: a tenth of each sum checked at every run,
-    another tenth each run): every process checks the same slice at each run (else the
+    """Users' default (``JAXKV_VERIFY_SUMS`` unset: a twentieth of each sum checked at every
+    run, another twentieth each run): every process checks the same slice at each run (else the
     checksums would differ, a SumError), and the numbers stay exact."""
     monkeypatch.setenv("JAXKV_VERIFY_SUMS", "")
     run = launch(2, "sharded_step_job.py", "jaxkv", 12, per_process=1, timeout=300)

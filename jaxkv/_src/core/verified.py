@@ -53,8 +53,9 @@ ENV_VERIFY_SUMS = "JAXKV_VERIFY_SUMS"
 # element has been checked once, and a sum that is wrong throughout is caught at its first run.
 # The whole of every sum at every run (JAXKV_VERIFY_SUMS=1) costs 15-25 % of the in-jit step of
 # the many-processes benchmark (a 9M-parameter MLP on this 2-core machine): mostly the dots,
-# which read every gradient once more.
-DEFAULT_EVERY = 10
+# which read every gradient once more; a tenth at every run 3-6 %, a twentieth 1-3 % (its
+# callback, all-gather and conditional alone 0.6 %: docs/distributed.md, "What it costs").
+DEFAULT_EVERY = 20
 
 
 def verify_every() -> int:
