@@ -492,6 +492,30 @@ def test_pushpull_rows_with_other_pull_ids_gives_push_then_pull(table, updater, 
     np.testing.assert_array_equal(got, jaxkv.pull_rows(alone, "e", [1, 0, 1]))
 
 
+@pytest.mark.standard_promotion  # optax's Adam
+@pytest.mark.parametrize("updater", ["assign", "adam"])
+def test_a_store_of_one_device_pulls_in_the_push_whatever_the_order_of_the_ids(updater, devices):
+    """On one device the pull runs in the push's computation, told when its ids are sorted and
+    distinct: ids in any order, repeated, or past the padding give what a pull after the push
+    gives; rows made on the host (NumPy) push as the same rows on the device."""
+    upd = UPDATERS[updater]
+    rows, width = TABLES["odd"]
+    state = jaxkv.init(jaxkv.empty(devices[:1]), {"e": jnp.asarray(_table(rows, width))})
+    rng = np.random.default_rng(5)
+    ids = np.sort(rng.choice(rows, 37, replace=False)).astype(np.int32)
+    values = rng.normal(size=(37, width)).astype(np.float32)
+    alone = jaxkv.push_rows(state, "e", ids, jnp.asarray(values), updater=upd)
+    for asked in (ids, ids[::-1], [5, 1, 5, 0, rows - 1], [0], np.arange(41)):
+        for pushed in (values, jnp.asarray(values)):
+            # (a list of one pair per device: the pull fused into the push's computation)
+            new, got = jaxkv.pushpull_rows(
+                state, "e", [ids], [pushed], pull_ids=[asked], updater=upd
+            )
+            np.testing.assert_array_equal(jaxkv.pull(new, "e"), jaxkv.pull(alone, "e"))
+            np.testing.assert_array_equal(got[0], jaxkv.pull_rows(alone, "e", asked))
+            assert got[0].shape == (len(asked), width)
+
+
 def test_pushpull_rows_refuses_pull_ids_before_it_pushes():
     state = _store("keys")
     ids = [np.array([d]) for d in range(NDEV)]

@@ -41,6 +41,7 @@ from jaxkv._src.mxnet.optimizers import catalog  # noqa: F401 - fills the regist
 from jaxkv._src.mxnet.optimizers.optimizer import Optimizer as MXNetOptimizer
 from jaxkv._src.mxnet.updater import Updater as MXNetUpdater
 from jaxkv._src.processes import host, join
+from jaxkv._src.rows.sizes import Padded
 from jaxkv._src.state import buckets, dtypes, pairing, placement
 from jaxkv._src.state.kvstate import BIGARRAY_BOUND, Key, KVState, empty, spans_processes
 
@@ -622,7 +623,7 @@ class KVStore:
                         raise
                     self._stored = state
                     for o, x, where in got:
-                        o.set_rows(x, where, where.devices().pop())
+                        o.set_rows_lazily(*_padded(x), where)
                     return None
             state = self._state
             if out is None:
@@ -657,7 +658,7 @@ class KVStore:
                         filled.append(("dense", o, kept, device))
             for how, o, x, where in filled:  # every out filled once all are computed
                 if how == "rows":
-                    o.set_rows(x, where, where.devices().pop())
+                    o.set_rows_lazily(*_padded(x), where)
                 else:
                     _set(o, x, where)
             return None
@@ -1231,6 +1232,13 @@ def _alone(state: KVState, key: Key) -> None:
     group = state.opt_group(key)
     if group is not None and len(group) > 1 and not per_key.holds_per_key(state, [key]):
         optimizer_group(state, (key,), unpack=False)  # raises, naming the group
+
+
+def _padded(rows: Any) -> tuple[jax.Array, int]:
+    """Pulled rows as ``(rows, count)``: a padded result and its count, or rows as they are."""
+    if isinstance(rows, Padded):
+        return rows.rows, rows.count
+    return rows, rows.shape[0]
 
 
 def _grouped(state: KVState, key: Any, values: Any) -> dict[Key, list]:

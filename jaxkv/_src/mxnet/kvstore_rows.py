@@ -83,7 +83,7 @@ def held(
     """A lazy push of ``values`` (one per device, the first row-sparse) to ``key``, with every
     refusal raised now: run it with :func:`run_held` or :func:`pushpull_into`."""
     values = _row_sparse_values(state, key, values)
-    row_ids, rows = [v.row_ids for v in values], [v.row_values for v in values]
+    row_ids, rows = _parts(values)
     updater = replace_all if updater is None else updater
     ids = ops.check_push(state, key, row_ids, rows, updater)
     return Held(key, row_ids, rows, ids, updater, donate, extra)
@@ -145,8 +145,20 @@ def push(
     if not lazy:  # MXNet's standard update: every row, with the gradient densified
         dense = [dense_of(v) for v in values]
         return core.ops.push(state, key, dense, updater=updater, donate=donate, extra_args=extra)
-    rows = [v.row_values for v in values]
-    return lazy_push(state, key, [v.row_ids for v in values], rows, updater, donate, extra)
+    row_ids, rows = _parts(values)
+    return lazy_push(state, key, row_ids, rows, updater, donate, extra)
+
+
+def _parts(values: list[RowSparseNDArray]) -> tuple[list, list]:
+    """Each value's ids and rows: NumPy arrays where both are still on the host (a value made
+    there: the push puts them on the device with its own arguments), else its arrays."""
+    row_ids, rows = [], []
+    for v in values:
+        host = v.host_parts()
+        ids, r = (v.row_ids, v.row_values) if host is None else (host[1], host[0])
+        row_ids.append(ids)
+        rows.append(r)
+    return row_ids, rows
 
 
 def _as_row_sparse(x: Any) -> RowSparseNDArray:
@@ -157,8 +169,9 @@ def _as_row_sparse(x: Any) -> RowSparseNDArray:
 
 
 def pull_into(state: KVState, key: Key, outs: list, row_ids: list) -> list[tuple[Any, Any, Any]]:
-    """What each row-sparse out of ``key`` receives: ``(out, rows, ids)`` on the out's device,
-    for the distinct ids asked of it (sorted, as MXNet's ``row_sparse_pull`` gives them)."""
+    """What each row-sparse out of ``key`` receives: ``(out, rows, ids)``, the rows on the out's
+    device and the ids on the host, for the distinct ids asked of it (sorted, as MXNet's
+    ``row_sparse_pull`` gives them)."""
     with ops.checking(state, key):  # across processes, a refusal is every process's
         asked = wanted(state, key, row_ids)
     devices = [o.jax_device() for o in outs]
@@ -172,13 +185,12 @@ def pull_into(state: KVState, key: Key, outs: list, row_ids: list) -> list[tuple
         cuts = np.cumsum([x.size for x in asked])[:-1]
         pieces = [got[a:b] for a, b in zip([0, *cuts], [*cuts, every.size])]
         rows = list(jax.device_put(pieces, devices))
-        return list(zip(outs, rows, jax.device_put(asked, devices)))
+        return list(zip(outs, rows, asked))
     if tuple(devices) == state.devices and len({x.size for x in asked}) == 1 and len(devices) > 1:
         rows = ops.pull_rows(state, key, asked)  # one computation: each device its rows
     else:
         rows = [ops.pull_rows(state, key, x, devices=[d]) for x, d in zip(asked, devices)]
-    ids = jax.device_put(asked, devices)  # one call for every out's ids
-    return list(zip(outs, rows, ids))
+    return list(zip(outs, rows, asked))  # (the ids put on a device when an out is read)
 
 
 def wanted(state: KVState, key: Key, row_ids: list) -> list[np.ndarray]:
@@ -190,7 +202,8 @@ def pushpull_into(
     state: KVState, push: Held, outs: list, asked: list[np.ndarray]
 ) -> tuple[KVState, list[tuple[Any, Any, Any]]]:
     """A held push, then what each row-sparse out receives for its distinct ids ``asked`` (see
-    :func:`wanted`), as :func:`pull_into` gives it: in one computation where the outs are the
+    :func:`wanted`), as :func:`pull_into` gives it (the rows possibly
+    :class:`~jaxkv._src.rows.sizes.Padded`): in one computation where the outs are the
     store's devices, one each, asking as many rows each (the pushed values one per device of
     the store), a store of one device too; else the push, then the pull."""
     devices = [o.jax_device() for o in outs]
@@ -209,17 +222,17 @@ def pushpull_into(
     if not fused:
         state = run_held(state, push)
         return state, pull_into(state, push.key, outs, asked)
-    placed = jax.device_put(asked, devices)  # the outs' ids, and the pull's, in place
     state, rows = ops.pushpull_checked(
         state,
         push.key,
         (push.row_ids, push.rows, push.ids),
-        (placed, asked),
+        asked,
+        devices,
         push.updater,
         push.donate,
         push.extra,
     )
-    return state, list(zip(outs, rows, placed))
+    return state, list(zip(outs, rows, asked))
 
 
 def _distinct(key: Key, ids: Any, n_rows: int) -> np.ndarray:

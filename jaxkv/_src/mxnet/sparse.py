@@ -186,6 +186,11 @@ def _is_scalar(x: Any) -> bool:
     return isinstance(x, numbers.Number)
 
 
+def _on_cpu(x: jax.Array) -> bool:
+    """Whether ``x`` is in host memory (CPU devices): a copy through NumPy is a memcpy."""
+    return all(d.platform == "cpu" for d in x.devices())
+
+
 def _settle(rows: jax.Array, ids: jax.Array, device: jax.Device) -> tuple[jax.Array, jax.Array]:
     """``rows`` and ``ids`` on ``device``: a computation whose result has no elements can
     leave it on JAX's default device (JAX makes it a constant), whatever its inputs' device."""
@@ -252,7 +257,7 @@ class RowSparseNDArray(NDArray):
       6.0
     """
 
-    __slots__ = ("row_values", "row_ids", "_shape")
+    __slots__ = ("_rows", "_ids", "_pending", "_shape")
 
     def __init__(
         self,
@@ -263,12 +268,85 @@ class RowSparseNDArray(NDArray):
     ) -> None:
         """Wrap parts that already hold the invariants (no checks): use
         :func:`row_sparse_array` to make one from user input."""
-        self.row_values = rows
-        self.row_ids = ids
+        self._rows = rows
+        self._ids = ids
+        # Parts not yet on the device: ``(rows, count, ids, device)``, see :meth:`hold_lazily`.
+        self._pending: tuple[Any, int, np.ndarray, jax.Device] | None = None
         self._shape = tuple(int(s) for s in shape)
         self._where: tuple[Any, Any] = (None, None)  # (rows, their device), see _device
         self._dtype = declared_dtype(dtype)
         self.owed_by = None  # a store never holds a pull for a row-sparse array
+
+    # -- parts held lazily -----------------------------------------------------------------
+    @classmethod
+    def lazily(
+        cls,
+        rows: Any,
+        count: int,
+        ids: np.ndarray,
+        device: jax.Device,
+        shape: tuple[int, ...],
+        dtype: npt.DTypeLike | None = None,
+    ) -> RowSparseNDArray:
+        """An array whose parts reach ``device`` when first read: see :meth:`hold_lazily`."""
+        out = cls(rows, ids, shape, dtype)
+        out.hold_lazily(rows, count, ids, device)
+        return out
+
+    def hold_lazily(self, rows: Any, count: int, ids: np.ndarray, device: jax.Device) -> None:
+        """Hold the first ``count`` rows of ``rows`` (host NumPy, or a padded ``jax.Array`` on
+        ``device``) at the host ids ``ids`` (int32, sorted, unique, in range: not checked),
+        put on ``device`` when first read: a store that only hands them on (a push of rows
+        made on the host, a pulled out read once) puts nothing itself."""
+        self._pending = (rows, count, ids, device)
+        self._rows = self._ids = None
+        self._where = (None, device)
+
+    def host_parts(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(rows, ids)`` as NumPy arrays where both are still on the host, else ``None``."""
+        pending = self._pending
+        if pending is None or not isinstance(pending[0], np.ndarray):
+            return None
+        return pending[0][: pending[1]], pending[2]
+
+    def host_ids(self) -> np.ndarray | None:
+        """The int32 ids as a NumPy array where they are still on the host, else ``None``."""
+        return None if self._pending is None else self._pending[2]
+
+    def _land(self) -> None:
+        rows, count, ids, device = self._pending
+        self._pending = None
+        if isinstance(rows, np.ndarray) or rows.shape[0] != count and _on_cpu(rows):
+            host = np.asarray(rows)[:count]  # on CPU devices: no copy, nothing compiled
+            self._rows, self._ids = jax.device_put((host, ids), device)
+        else:  # (a slice compiled once per count, off CPU)
+            self._rows = rows if rows.shape[0] == count else rows[:count]
+            self._ids = jax.device_put(ids, device)
+        self._where = (self._rows, device)
+
+    @property
+    def row_values(self) -> jax.Array:
+        if self._pending is not None:
+            self._land()
+        return self._rows
+
+    @row_values.setter
+    def row_values(self, rows: jax.Array) -> None:
+        if self._pending is not None:
+            self._land()
+        self._rows = rows
+
+    @property
+    def row_ids(self) -> jax.Array:
+        if self._pending is not None:
+            self._land()
+        return self._ids
+
+    @row_ids.setter
+    def row_ids(self, ids: jax.Array) -> None:
+        if self._pending is not None:
+            self._land()
+        self._ids = ids
 
     # -- what the KVStore uses ---------------------------------------------------------------
     @property
@@ -288,6 +366,8 @@ class RowSparseNDArray(NDArray):
 
     def jax_device(self) -> jax.Device:
         rows, device = self._where
+        if self._pending is not None:
+            return self._pending[3]
         if rows is not self.row_values:
             device = _device_of(self.row_values)
             self._where = (self.row_values, device)
@@ -308,12 +388,30 @@ class RowSparseNDArray(NDArray):
                 f"_set_rows: expected rows of shape (n, {', '.join(map(str, self._shape[1:]))}) "
                 f"and n ids, given rows of shape {tuple(rows.shape)} and {ids.shape[0]} ids"
             )
-        if rows.dtype != self.row_values.dtype:
-            rows = rows.astype(self.row_values.dtype)
+        if rows.dtype != self._held():
+            rows = rows.astype(self._held())
         if ids.dtype != _HELD_IDS:
             ids = ids.astype(_HELD_IDS)
-        self.row_values, self.row_ids = rows, ids
+        self._pending = None
+        self._rows, self._ids = rows, ids
         self._where = (rows, device)
+
+    def set_rows_lazily(self, rows: jax.Array, count: int, ids: np.ndarray) -> None:
+        """Hold the first ``count`` rows of the padded ``rows`` (on this array's device) at the
+        host ids ``ids`` (sorted, unique, in range: not checked), put in place when first read
+        (:meth:`hold_lazily`): what ``row_sparse_pull`` does to its outs where it can."""
+        if rows.shape[1:] != self._shape[1:] or rows.shape[0] < count or ids.shape[0] != count:
+            raise ShapeError(
+                f"_set_rows: expected rows of shape (n, {', '.join(map(str, self._shape[1:]))}) "
+                f"and {count} ids, given rows of shape {tuple(rows.shape)} and {ids.shape[0]} ids"
+            )
+        if rows.dtype != self._held():
+            rows = rows.astype(self._held())
+        self.hold_lazily(rows, count, ids.astype(_HELD_IDS, copy=False), self.jax_device())
+
+    def _held(self) -> np.dtype:
+        """The dtype the rows are held in (without putting lazily held ones on the device)."""
+        return np.dtype((self._rows if self._pending is None else self._pending[0]).dtype)
 
     def set_value(self, data: jax.Array, device: jax.Device) -> None:
         """Hold the dense value ``data`` (on ``device``): its non-zero rows, eagerly."""
@@ -356,7 +454,7 @@ class RowSparseNDArray(NDArray):
 
     @property
     def dtype(self) -> np.dtype:
-        held = np.dtype(self.row_values.dtype)
+        held = self._held()
         declared = self._dtype
         return declared if declared is not None and held_dtype(declared) == held else held
 
@@ -775,9 +873,10 @@ def _from_definition(
         )
     if (order != np.arange(len(order))).any():
         values = values[order.astype(_HELD_IDS)]
-    rows, held_ids = jax.device_put(
-        (values, ids.astype(_HELD_IDS)), device, may_alias=False if on_device else None
-    )
+    if not on_device:  # made on the host: put on the device when first read (a push need not)
+        held_ids = ids.astype(_HELD_IDS)
+        return RowSparseNDArray.lazily(values, len(held_ids), held_ids, device, shape, wanted)
+    rows, held_ids = jax.device_put((values, ids.astype(_HELD_IDS)), device, may_alias=False)
     return RowSparseNDArray(rows, held_ids, shape, wanted)
 
 

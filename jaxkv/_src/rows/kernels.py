@@ -543,12 +543,14 @@ def own_push(
     donate: bool,
     distinct: bool = False,
     back: bool = False,
+    back_sorted: bool = False,
 ) -> Any:
     """The eager push of rows into a key kept as an array of its own: ``(table, opt_state,
     ids, rows, extra) -> (table, opt_state)``, in a ``shard_map`` over the store's mesh for a
     sharded table (its optimizer state's per-parameter leaves sharded like it). ``distinct``:
     see :func:`update_rows`. ``back`` (a table kept whole): one more argument, ids to pull,
-    and their rows after the push as a third result."""
+    and their rows after the push as a third result; ``back_sorted``: those ids are sorted
+    and distinct (their padding, ``-1``, after them), and XLA's gather is told so."""
     donated = (0, 1) if donate else ()
     if not sharded:
 
@@ -556,7 +558,14 @@ def own_push(
             table, opt = update_rows(
                 key, Where(), table, opt, ids, rows, n_rows, updater, extra, distinct
             )
-            return (table, opt, take(table, pull[0])) if back else (table, opt)
+            if not back:
+                return table, opt
+            asked = pull[0]
+            if back_sorted and n_rows + asked.shape[0] < 2**31:
+                beyond = n_rows + jnp.arange(asked.shape[0], dtype=asked.dtype)
+                asked = jnp.where((asked >= 0) & (asked < n_rows), asked, beyond)
+                return table, opt, _Sorted().take(table, asked)
+            return table, opt, take(table, asked)
 
         return jax.jit(whole, donate_argnums=donated)
 

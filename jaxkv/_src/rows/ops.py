@@ -69,7 +69,17 @@ from jaxkv._src.rows.kernels import (
     take,
     update_rows,
 )
-from jaxkv._src.rows.sizes import concat_rows, cut, fit, pad_ids, pad_rows, route, slots
+from jaxkv._src.rows.sizes import (
+    Padded,
+    concat_rows,
+    cut,
+    exact,
+    fit,
+    pad_ids,
+    pad_rows,
+    route,
+    slots,
+)
 from jaxkv._src.state import buckets
 from jaxkv._src.state.dtypes import check_dtype
 from jaxkv._src.state.kvstate import Key, KVState, normalize_key
@@ -456,7 +466,19 @@ def _pairs(key: Key, row_ids: Any, rows: Any) -> list[tuple[Any, Any]]:
 
 
 def _unwrapped(x: Any) -> Any:
+    """Pushed rows as an array: host NumPy rows stay on the host (the push's computation takes
+    them as arguments: one transfer, where a ``device_put`` here would be a second)."""
+    if isinstance(x, np.ndarray):
+        return x
     return x.asjax() if hasattr(x, "asjax") else as_array(x)
+
+
+def _one_device(rows: Any) -> Any:
+    """The one device ``rows`` is on, or ``None`` (host NumPy rows, or rows on several)."""
+    if not isinstance(rows, jax.Array):
+        return None
+    on = rows.devices()
+    return next(iter(on)) if len(on) == 1 else None
 
 
 def _check_rows(key: Key, shape: tuple[int, ...], dtype: Any, n: int, rows: Any, what: str) -> None:
@@ -583,7 +605,7 @@ def pushpull_rows(
         state, key, row_ids, rows, updater, axis_name, donate, plan, extra=extra_args
     )
     if pulled is not None:
-        return state, pulled
+        return state, [exact(x) for x in pulled]
     if not many:
         return state, pull_rows(state, key, asked, axis_name=axis_name)
     if traced:
@@ -694,7 +716,7 @@ def _push(
             if back is None:
                 return new, None
             wanted = [ids.size for ids, _ in host_pairs] if back == 0 else [x.size for x in pull[1]]
-            return new, [cut(x, m) for x, m in zip(per_device(out[2]), wanted)]
+            return new, [Padded(x, m) for x, m in zip(per_device(out[2]), wanted)]
     ids, rows = _gathered(state, key, host_pairs, dtype)
     place = _in_bucket(state, i)
     if place is not None and _pushes_in_place(state, updater, n):
@@ -711,19 +733,27 @@ def _push(
             and pull is not _SAME
             and len(pull[1]) == 1
         )
+        asked = pull[1][0] if back else None
+        in_order = back and sorted_distinct(asked)
         fn = own_push(
-            state.mesh, state.axis, key, shape[0], sharded, updater, donate, distinct, back
+            state.mesh,
+            state.axis,
+            key,
+            shape[0],
+            sharded,
+            updater,
+            donate,
+            distinct,
+            back,
+            in_order,
         )
         opt = None if n is None else state.group_states[n]
         args = [state.leaves[leaf], opt, ids, rows, extra]
-        if back:
-            asked = pull[1][0]
-            replicated = NamedSharding(state.mesh, PartitionSpec())
-            to = fit(("take", key), asked.size)
-            args.append(jax.device_put(pad_ids(asked, to), replicated))
+        if back:  # (one device: the ids an argument of the computation, no put of their own)
+            args.append(pad_ids(asked, fit(("take", key), asked.size)))
         out = order.ordered("push_rows", fn, *args)
         new = buckets.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]})
-        return new, [cut(out[2], pull[1][0].size)] if back else None
+        return new, [Padded(out[2], asked.size)] if back else None
     fn = state_push(key, shape[0], updater, donate)
     return order.ordered("push_rows", fn, state, ids, rows, extra), None
 
@@ -777,19 +807,22 @@ def pushpull_checked(
     state: KVState,
     key: Key,
     pushed: tuple[list, list, list[np.ndarray]],
-    pulled: tuple[list, list[np.ndarray]],
+    pulled: list[np.ndarray],
+    devices: list[Any],
     updater: Any,
     donate: bool,
     extra: dict[str, Any] | None = None,
-) -> tuple[KVState, list[jax.Array]]:
-    """``pushpull_rows`` of pairs and pull ids already checked (one per device of the store,
-    eagerly, in one process): ``pushed`` is ``(row_ids, rows, ids)`` and ``pulled``
-    ``(placed, ids)``, ``ids`` the checked ids on the host (:func:`check_push`) and ``placed``
-    the pull ids on their devices, used in place."""
+) -> tuple[KVState, list[Any]]:
+    """``pushpull_rows`` of pairs and pull ids already checked (eagerly): ``pushed`` is
+    ``(row_ids, rows, ids)``, ``ids`` the checked ids on the host (:func:`check_push`);
+    ``pulled`` the checked ids to pull on the host, one array per device of ``devices``.
+    Each device's rows may come back as :class:`~jaxkv._src.rows.sizes.Padded` (cut them when
+    read)."""
     row_ids, rows, ids = pushed
-    state, got = _push(state, key, row_ids, rows, updater, None, donate, pulled, ids, extra)
+    pull = (pulled, pulled)
+    state, got = _push(state, key, row_ids, rows, updater, None, donate, pull, ids, extra)
     if got is None:
-        got = pull_rows(state, key, pulled[1], devices=[next(iter(x.devices())) for x in pulled[0]])
+        got = pull_rows(state, key, pulled, devices=devices)
     return state, got
 
 
@@ -814,8 +847,7 @@ def _routed(
         not state.is_sharded(shape)
         or len(host_pairs) != parts
         or len({r.shape[0] for _, r in host_pairs}) != 1
-        or [next(iter(r.devices())) if len(r.devices()) == 1 else None for _, r in host_pairs]
-        != list(devices)
+        or [_one_device(r) for _, r in host_pairs] != list(devices)
         or len({r.dtype for _, r in host_pairs}) != 1
         or spans_processes(state)
     ):
@@ -1030,7 +1062,7 @@ def _across_pairs(
     checked ids, one per device of it), its count and route and whether every process pulls
     the ids it pushes, agreed in the same all-gather."""
     local = _local_devices(state)
-    placed = [next(iter(r.devices())) if len(r.devices()) == 1 else None for _, r in host_pairs]
+    placed = [_one_device(r) for _, r in host_pairs]
     dtype = buckets.stored_type(state, state.index(key)).dtype
     if len(host_pairs) == len(local) and placed == local:
         pairs = [(ids, r.astype(dtype)) for ids, r in host_pairs]
@@ -1127,7 +1159,7 @@ def _gathered(
     replicated = NamedSharding(state.mesh, PartitionSpec())
     ids = np.concatenate([ids for ids, _ in host_pairs])
     devices = state.devices
-    placed = [next(iter(r.devices())) if len(r.devices()) == 1 else None for _, r in host_pairs]
+    placed = [_one_device(r) for _, r in host_pairs]
     sizes = {r.shape[0] for _, r in host_pairs}
     # Counts padded to a few sizes (ids -1, rows of zeros), so a new count compiles nothing.
     if (
@@ -1143,6 +1175,16 @@ def _gathered(
         rows = assemble((to * len(devices), *host_pairs[0][1].shape[1:]), spec, shards)
         return jax.device_put(np.concatenate([pad_ids(x, to) for x, _ in host_pairs]), spec), rows
     to = fit(("gathered", key), ids.size)
+    if len(host_pairs) == 1 and isinstance(host_pairs[0][1], np.ndarray):
+        # Rows made on the host: padded there, and handed to a store of one device as the
+        # computation's arguments (one transfer, no put of their own); else put at once.
+        r = host_pairs[0][1]
+        host = np.zeros((to, *r.shape[1:]), r.dtype)
+        host[: r.shape[0]] = r
+        if len(devices) == 1:
+            return pad_ids(ids, to), host
+        padded, rows = jax.device_put((pad_ids(ids, to), host), replicated)
+        return padded, rows
     if len(host_pairs) == 1:
         rows = pad_rows(jax.device_put(host_pairs[0][1], replicated), to)
     else:

@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["concat_rows", "cut", "fit", "pad_ids", "pad_rows", "padded", "route", "slots"]
+__all__ = [
+    "Padded",
+    "concat_rows",
+    "cut",
+    "exact",
+    "fit",
+    "pad_ids",
+    "pad_rows",
+    "padded",
+    "route",
+    "slots",
+]
 
 
 def slots(most: int) -> int:
@@ -98,6 +109,22 @@ def pad_rows(rows: jax.Array, to: int) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=1)
 def _pad_on_device(rows: jax.Array, to: int) -> jax.Array:
     return jnp.concatenate([rows, jnp.zeros((to - rows.shape[0], *rows.shape[1:]), rows.dtype)])
+
+
+class Padded(NamedTuple):
+    """Rows computed for a padded count: the first ``count`` rows of ``rows`` are the result
+    (a caller that only hands them on, an MXNet out, cuts them when they are read)."""
+
+    rows: jax.Array
+    count: int
+
+    def cut(self) -> jax.Array:
+        return cut(self.rows, self.count)
+
+
+def exact(x: Any) -> jax.Array:
+    """``x`` itself, or a :class:`Padded` result cut to its count."""
+    return x.cut() if isinstance(x, Padded) else x
 
 
 def cut(x: jax.Array, n: int) -> jax.Array:
