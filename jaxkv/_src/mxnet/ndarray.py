@@ -91,11 +91,37 @@ class NDArray:
         # off). It counts only while the held array has that dtype's JAX form (see dtype).
         self._dtype: np.dtype | None = declared_dtype(dtype)
 
+    @classmethod
+    def lazily(
+        cls, host: np.ndarray, device: jax.Device, dtype: npt.DTypeLike | None = None
+    ) -> NDArray:
+        """An array of the NumPy array ``host`` (this array's own: nothing else may write it),
+        put on ``device`` when first read as a ``jax.Array``: what is made on the host and only
+        read there (row ids handed to ``row_sparse_pull``) never goes to the device."""
+        out = cls(host, dtype)  # type: ignore[arg-type]
+        out._where = (host, device)
+        return out
+
+    def _land(self) -> None:
+        """Put a value still on the host (:meth:`lazily`) on its device."""
+        device = self._where[1]
+        self._value = jax.device_put(self._value, device)
+        self._where = (self._value, device)
+
+    def host_value(self) -> np.ndarray | None:
+        """The value as a NumPy array, where it is still on the host (:meth:`lazily`) and no
+        pull is held for it; else ``None``. Not to be written."""
+        if type(self._value) is np.ndarray and self.owed_by is None:
+            return self._value
+        return None
+
     @property
     def _data(self) -> jax.Array:
         """The held array, once any pull held for it has run (see ``_owed``)."""
         if self.owed_by is not None:
             self.owed_by.run_held()
+        if type(self._value) is np.ndarray:
+            self._land()
         return self._value
 
     @_data.setter
@@ -107,6 +133,8 @@ class NDArray:
     def holding(self) -> jax.Array:
         """The array held now, without running a pull held for it (a store asks which of its
         arrays an out still holds)."""
+        if type(self._value) is np.ndarray:
+            self._land()
         return self._value
 
     def jax_device(self) -> jax.Device:
@@ -162,7 +190,8 @@ class NDArray:
     # -- conversion --------------------------------------------------------------------------
     def asnumpy(self) -> np.ndarray:
         """A NumPy copy of the value (waits for it), in :attr:`dtype`."""
-        out = np.array(self._data)
+        host = self.host_value()
+        out = np.array(self._data if host is None else host)
         dtype = self.dtype
         return out if out.dtype == dtype else out.astype(dtype)
 
@@ -500,8 +529,9 @@ def array(
     else:
         wanted = np.dtype(dtype or _DEFAULT_DTYPE)
         held = held_dtype(wanted)
-        # Straight from the host: jnp.asarray of a NumPy array compiles once per shape.
-        data = host_values(source, wanted, held)
+        # Straight from the host (jnp.asarray of a NumPy array compiles once per shape), and
+        # put on the device when first read there (host_values made a copy of its own).
+        return NDArray.lazily(host_values(source, wanted, held), as_context(ctx).device, wanted)
     return NDArray(jax.device_put(data, as_context(ctx).device, may_alias=False), wanted)
 
 

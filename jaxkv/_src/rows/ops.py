@@ -136,10 +136,18 @@ def host_ids(key: Key, row_ids: Any, n_rows: int) -> np.ndarray:
     return ids.astype(np.int32)
 
 
+def _given(x: Any) -> Any:
+    """Row ids as given: an ``NDArray``'s value (its NumPy array while it is still on the
+    host), or ``x`` itself."""
+    if hasattr(x, "host_value") and (host := x.host_value()) is not None:
+        return host
+    return x.asjax() if hasattr(x, "asjax") else x
+
+
 def ids_on_host(row_ids: list) -> list:
     """``row_ids`` with every id array on a device copied to the host in one transfer (one
     ``device_get`` each would wait for each in turn)."""
-    row_ids = [x.asjax() if hasattr(x, "asjax") else x for x in row_ids]
+    row_ids = [_given(x) for x in row_ids]
     on_device = [i for i, x in enumerate(row_ids) if isinstance(x, jax.Array)]
     if on_device:
         got = jax.device_get([row_ids[i] for i in on_device])

@@ -155,3 +155,25 @@ def test_copies_keep_their_own_buffer_and_the_same_context_is_not_copied():
     assert target.context == jaxkv.cpu(6) and target.asnumpy().tolist() == [1.0, 2.0]
     a += 1  # the copies do not follow
     assert b.asnumpy().tolist() == [1.0, 2.0] and target.asnumpy().tolist() == [1.0, 2.0]
+
+
+def test_an_array_made_on_the_host_goes_to_its_device_only_when_read_there():
+    """``nd.array`` of host data keeps its own copy on the host until read as a ``jax.Array``
+    (row ids read back on the host never reach the device): the same values, dtype, shape
+    and device either way, and the source written afterwards changes nothing."""
+    source = np.arange(6, dtype=np.float64).reshape(2, 3)
+    a = ndarray.array(source, ctx=jaxkv.cpu(3))
+    source[:] = -1  # the array holds a copy of its own
+    assert a.host_value() is not None  # still on the host
+    assert a.shape == (2, 3) and a.dtype == np.float32 and a.context == jaxkv.cpu(3)
+    got = a.asnumpy()
+    got[:] = 7  # a copy: the array's host value is not handed out
+    np.testing.assert_array_equal(a.asnumpy(), np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert a.host_value() is not None  # reading on the host put nothing on the device
+    x = a.asjax()  # read as a jax.Array: put on its device, once
+    assert a.host_value() is None and a.asjax() is x
+    assert x.devices() == {jax.devices("cpu")[3]} and x.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(x), np.arange(6, dtype=np.float32).reshape(2, 3))
+    b = ndarray.array([1, 2], dtype="int64")
+    np.testing.assert_array_equal((b + 1).asnumpy(), [2, 3])  # arithmetic reads the device value
+    assert b.dtype == np.int64

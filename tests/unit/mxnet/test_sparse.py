@@ -193,3 +193,18 @@ def test_astype_without_a_copy_is_the_array_itself_only_in_its_own_dtype():
     assert _rsp([[3.0]], [0], n=1).asscalar() == 3.0
     with pytest.raises(jaxkv.ShapeError, match=r"size 1, given shape \(2, 1\)"):
         _rsp([[3.0]], [0], n=2).asscalar()
+
+
+def test_a_row_sparse_array_made_on_the_host_is_put_when_first_read():
+    """``row_sparse_array((data, indices))`` of host data keeps both on the host (a push takes
+    them as its own arguments) until read on the device: then both, sorted, on its context."""
+    data = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    a = sparse.row_sparse_array((data, [4, 1]), shape=(6, 2), ctx=jaxkv.cpu(2))
+    data[:] = 0  # a copy of its own
+    rows, ids = a.host_parts()
+    assert ids.tolist() == [1, 4] and rows.tolist() == [[3.0, 4.0], [1.0, 2.0]]
+    assert a.context == jaxkv.cpu(2) and a.dtype == np.float32 and a.shape == (6, 2)
+    assert a.row_values.devices() == a.row_ids.devices() == {jax.devices("cpu")[2]}
+    assert a.host_parts() is None  # put once
+    np.testing.assert_array_equal(a.indices.asnumpy(), [1, 4])
+    np.testing.assert_array_equal(a.asnumpy()[[1, 4]], [[3.0, 4.0], [1.0, 2.0]])
