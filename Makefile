@@ -37,8 +37,9 @@ test: $(STAMP)
 # suite (make test-layouts runs flat stores), the GPT example, the demo and the notebook; and
 # the multi-process tests whose JAX calls test_dist.py makes too (joining, gloo's sums, the
 # launcher: one array per key in every layout), each ~1 minute with every JAX: the default
-# store over every process, compression and the flax example across processes, and MXNet
-# code's row-sparse, embedding and optimizer loops across processes.
+# store over every process, compression and the flax example across processes, MXNet
+# code's row-sparse, embedding and optimizer loops across processes, and the push's options
+# through every path across processes (tests/test_push_parity.py runs them in one).
 SLOW_TESTS := tests/test_stateful.py tests/test_rows.py tests/test_per_key.py \
 	tests/test_dist_stress.py tests/test_dist_sums.py tests/test_launch.py tests/test_launch_cause.py \
 	tests/test_launch_hang.py \
@@ -47,7 +48,8 @@ SLOW_TESTS := tests/test_stateful.py tests/test_rows.py tests/test_per_key.py \
 	tests/test_split_buckets.py tests/test_flat_store.py tests/test_demo.py tests/test_notebook.py \
 	tests/test_notebook_flax.py \
 	tests/test_example_gpt.py tests/test_dist_loops.py \
-	tests/test_dist_default.py tests/test_dist_compression.py tests/test_example_processes.py
+	tests/test_dist_default.py tests/test_dist_compression.py tests/test_example_processes.py \
+	tests/test_push_parity_dist.py
 # Tests marked whole (pyproject.toml) in the other files are left out of the selection too: a
 # job of 2 processes killed and resumed (the kill -9 matrix does more), a mask by path, a tree
 # on the user's mesh and the flax example's script across processes, the lent arrays' costs.
