@@ -37,8 +37,10 @@ def _run(cases, *flags, timeout=600):
     ],
 )
 def test_each_option_of_push_on_each_path_across_processes(cases):
-    """Both processes compute the model's values for every case, bit for bit alike."""
-    expect_ok(_run(cases), 2, [" ".join(c) for c in cases])
+    """Both processes compute the model's values for every case, bit for bit alike; an eager
+    push of one array over every process's devices is refused, naming the key."""
+    checks = [" ".join(c) for c in cases] + ["refused: a value over every process"]
+    expect_ok(_run(cases), 2, checks)
 
 
 # (the field left out of the push computations' key, the case that must then fail; each in

@@ -210,7 +210,24 @@ def main():
             print(f"rank {rank} error {what}: {type(e).__name__}: {e}", flush=True)
             sys.exit(1)
         ok(what)
+    if "--drop" not in sys.argv:
+        refuse_global()
+        ok("refused: a value over every process")
     print(f"rank {rank} done", flush=True)
+
+
+def refuse_global():
+    """An eager push of one array over every process's devices (not this process's own part)
+    is refused with the key named, whatever the devices per process, and changes nothing."""
+    state = jaxkv.init(jaxkv.empty(), {"a": np.zeros((8, 2), np.float32)})
+    whole = jax.device_put(np.ones((8, 2), np.float32), NamedSharding(state.mesh, P()))
+    try:
+        jaxkv.push(state, "a", whole)
+    except jaxkv.KVStoreError as e:
+        assert "key 'a': a multi-process push expects this process's own values" in str(e), e
+    else:
+        raise AssertionError("a push of an array over every process was not refused")
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
 
 
 if __name__ == "__main__":

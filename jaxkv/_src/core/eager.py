@@ -212,6 +212,16 @@ def _own(key: Key, x: jax.Array) -> None:
         )
 
 
+def _all_own(grouped: dict[Key, list[jax.Array]]) -> None:
+    """Across processes, refuse any value that is not this process's own (:func:`_own`),
+    whatever the devices of each process: one over several processes' devices cannot be laid
+    out on this process's devices."""
+    if jax.process_count() > 1:
+        for key, xs in grouped.items():
+            for x in xs:
+                _own(key, x)
+
+
 def check_laid_out(state: KVState, grouped: dict[Key, list[jax.Array]]) -> None:
     """The refusals an eager push makes as it lays its values out (``_layout``,
     ``layout_compressed``, ``local_sums``), made without laying them out: for a push checked
@@ -220,7 +230,7 @@ def check_laid_out(state: KVState, grouped: dict[Key, list[jax.Array]]) -> None:
         for x in xs:
             if state.compression is not None:
                 on_one_device(key, x)
-            if one_device_per_process(state):
+            if jax.process_count() > 1:
                 _own(key, x)
 
 
@@ -491,6 +501,7 @@ def push_eager(
     """``push`` of the validated eager contributions ``grouped`` (keys at ``index`` in
     ``state``, with their stored values and, for an optax updater, their group's optimizer
     state and the ``extra_args`` of its update): one cached computation for all keys."""
+    _all_own(grouped)
     if one_device_per_process(state):
         # Each process's values summed at full precision first; compressed after that, once.
         sums = local_sums(state, list(grouped), stored, list(grouped.values()))
@@ -536,6 +547,7 @@ def push_eager_flat(
     (``stored``: the pushed keys' shapes and dtypes): one cached computation that takes the
     whole state and gives the new one, each key's value a view of its bucket inside it and its
     new value written in place (the state's buffers reused where ``donate``)."""
+    _all_own(grouped)
     if one_device_per_process(state):  # each process's values summed in it first
         sums = local_sums(state, list(grouped), stored, list(grouped.values()))
         layouts = [("stacked", stacked(state, s, [x], x.dtype)) for s, x in zip(stored, sums)]
