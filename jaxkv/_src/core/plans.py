@@ -400,9 +400,9 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
     made from it) and ``lend``, it gives each ``handle`` (``NDArray``) of ``outs`` its key's
     value on the out's own device, and returns ``True``. With ``lend`` the value is the stored
     array itself (or its buffer on that device), with no copy: the store must then not
-    donate a value to a push while an out holds it (``lent(value, out)`` is called for each
-    out given one); without, a fresh copy (one computation for all). It returns ``False``,
-    having done nothing, for a state of other keys or shapes.
+    donate a value to a push while an out holds it (``lent`` is called once, with each out
+    given one beside its value); without, a fresh copy (one computation for all). It returns
+    ``False``, having done nothing, for a state of other keys or shapes.
 
     ``None`` where the general path must run: another process, a sharded value, an out of
     another type, shape or dtype than the stored value, or on a device outside the store.
@@ -441,8 +441,7 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
             for o, j, p, d in zip(flat, plan.of, at, devices):
                 o.set_value(arrays[j][p], d)
         if lend and lent is not None:  # the store notes what each out holds of its arrays
-            for o, j in zip(flat, plan.of):
-                lent(fresh[j], o)
+            lent([(fresh[j], o) for o, j in zip(flat, plan.of)])
         return True
 
     return go

@@ -929,9 +929,10 @@ class KVStore:
             return self._lending.keeps_values(self._state)
         return self._lending.keep_values
 
-    def _lend_whole(self, stored: jax.Array, out: NDArray) -> None:
-        """``Lending.lend`` of what ``out`` holds now, given it from ``stored``."""
-        self._lending.lend(stored, out, out.holding(), len(self._stored.leaves))
+    def _lend_whole(self, given: list[tuple[jax.Array, NDArray]]) -> None:
+        """``Lending.lend`` of what each out holds now, given it from the stored array beside
+        it."""
+        self._lending.lend(given, len(self._stored.leaves))
 
     def _update(
         self, key: Any, values: Any, each_alone: bool = False, scalars: dict | None = None
@@ -1181,6 +1182,7 @@ class KVStore:
 
         def hand_out(keys: list[Key], values: list[jax.Array], lent: bool = False) -> None:
             elsewhere: list[tuple[NDArray, jax.Array, Any]] = []  # outs off the store's devices
+            given: list[tuple[jax.Array, NDArray]] = []  # what each out was lent
             for key, value in zip(keys, values):
                 arrays = jax_internals.per_device(value)
                 if not position:
@@ -1195,7 +1197,9 @@ class KVStore:
                     else:
                         _set(o, arrays[i], device)
                         if lent and not kvstore_rows.is_row_sparse(o):
-                            self._lend_whole(value, o)
+                            given.append((value, o))
+            if given:
+                self._lend_whole(given)
             if elsewhere:  # copied there in one call (a dist_sync store: one device per process)
                 moved = jax.device_put([x for _, x, _ in elsewhere], [d for _, _, d in elsewhere])
                 for (o, _, device), x in zip(elsewhere, moved):

@@ -9,6 +9,7 @@ arrays stay lent."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -54,26 +55,29 @@ class Lending:
             )
         return self.keep_values
 
-    def lend(self, stored: jax.Array, out: NDArray, handed: jax.Array, leaves: int) -> None:
-        """Note that ``out`` was given ``handed``, a part of the stored array ``stored`` (of a
-        state of ``leaves`` leaves)."""
-        entry = self.lent_to.get(id(stored))
-        if entry is None or entry[0]() is not stored:
-            if len(self.lent_to) > self._limit:  # forget the dead
-                self.lent_to = {
-                    i: e for i, e in self.lent_to.items() if e[0]() is not None and holds(e)
-                }
-                # The next sweep after as many new entries again as survive this one: the
-                # sweeps cost O(1) a lend, however many arrays stay lent (MXNet's loop keeps
-                # one lent array per key and out).
-                self._limit = 2 * len(self.lent_to) + 4 * leaves + 64
-            entry = (weakref.ref(stored), {})
-            self.lent_to[id(stored)] = entry
-        outs = entry[1]
-        if len(outs) >= 8:  # lent to out after out: keep the outs that still hold it
-            for i in [i for i, pair in outs.items() if not holds((entry[0], {i: pair}))]:
-                del outs[i]
-        outs[id(out)] = (weakref.ref(out), weakref.ref(handed))
+    def lend(self, given: Iterable[tuple[jax.Array, NDArray]], leaves: int) -> None:
+        """Note that each out of ``given`` was given what it holds now, a part of the stored
+        array beside it (of a state of ``leaves`` leaves): one call for a whole pull."""
+        ref = weakref.ref
+        table = self.lent_to
+        for stored, out in given:
+            entry = table.get(id(stored))
+            if entry is None or entry[0]() is not stored:
+                if len(table) > self._limit:  # forget the dead
+                    table = self.lent_to = {
+                        i: e for i, e in table.items() if e[0]() is not None and holds(e)
+                    }
+                    # The next sweep after as many new entries again as survive this one: the
+                    # sweeps cost O(1) a lend, however many arrays stay lent (MXNet's loop
+                    # keeps one lent array per key and out).
+                    self._limit = 2 * len(table) + 4 * leaves + 64
+                entry = (ref(stored), {})
+                table[id(stored)] = entry
+            outs = entry[1]
+            if len(outs) >= 8:  # lent to out after out: keep the outs that still hold it
+                for i in [i for i, pair in outs.items() if not holds((entry[0], {i: pair}))]:
+                    del outs[i]
+            outs[id(out)] = (ref(out), ref(out.holding()))
 
     def lent(self, leaves: list[Any]) -> bool:
         """Whether an out still holds a part of one of the stored arrays ``leaves`` (then a
