@@ -43,3 +43,47 @@ def test_the_notes_of_lent_arrays_cost_o_keys_a_step(monkeypatch):
     for out in outs[0] + outs[-1]:
         np.testing.assert_array_equal(out.asnumpy(), np.full((4, 4), -6.0, np.float32))
     assert max(calls[1:]) <= 4 * keys, calls
+
+
+def test_a_list_push_like_an_earlier_one_checks_its_values_once(monkeypatch):
+    """MXNet's list push of per-device gradients, step after step: each value is checked
+    (shape, dtype) at the first push of the call's form, and later pushes of values of the
+    same shapes, dtypes and devices are grouped again in C-level passes; a later push whose
+    values differ is checked, and refused, as the first one was, before anything changes."""
+    from jaxkv._src.state import pairing
+
+    keys, devices = 30, [mx.cpu(0), mx.cpu(1)]
+    kv = jaxkv.KVStore("device", devices=devices)
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.5))
+    names = list(range(keys))
+    kv.init(names, [mx.nd.zeros((2, 3)) for _ in names])
+    mx.nd.waitall()
+    grads = [[mx.nd.ones((2, 3), ctx=d) for d in devices] for _ in names]
+    outs = [[mx.nd.zeros((2, 3), ctx=d) for d in devices] for _ in names]
+    checks = []
+    check_value = pairing.check_value
+
+    def counted(*args, **kwargs):
+        checks[-1] += 1
+        return check_value(*args, **kwargs)
+
+    monkeypatch.setattr(pairing, "check_value", counted)
+    for _ in range(5):
+        checks.append(0)
+        kv.push(names, grads)
+        kv.pull(names, out=outs)
+        mx.nd.waitall()
+    assert checks[-1] == checks[-2] == 0, checks  # once the form is known
+    assert checks[0] >= keys * len(devices), checks
+    for out in outs[0] + outs[-1]:  # w -= 0.5 * (1 + 1), five times
+        np.testing.assert_array_equal(out.asnumpy(), np.full((2, 3), -5.0, np.float32))
+    wrong = [list(g) for g in grads]
+    wrong[7][1] = mx.nd.ones((2, 3), ctx=devices[1], dtype="float16")  # the same shape
+    wrong[9][0] = mx.nd.ones((3, 2), ctx=devices[0])
+    with pytest.raises(jaxkv.ShapeError, match="key 9"):
+        kv.push(names, wrong)
+    wrong[9][0] = grads[9][0]
+    kv.push(names, wrong)  # float16 widens to float32 safely: taken
+    kv.pull(names, out=outs)
+    np.testing.assert_array_equal(outs[7][0].asnumpy(), np.full((2, 3), -6.0, np.float32))
+    np.testing.assert_array_equal(outs[9][1].asnumpy(), np.full((2, 3), -6.0, np.float32))

@@ -387,7 +387,10 @@ class KVStore:
                 self._update(key, values)
                 return
             inits = self._held.inits if self._held is not None else None
-            grouped = pairing.group(self._stored, key, values, inits)
+            if inits:
+                grouped = pairing.group(self._stored, key, values, inits)
+            else:  # (a call like an earlier one: grouped again without its per-value checks)
+                grouped = plans.checked_group(self._stored, key, values)
             check_laid_out(self._stored, grouped)
             if self._plain_optax():
                 for k in grouped:  # refused now, as the push would refuse it when run
