@@ -75,11 +75,21 @@ fresh process, per updater (none, a Python updater, MXNet's SGD and Adam, optax.
 seconds and compiles beside MXNet 1.9.1's seconds:
   new-keys  each side and updater in a process of its own
 
+Host time (benchmarks/host.py): the embedding loop on one device, 1000 keys x 8 devices pushed
+and pulled as lists, the embedding loop in 2 processes, and the 100-key Python-updater start-up,
+jaxkv beside MXNet 1.9.1 and hand-written JAX floors (benchmarks/embedding_floor.py,
+benchmarks/keys_worker.py), in interleaved rounds, with per-round ratios, the issue's goals and
+where jaxkv's host time goes (each call's share of the step):
+  host      every run in a process of its own; --host-rounds R (default 3), --host-steps S
+            (each embedding run's steps, default 60), --host-keys-steps S (each keys run's,
+            default 23) to try it quickly
+
 Usage: python benchmarks/bench.py [--steps 7] [--quick]
-         [--only in-jit|mesh|processes|dist|proxy|gpu|step|rows|gluon|new-keys]
+         [--only in-jit|mesh|processes|dist|proxy|gpu|step|rows|gluon|new-keys|host]
          [--eager-steps 200] [--step-steps 200]
          [--gluon-scale 1] [--gluon-keys N] [--gluon-timeout 900] [--gluon-mem-gb G]
          [--gluon-dist-devices 1 [2]] [--gluon-dist-processes 1 2 3 4]
+         [--host-rounds 3] [--host-steps 60] [--host-keys-steps 23]
 --only proxy / --only gpu / --only step exit 1 where a hand-written or jaxkv row fails or its
 values differ (a missed goal is reported, not an error); the full run does so after writing its
 report.
@@ -105,6 +115,7 @@ import dist  # noqa: E402  (benchmarks/dist.py)
 import eager  # noqa: E402  (benchmarks/eager.py)
 import gluon  # noqa: E402  (benchmarks/gluon.py)
 import gpt_step  # noqa: E402  (benchmarks/gpt_step.py)
+import host  # noqa: E402  (benchmarks/host.py)
 import jax.numpy as jnp  # noqa: E402
 import mesh_step  # noqa: E402  (benchmarks/mesh_step.py)
 import new_keys  # noqa: E402  (benchmarks/new_keys.py)
@@ -405,6 +416,7 @@ def main() -> None:
             "rows",
             "gluon",
             "new-keys",
+            "host",
         ],
         help="run only this section; print it, write no report",
     )
@@ -455,9 +467,34 @@ def main() -> None:
         help="the gluon section: process counts of its dist_sync rows (default 1 2 3 4; jaxkv's "
         "second layout at 2 only)",
     )
+    parser.add_argument(
+        "--host-rounds",
+        type=int,
+        default=host.ROUNDS,
+        help=f"the host section: interleaved rounds (default {host.ROUNDS})",
+    )
+    parser.add_argument(
+        "--host-steps",
+        type=int,
+        default=host.STEPS,
+        help=f"the host section: each embedding run's steps, 10 of them warm-up (default "
+        f"{host.STEPS})",
+    )
+    parser.add_argument(
+        "--host-keys-steps",
+        type=int,
+        default=host.KEYS_STEPS,
+        help=f"the host section: each keys run's steps, 3 of them warm-up (default "
+        f"{host.KEYS_STEPS})",
+    )
     args = parser.parse_args()
     steps = max(args.steps, 7)
     gpt_steps = max(args.steps, gpt_step.STEPS)  # the GPT section's timed steps per round
+
+    def host_section() -> dict:
+        return host.run(
+            args.host_rounds, args.host_steps, args.host_keys_steps, mxnet_venv=MXNET_VENV, log=log
+        )
 
     def gluon_section() -> dict:
         return gluon.run_section(
@@ -498,6 +535,9 @@ def main() -> None:
         return
     if args.only == "new-keys":
         log("\n".join(new_keys.report(new_keys.run(log=log))))
+        return
+    if args.only == "host":
+        log("\n".join(host.report(host_section())))
         return
     if args.only == "dist":
         with cpu_children():
@@ -573,6 +613,7 @@ def main() -> None:
     rows_res = sparse_rows.run_section(steps, MXNET_VENV, log=log)
     gluon_res = gluon_section()
     new_keys_res = new_keys.run(log=log)
+    host_res = host_section()
     log("[memory] peak RSS of the imperative resnet50 loop ...")
     mem = memory()
     log(f"  {mem}")
@@ -591,6 +632,7 @@ def main() -> None:
         procs_res,
         gpt_res,
         new_keys_res,
+        host_res,
     )
     return 1 if any(eager.failed(r) for r in eager_res) or step.failed(step_res) else 0
 
@@ -618,6 +660,7 @@ def write_report(
     procs_res,
     gpt_res,
     new_keys_res,
+    host_res,
 ) -> None:
     lines = [
         "# jaxkv benchmark results",
@@ -696,6 +739,7 @@ def write_report(
     lines += ["", *step.report(step_res)]
     lines += ["", *sparse_rows.report(rows_res)]
     lines += ["", *gluon.report(gluon_res)]
+    lines += ["", *host.report(host_res)]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(HERE, "results.md"), "w") as f:
         f.write(text)
