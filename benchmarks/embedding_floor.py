@@ -72,21 +72,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from compiles import Compiles  # noqa: E402  (benchmarks/compiles.py)
 
 WIDTH, DENSE = 64, (256, 64)
 WARM = 10
 LOW, HIGH = 1200, 1300
 B1, B2, EPS = 0.9, 0.999, 1e-8
-
-
-class _Compiles(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.count = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "Compiling" in record.getMessage():
-            self.count += 1
 
 
 def cosine_lr(t: int) -> float:
@@ -185,7 +176,7 @@ def _padded(n: int, pad: int) -> int:
 
 
 def run(kind: str, rows: int, steps: int, pad: int) -> None:
-    counter = _Compiles()
+    counter = Compiles()
     logger = logging.getLogger("jax")
     logger.addHandler(counter)
     logger.propagate = False  # counted, not printed

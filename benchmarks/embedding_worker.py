@@ -36,20 +36,11 @@ import sys
 import time
 
 import numpy as np
+from compiles import Compiles  # benchmarks/compiles.py
 
 WIDTH, DENSE = 64, (256, 64)
 WARM = 10
 LOW, HIGH = 1200, 1300
-
-
-class _Compiles(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.count = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "Compiling" in record.getMessage():
-            self.count += 1
 
 
 PIECES = ("sparse", "push_dense", "push_emb", "row_ids", "row_sparse_pull", "pull_dense", "wait")
@@ -88,7 +79,7 @@ def run(
     if name == "jaxkv":
         import jax
 
-        counter = _Compiles()
+        counter = Compiles()
         logger = logging.getLogger("jax")
         logger.addHandler(counter)
         logger.propagate = False  # counted, not printed

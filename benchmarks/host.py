@@ -18,7 +18,7 @@ directory), so only the first round compiles from nothing: first steps are round
   1000 keys x 8 devices   benchmarks/keys_worker.py ``jaxkv|mxnet|floor``
   embedding, 2 processes  embedding_worker.py ``dist_sync`` (jaxkv: ``python -m jaxkv.launch -n
                           2 --devices-per-process 1``, counting its host collectives; MXNet: 2
-                          workers and 2 servers, benchmarks/dist.py's ``mxnet_job``) and
+                          workers and 2 servers, rows.py's ``mxnet_loop``) and
                           embedding_floor.py ``dist_sync`` under the same launcher
   new keys, Python        benchmarks/new_keys.py's ``python`` row (its ``one``)
   pieces                  a round of its own after the others: embedding_worker.py
@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 
-import dist  # benchmarks/dist.py: MXNet's parameter-server jobs
 import new_keys  # benchmarks/new_keys.py
 import numpy as np
 import rows as sparse_rows  # benchmarks/rows.py: the embedding loop's lines and results
@@ -169,19 +168,8 @@ def _round(k: int, rounds: int, settings: dict, mxnet: str | None, env: dict, lo
     out, err = _run([*launch, worker, "jaxkv", "dist_sync", *emb, "--count-syncs"], env)
     note("embedding-2", "jaxkv", _embedding("jaxkv", out, err))
     if mxnet:
-        for attempt in range(2):  # ps-lite's "bind failed" now and then: once more
-            roles = dist.mxnet_job(
-                [worker, "mxnet", "dist_sync", *emb],
-                servers=2,
-                workers=2,
-                env={"OMP_NUM_THREADS": "1"},
-                python=mxnet,
-            )
-            out = "".join(o for role, _, o, _ in roles if role == "worker")
-            if len(sparse_rows._loop_line(out)) == 2 or attempt:
-                err = "".join(e for _, rc, _, e in roles if rc)
-                note("embedding-2", "mxnet", _embedding("mxnet", out, err))
-                break
+        out, err = sparse_rows.mxnet_loop(worker, emb, mxnet)
+        note("embedding-2", "mxnet", _embedding("mxnet", out, err))
     out, err = _run([*launch, floor, "dist_sync", *emb], env)
     note("embedding-2", "floor", _embedding("floor", out, err))
 

@@ -53,6 +53,7 @@ import sys
 import time
 
 import numpy as np
+from compiles import Compiles  # benchmarks/compiles.py
 
 KEYS, SHAPE, D = 1000, (16, 16), 8
 LR = 0.1
@@ -60,20 +61,10 @@ WARM = 3
 CHECKED = (0, 1, 499, 999)  # the keys whose pulled values are summed
 
 
-class _Compiles(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.count = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "Compiling" in record.getMessage():
-            self.count += 1
-
-
-def _count_compiles() -> _Compiles:
+def _count_compiles() -> Compiles:
     import jax
 
-    counter = _Compiles()
+    counter = Compiles()
     logger = logging.getLogger("jax")
     logger.addHandler(counter)
     logger.propagate = False  # counted, not printed

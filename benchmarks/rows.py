@@ -368,8 +368,6 @@ def _loop_round(k: int, mxnet_python: str | None, env: dict, log=log) -> list[di
     import os
     import subprocess
 
-    import dist
-
     here = os.path.dirname(os.path.abspath(__file__))
     worker = os.path.join(here, "embedding_worker.py")
     args = ["--rows", str(LOOP_ROWS), "--steps", str(LOOP_STEPS)]
@@ -399,6 +397,17 @@ def _loop_round(k: int, mxnet_python: str | None, env: dict, log=log) -> list[di
     results.append(_loop_result("loop-mxnet-1", _loop_line(run.stdout), run.stderr))
     log(f"  {results[-1]}")
     log(f"[rows] round {k + 1}/{ROUNDS}: the embedding loop, 2 workers and 2 servers, MXNet ...")
+    out, err = mxnet_loop(worker, args, mxnet_python)
+    results.append(_loop_result("loop-mxnet-2", _loop_line(out), err))
+    log(f"  {results[-1]}")
+    return results
+
+
+def mxnet_loop(worker: str, args: list[str], mxnet_python: str) -> tuple[str, str]:
+    """MXNet's embedding loop (``worker``: embedding_worker.py) on ``dist_sync`` with 2
+    workers and 2 servers: the workers' output and the failed roles' errors."""
+    import dist  # benchmarks/dist.py
+
     for attempt in range(2):  # ps-lite's "bind failed" now and then: once more
         roles = dist.mxnet_job(
             [worker, "mxnet", "dist_sync", *args],
@@ -408,13 +417,9 @@ def _loop_round(k: int, mxnet_python: str | None, env: dict, log=log) -> list[di
             python=mxnet_python,
         )
         out = "".join(o for role, _, o, _ in roles if role == "worker")
-        found = _loop_line(out)
-        if len(found) == 2 or attempt:
-            err = "".join(e for _, rc, _, e in roles if rc)
-            results.append(_loop_result("loop-mxnet-2", found, err))
+        if len(_loop_line(out)) == 2 or attempt:
             break
-    log(f"  {results[-1]}")
-    return results
+    return out, "".join(e for _, rc, _, e in roles if rc)
 
 
 def _merged(rounds: list[list[dict]]) -> list[dict]:
