@@ -1244,7 +1244,7 @@ def _alone(state: KVState, key: Key) -> None:
 def _padded(rows: Any) -> tuple[jax.Array, int]:
     """Pulled rows as ``(rows, count)``: a padded result and its count, or rows as they are."""
     if isinstance(rows, Padded):
-        return rows.rows, rows.count
+        return rows.rows, rows.n
     return rows, rows.shape[0]
 
 

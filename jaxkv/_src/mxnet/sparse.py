@@ -261,13 +261,14 @@ class RowSparseNDArray(NDArray):
 
     def __init__(
         self,
-        rows: jax.Array,
-        ids: jax.Array,
+        rows: Any,
+        ids: Any,
         shape: tuple[int, ...],
         dtype: npt.DTypeLike | None = None,
     ) -> None:
         """Wrap parts that already hold the invariants (no checks): use
-        :func:`row_sparse_array` to make one from user input."""
+        :func:`row_sparse_array` to make one from user input (``rows`` and ``ids``:
+        ``jax.Array``\\ s, or anything :meth:`hold_lazily` then replaces)."""
         self._rows = rows
         self._ids = ids
         # Parts not yet on the device: ``(rows, count, ids, device)``, see :meth:`hold_lazily`.
@@ -279,7 +280,7 @@ class RowSparseNDArray(NDArray):
 
     # -- parts held lazily -----------------------------------------------------------------
     @classmethod
-    def lazily(
+    def rows_lazily(
         cls,
         rows: Any,
         count: int,
@@ -299,7 +300,6 @@ class RowSparseNDArray(NDArray):
         put on ``device`` when first read: a store that only hands them on (a push of rows
         made on the host, a pulled out read once) puts nothing itself."""
         self._pending = (rows, count, ids, device)
-        self._rows = self._ids = None
         self._where = (None, device)
 
     def host_parts(self) -> tuple[np.ndarray, np.ndarray] | None:
@@ -314,7 +314,9 @@ class RowSparseNDArray(NDArray):
         return None if self._pending is None else self._pending[2]
 
     def _land(self) -> None:
-        rows, count, ids, device = self._pending
+        pending = self._pending
+        assert pending is not None
+        rows, count, ids, device = pending
         self._pending = None
         if isinstance(rows, np.ndarray) or rows.shape[0] != count and _on_cpu(rows):
             host = np.asarray(rows)[:count]  # on CPU devices: no copy, nothing compiled
@@ -875,7 +877,7 @@ def _from_definition(
         values = values[order.astype(_HELD_IDS)]
     if not on_device:  # made on the host: put on the device when first read (a push need not)
         held_ids = ids.astype(_HELD_IDS)
-        return RowSparseNDArray.lazily(values, len(held_ids), held_ids, device, shape, wanted)
+        return RowSparseNDArray.rows_lazily(values, len(held_ids), held_ids, device, shape, wanted)
     rows, held_ids = jax.device_put((values, ids.astype(_HELD_IDS)), device, may_alias=False)
     return RowSparseNDArray(rows, held_ids, shape, wanted)
 

@@ -626,6 +626,7 @@ def pushpull_rows(
     return state, pull_rows(state, key, list(asked), devices=homes)
 
 
+_NO_IDS = np.zeros(0, np.int32)  # (no pull)
 _SAME = "the pushed ids"  # pushpull_rows pulls the ids it pushed: the same routes serve both
 
 
@@ -741,7 +742,7 @@ def _push(
             and pull is not _SAME
             and len(pull[1]) == 1
         )
-        asked = pull[1][0] if back else None
+        asked: np.ndarray = pull[1][0] if back else _NO_IDS
         in_order = back and sorted_distinct(asked)
         fn = own_push(
             state.mesh,
@@ -1160,7 +1161,7 @@ def _push_across(
 
 def _gathered(
     state: KVState, key: Key, host_pairs: list[tuple[np.ndarray, Any]], dtype: Any
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[Any, Any]:
     """Every pair's ids and rows side by side, on the store's devices: rows already on the
     store's devices, one pair on each, are used in place (one array sharded over the mesh);
     others are copied there."""

@@ -112,14 +112,14 @@ def _pad_on_device(rows: jax.Array, to: int) -> jax.Array:
 
 
 class Padded(NamedTuple):
-    """Rows computed for a padded count: the first ``count`` rows of ``rows`` are the result
+    """Rows computed for a padded count: the first ``n`` rows of ``rows`` are the result
     (a caller that only hands them on, an MXNet out, cuts them when they are read)."""
 
     rows: jax.Array
-    count: int
+    n: int
 
     def cut(self) -> jax.Array:
-        return cut(self.rows, self.count)
+        return cut(self.rows, self.n)
 
 
 def exact(x: Any) -> jax.Array:
