@@ -83,7 +83,7 @@ def held(
     """A lazy push of ``values`` (one per device, the first row-sparse) to ``key``, with every
     refusal raised now: run it with :func:`run_held` or :func:`pushpull_into`."""
     values = _row_sparse_values(state, key, values)
-    row_ids, rows = _parts(values)
+    row_ids, rows = _parts(state, values)
     updater = replace_all if updater is None else updater
     ids = ops.check_push(state, key, row_ids, rows, updater)
     return Held(key, row_ids, rows, ids, updater, donate, extra)
@@ -145,16 +145,20 @@ def push(
     if not lazy:  # MXNet's standard update: every row, with the gradient densified
         dense = [dense_of(v) for v in values]
         return core.ops.push(state, key, dense, updater=updater, donate=donate, extra_args=extra)
-    row_ids, rows = _parts(values)
+    row_ids, rows = _parts(state, values)
     return lazy_push(state, key, row_ids, rows, updater, donate, extra)
 
 
-def _parts(values: list[RowSparseNDArray]) -> tuple[list, list]:
-    """Each value's ids and rows: NumPy arrays where both are still on the host (a value made
-    there: the push puts them on the device with its own arguments), else its arrays."""
+def _parts(state: KVState, values: list[RowSparseNDArray]) -> tuple[list, list]:
+    """Each value's ids and rows. Into a store of one device, NumPy arrays where both are still
+    on the host (a value made there: the push hands them to its computation as arguments);
+    else the value's arrays on its device (put there once, if made on the host: on several
+    devices a push routes each device's rows from where they lie, and a value pushed again
+    is not put again)."""
+    alone = len(state.devices) == 1
     row_ids, rows = [], []
     for v in values:
-        host = v.host_parts()
+        host = v.host_parts() if alone else None
         ids, r = (v.row_ids, v.row_values) if host is None else (host[1], host[0])
         row_ids.append(ids)
         rows.append(r)

@@ -1,6 +1,7 @@
 """jaxkv/_src/mxnet/kvstore_rows.py: the distinct ids each out asks for, which rows a
 row-sparse push changes, and which out receives which rows."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -160,3 +161,30 @@ def test_a_held_push_then_pull_gives_what_the_push_then_the_pull_give(devices, s
         rows = sizes.exact(rows)  # (a result for a padded count, cut when read)
         np.testing.assert_allclose(np.asarray(rows), want_table[want], rtol=1e-6)
         assert rows.devices() == {o.jax_device()}
+
+
+def test_rows_made_on_the_host_are_arguments_on_one_device_and_put_once_on_several(devices):
+    """A push of row-sparse values made from NumPy: into a store of one device the rows and
+    ids are handed on as NumPy arrays (the push's computation takes them as arguments); into
+    a store of several, each value's parts are put on its own device once (a push routes each
+    device's rows from where they lie) and a value pushed again is not put again. The store's
+    numbers are the same either way."""
+    one = jaxkv.init(jaxkv.empty(devices[:1]), {"t": jnp.asarray(TABLE)})
+    value = _rsp([1, 4])
+    held = kvstore_rows.held(one, "t", [value], None, False)
+    assert isinstance(held.rows[0], np.ndarray) and isinstance(held.row_ids[0], np.ndarray)
+    assert value.host_parts() is not None  # nothing put
+    np.testing.assert_array_equal(
+        np.asarray(kvstore_rows.run_held(one, held)["t"]), _summed([value])
+    )
+    two = jaxkv.init(jaxkv.empty(devices[:2]), {"t": jnp.asarray(TABLE)})
+    values = [_rsp([1, 4], device=0), _rsp([2], device=1)]
+    held = kvstore_rows.held(two, "t", values, None, False)
+    for v, r, d in zip(values, held.rows, devices[:2]):
+        assert isinstance(r, jax.Array) and r.devices() == {d}
+        assert v.host_parts() is None and v.row_values is r  # put once, on its own device
+    again = kvstore_rows.held(two, "t", values, None, False)
+    assert all(a is b for a, b in zip(again.rows, held.rows))
+    np.testing.assert_array_equal(
+        np.asarray(kvstore_rows.run_held(two, held)["t"]), _summed(values)
+    )
