@@ -167,10 +167,7 @@ def local_sums(
     grow with the devices in each, and no collective spans devices of one process (gloo would
     carry those over loopback TCP too).
     """
-    (home,) = state.local_positions
-    for key, xs in zip(keys, xss):
-        for x in xs:
-            _own(key, x)
+    (home,) = state.local_positions  # (every value is this process's own: _all_own, before)
     out: list[Any] = [None] * len(xss)
     rest = []
     on_host = {}
@@ -226,12 +223,11 @@ def check_laid_out(state: KVState, grouped: dict[Key, list[jax.Array]]) -> None:
     """The refusals an eager push makes as it lays its values out (``_layout``,
     ``layout_compressed``, ``local_sums``), made without laying them out: for a push checked
     now and run later."""
-    for key, xs in grouped.items():
-        for x in xs:
-            if state.compression is not None:
+    if state.compression is not None:
+        for key, xs in grouped.items():
+            for x in xs:
                 on_one_device(key, x)
-            if jax.process_count() > 1:
-                _own(key, x)
+    _all_own(grouped)
 
 
 def _host_addable(xs: list[jax.Array], dtype: Any) -> bool:

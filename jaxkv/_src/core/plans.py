@@ -139,7 +139,7 @@ def _call(keys: Any, values: Any) -> tuple[tuple, Sequence[Any], int, Sequence[A
 
 
 class _Grouped(NamedTuple):
-    """What ``pairing.group`` found for a call (see :func:`group`): the state's key set and
+    """What ``pairing.group`` found for a call (see :func:`checked_group`): the state's key set and
     shapes it checked against (by identity), each value's shape, dtype and device in call
     order, and the keys in sorted order with their place in the call."""
 

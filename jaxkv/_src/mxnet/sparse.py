@@ -69,6 +69,7 @@ from jaxkv._src.mxnet.ndarray import (
     unwrap,
 )
 from jaxkv._src.mxnet.ndarray import zeros as _dense_zeros
+from jaxkv._src.rows.sizes import on_host_cheaply
 
 __all__ = [
     "RowSparseNDArray",
@@ -184,11 +185,6 @@ def _as_scalar(x: Any) -> Any:
 
 def _is_scalar(x: Any) -> bool:
     return isinstance(x, numbers.Number)
-
-
-def _on_cpu(x: jax.Array) -> bool:
-    """Whether ``x`` is in host memory (CPU devices): a copy through NumPy is a memcpy."""
-    return all(d.platform == "cpu" for d in x.devices())
 
 
 def _settle(rows: jax.Array, ids: jax.Array, device: jax.Device) -> tuple[jax.Array, jax.Array]:
@@ -309,16 +305,12 @@ class RowSparseNDArray(NDArray):
             return None
         return pending[0][: pending[1]], pending[2]
 
-    def host_ids(self) -> np.ndarray | None:
-        """The int32 ids as a NumPy array where they are still on the host, else ``None``."""
-        return None if self._pending is None else self._pending[2]
-
     def _land(self) -> None:
         pending = self._pending
         assert pending is not None
         rows, count, ids, device = pending
         self._pending = None
-        if isinstance(rows, np.ndarray) or rows.shape[0] != count and _on_cpu(rows):
+        if isinstance(rows, np.ndarray) or rows.shape[0] != count and on_host_cheaply(rows):
             host = np.asarray(rows)[:count]  # on CPU devices: no copy, nothing compiled
             self._rows, self._ids = jax.device_put((host, ids), device)
         else:  # (a slice compiled once per count, off CPU)

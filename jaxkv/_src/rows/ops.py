@@ -46,7 +46,7 @@ from jaxkv._src.core.on_buckets import structure as _structure
 from jaxkv._src.core.tree_view import viewed
 from jaxkv._src.core.updater import as_updater, optimizer_group, updater_errors
 from jaxkv._src.errors import KVStoreError, ShapeError, shown
-from jaxkv._src.jax_internals import assemble, per_device
+from jaxkv._src.jax_internals import assemble, per_device, single_device
 from jaxkv._src.processes import host, order
 from jaxkv._src.rows.kernels import (
     ROUTE,
@@ -483,10 +483,7 @@ def _unwrapped(x: Any) -> Any:
 
 def _one_device(rows: Any) -> Any:
     """The one device ``rows`` is on, or ``None`` (host NumPy rows, or rows on several)."""
-    if not isinstance(rows, jax.Array):
-        return None
-    on = rows.devices()
-    return next(iter(on)) if len(on) == 1 else None
+    return single_device(rows) if isinstance(rows, jax.Array) else None
 
 
 def _check_rows(key: Key, shape: tuple[int, ...], dtype: Any, n: int, rows: Any, what: str) -> None:

@@ -17,6 +17,7 @@ __all__ = [
     "cut",
     "exact",
     "fit",
+    "on_host_cheaply",
     "pad_ids",
     "pad_rows",
     "padded",
@@ -86,7 +87,7 @@ def pad_ids(ids: np.ndarray, to: int, fill: int = -1) -> np.ndarray:
     return np.concatenate([ids, np.full(to - ids.size, fill, np.int32)]).astype(np.int32)
 
 
-def _on_host_cheaply(x: jax.Array) -> bool:
+def on_host_cheaply(x: jax.Array) -> bool:
     """Whether ``x`` lives in host memory (CPU devices), where a copy through NumPy compiles
     nothing and costs a memcpy."""
     return x.is_fully_addressable and all(d.platform == "cpu" for d in x.devices())
@@ -99,7 +100,7 @@ def pad_rows(rows: jax.Array, to: int) -> jax.Array:
     n = rows.shape[0]
     if n == to:
         return rows
-    if _on_host_cheaply(rows):
+    if on_host_cheaply(rows):
         host = np.zeros((to, *rows.shape[1:]), rows.dtype)
         host[:n] = np.asarray(rows)
         return jax.device_put(host, rows.sharding)
@@ -132,7 +133,7 @@ def cut(x: jax.Array, n: int) -> jax.Array:
     through the host on CPU devices; elsewhere a slice, compiled once per count."""
     if x.shape[0] == n:
         return x
-    if _on_host_cheaply(x):
+    if on_host_cheaply(x):
         return jax.device_put(np.asarray(x)[:n], x.sharding)
     return x[:n]
 
@@ -143,7 +144,7 @@ def concat_rows(rows: list[Any], sharding: Any, to: int, dtype: Any = None) -> j
     where they all are in host memory (no computation), else one concatenation, compiled once
     per list of counts."""
     dtype = np.result_type(*[r.dtype for r in rows]) if dtype is None else np.dtype(dtype)
-    if all(not isinstance(r, jax.Array) or _on_host_cheaply(r) for r in rows):
+    if all(not isinstance(r, jax.Array) or on_host_cheaply(r) for r in rows):
         n = sum(r.shape[0] for r in rows)
         host = np.zeros((to, *rows[0].shape[1:]), dtype)
         host[:n] = np.concatenate([np.asarray(r) for r in rows])
