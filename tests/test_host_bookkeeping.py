@@ -87,3 +87,24 @@ def test_a_list_push_like_an_earlier_one_checks_its_values_once(monkeypatch):
     kv.pull(names, out=outs)
     np.testing.assert_array_equal(outs[7][0].asnumpy(), np.full((2, 3), -6.0, np.float32))
     np.testing.assert_array_equal(outs[9][1].asnumpy(), np.full((2, 3), -6.0, np.float32))
+
+
+def test_the_forms_of_a_push_of_one_value_per_key_are_grouped_apart():
+    """``kv.push(k, [x])`` and ``kv.push([k], [x])`` name the same keys with one value each, as
+    a list and as the value itself: each form grouped again is grouped as it was, whichever
+    came first (the value's shape is the stored one; nothing is stacked)."""
+    kv = jaxkv.KVStore("local", devices=[mx.cpu(0)])
+    kv.init([1, 2], [mx.nd.zeros((8, 4)), mx.nd.zeros((8, 4))])
+    mx.nd.waitall()
+    x = mx.nd.ones((8, 4))
+    out = mx.nd.zeros((8, 4))
+    calls = [
+        lambda: kv.push([1, 2], [x, x]),  # a value per key
+        lambda: kv.push([1, 2], [[x], [x]]),  # a list of one value per key
+        lambda: kv.push(1, [x]),
+        lambda: kv.push([1], [x]),
+    ]
+    for call in calls + calls[::-1] + calls:
+        call()
+        kv.pull(1, out=out)
+        np.testing.assert_array_equal(out.asnumpy(), np.ones((8, 4), np.float32))

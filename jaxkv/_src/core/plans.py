@@ -150,7 +150,6 @@ class _Grouped(NamedTuple):
     devices: tuple
     order: tuple
     at: tuple
-    listed: bool  # each key's values come as a list
 
 
 _GROUPS = _Plans()
@@ -164,7 +163,10 @@ def checked_group(state: KVState, keys: Any, values: Any) -> dict[Key, list[jax.
     call = _call(keys, values) if jax.process_count() == 1 and state.compression is None else None
     if call is not None:
         ckeys, given, per, flat = call
-        seen = _GROUPS.get((ckeys, per))
+        # (whether each key's values come as a list is part of the form: `push(k, [x])` and
+        # `push([k], [x])` name the same keys with one value each, grouped differently)
+        form = (ckeys, per, isinstance(given[0], list | tuple))
+        seen = _GROUPS.get(form)
         if (
             seen is not None
             and seen.keys is state.keys()
@@ -174,7 +176,7 @@ def checked_group(state: KVState, keys: Any, values: Any) -> dict[Key, list[jax.
             and tuple(map(_DTYPE, flat)) == seen.dtypes
             and tuple(map(single_device, flat)) == seen.devices
         ):
-            if seen.listed:
+            if form[2]:
                 return {k: list(given[i]) for k, i in zip(seen.order, seen.at)}
             return {k: [given[i]] for k, i in zip(seen.order, seen.at)}
     grouped = group(state, keys, values)
@@ -188,9 +190,8 @@ def checked_group(state: KVState, keys: Any, values: Any) -> dict[Key, list[jax.
             devices=tuple(map(single_device, flat)),
             order=tuple(grouped),
             at=tuple(where[k] for k in grouped),
-            listed=isinstance(given[0], list | tuple),
         )
-        _GROUPS.put((ckeys, per), seen)
+        _GROUPS.put(form, seen)
     return grouped
 
 
