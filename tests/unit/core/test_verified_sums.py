@@ -161,6 +161,12 @@ def test_several_sums_are_checked_with_one_all_gather_naming_the_wrong_one(
     with pytest.raises(Exception, match="SumError") as caught:
         jax.block_until_ready(body(*xs))
     assert f"key '{'ab'[wrong]}'" in str(caught.value) and "device 2" in str(caught.value)
+    # A right run after it leaves no error behind for the process's exit to raise again.
+    wrong = None
+    jax.block_until_ready(
+        jax.jit(jax.shard_map(fn, mesh=_mesh(), in_specs=P("kv"), out_specs=P("kv")))(*xs)
+    )
+    jax.effects_barrier()
 
 
 def test_a_non_finite_sum_is_not_refused(as_across_processes):
