@@ -12,6 +12,35 @@ import jaxkv.mx as mx
 from jaxkv._src.mxnet import lending
 
 
+def _counted_steps(monkeypatch, module, name, keys, shape, steps):
+    """MXNet's data-parallel loop on a ``device`` store of 2 devices under SGD (learning rate
+    0.5): ``keys`` keys of ``shape``, a list push of per-device gradients of ones and a list
+    pull into per-device outs, ``steps`` times, counting the calls of ``module.name`` in each
+    step. Returns the store, its keys, the gradients, the outs and the counts."""
+    devices = [mx.cpu(0), mx.cpu(1)]
+    kv = jaxkv.KVStore("device", devices=devices)
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.5))
+    names = list(range(keys))
+    kv.init(names, [mx.nd.zeros(shape) for _ in names])
+    mx.nd.waitall()
+    grads = [[mx.nd.ones(shape, ctx=d) for d in devices] for _ in names]
+    outs = [[mx.nd.zeros(shape, ctx=d) for d in devices] for _ in names]
+    counts: list[int] = []
+    real = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        counts[-1] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    for _ in range(steps):
+        counts.append(0)
+        kv.push(names, grads)
+        kv.pull(names, out=outs)
+        mx.nd.waitall()
+    return kv, names, grads, outs, counts
+
+
 @pytest.mark.whole
 def test_the_notes_of_lent_arrays_cost_o_keys_a_step(monkeypatch):
     """A list push of per-device gradients and a list pull into per-device outs, as MXNet's
@@ -19,26 +48,8 @@ def test_the_notes_of_lent_arrays_cost_o_keys_a_step(monkeypatch):
     lent views): each step checks a bounded number of notes per key (the sweep of the dead
     ones is amortised), where it swept every note at every lend (120 keys: 8979 checks a
     step); every value is SGD's."""
-    keys, devices = 120, [mx.cpu(0), mx.cpu(1)]
-    kv = jaxkv.KVStore("device", devices=devices)
-    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.5))
-    names = list(range(keys))
-    kv.init(names, [mx.nd.zeros((4, 4)) for _ in names])
-    outs = [[mx.nd.zeros((4, 4), ctx=d) for d in devices] for _ in names]
-    grads = [[mx.nd.ones((4, 4), ctx=d) for d in devices] for _ in names]
-    calls = []
-    holds = lending.holds
-
-    def counted(entry):
-        calls[-1] += 1
-        return holds(entry)
-
-    monkeypatch.setattr(lending, "holds", counted)
-    for _ in range(6):
-        calls.append(0)
-        kv.push(names, grads)
-        kv.pull(names, out=outs)
-        mx.nd.waitall()
+    keys = 120
+    _, _, _, outs, calls = _counted_steps(monkeypatch, lending, "holds", keys, (4, 4), 6)
     # Each step: w -= 0.5 * (1 + 1), six times.
     for out in outs[0] + outs[-1]:
         np.testing.assert_array_equal(out.asnumpy(), np.full((4, 4), -6.0, np.float32))
@@ -52,31 +63,15 @@ def test_a_list_push_like_an_earlier_one_checks_its_values_once(monkeypatch):
     values differ is checked, and refused, as the first one was, before anything changes."""
     from jaxkv._src.state import pairing
 
-    keys, devices = 30, [mx.cpu(0), mx.cpu(1)]
-    kv = jaxkv.KVStore("device", devices=devices)
-    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.5))
-    names = list(range(keys))
-    kv.init(names, [mx.nd.zeros((2, 3)) for _ in names])
-    mx.nd.waitall()
-    grads = [[mx.nd.ones((2, 3), ctx=d) for d in devices] for _ in names]
-    outs = [[mx.nd.zeros((2, 3), ctx=d) for d in devices] for _ in names]
-    checks = []
-    check_value = pairing.check_value
-
-    def counted(*args, **kwargs):
-        checks[-1] += 1
-        return check_value(*args, **kwargs)
-
-    monkeypatch.setattr(pairing, "check_value", counted)
-    for _ in range(5):
-        checks.append(0)
-        kv.push(names, grads)
-        kv.pull(names, out=outs)
-        mx.nd.waitall()
+    keys = 30
+    kv, names, grads, outs, checks = _counted_steps(
+        monkeypatch, pairing, "check_value", keys, (2, 3), 5
+    )
     assert checks[-1] == checks[-2] == 0, checks  # once the form is known
-    assert checks[0] >= keys * len(devices), checks
+    assert checks[0] >= keys * 2, checks  # every value of the 2 devices
     for out in outs[0] + outs[-1]:  # w -= 0.5 * (1 + 1), five times
         np.testing.assert_array_equal(out.asnumpy(), np.full((2, 3), -5.0, np.float32))
+    devices = [mx.cpu(0), mx.cpu(1)]
     wrong = [list(g) for g in grads]
     wrong[7][1] = mx.nd.ones((2, 3), ctx=devices[1], dtype="float16")  # the same shape
     wrong[9][0] = mx.nd.ones((3, 2), ctx=devices[0])
