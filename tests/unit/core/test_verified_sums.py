@@ -144,15 +144,18 @@ def test_several_sums_are_checked_with_one_all_gather_naming_the_wrong_one(
     """A push of many keys across processes: every key's check rides one all-gather."""
     xs = [_blocks((1, 8)), _blocks((1, 16), seed=1)]
 
-    def fn(a, b):
-        outs = [jax.lax.psum(a, "kv"), jax.lax.psum(b, "kv")]
-        if wrong is not None:
-            me = jax.lax.axis_index("kv")
-            outs[wrong] = outs[wrong].at[0, -1].add(jnp.where(me == 2, 9.0, 0.0))
-        verified.check_sums([(a, outs[0], "key 'a'"), (b, outs[1], "key 'b'")], "kv")
-        return outs
+    def step(wrong):
+        def fn(a, b):
+            outs = [jax.lax.psum(a, "kv"), jax.lax.psum(b, "kv")]
+            if wrong is not None:
+                me = jax.lax.axis_index("kv")
+                outs[wrong] = outs[wrong].at[0, -1].add(jnp.where(me == 2, 9.0, 0.0))
+            verified.check_sums([(a, outs[0], "key 'a'"), (b, outs[1], "key 'b'")], "kv")
+            return outs
 
-    body = jax.jit(jax.shard_map(fn, mesh=_mesh(), in_specs=P("kv"), out_specs=P("kv")))
+        return jax.jit(jax.shard_map(fn, mesh=_mesh(), in_specs=P("kv"), out_specs=P("kv")))
+
+    body = step(wrong)
     assert body.lower(*xs).as_text().count("stablehlo.all_gather") == 1
     if wrong is None:
         got = body(*xs)
@@ -162,10 +165,7 @@ def test_several_sums_are_checked_with_one_all_gather_naming_the_wrong_one(
         jax.block_until_ready(body(*xs))
     assert f"key '{'ab'[wrong]}'" in str(caught.value) and "device 2" in str(caught.value)
     # A right run after it leaves no error behind for the process's exit to raise again.
-    wrong = None
-    jax.block_until_ready(
-        jax.jit(jax.shard_map(fn, mesh=_mesh(), in_specs=P("kv"), out_specs=P("kv")))(*xs)
-    )
+    jax.block_until_ready(step(None)(*xs))
     jax.effects_barrier()
 
 
