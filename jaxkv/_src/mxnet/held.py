@@ -22,6 +22,7 @@ same keys in their own orders get the same sums; processes that hold different k
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import itertools
 import json
@@ -33,9 +34,10 @@ import numpy as np
 
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.processes import host
+from jaxkv._src.rows import ops
 from jaxkv._src.state.kvstate import Key
 
-__all__ = ["Held", "agree", "holding", "run_everything_held"]
+__all__ = ["Held", "agree", "before", "described", "differ", "holding", "run_everything_held"]
 
 logger = logging.getLogger("jaxkv")
 
@@ -81,6 +83,20 @@ class Held:
             o.owed_by = owner
         self.outs.extend(outs)
 
+    def extend(self, later: Held) -> None:
+        """Hold ``later``'s calls after these, each key's in its order (its pulls after as many
+        of its pushes as came before them)."""
+        self.inits.update(later.inits)
+        for n, pulls in enumerate(later.pulls):
+            if n:
+                for k, arrays in later.pushes[n - 1].items():
+                    self.hold_push(k, arrays, later.scalars[n - 1].get(k))
+            for k, outs in pulls:
+                self.pulls[self.count.get(k, 0)].append((k, outs))
+        self.outs.extend(later.outs)
+        if self.counted is None:
+            self.counted = later.counted
+
     def release(self) -> None:
         """No out is owed anything any more (each keeps the value it holds)."""
         for o in self.outs:
@@ -100,7 +116,24 @@ def agree(held: Held, gathered: list[list[Key]]) -> None:
     pulls of the same values split across processes (``gathered``: those keys, per phase of
     pulls; other pulls are each process's own), so that their collectives match; else every
     process raises ``KVStoreError`` naming the keys each one holds. One host all-gather of a
-    digest, and two more only where they differ. For a store over several processes."""
+    digest (:func:`described`), the one a row push's agreement makes (``rows.ops``: processes
+    that hold different calls meet in all-gathers of one size), and one more only where they
+    differ. For a store over several processes."""
+    # The watchdog names the turn by the held call a process waits in (its keys compared first).
+    what = "push" if held.pushes else "held init" if held.inits else "held pull"
+    ops.agree_before(before(held, gathered, run=None), what)
+
+
+def before(held: Held, gathered: list[list[Key]], run: Any) -> ops.Before:
+    """``held`` (``gathered`` as :func:`agree` takes it) as calls held before a row push,
+    agreed in its all-gather (``rows.ops.Before``), run by ``run()``."""
+    text, digest = described(held, gathered)
+    return ops.Before(text, digest, functools.partial(differ, text), run)
+
+
+def described(held: Held, gathered: list[list[Key]]) -> tuple[bytes, np.ndarray]:
+    """What :func:`agree` compares across processes: the held calls as text, and its
+    SHA-256 (32 bytes), for a caller that compares it in an all-gather of its own."""
     mine = {
         "init": sorted(map(repr, held.inits)),
         "push": [sorted(map(repr, gen)) for gen in held.pushes],
@@ -112,23 +145,23 @@ def agree(held: Held, gathered: list[list[Key]]) -> None:
         ],
     }
     text = json.dumps(mine, sort_keys=True).encode()
-    digest = np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
-    # The watchdog names the turn by the held call a process waits in (its keys compared first).
-    every = host.all_gather(
-        digest, "push" if held.pushes else "held init" if held.inits else "held pull"
-    )
-    if (every == digest).all():
-        return
-    texts = host.all_gather_text(text, "the held keys")
+    return text, np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
+
+
+def differ(text: bytes, texts: list[bytes]) -> None:
+    """The processes' held calls differ (their digests did): raises ``KVStoreError`` naming
+    the keys each one holds (or the numbers that differ), given this process's
+    :func:`described` text and every process's (gathered by the caller, in every process)."""
+    mine = json.loads(text.decode())
     described = []
     everyone = [json.loads(t.decode()) for t in texts]
     if all({**t, "numbers": None} == {**mine, "numbers": None} for t in everyone):
         _numbers_differ(everyone)
-    for rank, theirs in enumerate(everyone):
-        pushed = " then ".join(_names(gen) for gen in theirs["push"]) or "[]"
-        pulled = " then ".join(_names(keys) for keys in theirs["gathered"]) or "[]"
+    for rank, theirs in enumerate(everyone):  # ({} from a process that holds nothing)
+        pushed = " then ".join(_names(gen) for gen in theirs.get("push", [])) or "[]"
+        pulled = " then ".join(_names(keys) for keys in theirs.get("gathered", [])) or "[]"
         described.append(
-            f"process {rank}: init {_names(theirs['init'])}, push {pushed}, "
+            f"process {rank}: init {_names(theirs.get('init', []))}, push {pushed}, "
             f"pull of split values {pulled}"
         )
     raise KVStoreError(

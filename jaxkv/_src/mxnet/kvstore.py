@@ -240,9 +240,17 @@ class KVStore:
         self._stored = state
 
     def _settle(self) -> None:
+        """Run the held push of rows (after the calls held before it, if it keeps them)."""
         with self._lock:
             deferred, self._deferred = self._deferred, None
             if deferred is not None:
+                if deferred.before is not None:
+                    try:
+                        self._run_queue(deferred.before)
+                    except BaseException:  # the push of rows is dropped with them
+                        if deferred.before.counted is None:
+                            self._uncount(deferred)
+                        raise
                 try:
                     self._stored = kvstore_rows.run_held(self._stored, deferred)
                 except BaseException:
@@ -494,43 +502,52 @@ class KVStore:
             if self._deferred is not None:  # a push of rows held for its row_sparse_pull
                 self._settle()
             queue, self._held = self._held, None
-            if not queue:  # (nothing held: no out is owed either)
-                return
-            queue.release()  # the outs are filled below, or keep what they hold
-            try:
-                state = self._stored
-                if spans_processes(state.devices):
-                    # A pull of a value split across processes gathers it: a collective too.
-                    gathered = [
-                        sorted({k for k, _ in pulls if state.splits(self._held_shape(k, queue))})
-                        for pulls in queue.pulls
-                    ]
-                    # (pulls alone of values each process holds whole make no collective)
-                    if queue.inits or queue.pushes or any(gathered):
-                        held.agree(queue, gathered)
-                if queue.inits:  # in key order: the same in every process
-                    keys = sorted(queue.inits)
-                    self._init_now(keys, [queue.inits[k] for k in keys])
-                for n, pulls in enumerate(queue.pulls):
-                    if n:  # the n-th push of every key pushed n times, in key order
-                        gen = queue.pushes[n - 1]
-                        keys = sorted(gen)
-                        self._push_held(keys, [gen[k] for k in keys], queue.scalars[n - 1])
-                    if pulls:  # in key order too (a key's own pulls in call order)
-                        pulls = sorted(pulls, key=lambda pull: pull[0])
-                        self._pull_now([k for k, _ in pulls], [o for _, o in pulls])
-            except BaseException as e:
-                if self._stored is state and queue.counted is not None and self._mxnet_optimizer:
-                    # Refused before anything ran (the processes disagree): the optimizer
-                    # has not counted the held pushes either.
-                    self._mxnet_optimizer.restore_bookkeeping(queue.counted)
-                if isinstance(e, KVStoreError) or not isinstance(e, Exception):
-                    raise
-                names = queue.keys()
-                raise KVStoreError(
-                    f"keys {names[:8]}{' ...' if len(names) > 8 else ''}: the held calls "
-                    f"failed when run ({type(e).__name__}: {e})"
-                ) from e
+            self._run_queue(queue)
+
+    def _run_queue(self, queue: held.Held | None, agreed: bool = False) -> None:
+        """Run the held calls ``queue`` (across processes, agreed first unless ``agreed``)."""
+        if not queue:  # (nothing held: no out is owed either)
+            return
+        queue.release()  # the outs are filled below, or keep what they hold
+        try:
+            state = self._stored
+            if not agreed and spans_processes(state.devices):
+                gathered = self._gathered(queue)
+                # (pulls alone of values each process holds whole make no collective)
+                if queue.inits or queue.pushes or any(gathered):
+                    held.agree(queue, gathered)
+            if queue.inits:  # in key order: the same in every process
+                keys = sorted(queue.inits)
+                self._init_now(keys, [queue.inits[k] for k in keys])
+            for n, pulls in enumerate(queue.pulls):
+                if n:  # the n-th push of every key pushed n times, in key order
+                    gen = queue.pushes[n - 1]
+                    keys = sorted(gen)
+                    self._push_held(keys, [gen[k] for k in keys], queue.scalars[n - 1])
+                if pulls:  # in key order too (a key's own pulls in call order)
+                    pulls = sorted(pulls, key=lambda pull: pull[0])
+                    self._pull_now([k for k, _ in pulls], [o for _, o in pulls])
+        except BaseException as e:
+            if self._stored is state and queue.counted is not None and self._mxnet_optimizer:
+                # Refused before anything ran (the processes disagree): the optimizer
+                # has not counted the held pushes either.
+                self._mxnet_optimizer.restore_bookkeeping(queue.counted)
+            if isinstance(e, KVStoreError) or not isinstance(e, Exception):
+                raise
+            names = queue.keys()
+            raise KVStoreError(
+                f"keys {names[:8]}{' ...' if len(names) > 8 else ''}: the held calls "
+                f"failed when run ({type(e).__name__}: {e})"
+            ) from e
+
+    def _gathered(self, queue: held.Held) -> list[list[Key]]:
+        """Across processes, the keys of ``queue``'s pulls of values split across processes
+        (each a collective: it gathers them), per phase of pulls."""
+        state = self._stored
+        return [
+            sorted({k for k, _ in pulls if state.splits(self._held_shape(k, queue))})
+            for pulls in queue.pulls
+        ]
 
     def _push_held(self, keys: list[Key], values: list[list], scalars: dict[Key, Any]) -> None:
         """The held pushes, as one push: each key updated alone, as MXNet updates it (under an
@@ -619,10 +636,13 @@ class KVStore:
                         self._deferred = deferred  # refused: the push still runs, alone
                         self._settle()
                         raise
+                    kept = _Kept(self, deferred)
                     try:
-                        state, got = kvstore_rows.pushpull_into(self._stored, deferred, outs, ids)
+                        state, got = kvstore_rows.pushpull_into(
+                            self._stored, deferred, outs, ids, kept.before
+                        )
                     except BaseException:
-                        self._uncount(deferred)
+                        kept.failed()
                         raise
                     self._stored = state
                     for o, x, where in got:
@@ -1073,7 +1093,8 @@ class KVStore:
             raise
 
     def _push_rows_now(self, key: Any, value: Any, counted: Any = None) -> None:
-        grouped = _grouped(self._state, key, value)
+        keep = self._keeps_held(key, value)  # the calls held before it, to run with it
+        grouped = _grouped(self._stored if keep else self._state, key, value)
         sparse = [k for k, vs in grouped.items() if any(map(kvstore_rows.is_row_sparse, vs))]
         dense = [k for k in grouped if k not in sparse]
         updater, lazy = self._updater, True
@@ -1091,7 +1112,7 @@ class KVStore:
             lazy = opt.lazy_update
             # The kernel's numbers (learning rate, bias correction...) are arguments of the
             # computation, as for dense keys: a schedule compiles nothing new.
-            state = self._state
+            state = self._stored  # (the held calls ran above, or are kept)
             for k in sparse:
                 opt.check_row_sparse(opt.inputs(k))
             half = {
@@ -1103,7 +1124,7 @@ class KVStore:
             extra_of = {k: {"scalars": table[keys.index(k)]} for k in sparse}
             if dense:
                 extra = {"scalars": np.stack([table[keys.index(k)] for k in sorted(dense)])}
-        state = self._state
+        state = self._stored
         if isinstance(updater, optax.GradientTransformation):
             inner = self._updater
             for k in sparse:  # a key pushed with others one at a time before: its state alone
@@ -1112,6 +1133,8 @@ class KVStore:
             self._stored = state  # (no value changes)
         steps = len(sparse) + bool(dense)
         donate = steps == 1 and self._lending.row_push_donates(state, sparse)
+        if keep and any(self._held.pulls):  # (a kept pull may lend the table's array)
+            donate = False
         if dense and opt is not None:
             state = self._push_key_by_key(
                 state, {k: _unwrap_values(grouped[k]) for k in dense}, self._updater, extra
@@ -1129,9 +1152,9 @@ class KVStore:
             # Held until the next call (checked now): a row_sparse_pull of the key then runs
             # with it in one computation, as a training loop's push and pull of rows do.
             k = sparse[0]
-            self._deferred = kvstore_rows.held(
-                state, k, grouped[k], updater_of[k], donate, extra_of[k]
-            )._replace(counted=counted)
+            deferred = kvstore_rows.held(state, k, grouped[k], updater_of[k], donate, extra_of[k])
+            before, self._held = (self._held, None) if keep else (None, self._held)
+            self._deferred = deferred._replace(counted=counted, before=before)
             held.holding(self)  # nd.waitall runs it
             return
         for k in sparse:
@@ -1139,6 +1162,33 @@ class KVStore:
                 state, k, grouped[k], updater_of[k], lazy, donate, extra_of[k]
             )
         self._state = state
+
+    def _keeps_held(self, key: Any, value: Any) -> bool:
+        """Whether a push of rows keeps the calls held before it, to run with it: across
+        processes, where it is one lazy push of one key's rows under an MXNet optimizer (held
+        for its ``row_sparse_pull``), after held pushes of other keys and no held init. Its
+        ``row_sparse_pull`` then agrees both in one host all-gather (``rows.ops.Before``) where
+        each would make one. Decided from what every process agrees on (the held pushes and
+        inits, the push), so that every process decides alike."""
+        queue, opt = self._held, self._mxnet_optimizer
+        if (
+            queue is None
+            or not queue.pushes
+            or queue.inits
+            or self._deferred is not None
+            or opt is None
+            or not opt.lazy_update
+            or self._python_updater is not None
+            or not spans_processes(self._stored.devices)
+        ):
+            return False
+        grouped = _grouped(self._stored, key, value)  # (no held init: the store's keys)
+        (k, values), *others = grouped.items()
+        return (
+            not others
+            and k not in queue.count
+            and any(map(kvstore_rows.is_row_sparse, values))
+        )
 
     def _values(self, key: Any) -> jax.Array | list[jax.Array]:
         single = not isinstance(key, list | tuple)
@@ -1246,6 +1296,54 @@ def _padded(rows: Any) -> tuple[jax.Array, int]:
     if isinstance(rows, Padded):
         return rows.rows, rows.n
     return rows, rows.shape[0]
+
+
+class _Kept:
+    """The calls a held push of rows kept (``kvstore_rows.Held.before``), given to its
+    ``row_sparse_pull`` as ``rows.ops.Before``: agreed in the push's all-gather, run by it
+    once agreed. Where the push and pull fail before they run (a process refused, the
+    numbers differ), they are held again, ahead of any held since; where the processes hold
+    different ones, they are dropped (as ``held.agree`` drops them)."""
+
+    def __init__(self, store: KVStore, deferred: kvstore_rows.Held) -> None:
+        self.store, self.deferred = store, deferred
+        self.running = self.ran = self.dropped = False
+        queue = deferred.before
+        self.before = None
+        if queue is not None:
+            text, digest = held.described(queue, store._gathered(queue))
+            self.before = rows.ops.Before(text, digest, self._differ, self._run)
+
+    def _differ(self, texts: list[bytes]) -> None:
+        self.dropped = True
+        assert self.before is not None
+        held.differ(self.before.text, texts)
+
+    def _run(self) -> KVState:
+        self.running = True
+        self.store._run_queue(self.deferred.before, agreed=True)
+        self.ran = True
+        return self.store._stored
+
+    def failed(self) -> None:
+        """The push and pull raised: undo what it counted, hold or drop what it kept."""
+        store, queue = self.store, self.deferred.before
+        if queue is None or self.ran:
+            store._uncount(self.deferred)
+            return
+        if self.running:  # a kept call failed: it undid its own counts, which came first
+            if queue.counted is None:
+                store._uncount(self.deferred)
+            return
+        if self.dropped:
+            queue.release()
+            if queue.counted is not None and store._mxnet_optimizer is not None:
+                store._mxnet_optimizer.restore_bookkeeping(queue.counted)
+            return
+        store._uncount(self.deferred)
+        if store._held is not None:  # held since the push: after the kept ones
+            queue.extend(store._held)
+        store._hold(queue)
 
 
 def _grouped(state: KVState, key: Any, values: Any) -> dict[Key, list]:

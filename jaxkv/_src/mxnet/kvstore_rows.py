@@ -75,6 +75,9 @@ class Held(NamedTuple):
     donate: bool
     extra: dict | None = None
     counted: Any = None  # the MXNet optimizer's bookkeeping before the push counted it
+    # Across processes: the store's calls held before this push (``held.Held``), none of them
+    # of its key, run before it (and agreed with it where a row_sparse_pull takes it)
+    before: Any = None
 
 
 def held(
@@ -203,13 +206,19 @@ def wanted(state: KVState, key: Key, row_ids: list) -> list[np.ndarray]:
 
 
 def pushpull_into(
-    state: KVState, push: Held, outs: list, asked: list[np.ndarray]
+    state: KVState,
+    push: Held,
+    outs: list,
+    asked: list[np.ndarray],
+    before: ops.Before | None = None,
 ) -> tuple[KVState, list[tuple[Any, Any, Any]]]:
     """A held push, then what each row-sparse out receives for its distinct ids ``asked`` (see
     :func:`wanted`), as :func:`pull_into` gives it (the rows possibly
     :class:`~jaxkv._src.rows.sizes.Padded`): in one computation where the outs are the
     store's devices, one each, asking as many rows each (the pushed values one per device of
-    the store), a store of one device too; else the push, then the pull."""
+    the store), a store of one device too; else the push, then the pull. ``before``: calls
+    held before the push, across processes: agreed in the push's own all-gather where the pull
+    is fused with it, and run before it (``rows.ops.Before``)."""
     devices = [o.jax_device() for o in outs]
     if ops.spans_processes(state):
         # Across processes: this process's outs, one on each of its devices, pulled in the
@@ -224,6 +233,8 @@ def pushpull_into(
             and (len(outs) >= 2 or len(state.devices) == 1)
         )
     if not fused:
+        if before is not None:
+            state = before.run()
         state = run_held(state, push)
         return state, pull_into(state, push.key, outs, asked)
     state, rows = ops.pushpull_checked(
@@ -235,6 +246,7 @@ def pushpull_into(
         push.updater,
         push.donate,
         push.extra,
+        before,
     )
     return state, list(zip(outs, rows, asked))
 

@@ -30,8 +30,8 @@ import contextlib
 import functools
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -638,12 +638,14 @@ def _push(
     pull: Any,
     checked: list[np.ndarray] | None = None,
     extra: dict[str, Any] | None = None,
+    before: Before | None = None,
 ) -> tuple[KVState, Any]:
     """``push_rows``, and, where one computation can also pull (see :func:`pushpull_rows`), the
     pulled rows (else ``None``). ``pull``: ``None`` (no pull), ``_SAME`` (the pushed ids), or
     ``(given, checked)``, the ids to pull per device as given and checked on the host.
     ``checked``: the pairs' ids, already checked on the host (:func:`check_push`); ``extra``:
-    the updater's extra arguments."""
+    the updater's extra arguments; ``before``: calls held before the push, agreed with it and
+    run before its computation (a store across processes)."""
     updater = as_updater(updater)  # an optax wrapper (MultiSteps): its transformation
     updater = viewed(state, updater)  # optax sees the tree given to init
     extra = {} if extra is None else dict(extra)
@@ -679,7 +681,9 @@ def _push(
         fused = None
         if pull is not None and pull is not _SAME and len(pull[1]) <= len(_local_devices(state)):
             fused = _asked_here(state, list(pull[1]))
-        across = _across_pairs(state, key, shape, host_pairs, extra, fused)
+        across = _across_pairs(state, key, shape, host_pairs, extra, fused, before)
+    if before is not None:  # (held calls of other keys: the same key, shape and layout)
+        state = before.run()
     if optax_push and state.opt_group(key) is None:
         from jaxkv._src.core.eager import init_opt_states
 
@@ -818,15 +822,18 @@ def pushpull_checked(
     updater: Any,
     donate: bool,
     extra: dict[str, Any] | None = None,
+    before: Before | None = None,
 ) -> tuple[KVState, list[Any]]:
     """``pushpull_rows`` of pairs and pull ids already checked (eagerly): ``pushed`` is
     ``(row_ids, rows, ids)``, ``ids`` the checked ids on the host (:func:`check_push`);
     ``pulled`` the checked ids to pull on the host, one array per device of ``devices``.
     Each device's rows may come back as :class:`~jaxkv._src.rows.sizes.Padded` (cut them when
-    read)."""
+    read). ``before``: calls held before the push, across processes (see :class:`Before`)."""
     row_ids, rows, ids = pushed
     pull = (pulled, pulled)
-    state, got = _push(state, key, row_ids, rows, updater, None, donate, pull, ids, extra)
+    state, got = _push(
+        state, key, row_ids, rows, updater, None, donate, pull, ids, extra, before
+    )
     if got is None:
         got = pull_rows(state, key, pulled, devices=devices)
     return state, got
@@ -906,18 +913,42 @@ def _local_devices(state: KVState) -> list[jax.Device]:
 _AGREED = 5  # a row operation's agreed sizes: a push's ids and route, a fused pull's, a flag
 
 
+class Before(NamedTuple):
+    """Calls an imperative store held before a row push (none of them of its key), agreed in
+    the push's own all-gather and run once it is agreed, before its computation: ``text``
+    describes them and ``digest`` is its SHA-256 (32 bytes; ``held.described``);
+    ``differ(texts)`` raises, given every process's text, where the digests differ; ``run()``
+    runs them and returns the store's state after them."""
+
+    text: bytes
+    digest: np.ndarray
+    differ: Callable[[list[bytes]], None]
+    run: Callable[[], KVState]
+
+
 def _agreed(
-    key: Key, values: tuple[int, ...], refused: bool = False, extra: dict | None = None
+    key: Key,
+    values: tuple[int, ...],
+    refused: bool = False,
+    extra: dict | None = None,
+    before: Before | None = None,
+    what: str = "sizes of a row operation",
 ) -> tuple[int, ...]:
     """The largest of each value (at most ``_AGREED``) over every process: one host all-gather
     of a fixed size, the one collective every process makes for a row operation before any
     computation, after checking its own arguments. Where a process refused them (``refused``:
     it raises its own error after this), every other process raises too, and nothing changes
     anywhere. ``extra`` (an updater's extra arguments: an MXNet optimizer's numbers) must be
-    the same in every process, else every process raises, naming each one's."""
-    digest = _digest(extra)
-    sent = np.array([int(refused), *values, *[0] * (_AGREED - len(values)), *digest], np.int64)
-    got = host.all_gather(sent, "sizes of a row operation")
+    the same in every process, else every process raises, naming each one's; so must the calls
+    held ``before`` the push, compared in the same all-gather (else ``before.differ``). Held
+    calls agreed alone (:func:`agree_before`) take the same all-gather, so that processes whose
+    held calls differ meet in all-gathers of one size and all raise. ``what`` names the turn
+    for the watchdog."""
+    held = np.zeros(4, np.int64) if before is None else before.digest.view(np.int64)
+    sent = np.array(
+        [int(refused), *values, *[0] * (_AGREED - len(values)), *_digest(extra), *held], np.int64
+    )
+    got = host.all_gather(sent, what)
     refusing = np.flatnonzero(got[:, 0]).tolist()
     if refused:
         return values
@@ -927,9 +958,24 @@ def _agreed(
             "error says why; each process checks its own ids and rows); nothing changed on any "
             "process"
         )
-    if not (got[:, 1 + _AGREED :] == got[0, 1 + _AGREED :]).all():
+    if not (got[:, -4:] == got[0, -4:]).all():  # (every process gathers the texts)
+        texts = host.all_gather_text(b"{}" if before is None else before.text, "the held keys")
+        if before is not None:
+            before.differ(texts)
+        raise KVStoreError(
+            f"key {shown(key)}: expected every process to hold the same calls before this row "
+            "push, given different ones; nothing changed on any process"
+        )
+    if not (got[:, 1 + _AGREED : -4] == got[0, 1 + _AGREED : -4]).all():
         _extra_differs(key, extra)
     return tuple(int(got[:, 1 + j].max()) for j in range(len(values)))
+
+
+def agree_before(before: Before, what: str) -> None:
+    """Check that every process holds the same calls ``before`` (an imperative store's, run
+    alone: ``before.run`` is not called), in the all-gather of a row operation's agreement
+    (:func:`_agreed`): else every process raises (``before.differ``)."""
+    _agreed("", (), before=before, what=what)
 
 
 def _digest(extra: dict | None) -> np.ndarray:
@@ -1060,13 +1106,14 @@ def _across_pairs(
     host_pairs: list[tuple[np.ndarray, Any]],
     extra: dict | None = None,
     pull: list[np.ndarray] | None = None,
+    before: Before | None = None,
 ) -> tuple[list[tuple[np.ndarray, Any]], int, int, tuple[int, int, bool] | None]:
     """This process's checked pairs as one pair per device of this process (all of them from
     its first device, if not already so), with the largest count of ids of any device of any
     process and the busiest route of a sharded table, agreed (:func:`_agreed`, with the
     updater's ``extra`` arguments), and, for the pull fused with it (``pull``: this process's
     checked ids, one per device of it), its count and route and whether every process pulls
-    the ids it pushes, agreed in the same all-gather."""
+    the ids it pushes, agreed in the same all-gather, as are the calls held ``before``."""
     local = _local_devices(state)
     placed = [_one_device(r) for _, r in host_pairs]
     dtype = buckets.stored_type(state, state.index(key)).dtype
@@ -1092,7 +1139,7 @@ def _across_pairs(
             np.array_equal(p, x) for p, (x, _) in zip(pull, pairs)
         )
         sizes += (max(x.size for x in pull), _pull_route(state, i, shape, pull), int(not same))
-    agreed = _agreed(key, sizes, extra=extra)
+    agreed = _agreed(key, sizes, extra=extra, before=before)
     # (the pull's count and route, and whether every process pulls the ids it pushed)
     pulled = None if pull is None else (agreed[2], agreed[3], not agreed[4])
     # no rows anywhere: padded rows that select nothing
@@ -1134,7 +1181,7 @@ def _push_across(
         )
         if not back:
             return new, None
-        return new, [cut(x, ids.size) for x, (ids, _) in zip(per_device(out[2]), pairs)]
+        return new, [Padded(x, ids.size) for x, (ids, _) in zip(per_device(out[2]), pairs)]
     stacked_ids = _global(state, [pad_ids(x, n, -1) for x, _ in pairs])
     stacked = _global(state, rows)
     if leaf is not None and (n_group is None or state.packings[n_group] is None):
