@@ -58,6 +58,28 @@ def test_an_embedding_loop_across_processes(n, bound):
     )
 
 
+def test_calls_held_before_a_push_of_rows_are_agreed_with_it():
+    """Across processes, the calls a store holds before a push of rows (a dense key's push) are
+    agreed with it in its row_sparse_pull's one host all-gather: the embedding loop makes one a
+    step, with a NumPy model's numbers; one process's refused push of rows, different held calls
+    and different learning rates are refused on every process with the store as it was (the
+    held push run once later, or dropped), and the next step is right."""
+    run = launch(2, "kept_job.py", per_process=1)
+    expect_ok(
+        run,
+        2,
+        (
+            "one host all-gather a step",
+            "one process's bad push of rows refused, the held push run once",
+            "one process's bad push of rows changed no row",
+            "the next step after a refused push",
+            "different held calls refused, nothing run",
+            "the next step after different held calls",
+            "different learning rates refused, nothing run",
+            "the next step after different learning rates",
+        ),
+    )
+
 # make test: SGD (with the refusals of processes whose learning rates differ), Adam, and the
 # optimizers whose numbers depend on more than the summed gradient and the weight (SGLD's noise,
 # LARS's norms, DCASGD's previous weight) or whose state or shape differs (GroupAdaGrad's 2-D
