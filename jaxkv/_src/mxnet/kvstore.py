@@ -1335,10 +1335,12 @@ class _Kept:
             if queue.counted is None:
                 store._uncount(self.deferred)
             return
-        if self.dropped:
+        if self.dropped:  # (what they counted came first)
             queue.release()
             if queue.counted is not None and store._mxnet_optimizer is not None:
                 store._mxnet_optimizer.restore_bookkeeping(queue.counted)
+            else:
+                store._uncount(self.deferred)
             return
         store._uncount(self.deferred)
         if store._held is not None:  # held since the push: after the kept ones
