@@ -80,6 +80,7 @@ def test_calls_held_before_a_push_of_rows_are_agreed_with_it():
         ),
     )
 
+
 # make test: SGD (with the refusals of processes whose learning rates differ), Adam, and the
 # optimizers whose numbers depend on more than the summed gradient and the weight (SGLD's noise,
 # LARS's norms, DCASGD's previous weight) or whose state or shape differs (GroupAdaGrad's 2-D

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from jaxkv._src.core import renamed
+from jaxkv._src.core import checked, renamed
 from jaxkv._src.core.collectives import PUSH, SUM, psum_scatter, scatters, scoped, sum_over_devices
 from jaxkv._src.core.compression import compress, exchange, layout_compressed, on_one_device
 from jaxkv._src.core.on_blocks import UPDATER
@@ -27,7 +27,7 @@ from jaxkv._src.core.reduce import divide
 from jaxkv._src.core.signature import KEEP_VALUES, Donate, Kind, PushKey
 from jaxkv._src.core.tree_view import viewed
 from jaxkv._src.core.updater import apply_updater, init_state
-from jaxkv._src.core.verified import batched
+from jaxkv._src.core.verified import batched, verify_every
 from jaxkv._src.errors import KVStoreError, shown
 from jaxkv._src.jax_internals import single_device
 from jaxkv._src.processes import order
@@ -330,7 +330,7 @@ def _sum_stacked(state: KVState, stacked: list[int], pushed: list[Any], stored: 
     its key's shape (``stored``), reduce-scattered where the store keeps it sharded."""
     axis = state.axis
     scatter = [scatters(state, stored[i].shape) for i in stacked]
-    summed = jax.shard_map(
+    summed = checked.shard_map(
         functools.partial(sum_over_devices, scatter=scatter, axis=axis),
         mesh=state.mesh,
         in_specs=PartitionSpec(axis),
@@ -372,7 +372,7 @@ def _sum_split(
                 out.append(psum_scatter(grid, axis, scatter_dimension=0, tiled=True))
         return out
 
-    summed = jax.shard_map(
+    summed = checked.shard_map(
         body,
         mesh=placement.mesh,
         in_specs=PartitionSpec(axis),
@@ -425,7 +425,7 @@ def _build_push(sig: PushKey, updater: Any) -> Callable:
         if compressed:
             config = state.compression
             assert config is not None, "compressed layouts come only from a compressed store"
-            quantized, kept = jax.shard_map(
+            quantized, kept = checked.shard_map(
                 functools.partial(compress, config, list(masks.values()), axis=axis),
                 mesh=state.mesh,
                 in_specs=PartitionSpec(axis),
@@ -437,7 +437,7 @@ def _build_push(sig: PushKey, updater: Any) -> Callable:
             config = state.compression
             assert config is not None, "exchanged layouts come only from a compressed store"
             split = [state.is_sharded(stored[i].shape) for i in exchanged]
-            summed, kept = jax.shard_map(
+            summed, kept = checked.shard_map(
                 functools.partial(exchange, config, split, axis=axis),
                 mesh=state.mesh,
                 in_specs=PartitionSpec(axis),
@@ -479,8 +479,13 @@ def _build_push(sig: PushKey, updater: Any) -> Callable:
             values, opt_state, residuals = run(stored, opt_state, residuals, pushed, extra_args)
             return values, jax.tree_util.tree_leaves(opt_state), residuals
 
-        return jax.jit(scoped(PUSH)(run_leaves), donate_argnums=_donated(donate), static_argnums=5)
-    return jax.jit(scoped(PUSH)(run), donate_argnums=_donated(donate))
+        return checked.jit(
+            scoped(PUSH)(run_leaves),
+            verify_every(),
+            donate_argnums=_donated(donate),
+            static_argnums=5,
+        )
+    return checked.jit(scoped(PUSH)(run), verify_every(), donate_argnums=_donated(donate))
 
 
 def push_eager(
@@ -615,7 +620,7 @@ def _build_push_flat(sig: PushKey, updater: Any) -> Callable:
 
     run = scoped(PUSH)(run)
     if donate != KEEP_VALUES:
-        return jax.jit(run, donate_argnums=(0,) if donate else ())
+        return checked.jit(run, verify_every(), donate_argnums=(0,) if donate else ())
 
     # KEEP_VALUES: the keys kept as arrays of their own are lent to outs, so only the buckets,
     # the optimizer state and the residuals are donated: the leaves split in two arguments.
@@ -625,7 +630,7 @@ def _build_push_flat(sig: PushKey, updater: Any) -> Callable:
         state = jax.tree_util.tree_unflatten(treedef, rest[:nb] + alone + rest[nb:])
         return run(state, pushed, extra_args)
 
-    jitted = jax.jit(split, static_argnums=(0, 4), donate_argnums=1)
+    jitted = checked.jit(split, verify_every(), static_argnums=(0, 4), donate_argnums=1)
 
     def call(state: KVState, pushed: list[jax.Array], extra_args: Any = None) -> KVState:
         leaves, treedef = jax.tree_util.tree_flatten(state)

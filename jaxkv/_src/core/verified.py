@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from jaxkv._src.core import checked
 from jaxkv._src.errors import KVStoreError, SumError
 from jaxkv._src.jax_internals import manual_axes
 
@@ -106,7 +107,10 @@ def _turn(every: int, axis: Any) -> jax.Array:
     """Inside ``shard_map``: which of ``every`` slices of each sum this run of the computation
     checks, the same on every device and in every process (each device counts its own runs of
     the place, and every device runs every computation, in the same order). A host callback
-    with no array operands: it costs no copy of the values summed."""
+    with no array operands: it costs no copy of the values summed. In jaxkv's own computations
+    (``checked.py``) the host's count of their runs, an argument: no callback."""
+    if checked.collecting():
+        return checked.turn() % every
     site = next(_sites)
     names = sorted(manual_axes() or (), key=str)
     if not names:  # pmap, or a JAX without the abstract mesh: the sum's own axes
@@ -277,6 +281,9 @@ def _check(
             compare(arrays[2 * j], arrays[2 * j + 1])
 
     args = [a for _, totals, got in reports for a in (totals, got)]
+    if checked.collecting():  # jaxkv's own computation: the verdict is an output
+        checked.found(functools.reduce(jnp.logical_or, offs), args, [c for c, _, _ in reports])
+        return
     # The host is called only when a part is off: a right sum costs no host round trip (and
     # the conditional's operands are the small checksums, never the values summed).
     jax.lax.cond(

@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -636,13 +636,13 @@ class KVStore:
                         self._deferred = deferred  # refused: the push still runs, alone
                         self._settle()
                         raise
-                    kept = _Kept(self, deferred)
+                    before, failed = self._kept(deferred)
                     try:
                         state, got = kvstore_rows.pushpull_into(
-                            self._stored, deferred, outs, ids, kept.before
+                            self._stored, deferred, outs, ids, before
                         )
                     except BaseException:
-                        kept.failed()
+                        failed()
                         raise
                     self._stored = state
                     for o, x, where in got:
@@ -1163,6 +1163,49 @@ class KVStore:
             )
         self._state = state
 
+    def _kept(self, deferred: kvstore_rows.Held) -> tuple[Any, Callable[[], None]]:
+        """The calls a held push of rows kept (``deferred.before``), as ``rows.ops.Before`` for
+        its ``row_sparse_pull`` (agreed in the push's all-gather, run by it once agreed), and
+        what to do where the push and pull raise: undo what the push counted; the kept calls
+        held again (ahead of any held since) where they did not run (a process refused, the
+        numbers differ), dropped where the processes hold different ones (as ``held.agree``
+        drops them)."""
+        queue = deferred.before
+        if queue is None:
+            return None, functools.partial(self._uncount, deferred)
+        stage = {"running": False, "ran": False, "dropped": False}
+        text, digest = held.described(queue, self._gathered(queue))
+
+        def differ(texts: list[bytes]) -> None:
+            stage["dropped"] = True
+            held.differ(text, texts)
+
+        def run() -> KVState:
+            stage["running"] = True
+            self._run_queue(queue, agreed=True)
+            stage["ran"] = True
+            return self._stored
+
+        def failed() -> None:
+            if stage["ran"]:
+                self._uncount(deferred)
+            elif stage["running"]:  # a kept call failed: it undid its own counts, which came first
+                if queue.counted is None:
+                    self._uncount(deferred)
+            elif stage["dropped"]:  # (what they counted came first)
+                queue.release()
+                if queue.counted is not None and self._mxnet_optimizer is not None:
+                    self._mxnet_optimizer.restore_bookkeeping(queue.counted)
+                else:
+                    self._uncount(deferred)
+            else:
+                self._uncount(deferred)
+                if self._held is not None:  # held since the push: after the kept ones
+                    queue.extend(self._held)
+                self._hold(queue)
+
+        return rows.ops.Before(text, digest, differ, run), failed
+
     def _keeps_held(self, key: Any, value: Any) -> bool:
         """Whether a push of rows keeps the calls held before it, to run with it: across
         processes, where it is one lazy push of one key's rows under an MXNet optimizer (held
@@ -1184,11 +1227,7 @@ class KVStore:
             return False
         grouped = _grouped(self._stored, key, value)  # (no held init: the store's keys)
         (k, values), *others = grouped.items()
-        return (
-            not others
-            and k not in queue.count
-            and any(map(kvstore_rows.is_row_sparse, values))
-        )
+        return not others and k not in queue.count and any(map(kvstore_rows.is_row_sparse, values))
 
     def _values(self, key: Any) -> jax.Array | list[jax.Array]:
         single = not isinstance(key, list | tuple)
@@ -1296,56 +1335,6 @@ def _padded(rows: Any) -> tuple[jax.Array, int]:
     if isinstance(rows, Padded):
         return rows.rows, rows.n
     return rows, rows.shape[0]
-
-
-class _Kept:
-    """The calls a held push of rows kept (``kvstore_rows.Held.before``), given to its
-    ``row_sparse_pull`` as ``rows.ops.Before``: agreed in the push's all-gather, run by it
-    once agreed. Where the push and pull fail before they run (a process refused, the
-    numbers differ), they are held again, ahead of any held since; where the processes hold
-    different ones, they are dropped (as ``held.agree`` drops them)."""
-
-    def __init__(self, store: KVStore, deferred: kvstore_rows.Held) -> None:
-        self.store, self.deferred = store, deferred
-        self.running = self.ran = self.dropped = False
-        queue = deferred.before
-        self.before = None
-        if queue is not None:
-            text, digest = held.described(queue, store._gathered(queue))
-            self.before = rows.ops.Before(text, digest, self._differ, self._run)
-
-    def _differ(self, texts: list[bytes]) -> None:
-        self.dropped = True
-        assert self.before is not None
-        held.differ(self.before.text, texts)
-
-    def _run(self) -> KVState:
-        self.running = True
-        self.store._run_queue(self.deferred.before, agreed=True)
-        self.ran = True
-        return self.store._stored
-
-    def failed(self) -> None:
-        """The push and pull raised: undo what it counted, hold or drop what it kept."""
-        store, queue = self.store, self.deferred.before
-        if queue is None or self.ran:
-            store._uncount(self.deferred)
-            return
-        if self.running:  # a kept call failed: it undid its own counts, which came first
-            if queue.counted is None:
-                store._uncount(self.deferred)
-            return
-        if self.dropped:  # (what they counted came first)
-            queue.release()
-            if queue.counted is not None and store._mxnet_optimizer is not None:
-                store._mxnet_optimizer.restore_bookkeeping(queue.counted)
-            else:
-                store._uncount(self.deferred)
-            return
-        store._uncount(self.deferred)
-        if store._held is not None:  # held since the push: after the kept ones
-            queue.extend(store._held)
-        store._hold(queue)
 
 
 def _grouped(state: KVState, key: Any, values: Any) -> dict[Key, list]:

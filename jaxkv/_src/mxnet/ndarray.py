@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 from jax.typing import ArrayLike
 
+from jaxkv._src.core import checked
 from jaxkv._src.devices import Context, current_context
 from jaxkv._src.errors import KVStoreError, ShapeError
 
@@ -192,6 +193,7 @@ class NDArray:
         """A NumPy copy of the value (waits for it), in :attr:`dtype`."""
         host = self.host_value()
         out = np.array(self._data if host is None else host)
+        checked.settle(wait=True)  # a wrong sum raises at the read, as a host callback would
         dtype = self.dtype
         return out if out.dtype == dtype else out.astype(dtype)
 
@@ -206,6 +208,7 @@ class NDArray:
 
     def __array__(self, dtype: npt.DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
         out = np.asarray(self._data)
+        checked.settle(wait=True)
         dtype = self.dtype if dtype is None else np.dtype(dtype)
         return out if out.dtype == dtype else out.astype(dtype)
 
@@ -214,6 +217,7 @@ class NDArray:
 
     def wait_to_read(self) -> None:
         self._data.block_until_ready()
+        checked.settle(wait=True)
 
     def astype(self, dtype: npt.DTypeLike, copy: bool = True) -> NDArray:
         return NDArray(self._data.astype(held_dtype(dtype)), dtype)
@@ -567,3 +571,4 @@ def waitall() -> None:
 
     held.run_everything_held()
     jax.block_until_ready(jax.live_arrays())
+    checked.settle(wait=True)

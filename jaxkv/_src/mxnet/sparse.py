@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
 
+from jaxkv._src.core import checked
 from jaxkv._src.devices import Context
 from jaxkv._src.errors import KVStoreError, ShapeError
 from jaxkv._src.mxnet.ndarray import (
@@ -484,6 +485,7 @@ class RowSparseNDArray(NDArray):
         rows = np.asarray(self.row_values)
         if len(rows):
             out[np.asarray(self.row_ids)] = rows
+        checked.settle(wait=True)  # a wrong sum raises at the read, as a host callback would
         return out
 
     def asjax(self) -> jax.Array:
@@ -504,6 +506,7 @@ class RowSparseNDArray(NDArray):
 
     def wait_to_read(self) -> None:
         jax.block_until_ready((self.row_values, self.row_ids))
+        checked.settle(wait=True)
 
     def astype(self, dtype: npt.DTypeLike, copy: bool = True) -> RowSparseNDArray:
         """A copy with values of ``dtype`` (``self`` when ``copy=False`` and it already is)."""

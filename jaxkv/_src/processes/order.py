@@ -228,6 +228,11 @@ class _Order:
                 last.token.block_until_ready()  # watched since it was issued
             turn = _Turn(what)
             try:
+                _turned()
+            except BaseException:
+                self._last = turn
+                raise
+            try:
                 with watched(what) if watch else contextlib.nullcontext():
                     yield turn
             finally:
@@ -235,6 +240,21 @@ class _Order:
 
 
 _ORDER = _Order()
+
+# Called before each jaxkv computation and at each collective turn, once the turns before it
+# have finished: the host's comparison of the checks that came back as outputs (core/checked.py).
+_ON_TURN: list[Callable[[], None]] = []
+
+
+def on_turn(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` before each jaxkv computation, and at each collective turn once the
+    turns before it have finished (its errors are the call's)."""
+    _ON_TURN.append(fn)
+
+
+def _turned() -> None:
+    for fn in _ON_TURN:
+        fn()
 
 
 @contextlib.contextmanager
@@ -257,6 +277,7 @@ def ordered(what: str, fn: Callable[..., Any], *args: Any, spans: bool | None = 
     argument does, or ``spans`` says so), as this process's next collective turn (see
     :class:`_Order`): XLA may add collectives to any computation over several processes'
     devices (resharding an operand, say), not only to those that ask for one."""
+    _turned()
     if jax.process_count() == 1:
         return fn(*args)
     if spans is None:

@@ -24,10 +24,12 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxkv._src.core import checked
 from jaxkv._src.core.collectives import SUM, psum_scatter
 from jaxkv._src.core.on_blocks import UPDATER
 from jaxkv._src.core.on_buckets import elementwise as _elementwise
 from jaxkv._src.core.updater import apply_updates, init_state, updater_errors, updater_name
+from jaxkv._src.core.verified import verify_every
 from jaxkv._src.errors import KVStoreError, ShapeError, shown
 from jaxkv._src.state.buckets import block_rows
 from jaxkv._src.state.kvstate import Key, KVState
@@ -285,7 +287,9 @@ def routed_take(mesh: Any, axis: str, c: int) -> Any:
         return jnp.take(got, dest, axis=0, mode="fill", fill_value=0)
 
     split = PartitionSpec(axis)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(split, split), out_specs=split))
+    return checked.jit(
+        checked.shard_map(body, mesh=mesh, in_specs=(split, split), out_specs=split), verify_every()
+    )
 
 
 def like_table(opt: Any, table: Any, split: PartitionSpec) -> Any:
@@ -308,7 +312,9 @@ def per_device_take(mesh: Any, axis: str, sharded: bool) -> Any:
 
     split = PartitionSpec(axis)
     table = split if sharded else PartitionSpec()
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(table, split), out_specs=split))
+    return checked.jit(
+        checked.shard_map(body, mesh=mesh, in_specs=(table, split), out_specs=split), verify_every()
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -324,7 +330,10 @@ def _blockwise(fn: Any, mesh: Any, axis: str, out: PartitionSpec) -> Any:
         return fn(block, ids, jax.lax.axis_index(axis) * block.shape[0])
 
     spec = PartitionSpec(axis)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=out))
+    return checked.jit(
+        checked.shard_map(body, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=out),
+        verify_every(),
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -399,8 +408,11 @@ def bucket_rows_take(
         return jax.lax.psum(run_take(chunk, ids, lo, rows, off, shape), axis)
 
     spec = PartitionSpec(axis)
-    return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=PartitionSpec()),
+    return checked.jit(
+        checked.shard_map(
+            body, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=PartitionSpec()
+        ),
+        verify_every(),
         out_shardings=out,
     )
 
@@ -449,7 +461,7 @@ def bucket_pusher(
             opt_spec = like_table(opt, leaf, spec)
         else:
             opt_spec = tuple(spec if j in families else PartitionSpec() for j in range(len(opt)))
-        mapped = jax.shard_map(
+        mapped = checked.shard_map(
             update,
             mesh=mesh,
             in_specs=(spec, opt_spec, PartitionSpec(), PartitionSpec(), PartitionSpec()),
@@ -458,7 +470,7 @@ def bucket_pusher(
         )
         return mapped(leaf, opt, ids, rows, extra)
 
-    return jax.jit(run, donate_argnums=(0, 1) if donate else ())
+    return checked.jit(run, verify_every(), donate_argnums=(0, 1) if donate else ())
 
 
 @functools.lru_cache(maxsize=256)
@@ -520,7 +532,7 @@ def routed_push(
 
     def run(table: Any, opt: Any, ids: Any, rows: Any, extra: Any, *pull_ids: Any) -> Any:
         opt_spec = like_table(opt, table, split)
-        mapped = jax.shard_map(
+        mapped = checked.shard_map(
             body,
             mesh=mesh,
             in_specs=(split, opt_spec, split, split, PartitionSpec(), *[split] * len(pull_ids)),
@@ -529,7 +541,7 @@ def routed_push(
         )
         return mapped(table, opt, ids, rows, extra, *pull_ids)
 
-    return jax.jit(run, donate_argnums=(0, 1) if donate else ())
+    return checked.jit(run, verify_every(), donate_argnums=(0, 1) if donate else ())
 
 
 @functools.lru_cache(maxsize=256)
@@ -569,7 +581,9 @@ def own_push(
 
         return jax.jit(whole, donate_argnums=donated)
 
-    return jax.jit(sharded_runner(mesh, axis, key, n_rows, updater), donate_argnums=donated)
+    return checked.jit(
+        sharded_runner(mesh, axis, key, n_rows, updater), verify_every(), donate_argnums=donated
+    )
 
 
 def sharded_runner(mesh: Any, axis: str, key: Key, n_rows: int, updater: Any) -> Any:
@@ -587,7 +601,7 @@ def sharded_runner(mesh: Any, axis: str, key: Key, n_rows: int, updater: Any) ->
             return update_rows(key, where, block, opt, ids, rows, n_rows, updater, extra)
 
         replicated = PartitionSpec()
-        mapped = jax.shard_map(
+        mapped = checked.shard_map(
             body,
             mesh=mesh,
             in_specs=(split, opt_spec, replicated, replicated, replicated),
@@ -607,7 +621,7 @@ def state_push(key: Key, n_rows: int, updater: Any, donate: bool) -> Any:
     def run(state: KVState, ids: Any, rows: Any, extra: Any) -> KVState:
         return push_whole(state, key, n_rows, ids, rows, updater, extra)
 
-    return jax.jit(run, donate_argnums=(0,) if donate else ())
+    return checked.jit(run, verify_every(), donate_argnums=(0,) if donate else ())
 
 
 def push_whole(

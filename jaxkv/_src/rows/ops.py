@@ -831,9 +831,7 @@ def pushpull_checked(
     read). ``before``: calls held before the push, across processes (see :class:`Before`)."""
     row_ids, rows, ids = pushed
     pull = (pulled, pulled)
-    state, got = _push(
-        state, key, row_ids, rows, updater, None, donate, pull, ids, extra, before
-    )
+    state, got = _push(state, key, row_ids, rows, updater, None, donate, pull, ids, extra, before)
     if got is None:
         got = pull_rows(state, key, pulled, devices=devices)
     return state, got

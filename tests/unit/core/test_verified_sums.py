@@ -288,3 +288,45 @@ def test_a_setting_that_is_not_a_count_is_refused(monkeypatch, setting):
     monkeypatch.setenv(verified.ENV_VERIFY_SUMS, setting)
     with pytest.raises(verified.KVStoreError, match="JAXKV_VERIFY_SUMS"):
         verified.verify_every()
+
+
+@pytest.mark.parametrize("layout", ["keys", "flat"])
+@pytest.mark.parametrize("wrong", [None, 1])
+def test_jaxkvs_own_push_has_no_host_callback_and_a_wrong_sum_raises_at_the_next_call(
+    as_across_processes, monkeypatch, layout, wrong
+):
+    """jaxkv's own eager push (core/checked.py): its computation holds no host callback (one
+    makes XLA:CPU run it synchronously at dispatch), its checks' verdicts come back as outputs,
+    and a wrong part of a sum raises SumError, naming the key and the device, at the next call
+    of jaxkv once the push has finished (or at an MXNet out's read); right sums raise nothing."""
+    import jaxkv
+    from jaxkv._src.core import checked
+
+    real = collectives._all_to_all_sum
+
+    def corrupted(x, axis, dim):
+        out = real(x, axis, dim)
+        return out + jnp.where(jax.lax.axis_index(axis) == wrong, 7.0, 0.0)
+
+    if wrong is not None:
+        monkeypatch.setattr(collectives, "_all_to_all_sum", corrupted)
+    devices = jax.devices("cpu")[:N]
+    store = jaxkv.empty(devices, layout=layout, bigarray_bound=64)  # reduce-scattered
+    shape = (N * 8, 16 if wrong is None else 32)  # (a computation of its own: none cached)
+    state = jaxkv.init(store, {"w": jnp.zeros(shape)})
+    grads = [jax.device_put(np.full(shape, d + 1, np.float32), devices[d]) for d in range(N)]
+    traced = []
+    monkeypatch.setattr(jax.debug, "callback", lambda *a, **k: traced.append(a))
+    state = jaxkv.push(state, "w", grads)
+    assert traced == []  # no host callback traced into jaxkv's own computation
+    jax.block_until_ready(state)
+    if wrong is None:
+        state = jaxkv.push(state, "w", grads)
+        checked.settle(wait=True)
+        np.testing.assert_array_equal(
+            np.asarray(jaxkv.pull(state, "w")), np.full((N * 8, 16), 10)
+        )  # the sum replaces
+        return
+    with pytest.raises(verified.SumError, match=rf"failed its checksum on device {wrong}:"):
+        jaxkv.push(state, "w", grads)
+    checked.settle(wait=True)  # nothing left for the process's exit
