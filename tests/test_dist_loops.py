@@ -63,7 +63,8 @@ def test_calls_held_before_a_push_of_rows_are_agreed_with_it():
     agreed with it in its row_sparse_pull's one host all-gather: the embedding loop makes one a
     step, with a NumPy model's numbers; one process's refused push of rows, different held calls
     and different learning rates are refused on every process with the store as it was (the
-    held push run once later, or dropped), and the next step is right."""
+    held push run once later, or dropped), and the next step is right; a wrong sum in jaxkv's
+    own computation (no host callback) raises SumError at the read on every process."""
     run = launch(2, "kept_job.py", per_process=1)
     expect_ok(
         run,
@@ -77,6 +78,7 @@ def test_calls_held_before_a_push_of_rows_are_agreed_with_it():
             "the next step after different held calls",
             "different learning rates refused, nothing run",
             "the next step after different learning rates",
+            "a wrong sum raised at the read on every process",
         ),
     )
 

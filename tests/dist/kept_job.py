@@ -7,7 +7,7 @@ dense key, push the rows, ``row_sparse_pull`` them) makes one host all-gather a 
 numbers are those of a NumPy model. Then the failures, each refused on every process with the
 store as it was (the kept push of the dense key held again, or dropped with the rest):
 one process's push of rows refused (a wrong shape), the processes holding different calls
-before the push, and their learning rates differing. Prints ``rank R ok <check>`` per check
+before the push, and their learning rates differing; and a wrong sum raised at the read. Prints ``rank R ok <check>`` per check
 and ``rank R done``.
 """
 
@@ -52,7 +52,7 @@ def mine(step):
 
 
 def refused(name, call, says):
-    """``call()`` raises KVStoreError saying ``says`` (this process's words)."""
+    """``call()`` raises KVStoreError (SumError is one) saying ``says`` (this process's words)."""
     try:
         call()
     except jaxkv.KVStoreError as e:
@@ -131,6 +131,26 @@ def main():
     check("different learning rates refused, nothing run", np.asarray(kv.pull("bias")), bias)
     check("different learning rates changed no row", np.asarray(kv.pull("emb")), emb)
     check("the next step after different learning rates", step(6), model(6))
+
+    # A wrong sum (one device's part of a reduce-scatter off): every process raises SumError,
+    # naming device 1, at its read of the pulled value (jaxkv's own computation has no host
+    # callback: the verdict comes back as an output, compared at the read).
+    real = jax.lax.psum
+    big = (64, 512)
+
+    def corrupted(x, axis, **kw):  # the big key's all-reduce, off in process 1 (device 1)
+        out = real(x, axis, **kw)
+        if getattr(x, "size", 0) == big[0] * big[1] and RANK == 1:
+            out = out + 7.0
+        return out
+
+    jax.lax.psum = corrupted
+    kv.init("big", mx.nd.zeros(big))
+    kv.push("big", mx.nd.ones(big))
+    got = mx.nd.zeros(big)
+    kv.pull("big", out=got)
+    refused("a wrong sum", got.asnumpy, "failed its checksum on device 1:")
+    print(f"rank {RANK} ok a wrong sum raised at the read on every process", flush=True)
     print(f"rank {RANK} done", flush=True)
 
 
