@@ -13,9 +13,10 @@ So jaxkv's own eager computations (built with :func:`jit`, their ``shard_map``\\
 checksums that say where) is an output, and the count of runs that picks the slice checked is
 an argument. The host compares them once the computation has finished (:func:`settle`): at
 this process's next collective turn (``order.py``: every process reaches it at the same call,
-with the same all-gathered checksums, so every process raises the same ``SumError``), at any
-jaxkv computation after it, and at the process's exit, so a wrong sum is raised at the next
-call of jaxkv after the push that made it, not later.
+with the same all-gathered checksums, so every process raises the same ``SumError``; in one
+process, at any jaxkv computation after it), at a read of an MXNet out (``asnumpy``,
+``wait_to_read``, ``nd.waitall``), and at the process's exit (the error logged, exit status
+1), so a wrong sum is raised at the next call of jaxkv after the push that made it.
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ class _Checked:
         )
 
     def __call__(self, *args: Any) -> Any:
-        settle()  # the earlier runs' verdicts, where they have finished
+        if jax.process_count() == 1:  # (across processes, at the turns: see settle)
+            settle()  # the earlier runs' verdicts, where they have finished
         count = np.int32(self.runs % self.every if self.every > 1 else 0)
         self.runs += 1
         out, verdicts = self.jitted(count, *args)
@@ -191,19 +193,30 @@ _settling = threading.Lock()
 def settle(wait: bool = False) -> None:
     """Compare the verdicts of the checked computations that have finished (every one, once
     finished, where ``wait``), oldest first: a part off raises ``SumError`` (as the check's
-    host callback would) and the later ones are compared at the next call."""
+    host callback would) and the others are compared at a later call. Across processes it
+    runs at each collective turn, once the turns before it have finished: every process then
+    compares the same computations' verdicts (whatever else has finished), and raises alike."""
     with _settling:
-        while _pending:
-            verdicts, compares = _pending[0]
-            if not wait and not all(off.is_ready() for off, _ in verdicts):
-                return
-            _pending.popleft()
-            for (off, arrays), checks in zip(verdicts, compares):
-                if not np.asarray(off.addressable_shards[0].data).any():
+        waiting: collections.deque = collections.deque()
+        try:
+            while _pending:
+                verdicts, compares = _pending.popleft()
+                if not wait and not all(off.is_ready() for off, _ in verdicts):
+                    waiting.append((verdicts, compares))  # (compared at a later call)
                     continue
-                host = [np.asarray(a.addressable_shards[0].data)[0] for a in arrays]
-                for j, compare in enumerate(checks):
-                    compare(host[2 * j], host[2 * j + 1])
+                _compare(verdicts, compares)
+        finally:
+            _pending.extendleft(reversed(waiting))
+
+
+def _compare(verdicts: list, compares: list) -> None:
+    """One computation's verdicts, on the host: the first part off raises."""
+    for (off, arrays), checks in zip(verdicts, compares):
+        if not np.asarray(off.addressable_shards[0].data).any():
+            continue
+        host = [np.asarray(a.addressable_shards[0].data)[0] for a in arrays]
+        for j, compare in enumerate(checks):
+            compare(host[2 * j], host[2 * j + 1])
 
 
 order.on_turn(settle)

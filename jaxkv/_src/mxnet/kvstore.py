@@ -1133,7 +1133,8 @@ class KVStore:
             self._stored = state  # (no value changes)
         steps = len(sparse) + bool(dense)
         donate = steps == 1 and self._lending.row_push_donates(state, sparse)
-        if keep and any(self._held.pulls):  # (a kept pull may lend the table's array)
+        if keep and self._held is not None and any(self._held.pulls):  # (a kept pull may
+            # lend the table's array)
             donate = False
         if dense and opt is not None:
             state = self._push_key_by_key(

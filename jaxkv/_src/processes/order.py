@@ -241,14 +241,15 @@ class _Order:
 
 _ORDER = _Order()
 
-# Called before each jaxkv computation and at each collective turn, once the turns before it
-# have finished: the host's comparison of the checks that came back as outputs (core/checked.py).
+# Called at each collective turn, once the turns before it have finished (in one process,
+# before each jaxkv computation): the host's comparison of the checks that came back as
+# outputs (core/checked.py).
 _ON_TURN: list[Callable[[], None]] = []
 
 
 def on_turn(fn: Callable[[], None]) -> None:
-    """Call ``fn()`` before each jaxkv computation, and at each collective turn once the
-    turns before it have finished (its errors are the call's)."""
+    """Call ``fn()`` at each collective turn once the turns before it have finished (in one
+    process, before each jaxkv computation); its errors are the call's."""
     _ON_TURN.append(fn)
 
 
@@ -277,8 +278,8 @@ def ordered(what: str, fn: Callable[..., Any], *args: Any, spans: bool | None = 
     argument does, or ``spans`` says so), as this process's next collective turn (see
     :class:`_Order`): XLA may add collectives to any computation over several processes'
     devices (resharding an operand, say), not only to those that ask for one."""
-    _turned()
     if jax.process_count() == 1:
+        _turned()  # (across processes, at the turns: after the ones before have finished)
         return fn(*args)
     if spans is None:
         spans = any(

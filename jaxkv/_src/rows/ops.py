@@ -1157,7 +1157,7 @@ def _push_across(
     donate: bool,
     extra: dict[str, Any],
     back: bool = False,
-) -> tuple[KVState, list[jax.Array] | None]:
+) -> tuple[KVState, list[Any] | None]:
     """``push_rows`` on a store across processes: this process's pairs, one per device of this
     process, summed with every other process's (``n`` ids per device and the busiest route
     ``most`` agreed by :func:`_across_pairs`); with ``back``, where the table is routed, each
