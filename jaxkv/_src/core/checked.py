@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import itertools
 import logging
 import os
 import sys
@@ -132,7 +133,7 @@ class _Checked:
     doc): called as the function it wraps; each call's verdicts wait for :func:`settle`."""
 
     def __init__(self, fn: Callable, every: int, donate: tuple, static: tuple, kw: dict) -> None:
-        self.runs = 0
+        self.runs = itertools.count()  # (next() of it is one step: threads count apart)
         self.every = every
         self.compares: dict[tuple, list[list[Callable]]] = {}
 
@@ -143,6 +144,8 @@ class _Checked:
             self.compares[_shapes(verdicts)] = [c for _, _, c in trace.found]
             return out, verdicts
 
+        if "out_shardings" in kw:  # (the verdicts placed where XLA puts them)
+            kw = {**kw, "out_shardings": (kw["out_shardings"], None)}
         self.jitted = jax.jit(
             traced,
             donate_argnums=tuple(n + 1 for n in donate),
@@ -153,8 +156,7 @@ class _Checked:
     def __call__(self, *args: Any) -> Any:
         if jax.process_count() == 1:  # (across processes, at the turns: see settle)
             settle()  # the earlier runs' verdicts, where they have finished
-        count = np.int32(self.runs % self.every if self.every > 1 else 0)
-        self.runs += 1
+        count = np.int32(next(self.runs) % self.every if self.every > 1 else 0)
         out, verdicts = self.jitted(count, *args)
         if verdicts:
             _pending.append((verdicts, self.compares.get(_shapes(verdicts), [])))
