@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -136,6 +137,13 @@ class _Checked:
         self.runs = itertools.count()  # (next() of it is one step: threads count apart)
         self.every = every
         self.compares: dict[tuple, list[list[Callable]]] = {}
+        # A computation with no check (its first trace finds none: a row kernel with no sum)
+        # is a plain jit, with no count and no verdicts to pass: set at the first call.
+        self.plain: Callable | None = None
+        self.decided = False
+        self.plain_jit = functools.partial(
+            jax.jit, fn, donate_argnums=donate, static_argnums=static, **kw
+        )
 
         def traced(count: Any, *args: Any) -> tuple[Any, list]:
             with _tracing("jit", count) as trace:
@@ -154,6 +162,12 @@ class _Checked:
         )
 
     def __call__(self, *args: Any) -> Any:
+        if self.plain is not None:
+            return self.plain(*args)
+        if not self.decided:
+            self._decide(args)
+            if self.plain is not None:
+                return self.plain(*args)
         if jax.process_count() == 1:  # (across processes, at the turns: see settle)
             settle()  # the earlier runs' verdicts, where they have finished
         count = np.int32(next(self.runs) % self.every if self.every > 1 else 0)
@@ -161,6 +175,16 @@ class _Checked:
         if verdicts:
             _pending.append((verdicts, self.compares.get(_shapes(verdicts), [])))
         return out
+
+    def _decide(self, args: tuple) -> None:
+        """At the first call: trace (not compile) the computation; where no check is traced
+        in it, it is a plain jit from now on. A later call whose trace would hold a check (other
+        shapes taking another branch) then checks it with the host callback, as inside a user's
+        ``jit``: checked still, only slower."""
+        _, verdicts = self.jitted.trace(np.int32(0), *args).out_info
+        if not verdicts:
+            self.plain = self.plain_jit()
+        self.decided = True
 
 
 def _shapes(verdicts: list) -> tuple:

@@ -330,3 +330,38 @@ def test_jaxkvs_own_push_has_no_host_callback_and_a_wrong_sum_raises_at_the_next
     with pytest.raises(verified.SumError, match=rf"failed its checksum on device {wrong}:"):
         jaxkv.push(state, "w", grads)
     checked.settle(wait=True)  # nothing left for the process's exit
+
+
+def test_a_jaxkv_computation_with_no_check_is_a_plain_jit_and_one_with_a_check_stays_checked(
+    as_across_processes,
+):
+    """``checked.jit``: a computation whose trace holds no checked sum (a row kernel that only
+    gathers) runs as a plain jit, with no run count passed and no verdicts returned; one
+    whose trace holds a check keeps returning its verdicts, compared at the next call."""
+    from jaxkv._src.core import checked
+
+    mesh = _mesh()
+    x = jnp.asarray(_blocks((N * 4, 3)))
+
+    def gathers(b):
+        return jax.lax.all_gather(b, "kv", tiled=True)[:4]
+
+    def sums(b):
+        return collectives.psum_scatter(b, "kv", tiled=True, what="key 'w'")
+
+    plain = checked.jit(
+        checked.shard_map(gathers, mesh=mesh, in_specs=P("kv"), out_specs=P("kv")),
+        verified.verify_every(),
+    )
+    summing = checked.jit(
+        checked.shard_map(sums, mesh=mesh, in_specs=P("kv"), out_specs=P("kv")),
+        verified.verify_every(),
+    )
+    for _ in range(2):
+        got = plain(x)
+        np.testing.assert_array_equal(np.asarray(got), np.tile(np.asarray(x)[:4], (N, 1)))
+    assert plain.plain is not None and next(plain.runs) == 0  # no count, no verdicts
+    before = len(checked._pending)
+    summing(x)
+    assert summing.plain is None and len(checked._pending) == before + 1
+    checked.settle(wait=True)
