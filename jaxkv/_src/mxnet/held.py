@@ -131,6 +131,13 @@ def before(held: Held, gathered: list[list[Key]], run: Any) -> ops.Before:
     return ops.Before(text, digest, functools.partial(differ, text), run)
 
 
+def nothing(run: Any) -> ops.Before:
+    """No calls held before a row push, as :func:`before` gives them: the digest every process
+    sends where it holds none (zeros), with a text naming none, so that where another process
+    holds calls this one's error names them too (``run()`` returns the store's state)."""
+    return ops.Before(b"{}", np.zeros(32, np.uint8), functools.partial(differ, b"{}"), run)
+
+
 def described(held: Held, gathered: list[list[Key]]) -> tuple[bytes, np.ndarray]:
     """What :func:`agree` compares across processes: the held calls as text, and its
     SHA-256 (32 bytes), for a caller that compares it in an all-gather of its own."""

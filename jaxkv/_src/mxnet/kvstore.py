@@ -1093,8 +1093,10 @@ class KVStore:
             raise
 
     def _push_rows_now(self, key: Any, value: Any, counted: Any = None) -> None:
-        keep = self._keeps_held(key, value)  # the calls held before it, to run with it
-        grouped = _grouped(self._stored if keep else self._state, key, value)
+        grouped = self._keeps_held(key, value)  # the calls held before it, to run with it
+        keep = grouped is not None
+        if grouped is None:
+            grouped = _grouped(self._state, key, value)
         sparse = [k for k, vs in grouped.items() if any(map(kvstore_rows.is_row_sparse, vs))]
         dense = [k for k in grouped if k not in sparse]
         updater, lazy = self._updater, True
@@ -1172,14 +1174,12 @@ class KVStore:
         numbers differ), dropped where the processes hold different ones (as ``held.agree``
         drops them)."""
         queue = deferred.before
-        if queue is None:
-            return None, functools.partial(self._uncount, deferred)
+        if queue is None:  # (across processes, described as none: where another process
+            # kept calls, this one's error names them too)
+            nothing = spans_processes(self._stored.devices)
+            before = held.nothing(lambda: self._stored) if nothing else None
+            return before, functools.partial(self._uncount, deferred)
         stage = {"running": False, "ran": False, "dropped": False}
-        text, digest = held.described(queue, self._gathered(queue))
-
-        def differ(texts: list[bytes]) -> None:
-            stage["dropped"] = True
-            held.differ(text, texts)
 
         def run() -> KVState:
             stage["running"] = True
@@ -1205,10 +1205,17 @@ class KVStore:
                     queue.extend(self._held)
                 self._hold(queue)
 
-        return rows.ops.Before(text, digest, differ, run), failed
+        before = held.before(queue, self._gathered(queue), run)
 
-    def _keeps_held(self, key: Any, value: Any) -> bool:
-        """Whether a push of rows keeps the calls held before it, to run with it: across
+        def differ(texts: list[bytes]) -> None:
+            stage["dropped"] = True
+            before.differ(texts)
+
+        return before._replace(differ=differ), failed
+
+    def _keeps_held(self, key: Any, value: Any) -> dict[Key, list] | None:
+        """The pushed values by key (``_grouped``) where a push of rows keeps the calls held
+        before it, to run with it (else ``None``, nothing grouped or run): across
         processes, where it is one lazy push of one key's rows under an MXNet optimizer (held
         for its ``row_sparse_pull``), after held pushes of other keys and no held init. Its
         ``row_sparse_pull`` then agrees both in one host all-gather (``rows.ops.Before``) where
@@ -1225,10 +1232,11 @@ class KVStore:
             or self._python_updater is not None
             or not spans_processes(self._stored.devices)
         ):
-            return False
+            return None
         grouped = _grouped(self._stored, key, value)  # (no held init: the store's keys)
         (k, values), *others = grouped.items()
-        return not others and k not in queue.count and any(map(kvstore_rows.is_row_sparse, values))
+        rows = any(map(kvstore_rows.is_row_sparse, values))
+        return grouped if not others and k not in queue.count and rows else None
 
     def _values(self, key: Any) -> jax.Array | list[jax.Array]:
         single = not isinstance(key, list | tuple)
