@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxkv
 from jaxkv._src.core import eager, plans
-from jaxkv._src.core.signature import PushKey
+from jaxkv._src.core.signature import PushKey, PushOptions
 from jaxkv._src.state.kvstate import Facts
 
 SHAPES = {"a": (8, 2), "b": (64, 256)}  # "b" at the default bound: stored split
@@ -85,11 +85,14 @@ PUSH_KEY = {
     "layout": "FACTS['policy']",
     "keys": "keys",
     "kinds": "kinds",
-    "donate": "OPTIONS['donate']",
-    "divisors": "OPTIONS['reduce'], FACTS['reduce']",
+    "options": "OPTIONS_KEY",
+    "divisors": "test_a_mean_divides_by_the_values_each_push_gives, OPTIONS['reduce']",
     "by_rank": "derived from the updater and the keys",
     "keyed": "tests/test_mesh_mixed_keys.py (tensor-parallel keys beside others)",
 }
+# The fields of a push's options (core/signature.PushOptions: the plans' and the computations'
+# key hold it whole), and the option of jaxkv.push each comes from.
+OPTIONS_KEY = {"updater_id": "updater", "donate": "donate", "reduce": "reduce"}
 
 
 def test_every_option_has_a_case():
@@ -102,6 +105,8 @@ def test_every_option_has_a_case():
     assert pushed == set(OPTIONS) | {"axis_name"}
     assert {f.name for f in dataclasses.fields(Facts) if f.compare} == set(FACTS)
     assert {f.name for f in dataclasses.fields(PushKey)} == set(PUSH_KEY)
+    assert {f.name for f in dataclasses.fields(PushOptions) if f.compare} == set(OPTIONS_KEY)
+    assert set(OPTIONS_KEY.values()) <= set(OPTIONS)
 
 
 # -- the model --------------------------------------------------------------------------------
@@ -266,39 +271,62 @@ def test_the_keys_pushed_and_how_they_arrive(devices):
             _check(new, keys, 8, count, {"updater": None}, f"{path} {keys}")
 
 
+def test_a_mean_divides_by_the_values_each_push_gives(devices):
+    """PushKey.divisors: a mean of every device's values, then of half of them (each key's
+    values stacked either way: the same kinds, the same options), each twice, on one store,
+    against the model."""
+    state = _store(devices)
+    for n in (8, 4, 8):
+        for _ in range(2):
+            values = [[jax.device_put(_grad(k, d), devices[d]) for d in range(n)] for k in SHAPES]
+            new = jaxkv.push(_copy(state), list(SHAPES), values, reduce="mean")
+            _check(new, SHAPES, n, n, {"reduce": "mean"}, f"a mean of {n} values")
+
+
 # -- the cases catch an option left out of a key ----------------------------------------------
+def _without(options, option):
+    """A push's options with one of them left out of its key (``None`` in its place)."""
+    field = {v: k for k, v in OPTIONS_KEY.items()}[option]
+    options = dataclasses.replace(options)  # (a copy)
+    object.__setattr__(options, field, None)
+    return options
+
+
 class _Dropping(eager._Computations):  # noqa: SLF001
-    """The computations' cache with one field of the key left out (``None`` in its place)."""
+    """The computations' cache with fields of the key left out (``None`` in their place;
+    ``fields`` joined by commas): a push option (``updater``, ``donate``, ``reduce``), a field
+    of the key, or a fact."""
 
-    def __init__(self, field):
+    def __init__(self, fields):
         super().__init__()
-        self.field = field
+        self.fields = fields.split(",")
 
-    def get(self, sig, updater, build):
-        if self.field == "updater":
-            key = (sig, None)
-        elif self.field in {f.name for f in dataclasses.fields(PushKey)}:
-            key = (dataclasses.replace(sig, **{self.field: None}), id(updater))
-        else:  # a fact of the store
-            facts = dataclasses.replace(sig.facts, **{self.field: None})
-            key = (dataclasses.replace(sig, facts=facts), id(updater))
-        entry = self._fns.get(key)
-        if entry is not None:
-            return entry[1]
-        fn = build(sig, updater)
-        self._fns[key] = (updater, fn)
+    def get(self, sig, build):
+        key = sig
+        for field in self.fields:
+            if field in OPTIONS_KEY.values():
+                key = dataclasses.replace(key, options=_without(key.options, field))
+            elif field in {f.name for f in dataclasses.fields(PushKey)}:
+                key = dataclasses.replace(key, **{field: None})
+            else:  # a fact of the store
+                key = dataclasses.replace(
+                    key, facts=dataclasses.replace(key.facts, **{field: None})
+                )
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = build(sig)
         return fn
 
 
 class _DroppingPlans(plans._Plans):  # noqa: SLF001
-    """The plans' cache with one position of the key left out."""
+    """The plans' cache with one of the push's options left out of its key."""
 
-    def __init__(self, at):
+    def __init__(self, option):
         super().__init__()
-        self.at = at
+        self.option = option
 
     def _key(self, sig):
-        return sig[: self.at] + (None,) + sig[self.at + 1 :]
+        return tuple(_without(x, self.option) if isinstance(x, PushOptions) else x for x in sig)
 
     def get(self, sig):
         return super().get(self._key(sig))
@@ -310,20 +338,20 @@ class _DroppingPlans(plans._Plans):  # noqa: SLF001
 # (what is left out, the path and case that must then fail). The other fields cannot give a
 # wrong result when left out: the layout and the compression come with their own kinds, the
 # policy and the mesh with the state's tree structure (jit traces again), by_rank follows from
-# the updater and the keys, and keyed is tests/test_mesh_mixed_keys.py's.
+# the updater and the keys, keyed is tests/test_mesh_mixed_keys.py's, and the options' reduce
+# is carried by the divisors too (a mean's divisors are None only where nothing is divided).
 DROPPED = [
     ("updater", "plan", "updater"),
-    ("divisors", "devices", "reduce"),
+    ("divisors", None, "counts"),
     ("donate", "plan", "donate"),
     ("kinds", None, None),
     ("devices", "general", "devices"),
     ("bound", "general", "bound"),
 ]
-# The plans' key: (ids of the key set, shapes, groups; facts, call keys, values per key,
-# updater id, donate, reduce). A plan replays only values of its own shapes, devices and
-# updater (checked at each call), and only for its own key set: the positions whose loss a
-# case must catch are the push's options.
-DROPPED_FROM_PLANS = [(7, "donate"), (8, "reduce")]
+# The plans' key: (ids of the key set, shapes, groups; facts, call keys, values per key, the
+# push's options). A plan replays only values of its own shapes and devices (checked at each
+# call), and only for its own key set: the parts whose loss a case must catch are the options.
+DROPPED_FROM_PLANS = ["updater", "donate", "reduce"]
 
 
 @pytest.mark.parametrize(("field", "path", "case"), DROPPED)
@@ -333,19 +361,16 @@ def test_an_option_left_out_of_the_key_is_caught(devices, monkeypatch, field, pa
     with pytest.raises((AssertionError, ValueError, TypeError, jaxkv.KVStoreError)):
         if case is None:
             test_the_keys_pushed_and_how_they_arrive(devices)
+        elif case == "counts":
+            test_a_mean_divides_by_the_values_each_push_gives(devices)
         elif case in OPTIONS:
             _case(devices, path, "keys", OPTIONS[case])
         else:
             test_each_fact_of_a_store_on_each_path(devices, path, case)
 
 
-@pytest.mark.parametrize(("at", "case"), DROPPED_FROM_PLANS)
-def test_an_option_left_out_of_the_plans_key_is_caught(devices, monkeypatch, at, case):
-    monkeypatch.setattr(plans, "_PUSHES", _DroppingPlans(at))
+@pytest.mark.parametrize("case", DROPPED_FROM_PLANS)
+def test_an_option_left_out_of_the_plans_key_is_caught(devices, monkeypatch, case):
+    monkeypatch.setattr(plans, "_PUSHES", _DroppingPlans(case))
     with pytest.raises((AssertionError, ValueError, TypeError, jaxkv.KVStoreError)):
-        if case == "kinds":
-            test_the_keys_pushed_and_how_they_arrive(devices)
-        elif case in OPTIONS:
-            _case(devices, "devices", "keys", OPTIONS[case])
-        else:
-            test_each_fact_of_a_store_on_each_path(devices, "plan", case)
+        _case(devices, "devices", "keys", OPTIONS[case])

@@ -115,6 +115,7 @@ def test_eager_pushes_from_every_device_give_the_per_key_numbers(name, devices):
 @pytest.mark.standard_promotion
 def test_an_eager_push_reduce_scatters_once_per_bucket(devices):
     from jaxkv._src.core.eager import _layout, flat_push_fn
+    from jaxkv._src.core.signature import PushOptions
 
     opt = OPTIMIZERS["adam"]
     s = jaxkv.init_optimizer(_store(devices, "flat"), opt)
@@ -128,7 +129,7 @@ def test_an_eager_push_reduce_scatters_once_per_bucket(devices):
     _close(new, optax.apply_updates(p, u), tol=1e-6)
     # The computation: one reduce-scatter, no all-reduce, for the one bucket of five keys.
     kinds, pushed = zip(*[_layout(s, s[k], grads[k]) for k in sorted(SHAPES)])
-    fn = flat_push_fn(s, tuple(sorted(SHAPES)), kinds, opt, False)
+    fn = flat_push_fn(s, tuple(sorted(SHAPES)), kinds, PushOptions(updater=opt))
     text = fn.lower(s, list(pushed)).as_text()
     assert text.count("stablehlo.reduce_scatter") == 1
     assert "stablehlo.all_reduce" not in text

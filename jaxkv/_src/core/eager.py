@@ -24,7 +24,7 @@ from jaxkv._src.core.compression import compress, exchange, layout_compressed, o
 from jaxkv._src.core.on_blocks import UPDATER
 from jaxkv._src.core.on_buckets import update_bucket
 from jaxkv._src.core.reduce import divide
-from jaxkv._src.core.signature import KEEP_VALUES, Donate, Kind, PushKey
+from jaxkv._src.core.signature import KEEP_VALUES, Donate, Kind, PushKey, PushOptions
 from jaxkv._src.core.tree_view import viewed
 from jaxkv._src.core.updater import apply_updater, init_state
 from jaxkv._src.core.verified import batched, verify_every
@@ -257,25 +257,21 @@ def _add_up(xss: list[list[jax.Array]], dtypes: tuple) -> list[jax.Array]:
 
 
 class _Computations:
-    """Jitted push computations, one per :class:`~jaxkv._src.core.signature.PushKey` and
-    updater, least recently used dropped first; each built from its key and updater alone. An
-    entry holds its updater, so that the updater's id (part of the key) is not reused while
-    the entry lives."""
+    """Jitted push computations, one per :class:`~jaxkv._src.core.signature.PushKey`, least
+    recently used dropped first; each built from its key alone (its options hold the updater,
+    compared by identity and kept alive with the key)."""
 
     def __init__(self, size: int = 256):
         self._size = size
         self._fns: collections.OrderedDict = collections.OrderedDict()
 
-    def get(
-        self, sig: PushKey, updater: Any, build: Callable[[PushKey, Any], Callable]
-    ) -> Callable:
-        key = (sig, id(updater))
-        entry = self._fns.get(key)
-        if entry is not None and entry[0] is updater:
-            self._fns.move_to_end(key)
-            return entry[1]
-        fn = build(sig, updater)
-        self._fns[key] = (updater, fn)
+    def get(self, sig: PushKey, build: Callable[[PushKey], Callable]) -> Callable:
+        fn = self._fns.get(sig)
+        if fn is not None:
+            self._fns.move_to_end(sig)
+            return fn
+        fn = build(sig)
+        self._fns[sig] = fn
         if len(self._fns) > self._size:
             self._fns.popitem(last=False)
         return fn
@@ -288,8 +284,7 @@ def push_fn(
     state: KVState,
     keys: tuple[Key, ...],
     kinds: tuple[Kind, ...],
-    updater: Any,
-    donate: Donate,
+    options: PushOptions,
     divisors: tuple[int, ...] | None = None,
     rename: bool = True,
 ) -> Callable:
@@ -300,7 +295,7 @@ def push_fn(
     Where the updater's numbers cannot depend on the keys' names (``renamed.renamable``) and
     ``rename``, the computation runs on the keys renamed by their rank, so that keys of the
     same shapes and dtypes share it (keys made one at a time compile nothing new)."""
-    named = keys
+    named, updater = keys, options.updater
     by_rank = rename and renamed.renamable(state, updater, keys)
     if by_rank:
         keys = renamed.ranks(keys)
@@ -309,17 +304,17 @@ def push_fn(
         layout="keys",
         keys=keys,
         kinds=kinds,
-        donate=donate,
+        options=options,
         divisors=divisors,
         by_rank=by_rank,
         keyed=keyed_shardings(state, keys) if state.tp_specs else (),
     )
-    fn = _COMPUTATIONS.get(sig, updater, _build_push)
+    fn = _COMPUTATIONS.get(sig, _build_push)
     if not (by_rank and isinstance(updater, optax.GradientTransformation)):
         return fn
 
     def named_fn() -> Callable:
-        return push_fn(state, named, kinds, updater, donate, divisors, rename=False)
+        return push_fn(state, named, kinds, options, divisors, rename=False)
 
     return functools.partial(renamed.call, fn, named_fn, updater, named)
 
@@ -392,13 +387,14 @@ def _sum_split(
     return grids
 
 
-def _build_push(sig: PushKey, updater: Any) -> Callable:
-    """The jitted push of ``sig`` (built from it and ``updater`` alone: the cached computation
-    keeps none of a state's arrays). Keys renamed by rank under an optax updater take the
-    optimizer state as its leaves, its structure a static last argument."""
-    logger.debug("jaxkv: new push signature (%d keys, donate=%s)", len(sig.keys), sig.donate)
+def _build_push(sig: PushKey) -> Callable:
+    """The jitted push of ``sig`` (built from it alone: the cached computation keeps none of a
+    state's arrays). Keys renamed by rank under an optax updater take the optimizer state as
+    its leaves, its structure a static last argument."""
+    updater, donate = sig.options.updater, sig.options.donate
+    logger.debug("jaxkv: new push signature (%d keys, donate=%s)", len(sig.keys), donate)
     state = sig.placement()
-    keys, kinds, donate, divisors, keyed = sig.keys, sig.kinds, sig.donate, sig.divisors, sig.keyed
+    keys, kinds, divisors, keyed = sig.keys, sig.kinds, sig.divisors, sig.keyed
     leaves = sig.by_rank and isinstance(updater, optax.GradientTransformation)
     own = {k: sharding for k, _, sharding in keyed}  # keys with their own sharding
     axis = state.axis
@@ -494,8 +490,7 @@ def push_eager(
     index: list[int],
     stored: list[jax.Array],
     opt_state: Any,
-    updater: Any,
-    donate: Donate,
+    options: PushOptions,
     extra_args: Any = None,
     divisors: tuple[int, ...] | None = None,
 ) -> KVState:
@@ -521,12 +516,12 @@ def push_eager(
         ]
     kinds, pushed = zip(*layouts)
     residuals = [state.residual_leaves[i] for i in index]
-    fn = push_fn(state, tuple(grouped), kinds, updater, donate, divisors)
+    fn = push_fn(state, tuple(grouped), kinds, options, divisors)
     # Over other processes' devices too, its collectives run after this process's earlier ones.
     new_values, new_opt, new_residuals = order.ordered(
         "push", fn, stored, opt_state, residuals, list(pushed), extra_args
     )
-    optax_push = isinstance(updater, optax.GradientTransformation)
+    optax_push = isinstance(options.updater, optax.GradientTransformation)
     return state.replace(
         dict(zip(grouped, new_values)),
         {tuple(grouped): new_opt} if optax_push else None,
@@ -539,8 +534,7 @@ def push_eager_flat(
     state: KVState,
     grouped: dict[Key, list[jax.Array]],
     stored: list[Any],
-    updater: Any,
-    donate: Donate,
+    options: PushOptions,
     extra_args: Any = None,
     divisors: tuple[int, ...] | None = None,
 ) -> KVState:
@@ -555,7 +549,7 @@ def push_eager_flat(
     else:
         layouts = [_layout(state, s, xs) for s, xs in zip(stored, grouped.values())]
     kinds, pushed = zip(*layouts)
-    fn = flat_push_fn(state, tuple(grouped), kinds, updater, donate, divisors)
+    fn = flat_push_fn(state, tuple(grouped), kinds, options, divisors)
     return order.ordered("push", fn, state, list(pushed), extra_args)
 
 
@@ -563,8 +557,7 @@ def flat_push_fn(
     state: KVState,
     keys: tuple[Key, ...],
     kinds: tuple[Kind, ...],
-    updater: Any,
-    donate: Donate,
+    options: PushOptions,
     divisors: tuple[int, ...] | None = None,
 ) -> Callable:
     """The cached flat push computation ``fn(state, pushed) -> new state`` of this signature
@@ -574,19 +567,20 @@ def flat_push_fn(
         layout="flat",
         keys=keys,
         kinds=kinds,
-        donate=donate,
+        options=options,
         divisors=divisors,
     )
-    return _COMPUTATIONS.get(sig, updater, _build_push_flat)
+    return _COMPUTATIONS.get(sig, _build_push_flat)
 
 
-def _build_push_flat(sig: PushKey, updater: Any) -> Callable:
+def _build_push_flat(sig: PushKey) -> Callable:
     """The jitted push of ``sig.keys`` into a flat state: sums as :func:`_build_push`'s, the
     updater on each key's view (the same numbers as one array per key), the new values
     written into the buckets, every leaf placed where the store keeps it."""
-    logger.debug("jaxkv: new flat push signature (%d keys, donate=%s)", len(sig.keys), sig.donate)
+    updater, donate = sig.options.updater, sig.options.donate
+    logger.debug("jaxkv: new flat push signature (%d keys, donate=%s)", len(sig.keys), donate)
     placement = sig.placement()
-    keys, kinds, donate, divisors = sig.keys, sig.kinds, sig.donate, sig.divisors
+    keys, kinds, divisors = sig.keys, sig.kinds, sig.divisors
     stacked = [i for i, kind in enumerate(kinds) if kind != "one"]
     optax_push = isinstance(updater, optax.GradientTransformation)
 

@@ -29,6 +29,7 @@ from jaxkv._src.core import reduce as _reduce
 from jaxkv._src.core.collectives import PULL, PUSH
 from jaxkv._src.core.compression import residual_zeros
 from jaxkv._src.core.eager import init_opt_states, push_eager, push_eager_flat
+from jaxkv._src.core.signature import PushOptions
 from jaxkv._src.core.traced import gather as gather_blocks
 from jaxkv._src.core.traced import is_block, push_in_trace
 from jaxkv._src.core.updater import (
@@ -252,8 +253,10 @@ def push(
             f"extra_args={sorted(extra_args)!r}: expected an optax updater to receive them, "
             f"given updater {updater!r}"
         )
+    # Every cache of the push (its plans, its computations) keys on this one object.
+    options = PushOptions(updater=updater, donate=donate, reduce=reduce)
     if axis_name is None and values is not MISSING:
-        fast = plans.push(state, keys, values, updater, donate, extra_args, reduce)
+        fast = plans.push(state, keys, values, options, extra_args)
         if fast is not None:
             return fast
     grouped = group(state, keys, values)
@@ -301,8 +304,8 @@ def push(
         counts = _reduce.job_counts(counts)  # every process's values counted
     means = _reduce.divisors(state, list(grouped), counts, reduce)
     if flat:
-        return push_eager_flat(state, grouped, stored, updater, donate, extra_args, means)
-    return push_eager(state, grouped, index, stored, opt_state, updater, donate, extra_args, means)
+        return push_eager_flat(state, grouped, stored, options, extra_args, means)
+    return push_eager(state, grouped, index, stored, opt_state, options, extra_args, means)
 
 
 def _one_key(keys: Any) -> bool:

@@ -27,7 +27,7 @@ import optax
 
 from jaxkv._src.core.eager import flat_push_fn, push_fn
 from jaxkv._src.core.reduce import divisors
-from jaxkv._src.core.signature import Donate, Kind
+from jaxkv._src.core.signature import Kind, PushOptions
 from jaxkv._src.core.updater import optimizer_group
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import all_eager, assemble, per_device, single_device
@@ -93,7 +93,6 @@ class _PushPlan:
     keys: tuple  # the state's key set, shapes and groups this plan was made for
     shapes_of: tuple
     groups: tuple
-    updater: Any
     index: list[int]  # each pushed key's position in the state, in sorted key order
     whole: bool  # the push updates every key of the state
     perm: list[int] | None  # each sorted key's position in the call (None: the call's order)
@@ -199,13 +198,11 @@ def push(
     state: KVState,
     keys: Any,
     values: Any,
-    updater: Any,
-    donate: Donate,
+    options: PushOptions,
     extra_args: Any = None,
-    reduce: str = "sum",
 ) -> KVState | None:
     """``jaxkv.push`` of eager values by a plan, or ``None`` where the general path must run
-    (see the module doc); ``reduce``: the push's (``'mean'`` divides by the values per key)."""
+    (see the module doc)."""
     if state.compression is not None or jax.process_count() > 1:
         return None
     call = _call(keys, values)
@@ -215,7 +212,8 @@ def push(
     if not all_eager(flat) or (per > 1 and state.multi_axis):
         return None
     # The plan's key: the state it was made for (anchored by the very objects, which the plan
-    # keeps alive) and its facts, the call's keys and values per key, and the push's options.
+    # keeps alive) and its facts, the call's keys and values per key, and the push's options
+    # (one object: an option added to it is part of this key).
     sig = (
         id(state.keys()),
         id(state.key_shapes),
@@ -223,15 +221,11 @@ def push(
         state.facts(),
         ckeys,
         per,
-        id(updater),
-        donate,
-        reduce,
+        options,
     )
     plan = _PUSHES.get(sig)
-    if plan is None or (
-        plan is not _NO_PLAN and not (_anchored(plan, state) and plan.updater is updater)
-    ):
-        plan = _push_plan(state, ckeys, values, per, flat, updater, donate, reduce)
+    if plan is None or (plan is not _NO_PLAN and not _anchored(plan, state)):
+        plan = _push_plan(state, ckeys, values, per, flat, options)
         if plan is _NOT_NOW:
             return None
         _PUSHES.put(sig, plan)
@@ -252,9 +246,7 @@ def _push_plan(
     values: Sequence[Any],
     per: int,
     flat: Sequence[jax.Array],
-    updater: Any,
-    donate: Donate,
-    reduce: str = "sum",
+    options: PushOptions,
 ) -> Any:
     """The plan for a push like this one, ``_NO_PLAN`` (never for this signature), or
     ``_NOT_NOW`` (not for these values); raises what the general path would raise for this
@@ -299,21 +291,20 @@ def _push_plan(
         block = shape
         stacks.append((p, (block[0] * n_devices, *block[1:]), stacked_sharding(state.mesh)))
     group_at = None
-    if isinstance(updater, optax.GradientTransformation):
+    if isinstance(options.updater, optax.GradientTransformation):
         group_keys, opt_state = optimizer_group(state, order, unpack=state.flat_layout is None)
         if opt_state is None:  # made by the general path's first push; then a new signature
             return _NO_PLAN
         group_at = state.groups.index(group_keys)
-    means = divisors(state, order, [per] * len(order), reduce)
+    means = divisors(state, order, [per] * len(order), options.reduce)
     if state.flat_layout is None:
-        fn = push_fn(state, order, tuple(kinds), updater, donate, means)
+        fn = push_fn(state, order, tuple(kinds), options, means)
     else:
-        fn = flat_push_fn(state, order, tuple(kinds), updater, donate, means)
+        fn = flat_push_fn(state, order, tuple(kinds), options, means)
     return _PushPlan(
         keys=state.keys(),
         shapes_of=state.key_shapes,
         groups=state.groups,
-        updater=updater,
         index=index,
         whole=index == list(range(len(state.keys()))),
         perm=None if perm == list(range(len(perm))) else perm,

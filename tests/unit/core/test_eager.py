@@ -1,6 +1,9 @@
 """jaxkv/_src/core/eager.py: how each key's contributions are laid out and summed, which buffers
 a push may reuse, and the cache of push computations."""
 
+import gc
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +12,7 @@ import pytest
 
 import jaxkv
 from jaxkv._src.core import eager
+from jaxkv._src.core.signature import PushOptions
 from jaxkv._src.state import buckets
 
 
@@ -33,8 +37,8 @@ def test_the_cache_keeps_exactly_its_size_and_drops_the_least_recently_used():
     cache = eager._Computations(size=2)
     built = []
 
-    def get(sig, updater=None):
-        return cache.get(sig, updater, lambda key, _: built.append(key) or key)
+    def get(sig):
+        return cache.get(sig, lambda key: built.append(key) or key)
 
     assert get("a") == "a" and get("b") == "b"
     assert get("a") == "a" and built == ["a", "b"]  # both kept at exactly the size
@@ -45,17 +49,26 @@ def test_the_cache_keeps_exactly_its_size_and_drops_the_least_recently_used():
 
 
 def test_a_cached_computation_is_used_only_with_the_very_updater_it_was_built_for():
+    """The options compare their updater by identity, and a key holding them holds the
+    updater alive (its id cannot be reused while the computation is cached)."""
     cache = eager._Computations()
     first, second = _add, lambda k, p, s: p
-    assert cache.get("sig", first, lambda *_: 1) == 1
-    assert cache.get("sig", first, lambda *_: 2) == 1
-    assert cache.get("sig", second, lambda *_: 3) == 3
-    # An entry under the id of ``first`` that holds another updater (an id reused after the
-    # updater died) is built anew.
-    cache._fns[("sig", id(first))] = (second, 4)
-    assert cache.get("sig", first, lambda *_: 5) == 5
-    # The computation is built from the key and the updater alone.
-    assert cache.get("key", second, lambda key, updater: (key, updater)) == ("key", second)
+    like_first = lambda k, p, s: s * 10 + p  # noqa: E731 - the same function, another object
+    assert PushOptions(updater=first) == PushOptions(updater=first)
+    assert hash(PushOptions(updater=first)) == hash(PushOptions(updater=first))
+    assert PushOptions(updater=first) != PushOptions(updater=like_first)
+    assert PushOptions(updater=first) != PushOptions(updater=first, donate=True)
+    assert PushOptions(updater=first) != PushOptions(updater=first, reduce="mean")
+    assert cache.get(PushOptions(updater=first), lambda _: 1) == 1
+    assert cache.get(PushOptions(updater=first), lambda _: 2) == 1
+    assert cache.get(PushOptions(updater=second), lambda _: 3) == 3
+    # The computation is built from the key alone, the updater in its options.
+    got = cache.get(PushOptions(updater=like_first), lambda key: key.updater)
+    assert got is like_first
+    held = weakref.ref(second)
+    del second
+    gc.collect()
+    assert held() is not None  # kept alive by the cached key
 
 
 # -- sums on the host ------------------------------------------------------------------------
@@ -181,9 +194,13 @@ def test_initialising_no_keys_returns_the_state_itself_and_a_group_is_sorted(fou
 def test_an_assigned_value_is_a_copy_that_a_later_donating_push_leaves_alone(devices):
     state = jaxkv.init(jaxkv.empty(devices[:2], layout="keys"), {"a": jnp.zeros(3)})
     mine = jax.device_put(jnp.arange(3.0), state.sharding_for((3,)))
-    state = eager.push_eager(state, {"a": [mine]}, [0], [state["a"]], None, None, False)
+    state = eager.push_eager(
+        state, {"a": [mine]}, [0], [state["a"]], None, PushOptions(updater=None)
+    )
     stored = state["a"]
-    state = eager.push_eager(state, {"a": [jnp.ones(3)]}, [0], [stored], None, _add, True)
+    state = eager.push_eager(
+        state, {"a": [jnp.ones(3)]}, [0], [stored], None, PushOptions(updater=_add, donate=True)
+    )
     assert stored.is_deleted()  # the donated value was the store's own
     assert not mine.is_deleted()
     np.testing.assert_array_equal(mine, [0.0, 1.0, 2.0])
@@ -202,7 +219,12 @@ def test_a_push_reuses_exactly_the_buffers_its_donation_allows(
     state = eager.init_opt_states(state, opt, ["a"])
     stored, trace = state["a"], state.opt_states[("a",)][0].trace["a"]
     new = eager.push_eager(
-        state, {"a": [jnp.ones(2)]}, [0], [stored], state.opt_states[("a",)], opt, donate
+        state,
+        {"a": [jnp.ones(2)]},
+        [0],
+        [stored],
+        state.opt_states[("a",)],
+        PushOptions(updater=opt, donate=donate),
     )
     assert stored.is_deleted() == values_reused
     assert trace.is_deleted() == opt_reused
@@ -224,7 +246,7 @@ def test_a_flat_push_keeping_its_values_reuses_the_buckets_but_not_the_keys_alon
     leaves = state.leaves
     stored = [buckets.stored_type(state, i) for i in (0, 1)]
     grouped = {"b": [jnp.ones(3)], "s": [jnp.ones(4)]}
-    new = eager.push_eager_flat(state, grouped, stored, _add, donate)
+    new = eager.push_eager_flat(state, grouped, stored, PushOptions(updater=_add, donate=donate))
     assert [x.is_deleted() for x in leaves] == reused
     np.testing.assert_array_equal(new["b"], [1.0, 11.0, 21.0])
     np.testing.assert_array_equal(new["s"], [1.0, 11.0, 21.0, 31.0])
@@ -241,7 +263,9 @@ def test_a_flat_optax_push_keeping_its_values_steps_each_key_and_its_state(devic
     grads = {"b": [jnp.full(3, 2.0)], "s": [jnp.full(4, 3.0)]}
     for step in (1, 2):  # momentum's trace: g, then g + 0.5 g
         stored = [buckets.stored_type(state, i) for i in (0, 1)]
-        state = eager.push_eager_flat(state, grads, stored, opt, eager.KEEP_VALUES)
+        state = eager.push_eager_flat(
+            state, grads, stored, PushOptions(updater=opt, donate=eager.KEEP_VALUES)
+        )
         trace = state.opt_states[("b", "s")][0].trace
         for k, g, start in (("b", 2.0, np.arange(3.0)), ("s", 3.0, np.arange(4.0))):
             np.testing.assert_array_equal(
@@ -276,7 +300,7 @@ def _per_device(devices, shapes, seed):
 def _push_split(state, devices, keys, parts, updater):
     grouped = {k: [_on(p, d) for p, d in zip(ps, devices)] for k, ps in zip(keys, parts)}
     stored = [buckets.stored_type(state, state.index(k)) for k in keys]
-    return eager.push_eager_flat(state, grouped, stored, updater, False)
+    return eager.push_eager_flat(state, grouped, stored, PushOptions(updater=updater))
 
 
 @pytest.mark.parametrize("keys", [[0, 2], [1], [2, 3], [0, 1, 2, 3]])
@@ -303,7 +327,7 @@ def test_an_optax_push_to_a_split_bucket_with_some_keys_whole_gives_each_its_ste
         2: [_on(p, d) for p, d in zip(parts[1], devices)],
     }
     stored = [buckets.stored_type(state, i) for i in range(3)]
-    new = eager.push_eager_flat(state, grouped, stored, opt, False)
+    new = eager.push_eager_flat(state, grouped, stored, PushOptions(updater=opt))
     np.testing.assert_array_equal(new[0], np.arange(3.0) - 0.5 * np.sum(parts[0], axis=0))
     np.testing.assert_array_equal(new[1], np.arange(4.0).reshape(2, 2) - 1.0)
     np.testing.assert_array_equal(new[2], np.arange(5.0) - 0.5 * np.sum(parts[1], axis=0))

@@ -11,8 +11,11 @@ import pytest
 
 import jaxkv
 from jaxkv._src.core import plans
+from jaxkv._src.core.signature import PushOptions
 from jaxkv._src.jax_internals import per_device
 from jaxkv._src.state.kvstate import KVState
+
+_OPTIONS = PushOptions(updater=None)  # an assignment, nothing donated
 
 
 def _on(x, device):
@@ -122,7 +125,7 @@ def test_each_value_reaches_its_own_key_whatever_the_call_order(store, devices, 
             else:
                 values.append(_on(parts[0], devices[1]))
                 sums[k] = parts[0]
-        new = plans.push(state, ckeys, values, _add, False)
+        new = plans.push(state, ckeys, values, PushOptions(updater=_add))
         assert new is not None
         for k in "abc":
             want = np.asarray(state[k]) * 10 + sums[k] if k in ckeys else state[k]
@@ -141,7 +144,7 @@ def test_a_value_off_a_one_device_store_is_put_there_and_one_on_it_is_not(device
     )
     # Call order y (on device 1), x (on the store's device 0).
     new = plans.push(
-        state, ["y", "x"], [_on([1, 2, 3], devices[1]), _on([4, 5], devices[0])], None, False
+        state, ["y", "x"], [_on([1, 2, 3], devices[1]), _on([4, 5], devices[0])], _OPTIONS
     )
     (plan,) = _cached(state, ("y", "x"))
     assert [p for p, _ in plan.puts] == [1]  # y's sorted position alone
@@ -157,7 +160,7 @@ def test_a_value_off_a_one_device_store_is_put_there_and_one_on_it_is_not(device
 def test_values_per_key_other_than_one_or_one_per_device_are_never_planned(devices, n, per):
     state = jaxkv.init(jaxkv.empty(devices[:n], layout="keys"), {"a": jnp.ones(2)})
     values = [[_on([1, 1], devices[i % n]) for i in range(per)]]
-    assert plans.push(state, ["a"], values, None, False) is None
+    assert plans.push(state, ["a"], values, _OPTIONS) is None
     assert _cached(state, ("a",)) == [plans.NO_PLAN]
 
 
@@ -165,10 +168,10 @@ def test_a_repeated_key_or_a_scalar_per_device_is_never_planned(devices):
     state = jaxkv.init(
         jaxkv.empty(devices[:2], layout="keys"), {"a": jnp.ones(2), "s": jnp.ones(())}
     )
-    assert plans.push(state, ["a", "a"], [jnp.ones(2), jnp.ones(2)], None, False) is None
+    assert plans.push(state, ["a", "a"], [jnp.ones(2), jnp.ones(2)], _OPTIONS) is None
     assert _cached(state, ("a", "a")) == [plans.NO_PLAN]
     scalars = [jax.device_put(jnp.ones(()), d) for d in devices[:2]]
-    assert plans.push(state, ["s"], [scalars], None, False) is None
+    assert plans.push(state, ["s"], [scalars], _OPTIONS) is None
     assert _cached(state, ("s",)) == [plans.NO_PLAN]
 
 
@@ -178,38 +181,38 @@ def test_values_not_one_per_device_in_mesh_order_or_of_mixed_dtypes_are_not_plan
     # Key c comes first in the call, as it should; key a second, not as it should.
     c = [_on([1, 1, 1], devices[0]), _on([2, 2, 2], devices[1])]
     swapped = [_on([1, 1], devices[1]), _on([2, 2], devices[0])]
-    assert plans.push(store, ["c", "a"], [c, swapped], None, False) is None
+    assert plans.push(store, ["c", "a"], [c, swapped], _OPTIONS) is None
     mixed = [_on([1, 1], devices[0]), jax.device_put(jnp.ones(2, jnp.float16), devices[1])]
-    assert plans.push(store, ["c", "a"], [c, mixed], None, False) is None
+    assert plans.push(store, ["c", "a"], [c, mixed], _OPTIONS) is None
     assert _cached(store, ("c", "a")) == []  # nothing cached: the next call may be planned
     ordered = [_on([1, 1], devices[0]), _on([2, 2], devices[1])]
-    new = plans.push(store, ["c", "a"], [c, ordered], None, False)
+    new = plans.push(store, ["c", "a"], [c, ordered], _OPTIONS)
     np.testing.assert_array_equal(new["a"], [3, 3])
     np.testing.assert_array_equal(new["c"], [3, 3, 3])
 
 
 def test_a_later_call_unlike_its_plan_goes_the_general_way_and_keeps_the_plan(store, devices):
-    assert plans.push(store, "a", _on([1, 2], devices[0]), None, False) is not None
+    assert plans.push(store, "a", _on([1, 2], devices[0]), _OPTIONS) is not None
     (plan,) = _cached(store, ("a",))
     assert (
-        plans.push(store, "a", jax.device_put(jnp.ones(2, jnp.float16), devices[0]), None, False)
+        plans.push(store, "a", jax.device_put(jnp.ones(2, jnp.float16), devices[0]), _OPTIONS)
         is None
     )
-    assert plans.push(store, "a", _on([1, 2], devices[1]), None, False) is None  # other device
+    assert plans.push(store, "a", _on([1, 2], devices[1]), _OPTIONS) is None  # other device
     assert _cached(store, ("a",)) == [plan]
 
 
 def test_a_refused_call_raises_as_the_general_path_and_caches_nothing(store):
     with pytest.raises(jaxkv.UnknownKeyError, match=r"key 'z' has not been initialised"):
-        plans.push(store, ["a", "z"], [jnp.ones(2), jnp.ones(2)], None, False)
+        plans.push(store, ["a", "z"], [jnp.ones(2), jnp.ones(2)], _OPTIONS)
     with pytest.raises(jaxkv.ShapeError, match=r"key 'c': the pushed value has shape \(2,\)"):
-        plans.push(store, ["c"], [jnp.ones(2)], None, False)
+        plans.push(store, ["c"], [jnp.ones(2)], _OPTIONS)
     assert _cached(store, ("a", "z")) == [] and _cached(store, ("c",)) == []
 
 
 def test_a_compressed_store_is_never_planned(devices):
     state = jaxkv.init(jaxkv.empty(devices[:1], compression={"type": "fp16"}), {"a": jnp.ones(2)})
-    assert plans.push(state, "a", jnp.ones(2), None, False) is None
+    assert plans.push(state, "a", jnp.ones(2), _OPTIONS) is None
     assert _cached(state, ("a",)) == []
 
 
@@ -223,7 +226,7 @@ def test_an_optax_push_by_plan_updates_its_own_group_and_keeps_the_others(device
     first = state.group_states[0]
     value = 9.0
     for trace in [1.0, 1.5]:  # momentum: 1, then 1 + 0.5 * 1
-        state = plans.push(state, ["c", "b"], [jnp.ones(2), jnp.ones(2)], opt, False)
+        state = plans.push(state, ["c", "b"], [jnp.ones(2), jnp.ones(2)], PushOptions(updater=opt))
         value -= trace  # learning rate 1
         assert len(state.group_states) == 2 and state.group_states[0] is first
         np.testing.assert_array_equal(state.opt_states[("b", "c")][0].trace["c"], [trace] * 2)
@@ -231,7 +234,7 @@ def test_an_optax_push_by_plan_updates_its_own_group_and_keeps_the_others(device
     np.testing.assert_array_equal(state["a"], [9.0, 9.0])
     # Keys without optimizer state: the general path makes it, a plan never.
     fresh = jaxkv.init(state, {"d": jnp.ones(2)})
-    assert plans.push(fresh, "d", jnp.ones(2), opt, False) is None
+    assert plans.push(fresh, "d", jnp.ones(2), PushOptions(updater=opt)) is None
     assert _cached(fresh, ("d",)) == [plans.NO_PLAN]
 
 
