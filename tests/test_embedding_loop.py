@@ -25,6 +25,8 @@ import pytest
 
 import jaxkv
 import jaxkv.mx as mx
+from jaxkv._src.jax_internals import per_device
+from jaxkv._src.mxnet import ndarray
 
 RECORDED = json.loads(
     (Path(__file__).parent.parent / "conformance/data/mxnet_resume.json").read_text()
@@ -364,3 +366,48 @@ def test_a_store_remembers_only_the_outs_that_still_hold_its_arrays(one):
         kept.asnumpy()
     notes = kv._lending.lent_to  # noqa: SLF001 - the bookkeeping itself
     assert sum(len(outs) for _, outs in notes.values()) <= 16
+
+
+def test_outs_on_each_device_hold_parts_of_the_stored_array_until_read(devices, monkeypatch):
+    """A pull into one out per device of a store over several devices gives each out its
+    device's part of the stored array, taken out of it only when the out is read (no
+    single-device array made for an out never read: MXNet's list pull into 8 outs a key). A
+    part unread keeps the table it is part of from being donated to a push of rows, as a
+    part read does, and reads the numbers pulled."""
+    two = devices[:2]  # (a table below the split bound: whole on each device)
+    kv = jaxkv.KVStore("device", devices=two)
+    kv.set_optimizer(mx.optimizer.Adam(lazy_update=True, learning_rate=0.1))
+    table = np.random.default_rng(0).normal(size=(64, W)).astype(np.float32)
+    kv.init("emb", mx.nd.array(table).tostype("row_sparse"))
+
+    def push():
+        ids, g = np.array([1, 5, 9]), np.ones((3, W), np.float32)
+        rows = mx.nd.sparse.row_sparse_array
+        kv.push("emb", [rows((g, ids), shape=(64, W), ctx=mx.cpu(d)) for d in range(2)])
+        mx.nd.waitall()
+
+    push()
+    before = _table(kv)
+    push()
+    assert before.is_deleted()  # with no out holding it, the table is donated
+    outs = [mx.nd.zeros((64, W), ctx=mx.cpu(d)) for d in range(2)]
+    taken = []
+    monkeypatch.setattr(ndarray, "per_device", lambda x: taken.append(x) or per_device(x))
+    kv.pull("emb", out=outs)
+    mx.nd.waitall()
+    lent = _table(kv)
+    pulled = np.asarray(lent)
+    assert taken == [] and all(type(o.held_value()) is ndarray.Part for o in outs)
+    push()
+    assert not lent.is_deleted()  # the outs hold parts of it: kept
+    np.testing.assert_array_equal(outs[1].asnumpy(), pulled)
+    assert taken == [lent] and type(outs[0].held_value()) is ndarray.Part  # read: taken out
+    assert outs[1].asjax().devices() == {two[1]}
+    push()
+    assert not lent.is_deleted()  # still held, read or not
+    np.testing.assert_array_equal(outs[0].asnumpy(), pulled)
+    for o in outs:
+        o[:] = 0  # the outs let go of it: the next push donates again
+    before = _table(kv)
+    push()
+    assert before.is_deleted()

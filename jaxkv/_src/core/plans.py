@@ -439,7 +439,7 @@ class _FillPlan:
     at: dict[tuple, list[int]]  # the outs' devices -> their positions in the store's devices
 
 
-_DATA = operator.methodcaller("asjax")
+_DATA = operator.methodcaller("held_value")  # (shape and dtype, nothing read)
 
 
 def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable | None:
@@ -447,10 +447,11 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
     returned: called with a state of the same key set and shapes (this one, or the one a push
     made from it) and ``lend``, it gives each ``handle`` (``NDArray``) of ``outs`` its key's
     value on the out's own device, and returns ``True``. With ``lend`` the value is the stored
-    array itself (or its buffer on that device), with no copy: the store must then not
-    donate a value to a push while an out holds it (``lent`` is called once, with each out
-    given one beside its value); without, a fresh copy (one computation for all). It returns
-    ``False``, having done nothing, for a state of other keys or shapes.
+    array itself (or its part on that device, taken out of it when read: ``set_part``), with
+    no copy: the store must then not donate a value to a push while an out holds it (``lent``
+    is called once, with each out given one beside its value); without, a fresh copy (one
+    computation for all). It returns ``False``, having done nothing, for a state of other keys
+    or shapes.
 
     ``None`` where the general path must run: another process, a sharded value, an out of
     another type, shape or dtype than the stored value, or on a device outside the store.
@@ -484,10 +485,9 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
         if len(now.devices) == 1:
             for o, j, d in zip(flat, plan.of, devices):
                 o.set_value(fresh[j], d)
-        else:
-            arrays = list(map(per_device, fresh))
+        else:  # each out its device's part, taken out of the array when read
             for o, j, p, d in zip(flat, plan.of, at, devices):
-                o.set_value(arrays[j][p], d)
+                o.set_part(fresh[j], p, d)
         if lend and lent is not None:  # the store notes what each out holds of its arrays
             lent([(fresh[j], o) for o, j in zip(flat, plan.of)])
         return True

@@ -1245,12 +1245,12 @@ class KVStore:
 
     def _check_outs(self, pairs: list[tuple[Key, list]], shape_of: Any = None) -> None:
         """Refuse outs that are not ``NDArray``s of their key's shape (``shape_of(key)``,
-        default the stored value's). Reading each out first lands any pull another store holds
-        for it, so that this one lands after it."""
+        default the stored value's). Each out's held value is asked for first, which lands any
+        pull another store holds for it, so that this one lands after it (reading nothing)."""
         for k, outs in pairs:
             shape = tuple(self._state[k].shape) if shape_of is None else shape_of(k)
             for o in outs:
-                if type(o) is NDArray and o.asjax().shape == shape:
+                if type(o) is NDArray and o.held_value().shape == shape:
                     continue  # the common case, checked cheaply
                 if not isinstance(o, NDArray):
                     raise KVStoreError(
@@ -1327,7 +1327,8 @@ def _set(out: NDArray, x: jax.Array, device: Any) -> None:
     if kvstore_rows.is_row_sparse(out):
         out.set_value(x, device)
         return
-    out.set_value(x if out.asjax().dtype == x.dtype else x.astype(out.asjax().dtype), device)
+    dtype = out.held_value().dtype  # (nothing read)
+    out.set_value(x if dtype == x.dtype else x.astype(dtype), device)
 
 
 def _alone(state: KVState, key: Key) -> None:

@@ -30,6 +30,7 @@ from jax.typing import ArrayLike
 from jaxkv._src.core import checked
 from jaxkv._src.devices import Context, current_context
 from jaxkv._src.errors import KVStoreError, ShapeError
+from jaxkv._src.jax_internals import per_device
 
 __all__ = ["NDArray", "arange", "array", "empty", "full", "ones", "waitall", "zeros"]
 
@@ -65,6 +66,27 @@ def is_traced(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+class Part:
+    """One device's copy of an array replicated over several (``whole``, its copy at
+    ``position`` of its addressable shards), held by an out of a pull and taken out of it only
+    when the out is read: a pull into many outs hands each its part without making a
+    single-device array for each. Once taken, ``whole`` is let go; the part stays what the
+    out holds, as a store identifies it (``NDArray.holding``)."""
+
+    __slots__ = ("whole", "position", "shape", "dtype", "__weakref__")
+
+    def __init__(self, whole: jax.Array, position: int) -> None:
+        self.whole: jax.Array | None = whole
+        self.position = position
+        self.shape = whole.shape
+        self.dtype = whole.dtype
+
+
+# What an NDArray may hold before it is read: a NumPy array (put on its device when read) or a
+# part of a replicated array (taken out when read).
+_LAZY = (np.ndarray, Part)
+
+
 class NDArray:
     """A mutable handle to a ``jax.Array`` on one device, with MXNet's NDArray interface.
 
@@ -79,11 +101,12 @@ class NDArray:
       0.0
     """
 
-    __slots__ = ("_value", "owed_by", "_where", "_dtype", "__weakref__")
+    __slots__ = ("_value", "owed_by", "_where", "_dtype", "_part", "__weakref__")
     __array_priority__ = 1000.0  # numpy defers to our reflected operators
 
     def __init__(self, data: jax.Array, dtype: npt.DTypeLike | None = None) -> None:
-        self._value = data
+        # (or, until read, a NumPy array or a Part: see lazily and set_part)
+        self._value: Any = data
         # The store that owes this array a pulled value (a pull held until something reads,
         # ``held.py``), or ``None``. Reading the value makes that store run what it holds.
         self.owed_by: Any = None
@@ -91,6 +114,7 @@ class NDArray:
         # The dtype to report when it is not the one held: int64 asked for, int32 held (x64
         # off). It counts only while the held array has that dtype's JAX form (see dtype).
         self._dtype: np.dtype | None = declared_dtype(dtype)
+        self._part: Part | None = None  # the part the held array was taken out of (holding)
 
     @classmethod
     def lazily(
@@ -104,9 +128,16 @@ class NDArray:
         return out
 
     def _land(self) -> None:
-        """Put a value still on the host (:meth:`lazily`) on its device."""
-        device = self._where[1]
-        self._value = jax.device_put(self._value, device)
+        """Put a value still on the host (:meth:`lazily`) on its device, or take a part
+        (:meth:`set_part`) out of its array."""
+        value, device = self._value, self._where[1]
+        if type(value) is Part:
+            assert value.whole is not None  # (let go only once taken)
+            self._value = per_device(value.whole)[value.position]
+            value.whole = None
+            self._part = value
+        else:
+            self._value = jax.device_put(value, device)
         self._where = (self._value, device)
 
     def host_value(self) -> np.ndarray | None:
@@ -121,7 +152,7 @@ class NDArray:
         """The held array, once any pull held for it has run (see ``_owed``)."""
         if self.owed_by is not None:
             self.owed_by.run_held()
-        if type(self._value) is np.ndarray:
+        if type(self._value) in _LAZY:
             self._land()
         return self._value
 
@@ -130,13 +161,23 @@ class NDArray:
         if self.owed_by is not None:  # a write after a held pull lands after it
             self.owed_by.run_held()
         self._value = value
+        self._part = None
 
-    def holding(self) -> jax.Array:
-        """The array held now, without running a pull held for it (a store asks which of its
-        arrays an out still holds)."""
-        if type(self._value) is np.ndarray:
-            self._land()
+    def held_value(self) -> Any:
+        """The value held, once any pull held for it has run, as it is held: a ``jax.Array``,
+        or not yet read, a NumPy array (:meth:`lazily`) or a :class:`Part` (each with the shape
+        and dtype of the array it becomes)."""
+        if self.owed_by is not None:
+            self.owed_by.run_held()
         return self._value
+
+    def holding(self) -> Any:
+        """What is held now, as a store identifies it, without running a pull held for it or
+        reading anything (a store asks which of its arrays an out still holds): the part of a
+        stored array given to it (:meth:`set_part`; the same object once taken out of it), or
+        the value held."""
+        part = self._part
+        return part if part is not None else self._value
 
     def jax_device(self) -> jax.Device:
         """The device of the held array; cached per array, since pulls ask for it each time.
@@ -152,6 +193,16 @@ class NDArray:
         self._value = data
         self.owed_by = None
         self._where = (data, device)
+        self._part = None
+
+    def set_part(self, whole: jax.Array, position: int, device: jax.Device) -> None:
+        """Hold the copy of the replicated array ``whole`` at ``position`` of its addressable
+        shards, known to live on ``device``: taken out of it when read (:class:`Part`)."""
+        part = Part(whole, position)
+        self._value = part
+        self.owed_by = None
+        self._where = (part, device)
+        self._part = None
 
     # -- properties ------------------------------------------------------------------------
     @property
