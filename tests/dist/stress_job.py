@@ -15,7 +15,8 @@ MXNet's big-array bound: values with at least that many elements are split acros
 processes, so pulls all-gather them too. Checkpoints go to ``DIR/save-<i>``.
 
 Each process prints ``rank R ok OPS ops CHECKS checks SEQUENCE`` at the end; a wrong value
-raises, naming the op, the call and the key.
+raises, naming the op, the call and the key, and so does a host value put on several
+processes' devices outside a collective turn (JAX's check of it is a collective).
 """
 
 import copy
@@ -100,7 +101,27 @@ def pushable(model, keys):
     return len(groups) == 1 and next(iter(groups)) == tuple(sorted(keys))
 
 
+def _in_turns_only():
+    """JAX puts a host value on several processes' devices only after an all-gather that
+    checks every process gives the same one: a collective. Outside a collective turn it could
+    meet an earlier computation's collectives still running in another process (gloo: "Received
+    data size doesn't match expected size", once in a few 3-process runs); here every such
+    check must come in a turn, which fails at once where one does not."""
+    from jax.experimental import multihost_utils
+
+    from jaxkv._src.processes import order
+
+    real = multihost_utils.assert_equal
+
+    def checked(*args, **kwargs):
+        assert order.in_turn(), "a host value put across processes outside a collective turn"
+        return real(*args, **kwargs)
+
+    multihost_utils.assert_equal = checked
+
+
 def main():
+    _in_turns_only()
     rng = random.Random(SEED)
     mine = random.Random(f"{SEED} {jax.process_index()}")  # this process's own push orders
     kv = jaxkv.create("dist_sync")  # jaxkv's own store: row_sparse_pull fills dense outs too

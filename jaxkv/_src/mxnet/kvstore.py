@@ -40,7 +40,7 @@ from jaxkv._src.mxnet.ndarray import NDArray, unwrap
 from jaxkv._src.mxnet.optimizers import catalog  # noqa: F401 - fills the registry
 from jaxkv._src.mxnet.optimizers.optimizer import Optimizer as MXNetOptimizer
 from jaxkv._src.mxnet.updater import Updater as MXNetUpdater
-from jaxkv._src.processes import host, join
+from jaxkv._src.processes import host, join, order
 from jaxkv._src.rows.sizes import Padded
 from jaxkv._src.state import buckets, dtypes, pairing, placement
 from jaxkv._src.state.kvstate import BIGARRAY_BOUND, Key, KVState, empty, spans_processes
@@ -869,7 +869,7 @@ class KVStore:
             leaves, treedef = jax.tree_util.tree_flatten(template)
             count = np.int32(counts.get(k, opt.begin_num_update))
             filled = states_file.filled(fname, k, leaves, count, slots)
-            placed = [jax.device_put(x, t.sharding) for x, t in zip(filled, leaves)]
+            placed = [order.put(x, t.sharding) for x, t in zip(filled, leaves)]
             state = state.replace(opt_states={(k,): jax.tree_util.tree_unflatten(treedef, placed)})
         self._state = state
         if put_back is not None:
@@ -1074,7 +1074,7 @@ class KVStore:
             stored = state[k]
             value = value.astype(stored.dtype)
             if value.sharding != stored.sharding:
-                value = jax.device_put(value, stored.sharding)
+                value = order.put(value, stored.sharding)
             new[k] = value
         # (A state deferring keys made one at a time goes on deferring them: replace's default.)
         return summed.replace(values=new)

@@ -217,6 +217,7 @@ class _Order:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._last: _Turn | None = None
+        self._inside = threading.local()  # .depth: the turns this thread is inside
 
     @contextlib.contextmanager
     def turn(self, what: str, watch: bool) -> Iterator[_Turn]:
@@ -232,11 +233,17 @@ class _Order:
             except BaseException:
                 self._last = turn
                 raise
+            inside = self._inside
+            inside.depth = getattr(inside, "depth", 0) + 1
             try:
                 with watched(what) if watch else contextlib.nullcontext():
                     yield turn
             finally:
+                inside.depth -= 1
                 self._last = turn
+
+    def in_turn(self) -> bool:
+        return getattr(self._inside, "depth", 0) > 0
 
 
 _ORDER = _Order()
@@ -273,6 +280,11 @@ def collective(what: str, watch: bool = True) -> Iterator[_Turn]:
         yield turn
 
 
+def in_turn() -> bool:
+    """Whether this thread runs inside a collective turn now (always, in one process)."""
+    return jax.process_count() == 1 or _ORDER.in_turn()
+
+
 def ordered(what: str, fn: Callable[..., Any], *args: Any, spans: bool | None = None) -> Any:
     """``fn(*args)``, a jitted computation; where it runs on other processes' devices too (an
     argument does, or ``spans`` says so), as this process's next collective turn (see
@@ -294,3 +306,18 @@ def ordered(what: str, fn: Callable[..., Any], *args: Any, spans: bool | None = 
         if results:
             turn.issued(results[0])
     return out
+
+
+def put(x: Any, sharding: Any) -> Any:
+    """``jax.device_put(x, sharding)``; where a sharding spans several processes, as this
+    process's next collective turn (see :class:`_Order`). JAX puts host values (NumPy, Python
+    numbers, uncommitted arrays) on the devices of several processes only once it has checked
+    that every process passes the same value: an all-gather across the processes, a collective
+    of its own. Outside a turn it could meet a collective of an earlier computation still
+    running in another process (seen: gloo's "Received data size doesn't match expected size"
+    in a 3-process job of random calls, once computations ran on asynchronously)."""
+    if jax.process_count() > 1 and not all(
+        s.is_fully_addressable for s in jax.tree_util.tree_leaves(sharding)
+    ):
+        return ordered("put", jax.device_put, x, sharding, spans=True)
+    return jax.device_put(x, sharding)

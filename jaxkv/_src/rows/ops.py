@@ -299,7 +299,7 @@ def _split_ids(state: KVState, given: Sequence[Any], ids: list[np.ndarray]) -> j
         for x, d in zip(shards, state.devices)
     ):
         return assemble((n * len(shards),), split, shards)
-    return jax.device_put(np.concatenate(ids), split)
+    return order.put(np.concatenate(ids), split)
 
 
 def busiest(ids: Sequence[np.ndarray], block: int, parts: int) -> int:
@@ -336,7 +336,7 @@ def _eager_take(state: KVState, key: Key, i: int, ids: np.ndarray) -> jax.Array:
     """The rows ``ids`` (checked), whole on the store's devices: read for the ids padded to a
     few sizes (:func:`sizes.padded`), then cut, so that a new count compiles nothing."""
     replicated = NamedSharding(state.mesh, PartitionSpec())
-    dev_ids = jax.device_put(pad_ids(ids, fit(("take", key), ids.size)), replicated)
+    dev_ids = order.put(pad_ids(ids, fit(("take", key), ids.size)), replicated)
     leaf = _own_leaf(state, i)
     place = _in_bucket(state, i)
     if place is not None:  # its rows read straight from its bucket
@@ -447,7 +447,7 @@ def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = No
     # Whole on the store's devices where the store keeps it so, as a pull gives it (a result
     # that needs no input, no ids at all, would otherwise land on one device).
     replicated = NamedSharding(state.mesh, PartitionSpec())
-    dev_ids = jax.device_put(pad_ids(ids, fit(("keep", key), ids.size)), replicated)  # -1: none
+    dev_ids = order.put(pad_ids(ids, fit(("keep", key), ids.size)), replicated)  # -1: none
     if leaf is None:
         out_to = state.sharding_for(shape)  # named for a key of a split bucket too
         out = order.ordered("row_sparse_pull", bucket_keep(key, out_to), state, dev_ids)
@@ -1224,7 +1224,7 @@ def _gathered(
         spec = NamedSharding(state.mesh, PartitionSpec(state.axis))
         shards = [pad_rows(r, to) for _, r in host_pairs]
         rows = assemble((to * len(devices), *host_pairs[0][1].shape[1:]), spec, shards)
-        return jax.device_put(np.concatenate([pad_ids(x, to) for x, _ in host_pairs]), spec), rows
+        return order.put(np.concatenate([pad_ids(x, to) for x, _ in host_pairs]), spec), rows
     to = fit(("gathered", key), ids.size)
     if len(host_pairs) == 1 and isinstance(host_pairs[0][1], np.ndarray):
         # Rows made on the host: padded there, and handed to a store of one device as the
@@ -1234,13 +1234,13 @@ def _gathered(
         host[: r.shape[0]] = r
         if len(devices) == 1:
             return pad_ids(ids, to), host
-        padded, rows = jax.device_put((pad_ids(ids, to), host), replicated)
+        padded, rows = order.put((pad_ids(ids, to), host), replicated)
         return padded, rows
     if len(host_pairs) == 1:
-        rows = pad_rows(jax.device_put(host_pairs[0][1], replicated), to)
+        rows = pad_rows(order.put(host_pairs[0][1], replicated), to)
     else:
         rows = concat_rows([r for _, r in host_pairs], replicated, to)
-    return jax.device_put(pad_ids(ids, to), replicated), rows
+    return order.put(pad_ids(ids, to), replicated), rows
 
 
 def _push_traced(

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv._src.processes import order
+
 __all__ = [
     "Padded",
     "concat_rows",
@@ -103,7 +105,7 @@ def pad_rows(rows: jax.Array, to: int) -> jax.Array:
     if on_host_cheaply(rows):
         host = np.zeros((to, *rows.shape[1:]), rows.dtype)
         host[:n] = np.asarray(rows)
-        return jax.device_put(host, rows.sharding)
+        return order.put(host, rows.sharding)
     return _pad_on_device(rows, to)
 
 
@@ -134,7 +136,7 @@ def cut(x: jax.Array, n: int) -> jax.Array:
     if x.shape[0] == n:
         return x
     if on_host_cheaply(x):
-        return jax.device_put(np.asarray(x)[:n], x.sharding)
+        return order.put(np.asarray(x)[:n], x.sharding)
     return x[:n]
 
 
@@ -148,7 +150,7 @@ def concat_rows(rows: list[Any], sharding: Any, to: int, dtype: Any = None) -> j
         n = sum(r.shape[0] for r in rows)
         host = np.zeros((to, *rows[0].shape[1:]), dtype)
         host[:n] = np.concatenate([np.asarray(r) for r in rows])
-        return jax.device_put(host, sharding)
+        return order.put(host, sharding)
     placed = jax.device_put(list(rows), [sharding] * len(rows))
     return pad_rows(_concat(tuple(placed)).astype(dtype), to)
 

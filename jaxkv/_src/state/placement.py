@@ -84,6 +84,10 @@ def put(values: Sequence[Any], shardings: Sequence[Any], agreed: bool = False) -
     # devices moving a flax tree from a 2 x 4 mesh onto the store's).
     for i in [i for i in rest if _spans(values[i])]:
         out[i] = order.ordered("put", jax.device_put, values[i], shardings[i])
+    # A host value put on several processes' devices: JAX's check that every process holds
+    # the same one is an all-gather, in its own turn too (order.put).
+    for i in [i for i in rest if out[i] is None and not shardings[i].is_fully_addressable]:
+        out[i] = order.put(values[i], shardings[i])
     rest = [i for i in rest if out[i] is None]
     if rest:
         placed = jax.device_put([values[i] for i in rest], [shardings[i] for i in rest])
