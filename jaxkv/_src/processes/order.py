@@ -319,5 +319,8 @@ def put(x: Any, sharding: Any) -> Any:
     if jax.process_count() > 1 and not all(
         s.is_fully_addressable for s in jax.tree_util.tree_leaves(sharding)
     ):
-        return ordered("put", jax.device_put, x, sharding, spans=True)
+        # (JAX waits for its check's result on the host; the transfer after it is each
+        # process's own: no later turn need wait for it)
+        with collective("put"):
+            return jax.device_put(x, sharding)
     return jax.device_put(x, sharding)

@@ -269,12 +269,12 @@ def test_a_pull_of_an_unknown_key_is_refused(store):
 
 # -- outs filled by plan ---------------------------------------------------------------------
 class _Out:
-    """An out as the fill sees one (``NDArray``'s three methods)."""
+    """An out as the fill sees one (``NDArray``'s methods it calls)."""
 
     def __init__(self, shape, device, dtype=jnp.float32):
         self.data, self.device, self.got = jnp.zeros(shape, dtype, device=device), device, None
 
-    def asjax(self):
+    def held_value(self):
         return self.data
 
     def jax_device(self):
@@ -282,6 +282,9 @@ class _Out:
 
     def set_value(self, x, device):
         self.got = (x, device)
+
+    def set_part(self, whole, position, device):  # (taken out here, to look at)
+        self.got = (per_device(whole)[position], device)
 
 
 @pytest.mark.parametrize("lend", [True, False])
