@@ -165,7 +165,7 @@ class NDArray:
 
     def held_value(self) -> Any:
         """The value held, once any pull held for it has run, as it is held: a ``jax.Array``,
-        or not yet read, a NumPy array (:meth:`lazily`) or a :class:`Part` (each with the shape
+        or not yet read, a NumPy array (:meth:`lazily`) or a ``Part`` (each with the shape
         and dtype of the array it becomes)."""
         if self.owed_by is not None:
             self.owed_by.run_held()
@@ -197,7 +197,7 @@ class NDArray:
 
     def set_part(self, whole: jax.Array, position: int, device: jax.Device) -> None:
         """Hold the copy of the replicated array ``whole`` at ``position`` of its addressable
-        shards, known to live on ``device``: taken out of it when read (:class:`Part`)."""
+        shards, known to live on ``device``: taken out of it when read (``Part``)."""
         part = Part(whole, position)
         self._value = part
         self.owed_by = None
