@@ -84,8 +84,8 @@ def put(values: Sequence[Any], shardings: Sequence[Any], agreed: bool = False) -
     # devices moving a flax tree from a 2 x 4 mesh onto the store's).
     for i in [i for i in rest if _spans(values[i])]:
         out[i] = order.ordered("put", jax.device_put, values[i], shardings[i])
-    # A host value put on several processes' devices: JAX's check that every process holds
-    # the same one is an all-gather, in its own turn too (order.put).
+    # Any other value put on several processes' devices, in a turn of its own (order.put):
+    # JAX checks that every process gives the same host value by an all-gather.
     for i in [i for i in rest if out[i] is None and not shardings[i].is_fully_addressable]:
         out[i] = order.put(values[i], shardings[i])
     rest = [i for i in rest if out[i] is None]
