@@ -51,8 +51,10 @@ def test_an_embedding_loop_across_processes(n, bound):
         n,
         (
             "rows after every step",
+            "the dense pull takes no turn",
             "no compile after warm-up",
             "the whole table",
+            "a pulled out is a copy",
             "float16 rows under multi_precision",
         ),
     )
@@ -61,10 +63,11 @@ def test_an_embedding_loop_across_processes(n, bound):
 def test_calls_held_before_a_push_of_rows_are_agreed_with_it():
     """Across processes, the calls a store holds before a push of rows (a dense key's push) are
     agreed with it in its row_sparse_pull's one host all-gather: the embedding loop makes one a
-    step, with a NumPy model's numbers; one process's refused push of rows, different held calls
-    and different learning rates are refused on every process with the store as it was (the
-    held push run once later, or dropped), and the next step is right; a wrong sum in jaxkv's
-    own computation (no host callback) raises SumError at the read on every process."""
+    step, with a NumPy model's numbers; one process's refused push of rows, one process's
+    refused row_sparse_pull (the pushes before it held still), different held calls and
+    different learning rates are refused on every process with the store as it was (the held
+    push run once later, or dropped), and the next step is right; a wrong sum in jaxkv's own
+    computation (no host callback) raises SumError at the read on every process."""
     run = launch(2, "kept_job.py", per_process=1)
     expect_ok(
         run,
@@ -74,6 +77,9 @@ def test_calls_held_before_a_push_of_rows_are_agreed_with_it():
             "one process's bad push of rows refused, the held push run once",
             "one process's bad push of rows changed no row",
             "the next step after a refused push",
+            "one process's bad row_sparse_pull refused, the held pushes run once",
+            "the push of rows before a refused pull run once",
+            "the next step after a refused pull",
             "different held calls refused, nothing run",
             "the next step after different held calls",
             "different learning rates refused, nothing run",

@@ -49,15 +49,14 @@ def _counted_steps(monkeypatch, module, name, keys, shape, steps):
 def test_the_notes_of_lent_arrays_cost_o_keys_a_step(monkeypatch):
     """A list push of per-device gradients and a list pull into per-device outs, as MXNet's
     data-parallel loop, on a store whose small keys share a bucket (few stored arrays, many
-    lent views): each step checks a bounded number of notes per key (the sweep of the dead
-    ones is amortised), where it swept every note at every lend (120 keys: 8979 checks a
-    step); every value is SGD's."""
+    lent views): each step notes at most one array per key, not one per out (it noted two
+    weak references per out: the out and what it held); every value is SGD's."""
     keys = 120
-    _, _, _, outs, calls = _counted_steps(monkeypatch, lending, "holds", keys, (4, 4), 6)
+    _, _, _, outs, calls = _counted_steps(monkeypatch, lending, "_note", keys, (4, 4), 6)
     # Each step: w -= 0.5 * (1 + 1), six times.
     for out in outs[0] + outs[-1]:
         np.testing.assert_array_equal(out.asnumpy(), np.full((4, 4), -6.0, np.float32))
-    assert max(calls[1:]) <= 4 * keys, calls
+    assert 0 < max(calls[1:]) <= keys, calls
 
 
 def test_a_list_push_like_an_earlier_one_checks_its_values_once(monkeypatch):

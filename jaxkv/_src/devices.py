@@ -6,6 +6,7 @@ of this process). A context that names a device that does not exist is refused w
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import jax
@@ -118,4 +119,9 @@ def num_gpus() -> int:
 def current_context() -> Context:
     """The innermost ``with ctx:`` context, else ``cpu(0)`` as in MXNet."""
     stack = getattr(_DEFAULT, "stack", None)
-    return stack[-1] if stack else cpu(0)
+    return stack[-1] if stack else _cpu0()
+
+
+@functools.cache  # (every NDArray made without ctx= asks it: one lookup of the devices)
+def _cpu0() -> Context:
+    return cpu(0)

@@ -7,7 +7,7 @@ MXNet or Python user would catch (``KeyError``, ``ValueError``, ``TypeError``), 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 # A message's longest size, and a value's longest repr inside one (a key of a million
 # characters is named by its start, its end and its length).
@@ -104,6 +104,17 @@ def shown(value: object) -> str:
     size = len(value) if isinstance(value, str | bytes) else len(text)
     keep = (_MOST_SHOWN - 40) // 2
     return f"{text[:keep]}...{text[-keep:]} ({type(value).__name__} of {size} characters)"
+
+
+def named(keys: object) -> str:
+    """The keys of a call, as a message names them: ``key 'w'`` for one key, ``keys ['a', 'b']``
+    for a list, tuple or mapping of them (its first 8, then `` ...``), each :func:`shown`."""
+    if isinstance(keys, Mapping):
+        keys = list(keys)
+    if isinstance(keys, list | tuple):
+        more = " ..." if len(keys) > 8 else ""
+        return f"keys [{', '.join(shown(k) for k in list(keys)[:8])}{more}]"
+    return f"key {shown(keys)}"
 
 
 def unknown_key(key: object, known: Collection[int | str]) -> UnknownKeyError:

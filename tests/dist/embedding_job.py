@@ -21,6 +21,7 @@ import numpy as np
 
 import jaxkv
 import jaxkv.mx as mx
+from jaxkv._src.processes import order
 
 R, W, STEPS = 3000, 8, 8
 RANK = jax.process_index()
@@ -72,7 +73,19 @@ def main():
     out = mx.nd.sparse.zeros("row_sparse", (R, W))
     ref_out = mx.nd.sparse.zeros("row_sparse", (R, W))
     counted = []
+    # The collective turns each step takes (each waits for the one before to finish): the dense
+    # key's pull into an out is a copy of this process's shards, no turn of its own.
+    turns: list[list[str]] = []
+    take_turn = order._Order.turn
+
+    def turn(self, what, watch):
+        turns[-1].append(what)
+        return take_turn(self, what, watch)
+
+    order._Order.turn = turn
+    bias_out, ref_bias = mx.nd.zeros((W,)), mx.nd.zeros((W,))
     for step in range(STEPS):
+        turns.append([])
         ids, g = batch(step, RANK)
         before = counter.count
         kv.push("bias", mx.nd.ones((W,)), priority=-1)
@@ -90,7 +103,15 @@ def main():
         ref.row_sparse_pull("emb", out=ref_out, row_ids=mx.nd.array(ids))
         np.testing.assert_allclose(got, ref_out.data.asnumpy(), rtol=2e-6, atol=2e-7)
         np.testing.assert_array_equal(out.indices.asnumpy(), ids)
+        kv.pull("bias", out=bias_out, priority=-1)
+        ref.pull("bias", out=ref_bias, priority=-1)
+        np.testing.assert_allclose(bias_out.asnumpy(), ref_bias.asnumpy(), rtol=2e-6, atol=2e-7)
+    order._Order.turn = take_turn
     print(f"rank {RANK} ok rows after every step", flush=True)
+    # A push, then the row push and pull (its agreement, then its computation): no turn for
+    # the pull of the dense key (a copy on this process's devices).
+    assert all(len(t) <= 3 and "copy" not in t for t in turns[3:]), turns
+    print(f"rank {RANK} ok the dense pull takes no turn", flush=True)
     # The processes agree each step's count (the largest of theirs): its first two counts run
     # as they are, every later one padded to 144; from the step after the first padded one,
     # nothing compiles (the fourth step at 2 processes).
@@ -110,6 +131,12 @@ def main():
         np.asarray(kv.pull("bias")), np.asarray(ref.pull("bias")), rtol=2e-6, atol=2e-7
     )
     print(f"rank {RANK} ok the whole table", flush=True)
+    pulled, again = bias_out.asnumpy(), mx.nd.zeros((W,))
+    kv.push("bias", mx.nd.ones((W,)))
+    kv.pull("bias", out=again)
+    assert not np.array_equal(again.asnumpy(), pulled)
+    np.testing.assert_array_equal(bias_out.asnumpy(), pulled)  # a copy: no push changes it
+    print(f"rank {RANK} ok a pulled out is a copy", flush=True)
 
     # float16 rows under multi_precision: a float32 master copy, cast back.
     rows = np.array([0, 2])

@@ -6,7 +6,8 @@ MXNet's lazy SGD, a row-sparse table and a dense key. The loop of an embedding t
 dense key, push the rows, ``row_sparse_pull`` them) makes one host all-gather a step, and its
 numbers are those of a NumPy model. Then the failures, each refused on every process with the
 store as it was (the kept push of the dense key held again, or dropped with the rest):
-one process's push of rows refused (a wrong shape), the processes holding different calls
+one process's push of rows refused (a wrong shape), one process's row_sparse_pull refused (the
+pushes before it held still, on every process), the processes holding different calls
 before the push, and their learning rates differing; and a wrong sum raised at the read. Prints ``rank R ok <check>`` per check
 and ``rank R done``.
 """
@@ -107,6 +108,25 @@ def main():
     check("one process's bad push of rows refused, the held push run once", np.asarray(kv.pull("bias")), bias)
     check("one process's bad push of rows changed no row", np.asarray(kv.pull("emb")), emb)
     check("the next step after a refused push", step(4), model(4))
+
+    # One process's row_sparse_pull refused (an id out of range) after its push of rows, with
+    # a push of "bias" held before them: every process refuses the pull, the pushes stay held
+    # on every process (accepted calls: nothing lost), and run once at the next read.
+    def pull_refused():
+        kv.push("bias", mx.nd.ones((W,)))
+        kv.push("emb", rows([5, 6]))
+        ids = [5, R + 3] if RANK == ALL - 1 else [5, 6]
+        kv.row_sparse_pull("emb", out=out, row_ids=mx.nd.array(ids))
+
+    kept = out.data.asnumpy()
+    words = "row_ids expected integers" if RANK == ALL - 1 else "row_sparse_pull was refused on"
+    refused("one process's bad row_sparse_pull", pull_refused, words)
+    np.testing.assert_array_equal(out.data.asnumpy(), kept)  # the out as it was
+    bias[:] -= LR * ALL
+    emb[[5, 6]] -= LR * ALL
+    check("one process's bad row_sparse_pull refused, the held pushes run once", np.asarray(kv.pull("bias")), bias)
+    check("the push of rows before a refused pull run once", np.asarray(kv.pull("emb")), emb)
+    check("the next step after a refused pull", step(7), model(7))
 
     # The processes hold different calls before the push (process 0 a push of "bias"): every
     # process refuses, and nothing held is run.

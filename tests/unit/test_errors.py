@@ -79,3 +79,22 @@ def test_an_unknown_str_key_is_named_by_its_repr_among_sorted_str_keys():
 
 def test_an_unknown_key_in_an_empty_store_expects_none():
     assert "expected one of [], given 0" in str(errors.unknown_key(0, []))
+
+
+@pytest.mark.parametrize(
+    ("keys", "said"),
+    [
+        ("w", "key 'w'"),
+        (3, "key 3"),
+        (["a", "b"], "keys ['a', 'b']"),
+        ({"a": 1, "b": 2}, "keys ['a', 'b']"),
+        (list(range(9)), "keys [0, 1, 2, 3, 4, 5, 6, 7 ...]"),
+        ("k" * 500, "key 'kkkk"),
+    ],
+)
+def test_named_says_a_key_or_the_first_eight_keys_of_a_list(keys, said):
+    """One key as `key K`, a list (or a mapping's keys) as `keys [...]`: its first eight, then
+    ` ...`; a long key shortened as `shown` shortens it."""
+    got = errors.named(keys)
+    assert got.startswith(said)
+    assert len(got) < 200

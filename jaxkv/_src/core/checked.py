@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import contextvars
 import functools
 import itertools
 import logging
@@ -37,9 +38,10 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxkv._src.errors import SumError, named
 from jaxkv._src.processes import order
 
-__all__ = ["collecting", "jit", "settle", "shard_map", "turn"]
+__all__ = ["collecting", "jit", "named_now", "naming", "settle", "shard_map", "turn"]
 
 logger = logging.getLogger("jaxkv")
 
@@ -72,6 +74,28 @@ def _tracing(kind: str, turn: Any) -> Iterator[_Trace]:
 def _innermost(kind: str) -> _Trace | None:
     stack = getattr(_traces, kind, None)
     return stack[-1] if stack else None
+
+
+# The keys of the call dispatching jaxkv's computations now (see naming).
+_naming: contextvars.ContextVar[Any] = contextvars.ContextVar("jaxkv_naming", default=None)
+
+
+@contextlib.contextmanager
+def naming(keys: Any) -> Iterator[None]:
+    """The computations dispatched in the ``with`` block are for ``keys`` (a key, a list of
+    them, or a mapping or tree by key): a wrong sum's ``SumError`` names them, found at a later
+    call (a computation is shared by every key of its shapes: its trace cannot name them)."""
+    token = _naming.set(keys)
+    try:
+        yield
+    finally:
+        _naming.reset(token)
+
+
+def named_now() -> str | None:
+    """The keys of the call dispatching now (:func:`naming`), as a message names them."""
+    keys = _naming.get()
+    return None if keys is None else named(keys)
 
 
 def collecting() -> bool:
@@ -173,7 +197,8 @@ class _Checked:
         count = np.int32(next(self.runs) % self.every if self.every > 1 else 0)
         out, verdicts = self.jitted(count, *args)
         if verdicts:
-            _pending.append((verdicts, self.compares.get(_shapes(verdicts), [])))
+            compares = self.compares.get(_shapes(verdicts), [])
+            _pending.append((verdicts, compares, _naming.get()))
         return out
 
     def _decide(self, args: tuple) -> None:
@@ -226,23 +251,29 @@ def settle(wait: bool = False) -> None:
         waiting: collections.deque = collections.deque()
         try:
             while _pending:
-                verdicts, compares = _pending.popleft()
+                verdicts, compares, keys = entry = _pending.popleft()
                 if not wait and not all(off.is_ready() for off, _ in verdicts):
-                    waiting.append((verdicts, compares))  # (compared at a later call)
+                    waiting.append(entry)  # (compared at a later call)
                     continue
-                _compare(verdicts, compares)
+                _compare(verdicts, compares, keys)
         finally:
             _pending.extendleft(reversed(waiting))
 
 
-def _compare(verdicts: list, compares: list) -> None:
-    """One computation's verdicts, on the host: the first part off raises."""
+def _compare(verdicts: list, compares: list, keys: Any = None) -> None:
+    """One computation's verdicts, on the host: the first part off raises, naming ``keys``
+    (:func:`naming`) where the call named them."""
     for (off, arrays), checks in zip(verdicts, compares):
         if not np.asarray(off.addressable_shards[0].data).any():
             continue
         host = [np.asarray(a.addressable_shards[0].data)[0] for a in arrays]
         for j, compare in enumerate(checks):
-            compare(host[2 * j], host[2 * j + 1])
+            try:
+                compare(host[2 * j], host[2 * j + 1])
+            except SumError as e:
+                if keys is None:
+                    raise
+                raise SumError(f"{named(keys)}: {e}") from None
 
 
 order.on_turn(settle)

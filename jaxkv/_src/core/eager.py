@@ -5,6 +5,7 @@ initialised ahead of the first optimizer push."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import math
@@ -18,7 +19,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from jaxkv._src.core import checked, renamed
+from jaxkv._src.core import alike, checked, renamed
 from jaxkv._src.core.collectives import PUSH, SUM, psum_scatter, scatters, scoped, sum_over_devices
 from jaxkv._src.core.compression import compress, exchange, layout_compressed, on_one_device
 from jaxkv._src.core.on_blocks import UPDATER
@@ -259,24 +260,60 @@ def _add_up(xss: list[list[jax.Array]], dtypes: tuple) -> list[jax.Array]:
 class _Computations:
     """Jitted push computations, one per :class:`~jaxkv._src.core.signature.PushKey`, least
     recently used dropped first; each built from its key alone (its options hold the updater,
-    compared by identity and kept alive with the key)."""
+    compared by identity and kept alive with the key). Where pushes of the same keys, shapes
+    and options but for the updater build one computation after another, each for an updater
+    object of its own, a warning says so, once: an updater made anew at every call
+    (``updater=optax.sgd(0.1)`` inside the loop) compiles the push at every call."""
 
     def __init__(self, size: int = 256):
         self._size = size
         self._fns: collections.OrderedDict = collections.OrderedDict()
+        # The updater objects each push built a computation for (keyed by the key with no
+        # updater, and the keys it names), until they reach _ANEW and the warning is given
+        # (then None).
+        self._updaters: dict[tuple[PushKey, str | None], set[int] | None] = {}
 
     def get(self, sig: PushKey, build: Callable[[PushKey], Callable]) -> Callable:
         fn = self._fns.get(sig)
         if fn is not None:
             self._fns.move_to_end(sig)
             return fn
+        self._anew(sig)
         fn = build(sig)
         self._fns[sig] = fn
         if len(self._fns) > self._size:
             self._fns.popitem(last=False)
         return fn
 
+    def _anew(self, sig: PushKey) -> None:
+        options = getattr(sig, "options", None)  # (any hashable key: the cache is generic)
+        if options is None or options.updater is None or len(self._updaters) > 4 * self._size:
+            return
+        # The same push for other updaters: the same computation but for its updater, for the
+        # same keys (in the per-key layout one computation serves every key of a shape class,
+        # so a key pushed with one updater object beside another made anew is not counted).
+        alike = dataclasses.replace(sig, options=PushOptions(None, options.donate, options.reduce))
+        named = checked.named_now()
+        seen = self._updaters.setdefault((alike, named), set())
+        if seen is None or options.updater_id in seen:
+            return
+        seen.add(options.updater_id)
+        if len(seen) < _ANEW:
+            return
+        self._updaters[(alike, named)] = None  # (said once)
+        logger.warning(
+            "jaxkv: the push of %s compiled %d times for the same shapes and dtypes, each for "
+            "a new updater object (%s): a push's computation is kept per updater object, so an "
+            "updater made anew at every call (e.g. updater=optax.sgd(0.1) inside the loop) "
+            "compiles the push at every call. Make it once, before the loop, and pass that one",
+            named or "its keys",
+            len(seen),
+            type(options.updater).__name__,
+        )
 
+
+# Computations built for as many distinct updater objects of one push before the warning.
+_ANEW = 4
 _COMPUTATIONS = _Computations()
 
 
@@ -602,6 +639,8 @@ def _build_push_flat(sig: PushKey) -> Callable:
         new = None
         if optax_push and extra_args is None:
             new = update_bucket(state, keys, pushed, updater, grids)
+        if new is None and optax_push and not split:  # keys alike in one batch
+            new = alike.update(state, keys, pushed, updater, extra_args)
         if new is None:  # per key, on the views
             opt_state = state.opt_states[keys] if optax_push else None
             with jax.named_scope(UPDATER):

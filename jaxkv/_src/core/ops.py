@@ -24,7 +24,7 @@ import jax
 import optax
 from jax.sharding import NamedSharding
 
-from jaxkv._src.core import plans, tree_view, trees
+from jaxkv._src.core import checked, plans, tree_view, trees
 from jaxkv._src.core import reduce as _reduce
 from jaxkv._src.core.collectives import PULL, PUSH
 from jaxkv._src.core.compression import residual_zeros
@@ -255,6 +255,20 @@ def push(
         )
     # Every cache of the push (its plans, its computations) keys on this one object.
     options = PushOptions(updater=updater, donate=donate, reduce=reduce)
+    with checked.naming(keys):  # (a wrong sum's error, found at a later call, names them)
+        return _push(state, keys, values, options, extra_args, axis_name)
+
+
+def _push(
+    state: KVState,
+    keys: Any,
+    values: Any,
+    options: PushOptions,
+    extra_args: Any,
+    axis_name: Any,
+) -> KVState:
+    """:func:`push` once its options are made."""
+    updater, reduce = options.updater, options.reduce
     if axis_name is None and values is not MISSING:
         fast = plans.push(state, keys, values, options, extra_args)
         if fast is not None:

@@ -34,7 +34,7 @@ from jaxkv._src.jax_internals import all_eager, assemble, per_device, single_dev
 from jaxkv._src.state import buckets
 from jaxkv._src.state.kvstate import Key, KVState, normalize_key
 from jaxkv._src.state.pairing import devices_of, group
-from jaxkv._src.state.placement import for_outs, stacked_sharding
+from jaxkv._src.state.placement import Later, for_outs, stacked_sharding
 
 __all__ = ["NO_PLAN", "checked_group", "prepare_fill", "pull", "push"]
 
@@ -449,7 +449,7 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
     value on the out's own device, and returns ``True``. With ``lend`` the value is the stored
     array itself (or its part on that device, taken out of it when read: ``set_part``), with
     no copy: the store must then not donate a value to a push while an out holds it (``lent``
-    is called once, with each out given one beside its value); without, a fresh copy (one
+    is called once, with the stored arrays handed out); without, a fresh copy (one
     computation for all). It returns ``False``, having done nothing, for a state of other keys
     or shapes.
 
@@ -478,9 +478,33 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
             return None
         at = plan.at[devices] = [positions[d] for d in devices]
 
-    def go(now: KVState, lend: bool, lent: Callable | None = None) -> bool:
+    def go(
+        now: KVState, lend: bool, lent: Callable | None = None, later: Callable | None = None
+    ) -> bool:
         if not (now.keys() is plan.keys and now.key_shapes is plan.shapes_of):
             return False
+        layout = now.flat_layout
+        if later is not None and lend and len(now.devices) > 1 and layout is not None:
+            # The keys in buckets: their views made when an out is first read (one computation
+            # for all, as below), ``later`` noting them for the store, which spares them before
+            # it donates; the keys kept as arrays of their own lent as they are.
+            own = {i: now.leaves[layout.leaf(i)] for i in plan.unique if layout.where[i][0] < 0}
+            viewed = [i for i in plan.unique if i not in own]
+            made = Later(now, viewed, lent) if viewed else None
+            slot = {i: n for n, i in enumerate(viewed)}
+            for o, j, p, d, shape, dtype in zip(
+                flat, plan.of, at, devices, plan.shapes, plan.dtypes
+            ):
+                i = plan.unique[j]
+                if i in own:
+                    o.set_part(own[i], p, d)
+                else:
+                    o.set_later(made, slot[i], p, d, shape, dtype)
+            if own and lent is not None:
+                lent(list(own.values()))
+            if made is not None:
+                later(made)
+            return True
         fresh = for_outs(now, plan.unique, lend)
         if len(now.devices) == 1:
             for o, j, d in zip(flat, plan.of, devices):
@@ -488,8 +512,8 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
         else:  # each out its device's part, taken out of the array when read
             for o, j, p, d in zip(flat, plan.of, at, devices):
                 o.set_part(fresh[j], p, d)
-        if lend and lent is not None:  # the store notes what each out holds of its arrays
-            lent([(fresh[j], o) for o, j in zip(flat, plan.of)])
+        if lend and lent is not None:  # the store notes the arrays it lent
+            lent(fresh)
         return True
 
     return go
@@ -504,11 +528,11 @@ def _fill_plan(state: KVState, ckeys: tuple, per: int) -> Any:
         return _NO_PLAN
     if any(buckets.is_split(state, i) for i in index):
         return _NO_PLAN
-    held = state.stored_values
-    if not all_eager([held[i] for i in index]):
+    held = buckets.stored_types(state)  # (no computation: a flat state's views not made)
+    if not all_eager(list(state.leaves)):
         return _NO_PLAN
     if len(state.devices) > 1:  # the copies' shards must come in the store's device order
-        first = per_device(held[index[0]])
+        first = per_device(state.leaves[0])
         if tuple(map(single_device, first)) != state.devices:
             return _NO_PLAN
     unique = sorted(set(index))

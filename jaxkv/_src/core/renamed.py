@@ -124,7 +124,12 @@ def _specs(keys: tuple, avals: tuple) -> dict:
 
 
 def _avals_of(leaves: Iterable[Any]) -> tuple:
-    return tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves)
+    return tuple((tuple(x.shape), _dtype_name(x.dtype)) for x in leaves)
+
+
+def _dtype_name(dtype: Any) -> str:
+    # (at every push: NumPy's own dtypes named directly, JAX's extended ones through jnp)
+    return dtype.name if isinstance(dtype, np.dtype) else jnp.dtype(dtype).name
 
 
 @functools.lru_cache(maxsize=256)

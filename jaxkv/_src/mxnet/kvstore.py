@@ -34,7 +34,7 @@ from jaxkv._src.core.updater import (
     positional,
     updater_name,
 )
-from jaxkv._src.errors import DtypeError, KVStoreError, ShapeError, shown
+from jaxkv._src.errors import DtypeError, KVStoreError, ShapeError, named, shown
 from jaxkv._src.mxnet import casts, held, kvstore_rows, lending, per_key, states_file
 from jaxkv._src.mxnet.ndarray import NDArray, unwrap
 from jaxkv._src.mxnet.optimizers import catalog  # noqa: F401 - fills the registry
@@ -252,6 +252,7 @@ class KVStore:
                             self._uncount(deferred)
                         raise
                 try:
+                    self._lending.spare()  # (pulls run since it was held may read its table)
                     self._stored = kvstore_rows.run_held(self._stored, deferred)
                 except BaseException:
                     self._uncount(deferred)
@@ -467,7 +468,9 @@ class KVStore:
 
     def _pull_now(self, key: Any, out: Any, ignore_sparse: bool = True) -> None:
         fill = plans.prepare_fill(self._state, key, out, NDArray)
-        if fill is not None and fill(self._state, self._keeps_values(), self._lend_whole):
+        if fill is not None and fill(
+            self._state, self._keeps_values(), self._lend_whole, self._lending.later
+        ):
             return
         pairs = pairing.pairs(key, out, "outs")
         self._check_outs(pairs)
@@ -534,10 +537,9 @@ class KVStore:
                 self._mxnet_optimizer.restore_bookkeeping(queue.counted)
             if isinstance(e, KVStoreError) or not isinstance(e, Exception):
                 raise
-            names = queue.keys()
             raise KVStoreError(
-                f"keys {names[:8]}{' ...' if len(names) > 8 else ''}: the held calls "
-                f"failed when run ({type(e).__name__}: {e})"
+                f"{named(list(queue.keys()))}: the held calls failed when run "
+                f"({type(e).__name__}: {e})"
             ) from e
 
     def _gathered(self, queue: held.Held) -> list[list[Key]]:
@@ -552,7 +554,8 @@ class KVStore:
     def _push_held(self, keys: list[Key], values: list[list], scalars: dict[Key, Any]) -> None:
         """The held pushes, as one push: each key updated alone, as MXNet updates it (under an
         MXNet optimizer, with the numbers worked out when each push was called)."""
-        self._update(keys, values, each_alone=self._plain_optax(), scalars=scalars or None)
+        grouped = dict(zip(keys, values))  # (checked when held: not paired again)
+        self._update(keys, values, self._plain_optax(), scalars or None, grouped)
 
     def _plain_optax(self) -> bool:
         """Whether the updater is an optax transformation given to set_optimizer (whose list
@@ -627,20 +630,31 @@ class KVStore:
                     and all(map(kvstore_rows.is_row_sparse, outs))
                 ):
                     self._deferred = None  # taken: the pull below runs it
+                    across = spans_processes(self._stored.devices)
                     try:
-                        self._check_outs(pairs)
-                        ids = kvstore_rows.wanted(
-                            self._stored, deferred.key, _row_ids_per_out(key, pairs, row_ids)[0]
-                        )
+                        # Across processes the refusal is told to the others in the
+                        # all-gather they meet first in the pull (its agreement): every
+                        # process refuses the pull and holds the push still, as this one.
+                        with rows.ops.checking(self._stored, deferred.key, rows.ops.REFUSED_PULL):
+                            self._check_outs(pairs)
+                            ids = kvstore_rows.wanted(
+                                self._stored,
+                                deferred.key,
+                                _row_ids_per_out(key, pairs, row_ids)[0],
+                            )
                     except KVStoreError:
-                        self._deferred = deferred  # refused: the push still runs, alone
-                        self._settle()
+                        self._deferred = deferred  # refused: the push still runs
+                        if not across:  # (in one process, now: alone)
+                            self._settle()
                         raise
                     before, failed = self._kept(deferred)
                     try:
                         state, got = kvstore_rows.pushpull_into(
                             self._stored, deferred, outs, ids, before
                         )
+                    except rows.ops.PullRefusedElsewhere:  # (before anything ran anywhere)
+                        self._deferred = deferred  # held still, with the calls it keeps
+                        raise
                     except BaseException:
                         failed()
                         raise
@@ -952,25 +966,30 @@ class KVStore:
             return self._lending.keeps_values(self._state)
         return self._lending.keep_values
 
-    def _lend_whole(self, given: list[tuple[jax.Array, NDArray]]) -> None:
-        """``Lending.lend`` of what each out holds now, given it from the stored array beside
-        it."""
-        self._lending.lend(given, len(self._stored.leaves))
+    def _lend_whole(self, given: list[jax.Array]) -> None:
+        """``Lending.lend`` of the stored arrays a pull gave outs (or parts of)."""
+        self._lending.lend(given)
 
     def _update(
-        self, key: Any, values: Any, each_alone: bool = False, scalars: dict | None = None
+        self,
+        key: Any,
+        values: Any,
+        each_alone: bool = False,
+        scalars: dict | None = None,
+        grouped: dict[Key, list] | None = None,
     ) -> None:
         """Push ``values`` to ``key`` with the store's updater; ``each_alone``: an optax
         optimizer updates each key alone (keys pushed one at a time). Under an MXNet
         optimizer, ``scalars`` are each key's kernel numbers (``Optimizer.next_update``),
-        worked out now where not given."""
+        worked out now where not given. ``grouped``: each key's values, paired and checked
+        already (held pushes)."""
         state = self._state
         if self._python_updater is not None:
             self._state = self._push_python(state, key, values)
             return
         updater = self._updater
         if self._plain_optax() and not each_alone and per_key.any_per_key(state):
-            keys = sorted(_grouped(state, key, values))  # (checked first: one kind of key)
+            keys = sorted(grouped or _grouped(state, key, values))  # (checked: one kind of key)
             if per_key.holds_per_key(state, keys):  # keys pushed one at a time before
                 if len(keys) > 1:
                     raise KVStoreError(
@@ -983,7 +1002,8 @@ class KVStore:
         if isinstance(updater, optax.GradientTransformation) and (
             each_alone or self._mxnet_optimizer is not None  # MXNet's optimizers: each key alone
         ):
-            grouped = _grouped(state, key, values)
+            if grouped is None:
+                grouped = _grouped(state, key, values)
             keys = sorted(grouped)
             extra = None
             opt, saved = self._mxnet_optimizer, None
@@ -1283,7 +1303,7 @@ class KVStore:
 
         def hand_out(keys: list[Key], values: list[jax.Array], lent: bool = False) -> None:
             elsewhere: list[tuple[NDArray, jax.Array, Any]] = []  # outs off the store's devices
-            given: list[tuple[jax.Array, NDArray]] = []  # what each out was lent
+            given: list[jax.Array] = []  # the stored arrays lent
             for key, value in zip(keys, values):
                 arrays = jax_internals.per_device(value)
                 if not position:
@@ -1298,7 +1318,7 @@ class KVStore:
                     else:
                         _set(o, arrays[i], device)
                         if lent and not kvstore_rows.is_row_sparse(o):
-                            given.append((value, o))
+                            given.append(value)
             if given:
                 self._lend_whole(given)
             if elsewhere:  # copied there in one call (a dist_sync store: one device per process)

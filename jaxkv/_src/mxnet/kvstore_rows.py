@@ -233,7 +233,7 @@ def pushpull_into(
             and (len(outs) >= 2 or len(state.devices) == 1)
         )
     if not fused:
-        if before is not None and before.digest.any():  # agreed on their own, then run
+        if before is not None and before.holds_calls():  # agreed on their own, then run
             ops.agree_before(before, "push")
             state = before.run()
         state = run_held(state, push)

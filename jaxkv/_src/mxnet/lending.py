@@ -3,8 +3,8 @@
 A ``KVStore`` hands its arrays out in two ways: to the outs of a pull, which it lends its stored
 values to with no copy where it keeps them (:meth:`Lending.keeps_values`), and through
 ``kv.state``. A push may reuse (donate) the buffers of neither while they are still held, or
-a caller's array would be deleted under it. The bookkeeping costs O(1) a lend, however many
-arrays stay lent."""
+a caller's array would be deleted under it. The bookkeeping costs O(1) a stored array lent
+(not an out), however many arrays stay lent."""
 
 from __future__ import annotations
 
@@ -15,15 +15,13 @@ from typing import Any
 import jax
 
 from jaxkv._src.core.signature import KEEP_VALUES, Donate
-from jaxkv._src.mxnet.ndarray import NDArray
 from jaxkv._src.state import buckets, pairing
 from jaxkv._src.state.kvstate import Key, KVState
 
-__all__ = ["Lending", "holds"]
+__all__ = ["Lending"]
 
-# An entry of what a stored array was lent to: (the array, {id(out): (out, what it got)}),
-# all weakly held.
-Entry = tuple[Any, dict[int, tuple[Any, Any]]]
+# A note of a lent array: a weak reference to it (a note never keeps an array alive).
+_note = weakref.ref
 
 
 class Lending:
@@ -36,10 +34,14 @@ class Lending:
         # and residuals) and lends them to the outs of a pull, with no copy; decided once, at
         # the first push or pull (see keeps_values), so every push has one donation mode.
         self.keep_values: bool | None = None
-        # Stored arrays lent to outs, by id. A push of rows donates a table unless an out
-        # still holds what it was lent (see lent).
-        self.lent_to: dict[int, Entry] = {}
+        # Stored arrays lent to outs, by id. A push of rows donates a table unless it was
+        # lent (see lent).
+        self.lent_to: dict[int, weakref.ref] = {}
         self._limit = 64  # lend sweeps lent_to when it grows past this
+        # The values of pulls not made yet (placement.Later: made when an out is first read),
+        # each holding the stored arrays it reads: spared (given copies) before a push that
+        # may donate them.
+        self.laters: weakref.WeakSet = weakref.WeakSet()
 
     def keeps_values(self, state: KVState) -> bool:
         """Whether the store keeps its values at each push and lends them to outs, decided at
@@ -55,36 +57,40 @@ class Lending:
             )
         return self.keep_values
 
-    def lend(self, given: Iterable[tuple[jax.Array, NDArray]], leaves: int) -> None:
-        """Note that each out of ``given`` was given what it holds now, a part of the stored
-        array beside it (of a state of ``leaves`` leaves): one call for a whole pull."""
-        ref = weakref.ref
+    def lend(self, arrays: Iterable[jax.Array]) -> None:
+        """Note that a pull gave outs the stored ``arrays`` (or parts of them): one note per
+        array, however many outs got it, and none for an array noted already."""
         table = self.lent_to
-        for stored, out in given:
-            entry = table.get(id(stored))
-            if entry is None or entry[0]() is not stored:
-                if len(table) > self._limit:  # forget the dead
-                    table = self.lent_to = {
-                        i: e for i, e in table.items() if e[0]() is not None and holds(e)
-                    }
-                    # The next sweep after as many new entries again as survive this one: the
-                    # sweeps cost O(1) a lend, however many arrays stay lent (MXNet's loop
-                    # keeps one lent array per key and out).
-                    self._limit = 2 * len(table) + 4 * leaves + 64
-                entry = (ref(stored), {})
-                table[id(stored)] = entry
-            outs = entry[1]
-            if len(outs) >= 8:  # lent to out after out: keep the outs that still hold it
-                for i in [i for i, pair in outs.items() if not holds((entry[0], {i: pair}))]:
-                    del outs[i]
-            outs[id(out)] = (ref(out), ref(out.holding()))
+        for x in arrays:
+            note = table.get(id(x))
+            if note is None or note() is not x:
+                if len(table) > self._limit:  # forget the arrays no one holds any more
+                    table = self.lent_to = {i: n for i, n in table.items() if n() is not None}
+                    # The next sweep after as many new notes again as survive this one: O(1)
+                    # a note, however many arrays stay lent.
+                    self._limit = 2 * len(table) + 64
+                table[id(x)] = _note(x)
+
+    def later(self, made: Any) -> None:
+        """Note the values of a pull to be made when an out is first read (``placement.Later``)."""
+        self.laters.add(made)
+
+    def spare(self) -> None:
+        """Before a push that may donate stored arrays: every pull's values not made yet hold
+        copies of the arrays they read instead (one computation each), so that no out loses its
+        value. Once spared, they read nothing of the store's."""
+        if self.laters:
+            for made in list(self.laters):
+                made.spare()
+            self.laters.clear()
 
     def lent(self, leaves: list[Any]) -> bool:
-        """Whether an out still holds a part of one of the stored arrays ``leaves`` (then a
-        push must not donate it)."""
+        """Whether one of the stored arrays ``leaves`` was lent to an out (then a push must not
+        donate it: an out may still hold it, or a part of it). Once the store holds a new
+        array for a key (the next push), that key is free to donate again."""
         for leaf in leaves:
-            entry = self.lent_to.get(id(leaf))
-            if entry is not None and entry[0]() is leaf and holds(entry):
+            note = self.lent_to.get(id(leaf))
+            if note is not None and note() is leaf:
                 return True
         return False
 
@@ -101,16 +107,18 @@ class Lending:
         then updated in place, at a cost that grows with the rows alone."""
         if len(self.shared):
             return False
+        self.spare()
         if not self.keeps_values(state):
             return True
         if state.flat_layout is not None:  # a lent view may alias a bucket the push takes
-            return not any(e[0]() is not None and holds(e) for e in self.lent_to.values())
+            return not any(note() is not None for note in self.lent_to.values())
         return not self.lent([state[k] for k in keys])
 
     def donation(self, state: KVState, key: Any, values: Any) -> Donate:
         """What a push of ``values`` to ``key`` into the store's ``state`` may donate: its
         values and the rest, or all but the values (:meth:`keeps_values`), or nothing while
         something handed out through ``state`` is held."""
+        self.spare()  # (a push that donates nothing need not: it comes to the same)
         donate: Donate = KEEP_VALUES if self.keeps_values(state) else True
         if len(self.shared):
             # Forget what the store no longer holds: those arrays it can never donate.
@@ -134,13 +142,3 @@ class Lending:
                 # and every one left in `shared` is a leaf of `state` (forgotten above if not).
                 donate = False
         return donate
-
-
-def holds(entry: Entry) -> bool:
-    """Whether an out of a lent array's entry (see :meth:`Lending.lend`) still holds what it
-    was given."""
-    for out_ref, handed_ref in entry[1].values():
-        out, handed = out_ref(), handed_ref()
-        if out is not None and handed is not None and out.holding() is handed:
-            return True
-    return False

@@ -70,16 +70,33 @@ class Part:
     """One device's copy of an array replicated over several (``whole``, its copy at
     ``position`` of its addressable shards), held by an out of a pull and taken out of it only
     when the out is read: a pull into many outs hands each its part without making a
-    single-device array for each. Once taken, ``whole`` is let go; the part stays what the
-    out holds, as a store identifies it (``NDArray.holding``)."""
+    single-device array for each. Once taken, ``whole`` is let go. Or the array is the
+    ``slot``-th value of a ``placement.Later`` (``later``), made when first read."""
 
-    __slots__ = ("whole", "position", "shape", "dtype", "__weakref__")
+    __slots__ = ("whole", "position", "shape", "dtype", "later", "slot")
 
-    def __init__(self, whole: jax.Array, position: int) -> None:
+    def __init__(
+        self,
+        whole: jax.Array | None,
+        position: int,
+        later: Any = None,
+        slot: int = 0,
+        shape: Any = None,
+        dtype: Any = None,
+    ) -> None:
         self.whole: jax.Array | None = whole
         self.position = position
-        self.shape = whole.shape
-        self.dtype = whole.dtype
+        self.later = later
+        self.slot = slot
+        self.shape = whole.shape if whole is not None else shape
+        self.dtype = whole.dtype if whole is not None else dtype
+
+    def take(self) -> jax.Array:
+        """This device's copy (once)."""
+        whole = self.whole if self.later is None else self.later.values()[self.slot]
+        assert whole is not None  # (let go only once taken)
+        self.whole = self.later = None
+        return per_device(whole)[self.position]
 
 
 # What an NDArray may hold before it is read: a NumPy array (put on its device when read) or a
@@ -101,7 +118,7 @@ class NDArray:
       0.0
     """
 
-    __slots__ = ("_value", "owed_by", "_where", "_dtype", "_part", "__weakref__")
+    __slots__ = ("_value", "owed_by", "_where", "_dtype", "__weakref__")
     __array_priority__ = 1000.0  # numpy defers to our reflected operators
 
     def __init__(self, data: jax.Array, dtype: npt.DTypeLike | None = None) -> None:
@@ -114,7 +131,6 @@ class NDArray:
         # The dtype to report when it is not the one held: int64 asked for, int32 held (x64
         # off). It counts only while the held array has that dtype's JAX form (see dtype).
         self._dtype: np.dtype | None = declared_dtype(dtype)
-        self._part: Part | None = None  # the part the held array was taken out of (holding)
 
     @classmethod
     def lazily(
@@ -132,10 +148,7 @@ class NDArray:
         (:meth:`set_part`) out of its array."""
         value, device = self._value, self._where[1]
         if type(value) is Part:
-            assert value.whole is not None  # (let go only once taken)
-            self._value = per_device(value.whole)[value.position]
-            value.whole = None
-            self._part = value
+            self._value = value.take()
         else:
             self._value = jax.device_put(value, device)
         self._where = (self._value, device)
@@ -161,7 +174,6 @@ class NDArray:
         if self.owed_by is not None:  # a write after a held pull lands after it
             self.owed_by.run_held()
         self._value = value
-        self._part = None
 
     def held_value(self) -> Any:
         """The value held, once any pull held for it has run, as it is held: a ``jax.Array``,
@@ -170,14 +182,6 @@ class NDArray:
         if self.owed_by is not None:
             self.owed_by.run_held()
         return self._value
-
-    def holding(self) -> Any:
-        """What is held now, as a store identifies it, without running a pull held for it or
-        reading anything (a store asks which of its arrays an out still holds): the part of a
-        stored array given to it (:meth:`set_part`; the same object once taken out of it), or
-        the value held."""
-        part = self._part
-        return part if part is not None else self._value
 
     def jax_device(self) -> jax.Device:
         """The device of the held array; cached per array, since pulls ask for it each time.
@@ -193,7 +197,6 @@ class NDArray:
         self._value = data
         self.owed_by = None
         self._where = (data, device)
-        self._part = None
 
     def set_part(self, whole: jax.Array, position: int, device: jax.Device) -> None:
         """Hold the copy of the replicated array ``whole`` at ``position`` of its addressable
@@ -202,7 +205,16 @@ class NDArray:
         self._value = part
         self.owed_by = None
         self._where = (part, device)
-        self._part = None
+
+    def set_later(
+        self, later: Any, slot: int, position: int, device: jax.Device, shape: Any, dtype: Any
+    ) -> None:
+        """Hold this device's copy (``position``) of the ``slot``-th value of ``later`` (a
+        ``placement.Later``, of ``shape`` and ``dtype``), made when first read."""
+        part = Part(None, position, later, slot, shape, dtype)
+        self._value = part
+        self.owed_by = None
+        self._where = (part, device)
 
     # -- properties ------------------------------------------------------------------------
     @property

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import optax
 
-from jaxkv._src.core import renamed
+from jaxkv._src.core import alike, renamed
 from jaxkv._src.core.updater import init_state, is_positional, positional
 from jaxkv._src.state.kvstate import Key, KVState
 
@@ -87,7 +87,13 @@ def per_key(inner: optax.GradientTransformation) -> optax.GradientTransformation
     for fn, of in ((init, inner.init), (update, inner.update)):
         fn.__qualname__ = f"per_key({getattr(of, '__qualname__', None) or type(of).__name__})"
     made = optax.GradientTransformationExtraArgs(init, update)
+    # A flat store's push updates keys alike as one batch (core/alike.py).
+    alike.register(made, alike.PerKey(inner, _own_states, _joined))
     return positional(made) if is_positional(inner) else made
+
+
+def _own_states(state: Any) -> dict[Key, Any] | None:
+    return dict(state.states) if isinstance(state, PerKeyState) else None
 
 
 def _row(extra_args: dict[str, Any], i: int) -> dict[str, Any]:
@@ -113,6 +119,8 @@ def regroup(
     one state over several keys (not per key): it cannot be cut. ``state`` itself where
     ``keys`` already are one group, or none of them has state yet."""
     keys = tuple(sorted(keys))
+    if keys in state.groups:  # one group already (MXNet's list push, step after step)
+        return state
     touched = sorted({g for k in keys if (g := state.opt_group(k)) is not None})
     if not touched or touched == [keys]:
         return state

@@ -39,6 +39,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from jaxkv._src.core.checked import naming
 from jaxkv._src.core.collectives import axis_names, psum_scatter, unsummed_axes
 from jaxkv._src.core.on_buckets import abstract as _abstract
 from jaxkv._src.core.on_buckets import elementwise as _elementwise
@@ -85,9 +86,17 @@ from jaxkv._src.state.dtypes import check_dtype
 from jaxkv._src.state.kvstate import Key, KVState, normalize_key
 from jaxkv._src.state.kvstate import spans_processes as _state_spans_processes
 from jaxkv._src.state.pairing import as_array, devices_of, is_traced
-from jaxkv._src.state.placement import replicate
+from jaxkv._src.state.placement import local_parts, replicate
 
-__all__ = ["pull_rows", "push_rows", "pushpull_rows", "row_sparse_pull", "slots", "sorted_distinct"]
+__all__ = [
+    "PullRefusedElsewhere",
+    "pull_rows",
+    "push_rows",
+    "pushpull_rows",
+    "row_sparse_pull",
+    "slots",
+    "sorted_distinct",
+]
 
 _ID_DTYPE = jnp.int32  # row ids on device (JAX's default integer); tables below 2**31 rows
 
@@ -550,7 +559,11 @@ def push_rows(
       >>> jaxkv.pull(s, "e").tolist()
       [[1.0, 1.0], [0.0, 0.0], [2.0, 2.0]]
     """
-    return _push(state, key, row_ids, rows, updater, axis_name, donate, None, extra=extra_args)[0]
+    with naming(key):
+        new, _ = _push(
+            state, key, row_ids, rows, updater, axis_name, donate, None, extra=extra_args
+        )
+    return new
 
 
 def pushpull_rows(
@@ -606,9 +619,10 @@ def pushpull_rows(
                 plan = (list(pull_ids), [host_ids(key, x, n_rows) for x in ids_on_host(asked)])
             else:
                 host_ids(key, pull_ids, n_rows)
-    state, pulled = _push(
-        state, key, row_ids, rows, updater, axis_name, donate, plan, extra=extra_args
-    )
+    with naming(key):
+        state, pulled = _push(
+            state, key, row_ids, rows, updater, axis_name, donate, plan, extra=extra_args
+        )
     if pulled is not None:
         return state, [exact(x) for x in pulled]
     if not many:
@@ -831,7 +845,10 @@ def pushpull_checked(
     read). ``before``: calls held before the push, across processes (see :class:`Before`)."""
     row_ids, rows, ids = pushed
     pull = (pulled, pulled)
-    state, got = _push(state, key, row_ids, rows, updater, None, donate, pull, ids, extra, before)
+    with naming(key):
+        state, got = _push(
+            state, key, row_ids, rows, updater, None, donate, pull, ids, extra, before
+        )
     if got is None:
         got = pull_rows(state, key, pulled, devices=devices)
     return state, got
@@ -923,11 +940,25 @@ class Before(NamedTuple):
     differ: Callable[[list[bytes]], None]
     run: Callable[[], KVState]
 
+    def holds_calls(self) -> bool:
+        """Whether any call is held (``held.nothing`` describes none: a digest of zeros)."""
+        return bool(self.digest.any())
+
+
+class PullRefusedElsewhere(KVStoreError):
+    """A ``row_sparse_pull`` fused with a held push of rows, refused on another process: the
+    push (an earlier call, accepted) stays held on every process."""
+
+
+# Why a process refused a row operation, as the agreement's all-gather tells the others.
+REFUSED = 1  # its arguments: nothing of the operation runs on any process
+REFUSED_PULL = 2  # the ids of a row_sparse_pull fused with a held push: the push stays held
+
 
 def _agreed(
     key: Key,
     values: tuple[int, ...],
-    refused: bool = False,
+    refused: int = 0,
     extra: dict | None = None,
     before: Before | None = None,
     what: str = "sizes of a row operation",
@@ -935,7 +966,8 @@ def _agreed(
     """The largest of each value (at most ``_AGREED``) over every process: one host all-gather
     of a fixed size, the one collective every process makes for a row operation before any
     computation, after checking its own arguments. Where a process refused them (``refused``:
-    it raises its own error after this), every other process raises too, and nothing changes
+    :data:`REFUSED` or :data:`REFUSED_PULL`; it raises its own error after this), every other
+    process raises too (:class:`PullRefusedElsewhere` for a pull), and nothing changes
     anywhere. ``extra`` (an updater's extra arguments: an MXNet optimizer's numbers) must be
     the same in every process, else every process raises, naming each one's; so must the calls
     held ``before`` the push, compared in the same all-gather (else ``before.differ``). Held
@@ -944,12 +976,19 @@ def _agreed(
     for the watchdog."""
     held = np.zeros(4, np.int64) if before is None else before.digest.view(np.int64)
     sent = np.array(
-        [int(refused), *values, *[0] * (_AGREED - len(values)), *_digest(extra), *held], np.int64
+        [refused, *values, *[0] * (_AGREED - len(values)), *_digest(extra), *held], np.int64
     )
     got = host.all_gather(sent, what)
     refusing = np.flatnonzero(got[:, 0]).tolist()
     if refused:
         return values
+    if refusing and (got[:, 0] == REFUSED_PULL).any() and not (got[:, 0] == REFUSED).any():
+        raise PullRefusedElsewhere(
+            f"key {shown(key)}: the row_sparse_pull was refused on process(es) {refusing} (their "
+            "error says why; each process checks its own ids); the push of rows before it, and "
+            "the calls held before that, are held still on every process and run at the next "
+            "call; nothing else changed on any process"
+        )
     if refusing:
         raise KVStoreError(
             f"key {shown(key)}: the row operation was refused on process(es) {refusing} (their "
@@ -1002,15 +1041,16 @@ def _extra_differs(key: Key, extra: dict | None) -> None:
 
 
 @contextlib.contextmanager
-def checking(state: KVState, key: Any) -> Iterator[None]:
+def checking(state: KVState, key: Any, refused: int = REFUSED) -> Iterator[None]:
     """Checks of this process's arguments to a row operation: where the store spans processes,
     a refusal is told to the others in the all-gather they meet next (:func:`_agreed`), so that
-    every process raises, not this one alone while the others wait for it."""
+    every process raises, not this one alone while the others wait for it. ``refused``:
+    :data:`REFUSED_PULL` for the ids of a ``row_sparse_pull`` fused with a held push."""
     try:
         yield
     except KVStoreError:
         if spans_processes(state):
-            _agreed(key, (0, 0), refused=True)
+            _agreed(key, (0, 0), refused=refused)
         raise
 
 
@@ -1080,6 +1120,14 @@ def _pull_agreed(
         fn = routed_take(state.mesh, state.axis, route(most, n, len(state.devices)))
         ids = _global(state, [pad_ids(x, n, -1) for x in mine])
         out = order.ordered("pull_rows", fn, state.leaves[leaf], ids)
+    elif leaf is not None and (own := local_parts(state.leaves[leaf])) is not None:
+        # A whole table: each device of this process reads its own copy (no collective, so no
+        # collective turn: nothing waits for the push before it on the host).
+        copies = {single_device(t): t for t in own}
+        return [
+            cut(replicated_take(SingleDeviceSharding(d))(copies[d], pad_ids(x, n, 0)), x.size)
+            for d, x in zip(_local_devices(state), mine)
+        ]
     elif leaf is not None:
         fn = per_device_take(state.mesh, state.axis, False)
         zeros_past = [pad_ids(x, n, 0) for x in mine]

@@ -371,11 +371,17 @@ def write(layout: FlatLayout, leaves: Sequence[Any], values: Mapping[int, Any]) 
 @dataclasses.dataclass(frozen=True)
 class Packing:
     """How one optimizer group's optax state is kept: its tree structure (``treedef``, over the
-    leaves in ``jax.tree_util`` order), and which runs of leaves are *families* (one leaf per key
-    of the group, in the group's key order, each of its key's shape and of one dtype: Adam's
-    ``mu`` and ``nu``), packed into one bucket each; every other leaf (a step count) is kept as
-    it is. ``families[f]`` is ``(first leaf index, dtype name)``. A family's bucket is laid out
-    as its group's value bucket is: split over ``parts`` devices where that is."""
+    leaves in ``jax.tree_util`` order), and which leaves are *families* (one leaf per key of
+    the group, in the group's key order, each of its key's shape and of one dtype: Adam's ``mu``
+    and ``nu``), packed into one bucket each; every other leaf (a step count) is kept as it is.
+    ``families[f]`` is ``(first leaf index, dtype name)``. A family's bucket is laid out as its
+    group's value bucket is: split over ``parts`` devices where that is.
+
+    A family's leaves lie end to end in the tree (``stride`` 0: optax's state of a tree of keys,
+    ``mu = {key: ...}``), or ``stride`` apart: a state kept per key (``mxnet/per_key.py``'s,
+    each key's own state after the one before), whose families are each key's leaf at one
+    place of its own state, and whose ``scalars`` are the same for a leaf of shape ``()`` on
+    every key (each key's step count), packed into one ``(keys,)`` array each."""
 
     treedef: Any
     keys: tuple[Key, ...]
@@ -383,6 +389,8 @@ class Packing:
     families: tuple[tuple[int, str], ...]
     leaves: int
     parts: int = 1
+    stride: int = 0
+    scalars: tuple[tuple[int, str], ...] = ()
 
     def offsets(self) -> tuple[list[int], int]:
         """Each key's offset in a family's bucket (in a device's chunk, if split), and the
@@ -393,18 +401,37 @@ class Packing:
         starts = np.cumsum([0, *sizes]).tolist()
         return starts[:-1], starts[-1] * self.parts
 
+    def members(self, first: int) -> range:
+        """The leaf indices of the family (or scalars) whose first leaf is ``first``: one per
+        key, in key order."""
+        n = len(self.keys)
+        if self.stride:
+            return range(first, first + n * self.stride, self.stride)
+        return range(first, first + n)
+
+    def slots(self) -> tuple[tuple[str, int], ...]:
+        """The packed leaves, in order: ``("leaf", i)`` for leaf ``i`` kept as it is,
+        ``("family", first)`` for a family's bucket, ``("scalars", first)`` for a
+        ``(keys,)`` array; each bucket where its first leaf is in the tree's order."""
+        return _slots(self)
+
     def packed_positions(self) -> list[int]:
-        """The positions of the family buckets among the packed leaves."""
-        starts = {i for i, _ in self.families}
-        out, i, j = [], 0, 0
-        while i < self.leaves:
-            if i in starts:
-                out.append(j)
-                i += len(self.keys)
-            else:
-                i += 1
-            j += 1
-        return out
+        """The positions of the family buckets (and per-key scalars) among the packed leaves."""
+        return [j for j, (kind, _) in enumerate(self.slots()) if kind != "leaf"]
+
+
+@functools.lru_cache(maxsize=256)
+def _slots(packing: Packing) -> tuple[tuple[str, int], ...]:
+    firsts = {i: "family" for i, _ in packing.families}
+    firsts.update({i: "scalars" for i, _ in packing.scalars})
+    taken = {m for i in firsts for m in packing.members(i)}
+    out = []
+    for i in range(packing.leaves):
+        if i in firsts:
+            out.append((firsts[i], i))
+        elif i not in taken:
+            out.append(("leaf", i))
+    return tuple(out)
 
 
 def opt_packing(
@@ -423,31 +450,63 @@ def opt_packing(
             i += n
         else:
             i += 1
-    return Packing(
+    packing = Packing(
         treedef, tuple(keys), tuple(map(tuple, shapes)), tuple(families), len(flat), parts
+    )
+    if not families and parts == 1:
+        return _per_key_packing(packing, flat) or packing
+    return packing
+
+
+def _per_key_packing(packing: Packing, flat: list) -> Packing | None:
+    """``packing`` for a state kept per key (each key's own leaves after the one before, under
+    its key's name: ``per_key``'s), with its families and scalars ``stride`` apart; ``None``
+    where the state is not so, or has neither."""
+    n, total = len(packing.keys), len(flat)
+    if n < 2 or total % n:
+        return None
+    stride = total // n
+    for j, key in enumerate(packing.keys):
+        for path, _ in flat[j * stride : (j + 1) * stride]:
+            first = path[0] if path else None
+            if not isinstance(first, jax.tree_util.DictKey) or first.key != key:
+                return None
+    families, scalars = [], []
+    for p in range(stride):
+        leaves = [leaf for _, leaf in flat[p::stride]]
+        dtypes = {np.dtype(getattr(x, "dtype", object)) for x in leaves}
+        if len(dtypes) != 1 or not all(hasattr(x, "shape") for x in leaves):
+            continue
+        (dtype,) = dtypes
+        if all(tuple(x.shape) == () for x in leaves):
+            scalars.append((p, dtype.name))
+        elif all(tuple(x.shape) == s for x, s in zip(leaves, packing.shapes)):
+            families.append((p, dtype.name))
+    if not families and not scalars:
+        return None
+    return dataclasses.replace(
+        packing, families=tuple(families), stride=stride, scalars=tuple(scalars)
     )
 
 
 def pack_opt_leaves(packing: Packing, opt_state: Any) -> list[Any]:
     """The leaves of ``opt_state`` packed as ``packing`` says: each family's leaves in one
-    bucket (split over ``packing.parts`` devices as the group's value bucket is)."""
+    bucket (split over ``packing.parts`` devices as the group's value bucket is), each run of
+    per-key scalars in one array."""
     flat = jax.tree_util.tree_leaves(opt_state)
-    starts = dict(packing.families)
-    n = len(packing.keys)
     out: list[Any] = []
-    i = 0
-    while i < len(flat):
-        if i in starts:
-            run = flat[i : i + n]
-            if packing.parts > 1:
-                grid = jnp.concatenate([as_blocks(x, packing.parts) for x in run], axis=1)
-                out.append(grid.reshape(-1))
-            else:
-                out.append(jnp.concatenate([jnp.ravel(x) for x in run]))
-            i += n
-        else:
+    for kind, i in packing.slots():
+        if kind == "leaf":
             out.append(flat[i])
-            i += 1
+            continue
+        run = [flat[m] for m in packing.members(i)]
+        if kind == "scalars":
+            out.append(jnp.stack(run))
+        elif packing.parts > 1:
+            grid = jnp.concatenate([as_blocks(x, packing.parts) for x in run], axis=1)
+            out.append(grid.reshape(-1))
+        else:
+            out.append(jnp.concatenate([jnp.ravel(x) for x in run]))
     return out
 
 
@@ -486,20 +545,16 @@ def _is_family(run: list, keys: Sequence[Key], shapes: Sequence[tuple[int, ...]]
 
 
 def _unpacked(packing: Packing, leaves: Sequence[Any], one: Any) -> Any:
-    """The optax state's tree from its packed ``leaves``: each family's bucket gives one leaf
-    per key, ``one(bucket, j)`` for the j-th key of the group; other leaves are kept."""
-    starts = dict(packing.families)
-    out: list[Any] = []
-    it = iter(leaves)
-    i = 0
-    while i < packing.leaves:
-        leaf = next(it)
-        if i in starts:
-            out.extend(one(leaf, j) for j in range(len(packing.keys)))
-            i += len(packing.keys)
-        else:
-            out.append(leaf)
-            i += 1
+    """The optax state's tree from its packed ``leaves``: each family's bucket (or per-key
+    scalars) gives one leaf per key, ``one(bucket, j, kind)`` for the j-th key of the group;
+    other leaves are kept."""
+    out: list[Any] = [None] * packing.leaves
+    for (kind, i), leaf in zip(packing.slots(), leaves):
+        if kind == "leaf":
+            out[i] = leaf
+            continue
+        for j, m in enumerate(packing.members(i)):
+            out[m] = one(leaf, j, kind)
     return jax.tree_util.tree_unflatten(packing.treedef, out)
 
 
@@ -508,7 +563,9 @@ def unpack_opt(packing: Packing, leaves: Sequence[Any]) -> Any:
     offsets, total = packing.offsets()
     parts = packing.parts
 
-    def one(bucket: Any, j: int) -> Any:
+    def one(bucket: Any, j: int, kind: str) -> Any:
+        if kind == "scalars":
+            return bucket[j]
         offset, shape = offsets[j], packing.shapes[j]
         size = math.prod(shape)
         if parts > 1:
@@ -523,9 +580,10 @@ def unpack_opt_like(packing: Packing, leaves: Sequence[Any]) -> Any:
     ``PartitionSpec``, ``jax.eval_shape``'s ``ShapeDtypeStruct``): each key of a family gets its
     bucket's (a ``ShapeDtypeStruct`` of the key's shape)."""
 
-    def one(bucket: Any, j: int) -> Any:
+    def one(bucket: Any, j: int, kind: str) -> Any:
         if isinstance(bucket, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(packing.shapes[j], bucket.dtype)
+            shape = () if kind == "scalars" else packing.shapes[j]
+            return jax.ShapeDtypeStruct(shape, bucket.dtype)
         return bucket
 
     return _unpacked(packing, leaves, one)
@@ -547,25 +605,25 @@ def write_opt(packing: Packing, old: Sequence[Any], opt_state: Any) -> list[Any]
     """The leaves of ``opt_state`` (of ``packing``'s structure) packed as :func:`pack_opt`
     packs them, each family written in place into its old bucket in ``old``."""
     flat = jax.tree_util.tree_leaves(opt_state)
-    starts = dict(packing.families)
     offsets, total = packing.offsets()
     parts = packing.parts
     out: list[Any] = []
-    i = 0
-    for previous in old:
-        if i in starts:
-            bucket = previous
-            for leaf, offset in zip(flat[i : i + len(packing.keys)], offsets):
-                if parts > 1:
-                    bucket = split_write(bucket, offset, leaf, parts, total)
-                    continue
-                flat_leaf = jnp.ravel(leaf).astype(bucket.dtype)
-                bucket = jax.lax.dynamic_update_slice_in_dim(bucket, flat_leaf, offset, axis=0)
-            out.append(bucket)
-            i += len(packing.keys)
-        else:
+    for (kind, i), previous in zip(packing.slots(), old):
+        if kind == "leaf":
             out.append(flat[i])
-            i += 1
+            continue
+        leaves = [flat[m] for m in packing.members(i)]
+        if kind == "scalars":
+            out.append(jnp.stack(leaves).astype(previous.dtype))
+            continue
+        bucket = previous
+        for leaf, offset in zip(leaves, offsets):
+            if parts > 1:
+                bucket = split_write(bucket, offset, leaf, parts, total)
+                continue
+            flat_leaf = jnp.ravel(leaf).astype(bucket.dtype)
+            bucket = jax.lax.dynamic_update_slice_in_dim(bucket, flat_leaf, offset, axis=0)
+        out.append(bucket)
     return out
 
 

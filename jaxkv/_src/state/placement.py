@@ -21,8 +21,10 @@ from jaxkv._src.state.kvstate import Key, KVState, mesh_over
 from jaxkv._src.state.pairing import is_traced
 
 __all__ = [
+    "Later",
     "copies",
     "for_outs",
+    "local_parts",
     "host_copy",
     "host_empty",
     "keyed_shardings",
@@ -41,9 +43,44 @@ def copies(values: list[jax.Array]) -> list[jax.Array]:
     """Fresh buffers holding ``values``, with the same shardings.
 
     ``device_put`` may let a shard alias its source even with ``may_alias=False``; a stored
-    value that aliased a user's array (or another key's value) would break donation.
+    value that aliased a user's array (or another key's value) would break donation. A value
+    on other processes' devices too is copied shard by shard on this process's devices (one
+    computation per device, none spanning processes): no collective, so no collective turn to
+    wait for.
     """
-    return order.ordered("copy", _copies, values)
+    parts = [None if v.is_fully_addressable else local_parts(v) for v in values]
+    across = [i for i, p in enumerate(parts) if p is not None]
+    if not across:
+        return order.ordered("copy", _copies, values)
+    out = list(values)
+    rest = [i for i in range(len(values)) if parts[i] is None]
+    if rest:
+        for i, x in zip(rest, order.ordered("copy", _copies, [values[i] for i in rest])):
+            out[i] = x
+    shards = [p for p in parts if p is not None]  # (in the order of across)
+    by_device: dict[Any, list[tuple[int, int]]] = {}
+    for j, own in enumerate(shards):
+        for k, shard in enumerate(own):
+            by_device.setdefault(single_device(shard), []).append((j, k))
+    copied: list[list[Any]] = [[None] * len(own) for own in shards]
+    for where in by_device.values():
+        for (j, k), x in zip(where, _copies([shards[j][k] for j, k in where])):
+            copied[j][k] = x
+    for j, i in enumerate(across):
+        v = values[i]
+        out[i] = jax.make_array_from_single_device_arrays(v.shape, v.sharding, copied[j])
+    return out
+
+
+def local_parts(x: jax.Array) -> list[jax.Array] | None:
+    """This process's single-device arrays of ``x``, or ``None`` where JAX holds them typed
+    with ``x``'s whole sharding (a host value ``jax.device_put`` on several processes' devices
+    is held so: its shards cannot be read one by one)."""
+    try:
+        parts = per_device(x)
+    except ValueError:  # (the public route, JAXKV_NO_FAST_PATHS=1, refuses to read them)
+        return None
+    return parts if all(single_device(p) is not None for p in parts) else None
 
 
 def for_outs(state: KVState, index: Sequence[int], lend: bool) -> list[jax.Array]:
@@ -61,6 +98,60 @@ def for_outs(state: KVState, index: Sequence[int], lend: bool) -> list[jax.Array
         for j, x in zip(own, copies([values[j] for j in own])):
             values[j] = x
     return values
+
+
+class Later:
+    """The values of keys in buckets that a pull into outs gives them (each key's view of its
+    bucket), made when one of the outs is first read: a store that pulls a list into outs at
+    every step and reads none of them before the next pull (MXNet's loop with ``nd.waitall``)
+    makes none. Made, they are one computation with an array per key, as :func:`for_outs`
+    makes them. Until then this holds the buckets (and nothing else of the state), so a push
+    that may donate them must call :meth:`spare` first (the store's lending does)."""
+
+    __slots__ = ("_layout", "_buckets", "_index", "_noted", "_values", "__weakref__")
+
+    def __init__(self, state: KVState, index: Sequence[int], noted: Any = None) -> None:
+        layout = state.flat_layout
+        assert layout is not None and all(layout.where[i][0] >= 0 for i in index)
+        self._layout = layout
+        self._buckets: list[jax.Array] | None = list(state.leaves[: len(layout.buckets)])
+        self._index = index
+        self._noted = noted  # called with the values made (the store notes what it lent)
+        self._values: list[jax.Array] | None = None
+
+    def values(self) -> list[jax.Array]:
+        """The values, in the order of the key positions given (made at the first call)."""
+        values = self._values
+        if values is None:
+            leaves = self._buckets
+            if leaves is None:  # (made meanwhile, by a read in another thread)
+                assert self._values is not None
+                return self._values
+            if any(x.is_deleted() for x in leaves):
+                # (JAX on CPU crashes reading a donated array; the store spares its own)
+                raise KVStoreError(
+                    "an out of a pull is read after the store's arrays it was pulled from "
+                    "were donated to a computation the store did not spare them for: its "
+                    "value is lost; pull again"
+                )
+            layout = self._layout
+            made = buckets.run(
+                "flat views", buckets.eager_views(buckets.bucket_layout(layout)), leaves
+            )
+            at = {i: n for n, i in enumerate(buckets.in_buckets(layout))}
+            values = self._values = [made[at[i]] for i in self._index]
+            self._buckets = None
+            if self._noted is not None:
+                self._noted(values)
+        return values
+
+    def spare(self) -> None:
+        """Hold copies of the buckets the values are made from, where they are not made yet:
+        a push may then donate the store's own."""
+        leaves = self._buckets
+        if leaves is None or any(x.is_deleted() for x in leaves):
+            return  # (made already; or lost already: a read raises)
+        self._buckets = copies(leaves)
 
 
 def put(values: Sequence[Any], shardings: Sequence[Any], agreed: bool = False) -> list[jax.Array]:
@@ -242,7 +333,11 @@ def replicate(values: Sequence[jax.Array], devices: tuple[jax.Device, ...]) -> l
     local = [v.addressable_shards[0].data if not v.is_fully_addressable else v for v in values]
     me = jax.process_index()
     if any(d.process_index != me for d in devices):
-        return list(jax.device_put([np.asarray(v) for v in local], [sharding] * len(local)))
+        # Every process holds the same whole copies (of replicated values): each fills its own
+        # devices from its own, with no all-gather checking that they agree (JAX's, at a put of
+        # a host value onto several processes' devices: a collective outside jaxkv's turns).
+        hosts = [np.asarray(v) for v in local]
+        return put(hosts, [sharding] * len(hosts), agreed=True)
     return _device_put(local, sharding)
 
 

@@ -331,3 +331,23 @@ def test_an_optax_push_to_a_split_bucket_with_some_keys_whole_gives_each_its_ste
     np.testing.assert_array_equal(new[0], np.arange(3.0) - 0.5 * np.sum(parts[0], axis=0))
     np.testing.assert_array_equal(new[1], np.arange(4.0).reshape(2, 2) - 1.0)
     np.testing.assert_array_equal(new[2], np.arange(5.0) - 0.5 * np.sum(parts[1], axis=0))
+
+
+def test_an_updater_made_anew_at_every_push_is_named_once_in_a_warning(caplog):
+    """Each push with a new optax object compiles the push again (a computation is kept per
+    updater object): from the fourth such compile of the same push a warning names the key and
+    says to make the updater once; it is said once, and never for one updater object reused."""
+    state = jaxkv.init(jaxkv.empty(), {"anew": jnp.zeros((3, 5)), "kept": jnp.zeros((5, 3))})
+    tx = optax.sgd(0.5)
+    with caplog.at_level("WARNING", logger="jaxkv"):
+        for _ in range(6):
+            state = jaxkv.push(state, "kept", jnp.ones((5, 3)), updater=tx)
+        assert "updater made anew" not in caplog.text
+        for _ in range(3):
+            state = jaxkv.push(state, "anew", jnp.ones((3, 5)), updater=optax.sgd(0.5))
+        assert "updater made anew" not in caplog.text
+        for _ in range(3):
+            state = jaxkv.push(state, "anew", jnp.ones((3, 5)), updater=optax.sgd(0.5))
+    said = [r.getMessage() for r in caplog.records if "updater made anew" in r.getMessage()]
+    assert len(said) == 1 and "key 'anew'" in said[0] and "compiled 4 times" in said[0], said
+    np.testing.assert_array_equal(np.asarray(jaxkv.pull(state, "anew")), np.full((3, 5), -3.0))

@@ -116,3 +116,48 @@ def test_values_written_into_a_split_bucket_read_back_whole_and_per_device(shape
         )
         np.testing.assert_array_equal(whole[:size], v.ravel())
         assert not whole[size:].any()  # the padding holds zeros
+
+
+def test_a_state_kept_per_key_packs_each_place_of_a_keys_state_into_one_leaf():
+    """MXNet's per-key state (each key its own step count and moments, key after key): each
+    key's moment at one place of its state is one bucket, the step counts one array of a count
+    per key; a leaf of another shape stays as it is. Unpacked, every leaf is the key's own."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv._src.mxnet.per_key import PerKeyState
+
+    keys, shapes = (0, 1, 2), [(2, 3), (4,), (2, 3)]
+    rng = np.random.default_rng(0)
+
+    def own(k, shape):
+        return {
+            "count": jnp.asarray(k + 1, jnp.int32),
+            "mu": {k: jnp.asarray(rng.normal(size=shape), jnp.float32)},
+            "odd": jnp.full((k + 1,), float(k)),  # a shape of its own per key: kept
+        }
+
+    state = PerKeyState({k: own(k, s) for k, s in zip(keys, shapes)})
+    packing, leaves = buckets.pack_opt(keys, shapes, state)
+    assert packing.stride == 3 and len(leaves) == 2 + len(keys)
+    assert [(kind, i) for kind, i in packing.slots()][:2] == [("scalars", 0), ("family", 1)]
+    np.testing.assert_array_equal(leaves[0], [1, 2, 3])
+    assert leaves[1].shape == (6 + 4 + 6,)
+    back = buckets.unpack_opt(packing, leaves)
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(state)):
+        np.testing.assert_array_equal(a, b)
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(state)
+    # written back: the same leaves again, each family in place
+    new = jax.tree_util.tree_map(lambda x: x + 1, state)
+    again = buckets.unpack_opt(packing, buckets.write_opt(packing, leaves, new))
+    for a, b in zip(jax.tree_util.tree_leaves(again), jax.tree_util.tree_leaves(new)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_state_not_kept_key_after_key_is_not_packed_per_key():
+    """Leaves that are not under their key's name, key after key, keep optax's packing."""
+    import jax.numpy as jnp
+
+    state = {"count": jnp.zeros((), jnp.int32), "mu": {0: jnp.ones(3), 1: jnp.ones(3)}}
+    packing = buckets.opt_packing((0, 1), [(3,), (3,)], state)
+    assert packing.stride == 0 and packing.families == ((1, "float32"),)

@@ -10,6 +10,7 @@ evaluates in float64, from a step count known only inside the computation.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -45,7 +46,11 @@ def parsed(x: float) -> np.float32:
     in float32 plus the float32 of the fraction's digits (at most 19) over their power of ten in
     double, then scales by the exponent in float32: not always the float32 nearest to ``x``
     (8 of 1,000 bias-corrected cosine learning rates are an ulp off), MXNet's number."""
-    text = str(float(x))
+    return _parsed_text(str(float(x)))
+
+
+@functools.lru_cache(maxsize=1024)  # an optimizer's constants are parsed at every update
+def _parsed_text(text: str) -> np.float32:
     f32 = np.float32
     negative = text.startswith("-")
     text = text.lstrip("+-")
