@@ -17,7 +17,9 @@ not be exact.
 
 from __future__ import annotations
 
+import functools
 import numbers
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -629,9 +631,41 @@ def arange(
 
 def waitall() -> None:
     """Wait until every computation issued so far has finished (a store's held calls run
-    first)."""
+    first). A computation that failed raises its error here once, as MXNet's engine rethrows
+    it at one ``waitall`` and clears it: a later ``waitall`` does not raise it again, though
+    its arrays are still alive (held by the caught error's traceback, say)."""
     from jaxkv._src.mxnet import held  # (the stores import this module)
 
     held.run_everything_held()
-    jax.block_until_ready(jax.live_arrays())
+    arrays = jax.live_arrays()
+    try:
+        jax.block_until_ready(arrays)
+    except Exception:  # (JAX's runtime error: some array's computation failed)
+        _raise_once(arrays)
     checked.settle(wait=True)
+
+
+# The failed arrays a waitall has raised the error of, by id (a weak reference each: JAX's
+# arrays are unhashable).
+_raised: dict[int, Any] = {}
+
+
+def _raise_once(arrays: list[jax.Array]) -> None:
+    """Wait for each of ``arrays``; raise the first error no waitall has raised yet, having
+    marked every failed one as raised."""
+    first = None
+    for a in arrays:
+        try:
+            a.block_until_ready()
+        except Exception as e:
+            seen = _raised.get(id(a))
+            if seen is not None and seen() is a:
+                continue
+            _raised[id(a)] = weakref.ref(a, functools.partial(_forget, id(a)))
+            first = first or e
+    if first is not None:
+        raise first
+
+
+def _forget(key: int, _: Any) -> None:
+    _raised.pop(key, None)

@@ -8,6 +8,7 @@ One process stands in for a job: ``reduce_scatter_safe`` and ``JAXKV_VERIFY_SUMS
 across processes on CPU devices."""
 
 import functools
+import gc
 import re
 
 import jax
@@ -26,6 +27,14 @@ N = 4  # devices
 def as_across_processes(monkeypatch):
     monkeypatch.setattr(collectives, "reduce_scatter_safe", lambda: False)
     monkeypatch.setenv(verified.ENV_VERIFY_SUMS, "1")
+
+
+@pytest.fixture(autouse=True)
+def _no_failed_arrays_left():
+    """The wrong sums' arrays, held by the caught errors' tracebacks (a cycle with the test's
+    frame), freed with the test: a later test's ``nd.waitall`` would raise their errors."""
+    yield
+    gc.collect()
 
 
 def _mesh():

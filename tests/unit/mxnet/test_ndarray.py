@@ -1,5 +1,7 @@
 """jaxkv/_src/mxnet/ndarray.py: the bounds of int64 values held as int32, the dtype an array
-reports, and the refusals of creation and of ``a[:] = v``."""
+reports, the refusals of creation and of ``a[:] = v``, and waitall raising a failed
+computation's error once."""
+
 
 import jax
 import jax.numpy as jnp
@@ -177,3 +179,32 @@ def test_an_array_made_on_the_host_goes_to_its_device_only_when_read_there():
     b = ndarray.array([1, 2], dtype="int64")
     np.testing.assert_array_equal((b + 1).asnumpy(), [2, 3])  # arithmetic reads the device value
     assert b.dtype == np.int64
+
+
+def test_waitall_raises_a_failed_computations_error_once():
+    """MXNet's engine rethrows a failed operation's error at one waitall and clears it: the
+    failed array, still alive, does not make every later waitall raise; a new failure does."""
+    mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("kv",))
+    failing = [3]  # (the device whose part fails)
+
+    def fails_on_a_device(i):
+        if i in failing:
+            raise ValueError("a failed computation")
+
+    def body(b):
+        jax.debug.callback(fails_on_a_device, jax.lax.axis_index("kv"))
+        return b + 1
+
+    run = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec("kv"), out_specs=PartitionSpec("kv"))
+    )
+    kept = []  # (alive: the errors are the waitalls' to raise)
+    for _ in range(2):
+        kept.append(run(jnp.arange(8.0)))
+        with pytest.raises(Exception, match="a failed computation"):
+            ndarray.waitall()
+        ndarray.waitall()  # (raised once)
+        assert not kept[-1].is_deleted()
+    failing.clear()  # the same computation, succeeding: its results and a waitall as ever
+    np.testing.assert_array_equal(np.asarray(run(jnp.arange(8.0))), np.arange(8.0) + 1)
+    ndarray.waitall()
