@@ -27,6 +27,7 @@ import jaxkv
 import jaxkv.mx as mx
 from jaxkv._src.jax_internals import per_device
 from jaxkv._src.mxnet import ndarray
+from jaxkv._src.rows import sizes
 
 RECORDED = json.loads(
     (Path(__file__).parent.parent / "conformance/data/mxnet_resume.json").read_text()
@@ -350,6 +351,39 @@ def test_a_thousand_scheduled_adam_steps_are_mxnets_bit_for_bit(one):
     nearest = np.array(float64).astype(np.float32)
     assert 3 <= int((nearest != given).sum()) <= 30
     assert all(f32.parsed(x) == y for x, y in zip(float64, given))
+
+
+def test_the_pulled_rows_stay_on_the_host_until_used_on_the_device(one, monkeypatch):
+    """MXNet's loop reads ``out.data`` to wait for the pulled rows: nothing is put on the
+    device for it (their ids are not asked for; rows pulled padded on a CPU device are cut on
+    the host and stay there until an operation uses them on the device); their values and
+    device are the pull's."""
+    rng = np.random.default_rng(3)
+    kv = _store(one, learning_rate=0.1)
+    kv.init("emb", mx.nd.array(rng.normal(size=(R, W))))
+    out = mx.nd.sparse.zeros("row_sparse", (R, W))
+    puts = []
+    real_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: puts.append(a) or real_put(*a, **k))
+    # Sizes met afresh, one count run exactly: the second count is pulled padded.
+    monkeypatch.setattr(sizes, "_SEEN", {})
+    monkeypatch.setattr(sizes, "EXACT", 1)
+    on_host = []
+    for n in (40, 37, 40):
+        ids, g = _rows(rng, n)
+        _push_pull(kv, ids, g, out)
+        puts.clear()
+        data = out.data
+        data.wait_to_read()
+        got = data.asnumpy()
+        assert got.shape == (n, W) and puts == []  # nothing put on the device
+        np.testing.assert_array_equal(np.asarray(_table(kv))[ids], got)
+        on_host.append(data.host_value() is not None)
+        twice = data * 2  # used on the device: put there (once) if still on the host
+        assert len(puts) == on_host[-1] and twice.context.device_id == one[0].id
+        np.testing.assert_array_equal(twice.asnumpy(), 2 * got)
+        np.testing.assert_array_equal(np.asarray(out.data.asjax()), got)
+    assert on_host == [False, True, False]
 
 
 def test_a_store_notes_each_array_it_lends_once(one):

@@ -281,7 +281,8 @@ class NDArray:
         return self._data
 
     def wait_to_read(self) -> None:
-        self._data.block_until_ready()
+        if self.host_value() is None:  # (a value still on the host is ready: not put)
+            self._data.block_until_ready()
         checked.settle(wait=True)
 
     def astype(self, dtype: npt.DTypeLike, copy: bool = True) -> NDArray:

@@ -467,7 +467,20 @@ class RowSparseNDArray(NDArray):
 
     @property
     def data(self) -> NDArray:
-        """The stored rows, an ``NDArray`` of shape ``(nnz, *shape[1:])``."""
+        """The stored rows, an ``NDArray`` of shape ``(nnz, *shape[1:])``. Rows still held on
+        the host, or pulled padded on a CPU device, stay on the host until the ``NDArray`` is
+        used on its device (``NDArray.lazily``), and the ids are not put: MXNet's loop that
+        only waits for the rows or reads them with ``asnumpy`` puts nothing on the device."""
+        pending = self._pending
+        if pending is not None:
+            rows, count, _, device = pending
+            if isinstance(rows, np.ndarray):
+                return NDArray.lazily(rows[:count], device, self._dtype)
+            if rows.shape[0] == count:  # (the ids, not asked for, stay on the host)
+                return NDArray(rows, self._dtype)
+            if on_host_cheaply(rows):
+                host = np.asarray(rows)[:count]  # (waits for the pull, as _land would)
+                return NDArray.lazily(host, device, self._dtype)
         return NDArray(self.row_values, self._dtype)
 
     @property
