@@ -2,7 +2,6 @@
 reports, the refusals of creation and of ``a[:] = v``, and waitall raising a failed
 computation's error once."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
