@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -108,7 +109,7 @@ class Later:
     makes them. Until then this holds the buckets (and nothing else of the state), so a push
     that may donate them must call :meth:`spare` first (the store's lending does)."""
 
-    __slots__ = ("_layout", "_buckets", "_index", "_noted", "_values", "__weakref__")
+    __slots__ = ("_layout", "_buckets", "_index", "_noted", "_values", "_lock", "__weakref__")
 
     def __init__(self, state: KVState, index: Sequence[int], noted: Any = None) -> None:
         layout = state.flat_layout
@@ -118,15 +119,21 @@ class Later:
         self._index = index
         self._noted = noted  # called with the values made (the store notes what it lent)
         self._values: list[jax.Array] | None = None
+        # Held while the values are made and while the buckets are spared: a push in another
+        # thread then donates the store's buckets only once no making is still dispatching a
+        # computation that reads them (JAX on CPU crashes calling one with a donated array).
+        self._lock = threading.Lock()
 
     def values(self) -> list[jax.Array]:
         """The values, in the order of the key positions given (made at the first call)."""
         values = self._values
-        if values is None:
-            leaves = self._buckets
-            if leaves is None:  # (made meanwhile, by a read in another thread)
-                assert self._values is not None
+        if values is not None:
+            return values
+        with self._lock:
+            if self._values is not None:  # (made meanwhile, by a read in another thread)
                 return self._values
+            leaves = self._buckets
+            assert leaves is not None
             if any(x.is_deleted() for x in leaves):
                 # (JAX on CPU crashes reading a donated array; the store spares its own)
                 raise KVStoreError(
@@ -139,19 +146,22 @@ class Later:
                 "flat views", buckets.eager_views(buckets.bucket_layout(layout)), leaves
             )
             at = {i: n for n, i in enumerate(buckets.in_buckets(layout))}
-            values = self._values = [made[at[i]] for i in self._index]
+            values = [made[at[i]] for i in self._index]
             self._buckets = None
-            if self._noted is not None:
-                self._noted(values)
+            self._values = values
+        if self._noted is not None:
+            self._noted(values)
         return values
 
     def spare(self) -> None:
         """Hold copies of the buckets the values are made from, where they are not made yet:
-        a push may then donate the store's own."""
-        leaves = self._buckets
-        if leaves is None or any(x.is_deleted() for x in leaves):
-            return  # (made already; or lost already: a read raises)
-        self._buckets = copies(leaves)
+        a push may then donate the store's own. Waits for a making under way in another
+        thread (then there is nothing to spare)."""
+        with self._lock:
+            leaves = self._buckets
+            if leaves is None or any(x.is_deleted() for x in leaves):
+                return  # (made already; or lost already: a read raises)
+            self._buckets = copies(leaves)
 
 
 def put(values: Sequence[Any], shardings: Sequence[Any], agreed: bool = False) -> list[jax.Array]:
