@@ -155,3 +155,43 @@ def test_an_out_whose_buckets_were_donated_unspared_raises_when_read(devices):
     jax.jit(lambda xs: [x + 1 for x in xs], donate_argnums=0)(leaves)
     with pytest.raises(jaxkv.KVStoreError, match="did not spare them for"):
         outs[0][0].asnumpy()
+
+
+def test_a_spare_waits_for_a_making_under_way_in_another_thread(devices, monkeypatch):
+    """A read in one thread makes the values from the store's buckets while a push in another
+    spares them and then donates them: the spare waits until the making has dispatched its
+    computation (else the push donates buckets the making is about to read: JAX on CPU
+    crashes), and the out reads its pull's values."""
+    import threading
+
+    kv, start = _store(devices)
+    kv.push(KEYS, _grads(0))
+    model = [w - LR * 2 * (k + 1) / 8 for k, w in enumerate(start)]
+    outs = [[nd.zeros(s, jaxkv.cpu(d)) for d in (0, 1)] for s in SHAPES]
+    kv.pull(KEYS, out=outs)
+    nd.waitall()  # (the pull runs; no out is read)
+    later = next(iter(kv._lending.laters))  # noqa: SLF001 - the pull's pending values
+    making, go = threading.Event(), threading.Event()
+    real = buckets.run
+
+    def slow(*args):  # (the making's dispatch, held up until the spare has started)
+        making.set()
+        assert go.wait(10)
+        return real(*args)
+
+    monkeypatch.setattr(buckets, "run", slow)
+    read = threading.Thread(target=later.values)
+    read.start()
+    assert making.wait(10)
+    spared = threading.Thread(target=later.spare)
+    spared.start()
+    spared.join(0.2)
+    assert spared.is_alive()  # waiting for the making
+    go.set()
+    read.join(10)
+    spared.join(10)
+    assert not read.is_alive() and not spared.is_alive()
+    monkeypatch.setattr(buckets, "run", real)
+    kv.push(KEYS, _grads(1))  # donates the buckets: the outs keep their pull's values
+    np.testing.assert_allclose(outs[0][0].asnumpy(), model[0], rtol=1e-6)
+    np.testing.assert_allclose(outs[5][1].asnumpy(), model[5], rtol=1e-6)
