@@ -70,7 +70,7 @@ from jaxkv._src.mxnet.ndarray import (
     unwrap,
 )
 from jaxkv._src.mxnet.ndarray import zeros as _dense_zeros
-from jaxkv._src.rows.sizes import on_host_cheaply
+from jaxkv._src.rows.sizes import on_host_cheaply, sorted_distinct
 
 __all__ = [
     "RowSparseNDArray",
@@ -306,15 +306,24 @@ class RowSparseNDArray(NDArray):
             return None
         return pending[0][: pending[1]], pending[2]
 
-    def _land(self) -> None:
-        pending = self._pending
-        assert pending is not None
-        rows, count, ids, device = pending
-        self._pending = None
+    def _host_rows(self) -> np.ndarray | None:
+        """The pending rows cut to their count on the host, where they are cut there: rows
+        held on the host, or pulled padded on a CPU device (no copy, nothing compiled); else
+        ``None`` (rows of their exact count, or padded off CPU: a slice compiled per count)."""
+        assert self._pending is not None
+        rows, count = self._pending[:2]
         if isinstance(rows, np.ndarray) or rows.shape[0] != count and on_host_cheaply(rows):
-            host = np.asarray(rows)[:count]  # on CPU devices: no copy, nothing compiled
+            return np.asarray(rows)[:count]  # (waits for a pull)
+        return None
+
+    def _land(self) -> None:
+        host = self._host_rows()
+        assert self._pending is not None
+        rows, count, ids, device = self._pending
+        self._pending = None
+        if host is not None:
             self._rows, self._ids = jax.device_put((host, ids), device)
-        else:  # (a slice compiled once per count, off CPU)
+        else:
             self._rows = rows if rows.shape[0] == count else rows[:count]
             self._ids = jax.device_put(ids, device)
         self._where = (self._rows, device)
@@ -471,16 +480,13 @@ class RowSparseNDArray(NDArray):
         the host, or pulled padded on a CPU device, stay on the host until the ``NDArray`` is
         used on its device (``NDArray.lazily``), and the ids are not put: MXNet's loop that
         only waits for the rows or reads them with ``asnumpy`` puts nothing on the device."""
-        pending = self._pending
-        if pending is not None:
-            rows, count, _, device = pending
-            if isinstance(rows, np.ndarray):
-                return NDArray.lazily(rows[:count], device, self._dtype)
+        if self._pending is not None:
+            rows, count, _, device = self._pending
+            host = self._host_rows()
+            if host is not None:
+                return NDArray.lazily(host, device, self._dtype)
             if rows.shape[0] == count:  # (the ids, not asked for, stay on the host)
                 return NDArray(rows, self._dtype)
-            if on_host_cheaply(rows):
-                host = np.asarray(rows)[:count]  # (waits for the pull, as _land would)
-                return NDArray.lazily(host, device, self._dtype)
         return NDArray(self.row_values, self._dtype)
 
     @property
@@ -873,7 +879,7 @@ def _from_definition(
             f"{where}: expected indices in [0, {shape[0]}) for shape {shape}, given "
             f"{bad[:8].tolist()}"
         )
-    if len(ids) > 1 and not (ids[1:] > ids[:-1]).all():  # (a batch's ids come sorted)
+    if not sorted_distinct(ids):  # (a batch's ids come sorted)
         order = np.argsort(ids, kind="stable")
         ids = ids[order]
         repeated = ids[1:][np.diff(ids) == 0]

@@ -80,6 +80,7 @@ from jaxkv._src.rows.sizes import (
     pad_rows,
     route,
     slots,
+    sorted_distinct,
 )
 from jaxkv._src.state import buckets
 from jaxkv._src.state.dtypes import check_dtype
@@ -780,11 +781,6 @@ def _push(
         return new, [Padded(out[2], asked.size)] if back else None
     fn = state_push(key, shape[0], updater, donate)
     return order.ordered("push_rows", fn, state, ids, rows, extra), None
-
-
-def sorted_distinct(ids: np.ndarray) -> bool:
-    """Whether the (checked) host ids are sorted and distinct."""
-    return ids.size < 2 or bool(np.all(ids[1:] > ids[:-1]))
 
 
 def _host_pairs(

@@ -25,6 +25,7 @@ __all__ = [
     "padded",
     "route",
     "slots",
+    "sorted_distinct",
 ]
 
 
@@ -79,6 +80,11 @@ def route(most: int, n: int, parts: int) -> int:
     share, at 3 processes of 129-143 rows, met a new size at steps 3 to 5)."""
     share = -(-n // parts)
     return slots(max(most, share + math.ceil(2.5 * math.sqrt(share))))
+
+
+def sorted_distinct(ids: np.ndarray) -> bool:
+    """Whether the (checked) host ids are sorted and distinct."""
+    return ids.size < 2 or bool(np.all(ids[1:] > ids[:-1]))
 
 
 def pad_ids(ids: np.ndarray, to: int, fill: int = -1) -> np.ndarray:
