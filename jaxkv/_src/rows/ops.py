@@ -560,10 +560,7 @@ def push_rows(
       >>> jaxkv.pull(s, "e").tolist()
       [[1.0, 1.0], [0.0, 0.0], [2.0, 2.0]]
     """
-    with naming(key):
-        new, _ = _push(
-            state, key, row_ids, rows, updater, axis_name, donate, None, extra=extra_args
-        )
+    new, _ = _push(state, key, row_ids, rows, updater, axis_name, donate, None, extra=extra_args)
     return new
 
 
@@ -620,10 +617,9 @@ def pushpull_rows(
                 plan = (list(pull_ids), [host_ids(key, x, n_rows) for x in ids_on_host(asked)])
             else:
                 host_ids(key, pull_ids, n_rows)
-    with naming(key):
-        state, pulled = _push(
-            state, key, row_ids, rows, updater, axis_name, donate, plan, extra=extra_args
-        )
+    state, pulled = _push(
+        state, key, row_ids, rows, updater, axis_name, donate, plan, extra=extra_args
+    )
     if pulled is not None:
         return state, [exact(x) for x in pulled]
     if not many:
@@ -661,126 +657,134 @@ def _push(
     ``checked``: the pairs' ids, already checked on the host (:func:`check_push`); ``extra``:
     the updater's extra arguments; ``before``: calls held before the push, agreed with it and
     run before its computation (a store across processes)."""
-    updater = as_updater(updater)  # an optax wrapper (MultiSteps): its transformation
-    updater = viewed(state, updater)  # optax sees the tree given to init
-    extra = {} if extra is None else dict(extra)
-    if state.reduce != "sum":
-        raise KVStoreError(
-            f"key {shown(key)}: a row-sparse push sums its rows, given a store with "
-            f"reduce={state.reduce!r}; push the rows to a store with reduce='sum' (and "
-            "scale them), or push the dense value"
-        )
-    key, i, shape, pairs, group = _opened(state, key, row_ids, rows, updater)
-    dtype = buckets.stored_type(state, i).dtype
-    optax_push = isinstance(updater, optax.GradientTransformation)
-    traced = (
-        _traced_leaves(state)
-        or any(is_traced(x) for x in jax.tree_util.tree_leaves(state.group_states))
-        or any(is_traced(ids) or is_traced(r) for ids, r in pairs)
-    )
-    if traced:
-        return _push_traced(state, key, shape, pairs, updater, axis_name, group, extra), None
-    if axis_name is not None:
-        raise KVStoreError(
-            f"axis_name={axis_name!r}: expected to be called inside pmap or shard_map, given an "
-            "eager call (eagerly, a list of per-device pairs is already summed over devices)"
-        )
-    if checked is not None:
-        host_pairs = list(zip(checked, [r for _, r in pairs]))
-    else:
-        with checking(state, key):
-            host_pairs = _host_pairs(key, shape, dtype, pairs)
-    across = None
-    if spans_processes(state):  # agreed before anything runs (init_opt_states may compute)
-        # A pull of one id array per device of this process, fused: agreed with the push.
-        fused = None
-        if pull is not None and pull is not _SAME and len(pull[1]) <= len(_local_devices(state)):
-            fused = _asked_here(state, list(pull[1]))
-        across = _across_pairs(state, key, shape, host_pairs, extra, fused, before)
-    if before is not None:  # (held calls of other keys: the same key, shape and layout)
-        state = before.run()
-    if optax_push and state.opt_group(key) is None:
-        from jaxkv._src.core.eager import init_opt_states
-
-        state = init_opt_states(state, updater, (key,))
-    leaf = _own_leaf(state, i)
-    n: int | None = None if group is None else state.groups.index(group)
-    if across is not None:
-        pairs_here, m, most, pull_sizes = across
-        # The pull asks every process's pushed ids back (MXNet's push, then row_sparse_pull of
-        # the batch): along the push's own routes, in its computation.
-        along = pull_sizes is not None and pull_sizes[2]
-        new, rows = _push_across(
-            state, key, shape, pairs_here, m, most, updater, n, leaf, donate, extra, along
-        )
-        if pull_sizes is None:
-            return new, None
-        if rows is None:
-            mine = _asked_here(state, list(pull[1]))
-            rows = _pull_agreed(new, key, i, shape, mine, pull_sizes[0], pull_sizes[1])
-        return new, rows[: len(pull[1])]
-    if leaf is not None and (n is None or state.packings[n] is None):
-        routed = _routed(state, key, shape, host_pairs, updater, n, [ids for ids, _ in pairs])
-        if routed is not None:
-            c, ids, rows = routed
-            args = [ids, rows]
-            back: int | None = None
-            if pull is _SAME:
-                back = 0
-            elif pull is not None and len({x.size for x in pull[1]}) == 1:
-                to = fit(("pull ids", key), pull[1][0].size)
-                args.append(_split_ids(state, pull[0], [pad_ids(x, to) for x in pull[1]]))
-                parts = len(state.devices)
-                back = route(busiest(pull[1], shape[0] // parts, parts), to, parts)
-            fn = routed_push(state.mesh, state.axis, key, updater, donate, c, back)
-            opt = None if n is None else state.group_states[n]
-            out = order.ordered(
-                "push_rows", fn, state.leaves[leaf], opt, args[0], args[1], extra, *args[2:]
+    with naming(key):  # (a wrong sum's error, found at a later call, names the key)
+        updater = as_updater(updater)  # an optax wrapper (MultiSteps): its transformation
+        updater = viewed(state, updater)  # optax sees the tree given to init
+        extra = {} if extra is None else dict(extra)
+        if state.reduce != "sum":
+            raise KVStoreError(
+                f"key {shown(key)}: a row-sparse push sums its rows, given a store with "
+                f"reduce={state.reduce!r}; push the rows to a store with reduce='sum' (and "
+                "scale them), or push the dense value"
             )
-            new = buckets.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]})
-            if back is None:
+        key, i, shape, pairs, group = _opened(state, key, row_ids, rows, updater)
+        dtype = buckets.stored_type(state, i).dtype
+        optax_push = isinstance(updater, optax.GradientTransformation)
+        traced = (
+            _traced_leaves(state)
+            or any(is_traced(x) for x in jax.tree_util.tree_leaves(state.group_states))
+            or any(is_traced(ids) or is_traced(r) for ids, r in pairs)
+        )
+        if traced:
+            return _push_traced(state, key, shape, pairs, updater, axis_name, group, extra), None
+        if axis_name is not None:
+            raise KVStoreError(
+                f"axis_name={axis_name!r}: expected to be called inside pmap or shard_map, given "
+                "an eager call (eagerly, a list of per-device pairs is already summed over "
+                "devices)"
+            )
+        if checked is not None:
+            host_pairs = list(zip(checked, [r for _, r in pairs]))
+        else:
+            with checking(state, key):
+                host_pairs = _host_pairs(key, shape, dtype, pairs)
+        across = None
+        if spans_processes(state):  # agreed before anything runs (init_opt_states may compute)
+            # A pull of one id array per device of this process, fused: agreed with the push.
+            fused = None
+            if (
+                pull is not None
+                and pull is not _SAME
+                and len(pull[1]) <= len(_local_devices(state))
+            ):
+                fused = _asked_here(state, list(pull[1]))
+            across = _across_pairs(state, key, shape, host_pairs, extra, fused, before)
+        if before is not None:  # (held calls of other keys: the same key, shape and layout)
+            state = before.run()
+        if optax_push and state.opt_group(key) is None:
+            from jaxkv._src.core.eager import init_opt_states
+
+            state = init_opt_states(state, updater, (key,))
+        leaf = _own_leaf(state, i)
+        n: int | None = None if group is None else state.groups.index(group)
+        if across is not None:
+            pairs_here, m, most, pull_sizes = across
+            # The pull asks every process's pushed ids back (MXNet's push, then row_sparse_pull of
+            # the batch): along the push's own routes, in its computation.
+            along = pull_sizes is not None and pull_sizes[2]
+            new, rows = _push_across(
+                state, key, shape, pairs_here, m, most, updater, n, leaf, donate, extra, along
+            )
+            if pull_sizes is None:
                 return new, None
-            wanted = [ids.size for ids, _ in host_pairs] if back == 0 else [x.size for x in pull[1]]
-            return new, [Padded(x, m) for x, m in zip(per_device(out[2]), wanted)]
-    ids, rows = _gathered(state, key, host_pairs, dtype)
-    place = _in_bucket(state, i)
-    if place is not None and _pushes_in_place(state, updater, n):
-        return _bucket_push(state, key, i, place, n, ids, rows, updater, donate, extra), None
-    if leaf is not None and (n is None or state.packings[n] is None):
-        sharded = state.is_sharded(shape)
-        # One pair of sorted distinct ids (as a row-sparse value holds them): nothing to sum.
-        distinct = len(host_pairs) == 1 and sorted_distinct(host_pairs[0][0])
-        # A pull from the one device of a store of one, in the same computation.
-        back = (
-            not sharded
-            and len(state.devices) == 1
-            and pull is not None
-            and pull is not _SAME
-            and len(pull[1]) == 1
-        )
-        asked: np.ndarray = pull[1][0] if back else _NO_IDS
-        in_order = back and sorted_distinct(asked)
-        fn = own_push(
-            state.mesh,
-            state.axis,
-            key,
-            shape[0],
-            sharded,
-            updater,
-            donate,
-            distinct,
-            back,
-            in_order,
-        )
-        opt = None if n is None else state.group_states[n]
-        args = [state.leaves[leaf], opt, ids, rows, extra]
-        if back:  # (one device: the ids an argument of the computation, no put of their own)
-            args.append(pad_ids(asked, fit(("take", key), asked.size)))
-        out = order.ordered("push_rows", fn, *args)
-        new = buckets.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]})
-        return new, [Padded(out[2], asked.size)] if back else None
-    fn = state_push(key, shape[0], updater, donate)
-    return order.ordered("push_rows", fn, state, ids, rows, extra), None
+            if rows is None:
+                mine = _asked_here(state, list(pull[1]))
+                rows = _pull_agreed(new, key, i, shape, mine, pull_sizes[0], pull_sizes[1])
+            return new, rows[: len(pull[1])]
+        if leaf is not None and (n is None or state.packings[n] is None):
+            routed = _routed(state, key, shape, host_pairs, updater, n, [ids for ids, _ in pairs])
+            if routed is not None:
+                c, ids, rows = routed
+                args = [ids, rows]
+                back: int | None = None
+                if pull is _SAME:
+                    back = 0
+                elif pull is not None and len({x.size for x in pull[1]}) == 1:
+                    to = fit(("pull ids", key), pull[1][0].size)
+                    args.append(_split_ids(state, pull[0], [pad_ids(x, to) for x in pull[1]]))
+                    parts = len(state.devices)
+                    back = route(busiest(pull[1], shape[0] // parts, parts), to, parts)
+                fn = routed_push(state.mesh, state.axis, key, updater, donate, c, back)
+                opt = None if n is None else state.group_states[n]
+                out = order.ordered(
+                    "push_rows", fn, state.leaves[leaf], opt, args[0], args[1], extra, *args[2:]
+                )
+                new = buckets.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]})
+                if back is None:
+                    return new, None
+                wanted = (
+                    [ids.size for ids, _ in host_pairs] if back == 0 else [x.size for x in pull[1]]
+                )
+                return new, [Padded(x, m) for x, m in zip(per_device(out[2]), wanted)]
+        ids, rows = _gathered(state, key, host_pairs, dtype)
+        place = _in_bucket(state, i)
+        if place is not None and _pushes_in_place(state, updater, n):
+            return _bucket_push(state, key, i, place, n, ids, rows, updater, donate, extra), None
+        if leaf is not None and (n is None or state.packings[n] is None):
+            sharded = state.is_sharded(shape)
+            # One pair of sorted distinct ids (as a row-sparse value holds them): nothing to sum.
+            distinct = len(host_pairs) == 1 and sorted_distinct(host_pairs[0][0])
+            # A pull from the one device of a store of one, in the same computation.
+            back = (
+                not sharded
+                and len(state.devices) == 1
+                and pull is not None
+                and pull is not _SAME
+                and len(pull[1]) == 1
+            )
+            asked: np.ndarray = pull[1][0] if back else _NO_IDS
+            in_order = back and sorted_distinct(asked)
+            fn = own_push(
+                state.mesh,
+                state.axis,
+                key,
+                shape[0],
+                sharded,
+                updater,
+                donate,
+                distinct,
+                back,
+                in_order,
+            )
+            opt = None if n is None else state.group_states[n]
+            args = [state.leaves[leaf], opt, ids, rows, extra]
+            if back:  # (one device: the ids an argument of the computation, no put of their own)
+                args.append(pad_ids(asked, fit(("take", key), asked.size)))
+            out = order.ordered("push_rows", fn, *args)
+            new = buckets.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]})
+            return new, [Padded(out[2], asked.size)] if back else None
+        fn = state_push(key, shape[0], updater, donate)
+        return order.ordered("push_rows", fn, state, ids, rows, extra), None
 
 
 def _host_pairs(
@@ -841,10 +845,7 @@ def pushpull_checked(
     read). ``before``: calls held before the push, across processes (see :class:`Before`)."""
     row_ids, rows, ids = pushed
     pull = (pulled, pulled)
-    with naming(key):
-        state, got = _push(
-            state, key, row_ids, rows, updater, None, donate, pull, ids, extra, before
-        )
+    state, got = _push(state, key, row_ids, rows, updater, None, donate, pull, ids, extra, before)
     if got is None:
         got = pull_rows(state, key, pulled, devices=devices)
     return state, got

@@ -42,3 +42,30 @@ def test_a_held_row_push_takes_a_wrapper_and_refuses_what_is_no_updater():
     assert [x.tolist() for x in ids] == [[1, 3]]
     with pytest.raises(jaxkv.KVStoreError, match=r"updater: expected None \(assign\).*int 3"):
         ops.check_push(_state(), "e", [1, 3], jnp.ones((2, 2)), 3)
+
+
+def test_every_row_push_dispatches_its_computations_naming_its_key(monkeypatch):
+    # (a wrong sum's SumError, found at a later call, names the keys dispatching it)
+    from jaxkv._src.core import checked
+    from jaxkv._src.errors import named
+    from jaxkv._src.processes import order
+
+    seen = []
+    real = order.ordered
+
+    def recording(what, fn, *args, **kwargs):
+        seen.append((what, checked.named_now()))
+        return real(what, fn, *args, **kwargs)
+
+    monkeypatch.setattr(order, "ordered", recording)
+    s = _state()
+    s = jaxkv.push_rows(s, "e", [1], jnp.ones((1, 2)))
+    s, _ = jaxkv.pushpull_rows(s, "e", [2], jnp.ones((1, 2)), pull_ids=[0, 2])
+    ids = ops.check_push(s, "e", [3], jnp.ones((1, 2)), None)
+    s, _ = ops.pushpull_checked(
+        s, "e", ([3], jnp.ones((1, 2)), ids), [np.array([3])], [s.devices[0]], None, False
+    )
+    pushes = [name for what, name in seen if what == "push_rows"]
+    assert len(pushes) == 3
+    assert pushes == [named("e")] * 3
+    assert checked.named_now() is None
