@@ -139,6 +139,42 @@ def update_rows(
     (``update(..., **extra)``: an MXNet optimizer's scalars), arguments of the computation;
     ``distinct``: the valid ids are known to be distinct (the host checked them), so nothing
     is summed (ids outside ``[0, n_rows)``, the padding, still update nothing)."""
+    value, opt_state, _ = _update_rows(
+        key, where, stored, opt_state, ids, rows, n_rows, updater, extra, distinct
+    )
+    return value, opt_state
+
+
+def update_rows_back(
+    key: Key,
+    stored: Any,
+    opt_state: Any,
+    ids: Any,
+    rows: Any,
+    n_rows: int,
+    updater: Any,
+    extra: Any = None,
+) -> tuple[Any, Any, Any]:
+    """:func:`update_rows` of a whole table at sorted distinct ``ids`` (padded after them),
+    and the pushed ids' rows after it, as a pull of those ids gives them, in their order:
+    the rows the update made, with no gather from the new table (the floor's step)."""
+    return _update_rows(key, Where(), stored, opt_state, ids, rows, n_rows, updater, extra, True)
+
+
+def _update_rows(
+    key: Key,
+    where: Where,
+    stored: Any,
+    opt_state: Any,
+    ids: Any,
+    rows: Any,
+    n_rows: int,
+    updater: Any,
+    extra: Any,
+    distinct: bool,
+) -> tuple[Any, Any, Any]:
+    """:func:`update_rows`, and the rows it wrote after it: those of ``ids`` in their order
+    where ``distinct`` (of ids outside the table: any value), else of the summed ids."""
     if not distinct:
         with jax.named_scope(SUM):
             unique, summed = dedupe(ids, rows.astype(stored.dtype), n_rows)
@@ -165,17 +201,20 @@ def _updated(
     summed: Any,
     updater: Any,
     extra: Any = None,
-) -> tuple[Any, Any]:
-    """:func:`update_rows` once the pushed rows are summed: ``summed[i]`` for row
-    ``unique[i]``."""
+) -> tuple[Any, Any, Any]:
+    """:func:`_update_rows` once the pushed rows are summed: ``summed[i]`` for row
+    ``unique[i]``. The new rows are computed once where the updater computes rows (none, or
+    optax's); a Python updater's new value is read at ``unique`` for them (unused, XLA drops
+    the gather)."""
     if updater is None:
-        return where.put(stored, unique, summed), opt_state
+        return where.put(stored, unique, summed), opt_state, summed
     if isinstance(updater, optax.GradientTransformation):
         with updater_errors(updater, [key]):  # init (tree_map_params traces it) and update
             new_rows, opt_state = _optax_rows(
                 key, where, stored, opt_state, unique, summed, updater, extra
             )
-        return where.put(stored, unique, new_rows), opt_state
+        new_rows = new_rows.astype(stored.dtype)
+        return where.put(stored, unique, new_rows), opt_state, new_rows
     pushed = where.put(jnp.zeros_like(stored), unique, summed)
     with updater_errors(updater, [key]):  # its call, and a result that is no array
         value = updater(key, pushed, stored)
@@ -191,7 +230,8 @@ def _updated(
             f"key {shown(key)}: the updater returned shape {tuple(value.shape)}, expected the "
             f"stored shape {tuple(stored.shape)} (the updater: {updater_name(updater)})"
         )
-    return value.astype(stored.dtype), opt_state
+    value = value.astype(stored.dtype)
+    return value, opt_state, where.take(value, unique)
 
 
 def _optax_rows(
@@ -556,14 +596,23 @@ def own_push(
     distinct: bool = False,
     back: bool = False,
     back_sorted: bool = False,
+    back_pushed: bool = False,
 ) -> Any:
     """The eager push of rows into a key kept as an array of its own: ``(table, opt_state,
     ids, rows, extra) -> (table, opt_state)``, in a ``shard_map`` over the store's mesh for a
     sharded table (its optimizer state's per-parameter leaves sharded like it). ``distinct``:
     see :func:`update_rows`. ``back`` (a table kept whole): one more argument, ids to pull,
     and their rows after the push as a third result; ``back_sorted``: those ids are sorted
-    and distinct (their padding, ``-1``, after them), and XLA's gather is told so."""
+    and distinct (their padding, ``-1``, after them), and XLA's gather is told so.
+    ``back_pushed`` (a table kept whole, its pushed ids sorted and distinct): the pushed ids'
+    rows after the push as a third result, the rows the update made (no more argument)."""
     donated = (0, 1) if donate else ()
+    if not sharded and back_pushed:
+
+        def pushed(table: Any, opt: Any, ids: Any, rows: Any, extra: Any) -> Any:
+            return update_rows_back(key, table, opt, ids, rows, n_rows, updater, extra)
+
+        return jax.jit(pushed, donate_argnums=donated)
     if not sharded:
 
         def whole(table: Any, opt: Any, ids: Any, rows: Any, extra: Any, *pull: Any) -> Any:

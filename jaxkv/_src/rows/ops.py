@@ -615,13 +615,16 @@ def pushpull_rows(
         with checking(state, key):
             if many:
                 plan = (list(pull_ids), [host_ids(key, x, n_rows) for x in ids_on_host(asked)])
+            elif len(state.devices) == 1:  # (the push's computation can pull them)
+                plan = ([pull_ids], [host_ids(key, pull_ids, n_rows)])
             else:
                 host_ids(key, pull_ids, n_rows)
     state, pulled = _push(
         state, key, row_ids, rows, updater, axis_name, donate, plan, extra=extra_args
     )
     if pulled is not None:
-        return state, [exact(x) for x in pulled]
+        got = [exact(x) for x in pulled]
+        return state, got if many else got[0]
     if not many:
         return state, pull_rows(state, key, asked, axis_name=axis_name)
     if traced:
@@ -759,11 +762,15 @@ def _push(
                 not sharded
                 and len(state.devices) == 1
                 and pull is not None
-                and pull is not _SAME
-                and len(pull[1]) == 1
+                and len(host_pairs if pull is _SAME else pull[1]) == 1
             )
-            asked: np.ndarray = pull[1][0] if back else _NO_IDS
-            in_order = back and sorted_distinct(asked)
+            asked: np.ndarray = _NO_IDS
+            if back:
+                asked = host_pairs[0][0] if pull is _SAME else pull[1][0]
+            # The pull asks the pushed ids (MXNet's push, then row_sparse_pull of the batch):
+            # the rows the update made are the pull, with no gather after the scatter.
+            again = back and distinct and np.array_equal(asked, host_pairs[0][0])
+            in_order = back and not again and sorted_distinct(asked)
             fn = own_push(
                 state.mesh,
                 state.axis,
@@ -773,12 +780,13 @@ def _push(
                 updater,
                 donate,
                 distinct,
-                back,
+                back and not again,
                 in_order,
+                again,
             )
             opt = None if n is None else state.group_states[n]
             args = [state.leaves[leaf], opt, ids, rows, extra]
-            if back:  # (one device: the ids an argument of the computation, no put of their own)
+            if back and not again:  # (one device: the ids an argument, no put of their own)
                 args.append(pad_ids(asked, fit(("take", key), asked.size)))
             out = order.ordered("push_rows", fn, *args)
             new = buckets.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]})

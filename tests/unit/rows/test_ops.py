@@ -69,3 +69,51 @@ def test_every_row_push_dispatches_its_computations_naming_its_key(monkeypatch):
     assert len(pushes) == 3
     assert pushes == [named("e")] * 3
     assert checked.named_now() is None
+
+
+def _python_updater(key, pushed, stored):
+    return stored * 0.5 + pushed
+
+
+@pytest.mark.standard_promotion  # (optax's Adam)
+@pytest.mark.parametrize(
+    "updater", [None, optax.adam(0.1), _python_updater], ids=["assign", "adam", "python"]
+)
+@pytest.mark.parametrize("given", [False, True], ids=["default_ids", "pull_ids"])
+def test_a_pull_of_the_pushed_ids_on_one_device_is_the_rows_the_update_made(
+    monkeypatch, updater, given
+):
+    # MXNet's embedding step (push the batch's rows, pull them back) on one device: the pulled
+    # rows are those the update made, with no gather from the new table, and they are what a
+    # push then a pull give.
+    import jax
+
+    from jaxkv._src.rows import kernels
+
+    made = []
+    real = kernels.update_rows_back
+
+    def counted(*args, **kwargs):
+        made.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "update_rows_back", counted)
+    start = np.arange(40, dtype=np.float32).reshape(10, 4)
+    ids = np.array([1, 4, 5, 9])  # sorted and distinct; 4 of them: padded for the computation
+    rows = np.linspace(-1, 1, 16, dtype=np.float32).reshape(4, 4)
+    one = jaxkv.init(jaxkv.empty(jax.devices()[:1], layout="keys"), {f"back {given}": start})
+    key = f"back {given}"
+    expected_state = jaxkv.push_rows(one, key, ids, rows, updater=updater)
+    expected = np.asarray(jaxkv.pull_rows(expected_state, key, ids))
+    pull_ids = ids.copy() if given else None
+    for _ in range(2):  # the second: the computation compiled by the first
+        new, got = jaxkv.pushpull_rows(one, key, ids, rows, pull_ids=pull_ids, updater=updater)
+        np.testing.assert_array_equal(np.asarray(got), expected)
+        assert got.shape == (4, 4)
+        np.testing.assert_array_equal(
+            np.asarray(jaxkv.pull(new, key)), np.asarray(jaxkv.pull(expected_state, key))
+        )
+    assert made  # (traced once, by the first call)
+    # Other ids than the pushed ones are gathered from the new table.
+    new, got = jaxkv.pushpull_rows(one, key, ids, rows, pull_ids=[9, 0], updater=updater)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jaxkv.pull_rows(new, key, [9, 0])))
