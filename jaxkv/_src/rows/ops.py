@@ -661,6 +661,7 @@ def _push(
     the updater's extra arguments; ``before``: calls held before the push, agreed with it and
     run before its computation (a store across processes)."""
     with naming(key):  # (a wrong sum's error, found at a later call, names the key)
+        listed = isinstance(rows, list | tuple)  # (a list of pairs, one per device)
         updater = as_updater(updater)  # an optax wrapper (MultiSteps): its transformation
         updater = viewed(state, updater)  # optax sees the tree given to init
         extra = {} if extra is None else dict(extra)
@@ -762,7 +763,10 @@ def _push(
                 not sharded
                 and len(state.devices) == 1
                 and pull is not None
-                and len(host_pairs if pull is _SAME else pull[1]) == 1
+                and (
+                    # (a list of pairs pulls each pair's rows to the device they came from)
+                    not listed if pull is _SAME else len(pull[1]) == 1
+                )
             )
             asked: np.ndarray = _NO_IDS
             if back:

@@ -117,3 +117,19 @@ def test_a_pull_of_the_pushed_ids_on_one_device_is_the_rows_the_update_made(
     # Other ids than the pushed ones are gathered from the new table.
     new, got = jaxkv.pushpull_rows(one, key, ids, rows, pull_ids=[9, 0], updater=updater)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jaxkv.pull_rows(new, key, [9, 0])))
+
+
+def test_a_list_of_one_pair_pulls_its_rows_back_to_the_device_they_came_from(devices):
+    # pushpull_rows with a list of pairs gives each pair's rows on its rows' device, also on a
+    # store of one device (whose push can pull the pushed ids itself)
+    import jax
+
+    one = jaxkv.init(jaxkv.empty(devices[:1], layout="keys"), {"listed": jnp.zeros((6, 2))})
+    rows = jax.device_put(np.ones((2, 2), np.float32), devices[3])
+    new, got = jaxkv.pushpull_rows(one, "listed", [np.array([1, 4])], [rows])
+    assert isinstance(got, list) and len(got) == 1
+    assert got[0].devices() == {devices[3]}
+    np.testing.assert_array_equal(np.asarray(got[0]), np.ones((2, 2)))
+    np.testing.assert_array_equal(
+        np.asarray(jaxkv.pull_rows(new, "listed", [1, 4])), np.ones((2, 2))
+    )
