@@ -622,18 +622,22 @@ def pushpull_rows(
     state, pulled = _push(
         state, key, row_ids, rows, updater, axis_name, donate, plan, extra=extra_args
     )
-    if pulled is not None:
-        got = [exact(x) for x in pulled]
-        return state, got if many else got[0]
+    if pulled is not None and not many:
+        return state, exact(pulled[0])
     if not many:
         return state, pull_rows(state, key, asked, axis_name=axis_name)
     if traced:
         return state, [pull_rows(state, key, x, axis_name=axis_name) for x in asked]
-    homes = []
+    homes = []  # each pair's rows come back to the device they came from
     for r in rows:
         r = _unwrapped(r)
         on = r.devices() if isinstance(r, jax.Array) else ()
         homes.append(next(iter(on)) if len(on) == 1 else state.devices[0])
+    if pulled is not None:
+        got = [exact(x) for x in pulled]
+        if len(state.devices) == 1:  # (pulled by the push's computation, on the store's device)
+            got = [x if x.devices() == {d} else _place(x, d) for x, d in zip(got, homes)]
+        return state, got
     return state, pull_rows(state, key, list(asked), devices=homes)
 
 
@@ -661,7 +665,6 @@ def _push(
     the updater's extra arguments; ``before``: calls held before the push, agreed with it and
     run before its computation (a store across processes)."""
     with naming(key):  # (a wrong sum's error, found at a later call, names the key)
-        listed = isinstance(rows, list | tuple)  # (a list of pairs, one per device)
         updater = as_updater(updater)  # an optax wrapper (MultiSteps): its transformation
         updater = viewed(state, updater)  # optax sees the tree given to init
         extra = {} if extra is None else dict(extra)
@@ -763,10 +766,7 @@ def _push(
                 not sharded
                 and len(state.devices) == 1
                 and pull is not None
-                and (
-                    # (a list of pairs pulls each pair's rows to the device they came from)
-                    not listed if pull is _SAME else len(pull[1]) == 1
-                )
+                and len(host_pairs if pull is _SAME else pull[1]) == 1
             )
             asked: np.ndarray = _NO_IDS
             if back:

@@ -126,10 +126,12 @@ def test_a_list_of_one_pair_pulls_its_rows_back_to_the_device_they_came_from(dev
 
     one = jaxkv.init(jaxkv.empty(devices[:1], layout="keys"), {"listed": jnp.zeros((6, 2))})
     rows = jax.device_put(np.ones((2, 2), np.float32), devices[3])
-    new, got = jaxkv.pushpull_rows(one, "listed", [np.array([1, 4])], [rows])
-    assert isinstance(got, list) and len(got) == 1
-    assert got[0].devices() == {devices[3]}
-    np.testing.assert_array_equal(np.asarray(got[0]), np.ones((2, 2)))
+    for pull_ids in (None, [np.array([4, 0])]):  # the pushed ids, or others
+        new, got = jaxkv.pushpull_rows(one, "listed", [np.array([1, 4])], [rows], pull_ids=pull_ids)
+        assert isinstance(got, list) and len(got) == 1
+        assert got[0].devices() == {devices[3]}
+        want = np.ones((2, 2)) if pull_ids is None else [[1, 1], [0, 0]]
+        np.testing.assert_array_equal(np.asarray(got[0]), want)
     np.testing.assert_array_equal(
         np.asarray(jaxkv.pull_rows(new, "listed", [1, 4])), np.ones((2, 2))
     )
