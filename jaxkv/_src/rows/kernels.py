@@ -133,48 +133,15 @@ def update_rows(
     updater: Any,
     extra: Any = None,
     distinct: bool = False,
-) -> tuple[Any, Any]:
+) -> tuple[Any, Any, Any]:
     """The new stored value (or block) and optimizer state after a push of ``rows`` at ``ids``
-    (the whole push: the same on every device); ``extra``: an optax updater's extra arguments
-    (``update(..., **extra)``: an MXNet optimizer's scalars), arguments of the computation;
-    ``distinct``: the valid ids are known to be distinct (the host checked them), so nothing
-    is summed (ids outside ``[0, n_rows)``, the padding, still update nothing)."""
-    value, opt_state, _ = _update_rows(
-        key, where, stored, opt_state, ids, rows, n_rows, updater, extra, distinct
-    )
-    return value, opt_state
-
-
-def update_rows_back(
-    key: Key,
-    stored: Any,
-    opt_state: Any,
-    ids: Any,
-    rows: Any,
-    n_rows: int,
-    updater: Any,
-    extra: Any = None,
-) -> tuple[Any, Any, Any]:
-    """:func:`update_rows` of a whole table at sorted distinct ``ids`` (padded after them),
-    and the pushed ids' rows after it, as a pull of those ids gives them, in their order:
-    the rows the update made, with no gather from the new table (the floor's step)."""
-    return _update_rows(key, Where(), stored, opt_state, ids, rows, n_rows, updater, extra, True)
-
-
-def _update_rows(
-    key: Key,
-    where: Where,
-    stored: Any,
-    opt_state: Any,
-    ids: Any,
-    rows: Any,
-    n_rows: int,
-    updater: Any,
-    extra: Any,
-    distinct: bool,
-) -> tuple[Any, Any, Any]:
-    """:func:`update_rows`, and the rows it wrote after it: those of ``ids`` in their order
-    where ``distinct`` (of ids outside the table: any value), else of the summed ids."""
+    (the whole push: the same on every device), and the rows it wrote: those of ``ids`` in
+    their order where ``distinct`` (of ids outside the table: any value), else of the summed
+    ids (a pull of the pushed ids, with no gather from the new value; unused, XLA drops it).
+    ``extra``: an optax updater's extra arguments (``update(..., **extra)``: an MXNet
+    optimizer's scalars), arguments of the computation; ``distinct``: the valid ids are known
+    to be distinct (the host checked them), so nothing is summed (ids outside ``[0, n_rows)``,
+    the padding, still update nothing)."""
     if not distinct:
         with jax.named_scope(SUM):
             unique, summed = dedupe(ids, rows.astype(stored.dtype), n_rows)
@@ -202,7 +169,7 @@ def _updated(
     updater: Any,
     extra: Any = None,
 ) -> tuple[Any, Any, Any]:
-    """:func:`_update_rows` once the pushed rows are summed: ``summed[i]`` for row
+    """:func:`update_rows` once the pushed rows are summed: ``summed[i]`` for row
     ``unique[i]``. The new rows are computed once where the updater computes rows (none, or
     optax's); a Python updater's new value is read at ``unique`` for them (unused, XLA drops
     the gather)."""
@@ -485,11 +452,11 @@ def bucket_pusher(
     def update(leaf: Any, opt: Any, ids: Any, rows: Any, extra: Any) -> Any:
         where = InRun(axis if split else None, rows_here, off, shape)
         if packing is None:
-            return update_rows(key, where, leaf, opt, ids, rows, shape[0], updater, extra)
+            return update_rows(key, where, leaf, opt, ids, rows, shape[0], updater, extra)[:2]
         # The packed leaves as optax's tree: each family bucket as the key's value (addressed
         # by the same run), the other leaves as they are.
         tree = jax.tree_util.tree_unflatten(packing.treedef, list(opt))
-        value, new = update_rows(key, where, leaf, tree, ids, rows, shape[0], updater, extra)
+        value, new, _ = update_rows(key, where, leaf, tree, ids, rows, shape[0], updater, extra)
         return value, tuple(jax.tree_util.tree_leaves(new))
 
     if not split:
@@ -560,7 +527,7 @@ def routed_push(
             dest, local = plan(ids, block.shape[0], parts, c)
             got_ids, got = exchange(local, rows, dest, axis)
         n = block.shape[0]
-        block, opt = update_rows(key, Where(), block, opt, got_ids, got, n, updater, extra)
+        block, opt, _ = update_rows(key, Where(), block, opt, got_ids, got, n, updater, extra)
         if back is None:
             return block, opt
         with jax.named_scope(ROUTE):
@@ -610,13 +577,13 @@ def own_push(
     if not sharded and back_pushed:
 
         def pushed(table: Any, opt: Any, ids: Any, rows: Any, extra: Any) -> Any:
-            return update_rows_back(key, table, opt, ids, rows, n_rows, updater, extra)
+            return update_rows(key, Where(), table, opt, ids, rows, n_rows, updater, extra, True)
 
         return jax.jit(pushed, donate_argnums=donated)
     if not sharded:
 
         def whole(table: Any, opt: Any, ids: Any, rows: Any, extra: Any, *pull: Any) -> Any:
-            table, opt = update_rows(
+            table, opt, _ = update_rows(
                 key, Where(), table, opt, ids, rows, n_rows, updater, extra, distinct
             )
             if not back:
@@ -647,7 +614,7 @@ def sharded_runner(mesh: Any, axis: str, key: Key, n_rows: int, updater: Any) ->
         def body(block: Any, opt: Any, ids: Any, rows: Any, extra: Any) -> Any:
             # ids and rows arrive whole (replicated in_specs): XLA gathers stacked pairs once.
             where = Where(axis, block.shape[0])
-            return update_rows(key, where, block, opt, ids, rows, n_rows, updater, extra)
+            return update_rows(key, where, block, opt, ids, rows, n_rows, updater, extra)[:2]
 
         replicated = PartitionSpec()
         mapped = checked.shard_map(
@@ -682,5 +649,5 @@ def push_whole(
     if isinstance(updater, optax.GradientTransformation) and opt is None:
         opt = init_state(updater, {key: stored})
         group = (key,)
-    value, opt = update_rows(key, Where(), stored, opt, ids, rows, n_rows, updater, extra)
+    value, opt, _ = update_rows(key, Where(), stored, opt, ids, rows, n_rows, updater, extra)
     return state.replace({key: value}, None if group is None else {group: opt})

@@ -1344,5 +1344,5 @@ def _push_traced(
             f"[{shown(key)}]) before it"
         )
     where = Where(axis, block)
-    value, opt = update_rows(key, where, stored, opt, ids, rows, shape[0], updater, extra)
+    value, opt, _ = update_rows(key, where, stored, opt, ids, rows, shape[0], updater, extra)
     return state.replace({key: value}, None if group is None else {group: opt})
