@@ -137,7 +137,8 @@ def update_rows(
     """The new stored value (or block) and optimizer state after a push of ``rows`` at ``ids``
     (the whole push: the same on every device), and the rows it wrote: those of ``ids`` in
     their order where ``distinct`` (of ids outside the table: any value), else of the summed
-    ids (a pull of the pushed ids, with no gather from the new value; unused, XLA drops it).
+    ids; of a block, those this device holds (a pull of the pushed ids from a whole table,
+    with no gather from the new value; unused, XLA drops it).
     ``extra``: an optax updater's extra arguments (``update(..., **extra)``: an MXNet
     optimizer's scalars), arguments of the computation; ``distinct``: the valid ids are known
     to be distinct (the host checked them), so nothing is summed (ids outside ``[0, n_rows)``,
@@ -170,9 +171,8 @@ def _updated(
     extra: Any = None,
 ) -> tuple[Any, Any, Any]:
     """:func:`update_rows` once the pushed rows are summed: ``summed[i]`` for row
-    ``unique[i]``. The new rows are computed once where the updater computes rows (none, or
-    optax's); a Python updater's new value is read at ``unique`` for them (unused, XLA drops
-    the gather)."""
+    ``unique[i]``. The rows written are those the updater computes (none: the summed rows;
+    optax's), or a Python updater's new value read at ``unique``."""
     if updater is None:
         return where.put(stored, unique, summed), opt_state, summed
     if isinstance(updater, optax.GradientTransformation):
@@ -198,7 +198,7 @@ def _updated(
             f"stored shape {tuple(stored.shape)} (the updater: {updater_name(updater)})"
         )
     value = value.astype(stored.dtype)
-    return value, opt_state, where.take(value, unique)
+    return value, opt_state, where.take_own(value, unique)  # (no communication)
 
 
 def _optax_rows(
