@@ -561,35 +561,29 @@ def own_push(
     updater: Any,
     donate: bool,
     distinct: bool = False,
-    back: bool = False,
-    back_sorted: bool = False,
-    back_pushed: bool = False,
+    back: str | None = None,
 ) -> Any:
     """The eager push of rows into a key kept as an array of its own: ``(table, opt_state,
     ids, rows, extra) -> (table, opt_state)``, in a ``shard_map`` over the store's mesh for a
     sharded table (its optimizer state's per-parameter leaves sharded like it). ``distinct``:
-    see :func:`update_rows`. ``back`` (a table kept whole): one more argument, ids to pull,
-    and their rows after the push as a third result; ``back_sorted``: those ids are sorted
-    and distinct (their padding, ``-1``, after them), and XLA's gather is told so.
-    ``back_pushed`` (a table kept whole, its pushed ids sorted and distinct): the pushed ids'
-    rows after the push as a third result, the rows the update made (no more argument)."""
+    see :func:`update_rows`. ``back`` (a table kept whole), rows after the push as a third
+    result: ``"ids"``, those of one more argument, ids to pull; ``"sorted ids"``, the same,
+    those ids sorted and distinct (their padding, ``-1``, after them), and XLA's gather told
+    so; ``"pushed"`` (with ``distinct``), those of the pushed ids, the rows the update made
+    (no gather from the new table, no more argument)."""
     donated = (0, 1) if donate else ()
-    if not sharded and back_pushed:
-
-        def pushed(table: Any, opt: Any, ids: Any, rows: Any, extra: Any) -> Any:
-            return update_rows(key, Where(), table, opt, ids, rows, n_rows, updater, extra, True)
-
-        return jax.jit(pushed, donate_argnums=donated)
     if not sharded:
 
         def whole(table: Any, opt: Any, ids: Any, rows: Any, extra: Any, *pull: Any) -> Any:
-            table, opt, _ = update_rows(
+            table, opt, written = update_rows(
                 key, Where(), table, opt, ids, rows, n_rows, updater, extra, distinct
             )
-            if not back:
+            if back is None:
                 return table, opt
+            if back == "pushed":
+                return table, opt, written
             asked = pull[0]
-            if back_sorted and n_rows + asked.shape[0] < 2**31:
+            if back == "sorted ids" and n_rows + asked.shape[0] < 2**31:
                 beyond = n_rows + jnp.arange(asked.shape[0], dtype=asked.dtype)
                 asked = jnp.where((asked >= 0) & (asked < n_rows), asked, beyond)
                 return table, opt, _Sorted().take(table, asked)

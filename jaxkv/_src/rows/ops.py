@@ -769,28 +769,21 @@ def _push(
                 and len(host_pairs if pull is _SAME else pull[1]) == 1
             )
             asked: np.ndarray = _NO_IDS
+            mode = None
             if back:
                 asked = host_pairs[0][0] if pull is _SAME else pull[1][0]
-            # The pull asks the pushed ids (MXNet's push, then row_sparse_pull of the batch):
-            # the rows the update made are the pull, with no gather after the scatter.
-            again = back and distinct and np.array_equal(asked, host_pairs[0][0])
-            in_order = back and not again and sorted_distinct(asked)
+                # The pull asks the pushed ids (MXNet's push, then row_sparse_pull of the
+                # batch): the rows the update made are the pull, no gather after the scatter.
+                if distinct and (pull is _SAME or np.array_equal(asked, host_pairs[0][0])):
+                    mode = "pushed"
+                else:
+                    mode = "sorted ids" if sorted_distinct(asked) else "ids"
             fn = own_push(
-                state.mesh,
-                state.axis,
-                key,
-                shape[0],
-                sharded,
-                updater,
-                donate,
-                distinct,
-                back and not again,
-                in_order,
-                again,
+                state.mesh, state.axis, key, shape[0], sharded, updater, donate, distinct, mode
             )
             opt = None if n is None else state.group_states[n]
             args = [state.leaves[leaf], opt, ids, rows, extra]
-            if back and not again:  # (one device: the ids an argument, no put of their own)
+            if mode in ("ids", "sorted ids"):  # (the ids an argument, no put of their own)
                 args.append(pad_ids(asked, fit(("take", key), asked.size)))
             out = order.ordered("push_rows", fn, *args)
             new = buckets.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]})

@@ -88,7 +88,7 @@ def test_a_pull_of_the_pushed_ids_on_one_device_is_the_rows_the_update_made(
     # push then a pull give.
     import jax
 
-    made = []  # own_push's back_pushed: the computation gives the rows the update made
+    made = []  # own_push's back: "pushed", the computation gives the rows the update made
     real = ops.own_push
 
     def recording(*args, **kwargs):
@@ -111,7 +111,7 @@ def test_a_pull_of_the_pushed_ids_on_one_device_is_the_rows_the_update_made(
         np.testing.assert_array_equal(
             np.asarray(jaxkv.pull(new, key)), np.asarray(jaxkv.pull(expected_state, key))
         )
-    assert made == [True, True]
+    assert made == ["pushed", "pushed"]
     # Other ids than the pushed ones are gathered from the new table.
     new, got = jaxkv.pushpull_rows(one, key, ids, rows, pull_ids=[9, 0], updater=updater)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jaxkv.pull_rows(new, key, [9, 0])))
