@@ -98,20 +98,40 @@ def test_stores_refuse_what_is_not_distinct_devices(devices, devs, pattern):
         jaxkv.empty(devs)
 
 
-@pytest.mark.parametrize("bound", [0, -5, 2.5, "16"])
+@pytest.mark.parametrize("bound", [0, -5, 2.5, "16", True])
 def test_the_bound_is_a_positive_int_or_none(bound):
-    with pytest.raises(jaxkv.KVStoreError, match="bigarray_bound: expected a positive int or None"):
+    with pytest.raises(
+        jaxkv.KVStoreError, match="bigarray_bound: expected a positive int, None or 'default'"
+    ):
         cpu_empty(bigarray_bound=bound)
     assert cpu_empty(bigarray_bound=1).bigarray_bound == 1
     assert cpu_empty(bigarray_bound=None).bigarray_bound is None
 
 
-def test_the_default_bound_is_16k_elements(devices):
+def test_the_default_bound_is_16k_elements(devices, monkeypatch):
+    monkeypatch.delenv("JAXKV_BIGARRAY_BOUND", raising=False)
     s = jaxkv.init(
         cpu_empty(), {"at": jnp.zeros((8, 2048)), "below": jnp.zeros((8, 2047), jnp.int8)}
     )
-    assert s.bigarray_bound == 16384
+    assert s.bigarray_bound == 16384 == cpu_empty(bigarray_bound="default").bigarray_bound
     assert sharded(s, "at") and not sharded(s, "below")
+    assert s.placement.is_sharded((8, 2048)) and not s.placement.is_sharded((8, 2047))
+
+
+@pytest.mark.parametrize("text, bound", [("64", 64), (" 100000 ", 100000), ("none", None)])
+def test_the_environment_sets_the_default_bound(devices, monkeypatch, text, bound):
+    monkeypatch.setenv("JAXKV_BIGARRAY_BOUND", text)
+    s = jaxkv.init(cpu_empty(), {"k": jnp.zeros((8, 8))})
+    assert s.bigarray_bound == bound
+    assert sharded(s, "k") == (bound == 64) == s.placement.is_sharded((8, 8))
+    assert cpu_empty(bigarray_bound=16).bigarray_bound == 16  # given: the environment unread
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "16k", "1e4"])
+def test_a_default_bound_that_is_not_a_count_is_refused_naming_the_variable(monkeypatch, text):
+    monkeypatch.setenv("JAXKV_BIGARRAY_BOUND", text)
+    with pytest.raises(jaxkv.KVStoreError, match="JAXKV_BIGARRAY_BOUND: expected a positive"):
+        cpu_empty()
 
 
 @pytest.mark.parametrize("kind", ["2bit", "fp16", "bf16"])

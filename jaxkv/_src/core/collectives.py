@@ -26,7 +26,8 @@ import numpy as np
 from jaxkv._src.core.verified import batched, check_sum, check_sums, verify_sums
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import varying_axes
-from jaxkv._src.state.kvstate import AXIS, BIGARRAY_BOUND, KVState
+from jaxkv._src.state.kvstate import AXIS, KVState
+from jaxkv._src.state.policy import scatters_alone
 
 __all__ = [
     "PULL",
@@ -244,27 +245,10 @@ def _gathered_many_bwd(
 _gathered_many.defvjp(_gathered_many_fwd, _gathered_many_bwd)
 
 
-# Values below this many elements are summed together through one flat buffer (one collective
-# for many small arrays); larger ones are reduce-scattered one by one, which XLA's CPU
-# collectives do much faster than an all-reduce.
-_FUSE_LIMIT = BIGARRAY_BOUND
-
-
 def scatters(state: KVState, shape: tuple[int, ...]) -> bool:
-    """Whether a pushed value of ``shape`` is reduce-scattered (else fused into an all-reduce)."""
-    n = len(state.devices)
-    if jax.process_count() > 1:
-        # Across processes a reduce-scatter costs what an all-reduce does (gloo runs one), and
-        # the value would then need an all-gather as well.
-        return state.is_sharded(shape)
-    return state.is_sharded(shape) or (
-        len(shape) > 0 and shape[0] % n == 0 and math.prod(shape) >= _FUSE_LIMIT
-    )
-
-
-# Scattered values below this many elements are reduce-scattered together, through one flat
-# buffer: XLA's CPU collectives cost ~0.3 ms each however small the array.
-SCATTER_FUSE_LIMIT = 1 << 18
+    """Whether a pushed value of ``shape`` is reduce-scattered (else fused into an all-reduce):
+    the store's placement policy says (``Placement.scatters``)."""
+    return state.placement.scatters(shape, jax.process_count())
 
 
 def fusion_key(block: jax.Array, axis: Any) -> tuple:
@@ -369,10 +353,10 @@ def _sum_over_devices(blocks: list[jax.Array], scatter: list[bool], axis: str) -
     groups: dict[tuple, list[int]] = {}
     alone: list[int] = []  # big blocks summed one by one across processes
     for i, (b, s) in enumerate(zip(blocks, scatter)):
-        if s and b.size >= SCATTER_FUSE_LIMIT:
+        if s and scatters_alone(b.size):
             with jax.named_scope(SUM):
                 out[i] = psum_scatter(b, axis, scatter_dimension=0, tiled=True)
-        elif b.size >= SCATTER_FUSE_LIMIT and jax.process_count() > 1:
+        elif scatters_alone(b.size) and jax.process_count() > 1:
             # Across processes: no copy into a fused buffer.
             with jax.named_scope(SUM):
                 out[i] = jax.lax.psum(b, axis)

@@ -43,7 +43,6 @@ from jax.sharding import NamedSharding
 from jaxkv._src.core.collectives import (
     PULL,
     PUSH,
-    SCATTER_FUSE_LIMIT,
     SUM,
     all_gather,
     all_gathers,
@@ -72,6 +71,7 @@ from jaxkv._src.state import buckets
 from jaxkv._src.state.buckets import as_blocks, block_shape, from_blocks
 from jaxkv._src.state.kvstate import Key, KVState
 from jaxkv._src.state.placement import place_leaves
+from jaxkv._src.state.policy import scatters_alone
 
 __all__ = ["gather", "is_block", "push_in_trace", "whole_shape"]
 
@@ -185,7 +185,7 @@ def _sum_blocks(
     for i, x in whole:
         todo = unsummed_axes(x, names)
         if set(todo) == set(names):
-            if x.size >= SCATTER_FUSE_LIMIT and not fuse_all:
+            if scatters_alone(x.size) and not fuse_all:
                 with jax.named_scope(SUM):
                     out[i] = psum_scatter(x, axis_arg(names), tiled=True)
             else:

@@ -43,7 +43,7 @@ from jaxkv._src.mxnet.updater import Updater as MXNetUpdater
 from jaxkv._src.processes import host, join, order
 from jaxkv._src.rows.sizes import Padded
 from jaxkv._src.state import buckets, dtypes, pairing, placement
-from jaxkv._src.state.kvstate import BIGARRAY_BOUND, Key, KVState, empty, spans_processes
+from jaxkv._src.state.kvstate import Key, KVState, empty, spans_processes
 
 __all__ = ["KVStore", "create"]
 
@@ -199,8 +199,9 @@ class KVStore:
         self._lock = threading.RLock()
         # MXNet's knob for which arrays are big enough to be split across devices. Across
         # processes a dist store splits from MXNet's own default, as MXNet's servers do: each
-        # process then keeps 1/P of every big value and of its optimizer state.
-        bound: int | None = BIGARRAY_BOUND
+        # process then keeps 1/P of every big value and of its optimizer state. Else jaxkv's
+        # default ("default": JAXKV_BIGARRAY_BOUND, else policy.BIGARRAY_BOUND).
+        bound: int | None | str = "default"
         if "MXNET_KVSTORE_BIGARRAY_BOUND" in os.environ:
             bound = int(os.environ["MXNET_KVSTORE_BIGARRAY_BOUND"])
         elif name in _DIST_TYPES and jax.process_count() > 1:

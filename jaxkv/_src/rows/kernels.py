@@ -31,9 +31,9 @@ from jaxkv._src.core.on_buckets import elementwise as _elementwise
 from jaxkv._src.core.updater import apply_updates, init_state, updater_errors, updater_name
 from jaxkv._src.core.verified import verify_every
 from jaxkv._src.errors import KVStoreError, ShapeError, shown
-from jaxkv._src.state.buckets import block_rows
 from jaxkv._src.state.kvstate import Key, KVState
 from jaxkv._src.state.pairing import as_array
+from jaxkv._src.state.policy import block_rows
 
 # The named scope of the rows moved between devices (``jax.named_scope``).
 ROUTE = "jaxkv.rows.route"

@@ -88,6 +88,7 @@ from jaxkv._src.state.kvstate import Key, KVState, normalize_key
 from jaxkv._src.state.kvstate import spans_processes as _state_spans_processes
 from jaxkv._src.state.pairing import as_array, devices_of, is_traced
 from jaxkv._src.state.placement import local_parts, replicate
+from jaxkv._src.state.policy import block_rows
 
 __all__ = [
     "PullRefusedElsewhere",
@@ -381,7 +382,7 @@ def _in_bucket(state: KVState, i: int) -> tuple[int, int, bool] | None:
         return None
     parts = flat.parts_of(b)
     shape = state.key_shapes[i]
-    if parts > 1 and buckets.block_rows(shape, parts) is None:
+    if parts > 1 and block_rows(shape, parts) is None:
         return None
     return b, off, parts > 1
 

@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec
 
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.processes import order
+from jaxkv._src.state.policy import block_rows
 
 if TYPE_CHECKING:  # (a type only: kvstate imports this module)
     from jaxkv._src.state.kvstate import KVState
@@ -157,20 +158,6 @@ def plan(
         tuple(np.dtype(t).name for t in dtypes),
         tuple(parts) if any(p > 1 for p in parts) else (),
     )
-
-
-def block_rows(shape: tuple[int, ...], parts: int) -> int | None:
-    """How many rows (along axis 0) each of a key's blocks over ``parts`` devices holds where
-    its blocks are whole rows, else ``None``. They are whole rows where the rows divide by
-    ``parts`` (the flattened value's ``1/parts`` is then exactly those rows), and also where
-    padding the rows to a multiple of ``parts`` adds at most 1/16 of them (a table of 2048
-    rows over 3 devices: blocks of 683 rows, one row of zeros): a table's rows are then read
-    and written in place, as a sharded table's are. Otherwise (a value of few rows, or none)
-    the flattened value is padded to a multiple of ``parts``."""
-    if not shape:
-        return None
-    rows = -(-shape[0] // parts)
-    return rows if (rows * parts - shape[0]) * 16 <= shape[0] else None
 
 
 def block(shape: tuple[int, ...], parts: int) -> int:

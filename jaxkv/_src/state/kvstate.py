@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxkv._src.errors import KeyTypeError, KVStoreError, shown, unknown_key
 from jaxkv._src.state import buckets
 from jaxkv._src.state.buckets import FlatLayout, Packing
+from jaxkv._src.state.policy import AUTO_CPU_BELOW, BIGARRAY_BOUND, Placement, default_bound
 from jaxkv._src.state.tree_shapes import TreeShape
 
 __all__ = ["AXIS", "LAYOUTS", "LAYOUT_ENV", "Facts", "KVState", "empty"]
@@ -32,10 +33,6 @@ logger = logging.getLogger("jaxkv")
 
 Key = int | str
 AXIS = "kv"  # The name of the store's one mesh axis.
-# Values with at least this many elements are stored sharded over the devices. MXNet's
-# MXNET_KVSTORE_BIGARRAY_BOUND plays the same role (default 1e6); measured on 8 CPU devices,
-# sharding from 16K elements up made push + pull of ResNet-50's parameters fastest.
-BIGARRAY_BOUND = 1 << 14
 _KEEP = object()
 # The layouts a store can be asked for, and the environment variable that sets the default.
 LAYOUTS = ("auto", "flat", "keys")
@@ -43,12 +40,11 @@ LAYOUT_ENV = "JAXKV_LAYOUT"
 # A store's layout policy: (the layout asked for, bucket the values with fewer elements than
 # this, or None: one array per key, split buckets). "flat" buckets every value, and splits a
 # bucket of at least the big-array bound over the devices (buckets.py); "auto" does the same on
-# accelerators, and on CPU buckets the values below AUTO_CPU_BELOW elements that it does not
-# shard, splitting no bucket (docs/design.md).
+# accelerators, and on CPU buckets the values below AUTO_CPU_BELOW elements (policy.py) that it
+# does not shard, splitting no bucket (docs/design.md).
 Policy = tuple[str, int | None, bool]
 KEYS_POLICY: Policy = ("keys", None, False)
 ALL = 1 << 62
-AUTO_CPU_BELOW = 1 << 12
 # A state's aux data: keys, devices, big-array bound, compression, shapes, optimizer groups,
 # the user's mesh (None: the store's own), the layout policy, the flat layout (None: one array
 # per key), each optimizer group's packing (None: its optax state kept as it is), the paths of
@@ -73,24 +69,10 @@ _Aux = tuple[
 ]
 
 
-def _splittable(shape: tuple[int, ...], n: int, bound: int | None) -> bool:
-    """Whether a value of ``shape`` is big enough to split over ``n`` devices (at least
-    ``bound`` elements, not a scalar, ``n`` > 1)."""
-    return bound is not None and n > 1 and len(shape) > 0 and math.prod(shape) >= bound
-
-
-@functools.lru_cache(maxsize=4096)
-def _is_sharded(shape: tuple[int, ...], n: int, bound: int | None) -> bool:
-    # Asked for every value of every push and pull: cached, since shapes repeat.
-    return _splittable(shape, n, bound) and shape[0] % n == 0
-
-
-def _padded(shape: tuple[int, ...], n: int, bound: int | None) -> bool:
-    """Whether a value of ``shape`` is big enough to split over ``n`` devices but cannot be
-    split along its rows as they are (``n`` does not divide its first dimension): it is split
-    padded instead (by whole rows, or flattened: ``buckets.block_rows``), in a bucket of its
-    own (``PADDED``), never kept whole."""
-    return _splittable(shape, n, bound) and shape[0] % n != 0
+@functools.lru_cache(maxsize=64)
+def _placement(shards: int, bound: int | None) -> Placement:
+    """The placement policy of a store over ``shards`` devices with ``bound``, made once."""
+    return Placement(shards, bound)
 
 
 # What _bucketed says of a value: an array of its own, a bucket shared under the policy, or a
@@ -113,8 +95,9 @@ def _bucketed(
     axes, where the store's devices are not one axis)."""
     _, below, split = policy
     n = len(devices) if pad else 1
+    place = _placement(n, bound)
     if compression is not None:  # each key keeps its own error-feedback residual
-        whole = [shape for shape in shapes if _padded(shape, n, bound)]
+        whole = [shape for shape in shapes if place.pads(shape)]
         if whole:  # (cached: said once per key set)
             logger.warning(
                 "values of shapes %s are kept whole on each of the %d devices: a store with "
@@ -126,7 +109,7 @@ def _bucketed(
             )
         return (OWN,) * len(shapes)
     if below is None:
-        return tuple(PADDED if _padded(shape, n, bound) else OWN for shape in shapes)
+        return tuple(PADDED if place.pads(shape) else OWN for shape in shapes)
     # Across processes no bucket the policy shares is split: a value too small to split
     # there stays whole in each process (a split would cost an all-gather at each pull).
     split = split and not spans_processes(devices)
@@ -134,9 +117,9 @@ def _bucketed(
     # holds at least this value's elements, the bound), else to a split bucket of its own.
     return tuple(
         PADDED
-        if _padded(shape, n, bound) and not (split and math.prod(shape) < below)
+        if place.pads(shape) and not (split and math.prod(shape) < below)
         else SHARED
-        if math.prod(shape) < below and (split or not _is_sharded(shape, n, bound))
+        if math.prod(shape) < below and (split or not place.is_sharded(shape))
         else OWN
         for shape in shapes
     )
@@ -709,9 +692,15 @@ class KVState:
         """Values with at least this many elements are stored sharded (see the class doc)."""
         return self._bound
 
+    @property
+    def placement(self) -> Placement:
+        """The store's placement policy: which values it splits over its devices and in what
+        blocks, and which sums of a push share a collective (``state/policy.py``)."""
+        return _placement(self.shards, self._bound)
+
     def is_sharded(self, shape: tuple[int, ...]) -> bool:
         """Whether a value (or optimizer-state leaf) of ``shape`` is stored sharded."""
-        return _is_sharded(tuple(shape), self.shards, self._bound)
+        return self.placement.is_sharded(shape)
 
     def splits(self, shape: tuple[int, ...]) -> bool:
         """Whether a value of ``shape`` is stored split across the devices for its size alone:
@@ -720,9 +709,7 @@ class KVState:
         split smaller values too, in the buckets it shares (``buckets.is_split``)."""
         shape = tuple(shape)
         return self.is_sharded(shape) or (
-            self._compression is None
-            and not self.multi_axis
-            and _padded(shape, self.shards, self._bound)
+            self._compression is None and not self.multi_axis and self.placement.pads(shape)
         )
 
     def sharding_for(self, shape: tuple[int, ...]) -> NamedSharding:
@@ -1075,7 +1062,7 @@ def spans_processes(devices: tuple[jax.Device, ...]) -> bool:
 def empty(
     devices: Iterable[Any] | None = None,
     *,
-    bigarray_bound: int | None = BIGARRAY_BOUND,
+    bigarray_bound: int | None | str = "default",
     compression: Mapping[str, Any] | None = None,
     mesh: Mesh | None = None,
     axis_name: str | tuple[str, ...] | None = None,
@@ -1089,8 +1076,10 @@ def empty(
     Values with at least ``bigarray_bound`` elements are stored split across the devices, with
     their optimizer state: along their first dimension where it divides by the number of
     devices, else flattened and padded (a split bucket); smaller ones are replicated.
-    ``bigarray_bound=None`` replicates everything, which ``pmap`` needs: it accepts a state
-    passed with ``in_axes=None`` only if every leaf is replicated.
+    ``'default'``: the environment variable ``JAXKV_BIGARRAY_BOUND`` (a number, or ``none``),
+    else 16384. ``bigarray_bound=None`` replicates everything, which ``pmap`` needs: it accepts
+    a state passed with ``in_axes=None`` only if every leaf is replicated. The store's
+    :attr:`KVState.placement` answers which shapes it splits.
 
     ``compression`` takes MXNet's gradient-compression parameters: ``{'type': '2bit',
     'threshold': t}`` (t > 0; error feedback per device, as MXNet), or ``{'type': 'fp16'}`` /
@@ -1162,9 +1151,15 @@ def empty(
         raise KVStoreError(f"devices: expected a non-empty list of JAX devices, given {devices!r}")
     if len(set(devs)) != len(devs):
         raise KVStoreError(f"devices: expected distinct devices, given {list(devs)}")
-    if bigarray_bound is not None and (not isinstance(bigarray_bound, int) or bigarray_bound < 1):
+    if isinstance(bigarray_bound, str) and bigarray_bound == "default":
+        bigarray_bound = default_bound()
+    if bigarray_bound is not None and (
+        not isinstance(bigarray_bound, int)
+        or isinstance(bigarray_bound, bool)
+        or bigarray_bound < 1
+    ):
         raise KVStoreError(
-            f"bigarray_bound: expected a positive int or None, given {bigarray_bound!r}"
+            f"bigarray_bound: expected a positive int, None or 'default', given {bigarray_bound!r}"
         )
     config = compression_config(compression)
     check_compression_devices(config, devs)

@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkv._src.core import collectives
 from jaxkv._src.jax_internals import varying_axes
+from jaxkv._src.state import policy
 
 N = 2  # devices
 
@@ -47,7 +48,7 @@ def test_fused_psum_scatter_leaves_each_device_its_rows_of_each_block():
 
 
 def test_blocks_at_the_scatter_fusion_limit_are_summed_alone_and_the_rest_together():
-    limit = collectives.SCATTER_FUSE_LIMIT
+    limit = policy.SCATTER_FUSE_BELOW
     shapes = [(limit,), (limit - 2,), (4,), (2, 3)]
     stacked = _per_device(shapes, seed=2)
     scatter = [True, True, True, False]

@@ -10,7 +10,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxkv
-from jaxkv._src.core import collectives, traced
+from jaxkv._src.core import traced
+from jaxkv._src.state import policy
 
 D = 4  # devices; a sharded (8, 3) value keeps 2 rows on each (rows per device != D)
 AX = "kv"  # the store's own mesh axis
@@ -192,7 +193,7 @@ def test_a_whole_value_already_summed_alone_leaves_each_device_its_own_rows(devi
     np.testing.assert_array_equal(np.asarray(_in_step(state, step)["w"]), summed)
 
 
-LIMIT = collectives.SCATTER_FUSE_LIMIT
+LIMIT = policy.SCATTER_FUSE_BELOW
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxkv._src.core import collectives, verified
+from jaxkv._src.state import policy
 
 N = 4  # devices
 
@@ -262,7 +263,7 @@ def test_a_pushs_sums_share_one_check(as_across_processes, monkeypatch):
     """``sum_over_devices`` of big blocks reduce-scattered one by one, big ones all-reduced and
     small ones fused: one all-gather of the checksums for them all, and one count of the runs,
     whether every sum is checked whole or a slice of each."""
-    big = collectives.SCATTER_FUSE_LIMIT
+    big = policy.SCATTER_FUSE_BELOW
     xs = [_blocks((big // 8, 8)), _blocks((N, 8), seed=1), _blocks((N * 4, 3), seed=2)]
 
     for setting, callbacks in (("1", 1), ("10", 2)):  # the report; and the count of runs

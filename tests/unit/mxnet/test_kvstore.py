@@ -9,7 +9,7 @@ import pytest
 
 import jaxkv
 from jaxkv._src.mxnet import kvstore, ndarray, sparse
-from jaxkv._src.state import buckets, kvstate
+from jaxkv._src.state import buckets, policy
 
 
 def _store(devices, name="device", **kw):
@@ -47,7 +47,10 @@ def test_other_store_types_are_refused(name, message):
 
 def test_the_big_array_bound_comes_from_mxnets_variable(devices, monkeypatch):
     monkeypatch.delenv("MXNET_KVSTORE_BIGARRAY_BOUND", raising=False)
-    assert kvstore.KVStore("local", devices[:2])._stored.bigarray_bound == kvstate.BIGARRAY_BOUND
+    monkeypatch.delenv("JAXKV_BIGARRAY_BOUND", raising=False)
+    assert kvstore.KVStore("local", devices[:2])._stored.bigarray_bound == policy.BIGARRAY_BOUND
+    monkeypatch.setenv("JAXKV_BIGARRAY_BOUND", "12")  # jaxkv's default, below MXNet's variable
+    assert kvstore.KVStore("local", devices[:2])._stored.bigarray_bound == 12
     monkeypatch.setenv("MXNET_KVSTORE_BIGARRAY_BOUND", "6")
     assert kvstore.KVStore("local", devices[:2])._stored.bigarray_bound == 6
 
