@@ -10,6 +10,13 @@ import jax
 
 import jaxkv
 
+# The bound a test of split values gives its store (jaxkv.empty's ``bigarray_bound``), so that
+# it takes the split path whatever the default is (``JAXKV_BIGARRAY_BOUND``, else the policy's
+# BIGARRAY_BOUND): a test that assumes a value is split states the bound it assumes, and one
+# about the default asks the store's placement (``state.placement``). ``make test-deep`` runs
+# the tests of placement again under other defaults (tests/test_bounds.py).
+SPLIT_BOUND = 1 << 14
+
 
 def cpu_store(name="local", layout=None):
     """``jaxkv.create(name)``, over the 8 CPU devices (in ``layout``: default ``JAXKV_LAYOUT``,

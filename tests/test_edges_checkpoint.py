@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _devices import cpu_empty, cpu_store
+from _devices import SPLIT_BOUND, cpu_empty, cpu_store
 
 import jaxkv
 from jaxkv import nd
@@ -55,7 +55,8 @@ def test_stores_of_either_key_kind_round_trip(tmp_path, keys):
     assert_same_leaves(leaves(fresh), leaves(kv))
 
 
-def test_empty_scalar_and_sharded_values_round_trip(tmp_path):
+def test_empty_scalar_and_sharded_values_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("MXNET_KVSTORE_BIGARRAY_BOUND", str(SPLIT_BOUND))  # "big" is split
     kv = cpu_store("local")
     kv.init(
         ["empty", "scalar", "big", "half"],

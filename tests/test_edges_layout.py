@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _devices import cpu_empty
+from _devices import SPLIT_BOUND, cpu_empty
 
 import jaxkv
 
@@ -141,7 +141,7 @@ def test_many_keys_of_many_sizes_and_dtypes_sum_exactly_in_one_push(devices, bou
 
 
 def test_a_per_device_push_to_a_sharded_value_keeps_it_sharded(devices):
-    s = jaxkv.init(cpu_empty(), {"e": jnp.zeros((64, 512))})
+    s = jaxkv.init(cpu_empty(bigarray_bound=SPLIT_BOUND), {"e": jnp.zeros((64, 512))})
     values = per_device(devices, (64, 512))
     new = jaxkv.push(s, "e", values)
     np.testing.assert_array_equal(pulled(new, "e"), host_sum(values))

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _devices import cpu_empty
+from _devices import SPLIT_BOUND, cpu_empty
 
 import jaxkv
 
@@ -14,7 +14,7 @@ import jaxkv
 def state():
     # "e" has 16K elements with rows divisible by 8: stored sharded, one eighth per device.
     return jaxkv.init(
-        cpu_empty(),
+        cpu_empty(bigarray_bound=SPLIT_BOUND),
         {
             "w": jnp.arange(6.0).reshape(2, 3),
             "e": jnp.arange(16384, dtype=jnp.float32).reshape(64, 256),

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _devices import cpu_empty, cpu_store, held_per_device, split_buckets
+from _devices import SPLIT_BOUND, cpu_empty, cpu_store, held_per_device, split_buckets
 from _variants import rotating
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -179,7 +179,7 @@ def train_step(opt, form):
 
 
 def sharded_run(opt, form, compiles):
-    state = jaxkv.init_optimizer(jaxkv.init(cpu_empty(), PARAMS), opt)
+    state = jaxkv.init_optimizer(jaxkv.init(cpu_empty(bigarray_bound=SPLIT_BOUND), PARAMS), opt)
     specs = jaxkv.specs(state, AXIS)
     step = jax.jit(
         jax.shard_map(
@@ -232,7 +232,9 @@ def test_data_parallel_training_with_a_sharded_store_matches_optax(name, form, c
 
 
 def test_specs_split_big_values_and_their_moments_and_replicate_the_rest():
-    state = jaxkv.init_optimizer(jaxkv.init(cpu_empty(), PARAMS), optax.adam(0.1))
+    state = jaxkv.init_optimizer(
+        jaxkv.init(cpu_empty(bigarray_bound=SPLIT_BOUND), PARAMS), optax.adam(0.1)
+    )
     specs = jaxkv.specs(state, "d")
     bias = P("d") if split_buckets(state) else P()  # flat: in the group's split bucket
     assert specs.values == {"b1": bias, "b2": bias, "w1": P("d"), "w2": P("d")}
@@ -254,7 +256,7 @@ def per_device_grads():
 def test_a_gradient_reduce_scattered_by_ad_is_not_summed_again():
     """The first bug of issue 9: grad through the all-gather of the pulled shard, pushed with
     axis_name, was summed a second time (off by up to 0.196, silently)."""
-    state = jaxkv.init(cpu_empty(), {"w": jnp.zeros((64, 512))})
+    state = jaxkv.init(cpu_empty(bigarray_bound=SPLIT_BOUND), {"w": jnp.zeros((64, 512))})
     specs = jaxkv.specs(state, AXIS)
     data, total = per_device_grads()
 
@@ -273,7 +275,7 @@ def test_a_gradient_reduce_scattered_by_ad_is_not_summed_again():
 
 @pytest.mark.parametrize("invariant", [False, True])
 def test_a_whole_shape_value_is_reduce_scattered_once(invariant):
-    state = jaxkv.init(cpu_empty(), {"w": jnp.zeros((64, 512))})
+    state = jaxkv.init(cpu_empty(bigarray_bound=SPLIT_BOUND), {"w": jnp.zeros((64, 512))})
     specs = jaxkv.specs(state, AXIS)
     data, total = per_device_grads()
     ones = jnp.ones((64, 512))
@@ -303,7 +305,7 @@ def _reverse(key, pushed, stored):
 def pushed_through(updater, start):
     """A step pushing each device's gradient data to a sharded key "w" holding ``start`` with
     ``updater``; returns the jitted step, the state, the data and what "w" must then hold."""
-    state = jaxkv.init(cpu_empty(), {"w": start})
+    state = jaxkv.init(cpu_empty(bigarray_bound=SPLIT_BOUND), {"w": start})
     specs = jaxkv.specs(state, AXIS)
     data, total = per_device_grads()
 
@@ -333,7 +335,7 @@ def test_an_updater_gives_on_blocks_what_it_gives_on_the_whole_value(updater, co
 
 def test_pull_inside_the_step_gathers_or_gives_the_block():
     value = jnp.arange(64 * 512, dtype=jnp.float32).reshape(64, 512)
-    state = jaxkv.init(cpu_empty(), {"w": value, "b": jnp.arange(3.0)})
+    state = jaxkv.init(cpu_empty(bigarray_bound=SPLIT_BOUND), {"w": value, "b": jnp.arange(3.0)})
     specs = jaxkv.specs(state, AXIS)
     # Under the flat layout "b" shares the split bucket: its leaf here is a block as well.
     b_axis = AXIS if split_buckets(state) else None
@@ -364,7 +366,7 @@ def test_pull_inside_the_step_gathers_or_gives_the_block():
     ],
 )
 def test_blocks_without_what_they_need_are_refused(step, match):
-    state = jaxkv.init(cpu_empty(), {"w": jnp.zeros((64, 512))})
+    state = jaxkv.init(cpu_empty(bigarray_bound=SPLIT_BOUND), {"w": jnp.zeros((64, 512))})
     specs = jaxkv.specs(state, AXIS)
     with pytest.raises(jaxkv.KVStoreError, match=match):
         in_store_mesh(state, lambda s: jax.tree_util.tree_leaves(step(s))[0].sum(), (specs,), P())(
@@ -374,7 +376,8 @@ def test_blocks_without_what_they_need_are_refused(step, match):
 
 def test_an_optimizer_state_made_for_another_optimizer_is_refused_in_the_step():
     state = jaxkv.init_optimizer(
-        jaxkv.init(cpu_empty(), {"w": jnp.zeros((64, 512))}), optax.sgd(0.1, momentum=0.9)
+        jaxkv.init(cpu_empty(bigarray_bound=SPLIT_BOUND), {"w": jnp.zeros((64, 512))}),
+        optax.sgd(0.1, momentum=0.9),
     )
     specs = jaxkv.specs(state, AXIS)
     step = functools.partial(jaxkv.push, keys="w", updater=optax.adam(0.1), axis_name=AXIS)
@@ -383,7 +386,7 @@ def test_an_optimizer_state_made_for_another_optimizer_is_refused_in_the_step():
 
 
 def test_pushpull_in_the_step_reduce_scatters_then_gathers():
-    state = jaxkv.init(cpu_empty(), {"w": jnp.zeros((64, 512))})
+    state = jaxkv.init(cpu_empty(bigarray_bound=SPLIT_BOUND), {"w": jnp.zeros((64, 512))})
     specs = jaxkv.specs(state, AXIS)
     data, total = per_device_grads()
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _devices import SPLIT_BOUND
 from _mesh import data_by_model, stepped
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -72,7 +73,9 @@ def _optax_on_one_device(tx, reduce="sum", steps=3):
 
 
 def test_values_are_sharded_along_the_named_axis_and_replicated_along_the_others(mesh):
-    state = jaxkv.init(jaxkv.empty(mesh=mesh, axis_name="data"), _params())
+    state = jaxkv.init(
+        jaxkv.empty(mesh=mesh, axis_name="data", bigarray_bound=SPLIT_BOUND), _params()
+    )
     assert state.axis == "data" and state.shards == 2
     assert state["dense/kernel"].sharding == NamedSharding(mesh, P("data"))
     assert state["out"].sharding == NamedSharding(mesh, P())
@@ -92,7 +95,10 @@ def test_a_shard_map_step_over_both_axes_equals_optax_and_compiles_once(mesh, co
     """Data parallel along 'data' (each row of the mesh its half of the batch), the 'model'
     devices of a row computing the same gradient (invariant along 'model')."""
     tx = optax.adam(0.01)
-    state = jaxkv.init(jaxkv.empty(mesh=mesh, axis_name="data", reduce=reduce), _params())
+    state = jaxkv.init(
+        jaxkv.empty(mesh=mesh, axis_name="data", reduce=reduce, bigarray_bound=SPLIT_BOUND),
+        _params(),
+    )
     state = _trained(jaxkv.init_optimizer(state, tx), _loss, tx, mesh, compiles)
     assert state["dense/kernel"].sharding == NamedSharding(mesh, P("data"))
     params = _optax_on_one_device(tx, reduce)
@@ -116,7 +122,9 @@ def test_summing_along_both_axes(mesh):
 
 
 def test_eager_calls_on_a_mesh_of_several_axes(mesh, tmp_path):
-    state = jaxkv.init(jaxkv.empty(mesh=mesh, axis_name="data"), _params())
+    state = jaxkv.init(
+        jaxkv.empty(mesh=mesh, axis_name="data", bigarray_bound=SPLIT_BOUND), _params()
+    )
     # One value per key eagerly: assigned, or given to the updater.
     state = jaxkv.push(state, "out", jnp.ones((512, 2)), updater=optax.sgd(0.5))
     np.testing.assert_allclose(jaxkv.pull(state, "out"), _params()["out"] - 0.5, rtol=1e-6)
@@ -126,7 +134,7 @@ def test_eager_calls_on_a_mesh_of_several_axes(mesh, tmp_path):
     np.testing.assert_array_equal(one, _params()["dense"]["kernel"])
     path = str(tmp_path / "kv.npz")
     jaxkv.save_state(path, state)
-    like = jaxkv.empty(mesh=mesh, axis_name="data")
+    like = jaxkv.empty(mesh=mesh, axis_name="data", bigarray_bound=SPLIT_BOUND)
     loaded = jaxkv.load_state(path, like, optimizer=optax.sgd(0.5))
     assert loaded["dense/kernel"].sharding == NamedSharding(mesh, P("data"))
     jax.tree.map(

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _devices import SPLIT_BOUND
 from _mesh import data_by_model, stepped
 from _variants import covering
 from jax.sharding import NamedSharding
@@ -142,7 +143,9 @@ def _check(state, params, name, x, steps):
 
 
 def _store(mesh, params, tx, layout=None):
-    state = jaxkv.empty(mesh=mesh, axis_name="data", reduce="mean", layout=layout)
+    state = jaxkv.empty(
+        mesh=mesh, axis_name="data", reduce="mean", layout=layout, bigarray_bound=SPLIT_BOUND
+    )
     return jaxkv.init_optimizer(jaxkv.init(state, _tp(params, mesh)), tx)
 
 

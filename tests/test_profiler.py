@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _devices import cpu_empty
+from _devices import SPLIT_BOUND, cpu_empty
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -55,7 +55,10 @@ def sharded(state, x):
 def data_parallel_step(opt):
     """A ``jit(shard_map(...))`` step pushing each device's gradients with ``opt``."""
     state = jaxkv.init_optimizer(
-        jaxkv.init(cpu_empty(), {"w": jnp.zeros((64, 512)), "b": jnp.zeros(8)}), opt
+        jaxkv.init(
+            cpu_empty(bigarray_bound=SPLIT_BOUND), {"w": jnp.zeros((64, 512)), "b": jnp.zeros(8)}
+        ),
+        opt,
     )
     specs = jaxkv.specs(state, AXIS)
 
@@ -105,7 +108,7 @@ def test_compression_is_named_in_the_hlo_and_its_exchange_under_the_sum(devices)
 
 
 def test_a_row_push_in_the_users_step_names_its_route_its_sum_and_its_update():
-    state = jaxkv.init(cpu_empty(), {"e": jnp.zeros((4096, 8))})
+    state = jaxkv.init(cpu_empty(bigarray_bound=SPLIT_BOUND), {"e": jnp.zeros((4096, 8))})
     assert state.is_sharded((4096, 8))
     specs = jaxkv.specs(state, AXIS)
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _devices import cpu_empty
+from _devices import SPLIT_BOUND, cpu_empty
 from _variants import covering
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -43,6 +43,7 @@ def _table(rows: int, width: int) -> np.ndarray:
 def _store(layout: str, table: str = "sharded", **options) -> jaxkv.KVState:
     rows, width = TABLES[table]
     values = {"e": jnp.asarray(_table(rows, width)), "b": jnp.ones(3, jnp.float32)}
+    options.setdefault("bigarray_bound", SPLIT_BOUND)  # (a table at least that big is split)
     return jaxkv.init(cpu_empty(layout=layout, **options), values)
 
 
@@ -436,7 +437,9 @@ def test_routed_rows_of_any_dtype_and_row_shape(dtype, shape, devices):
     arrives whole, and pushpull_rows gives what push_rows then pull_rows give."""
     rng = np.random.default_rng(7)
     table = (rng.integers(0, 5, shape) > 2) if dtype == "bool" else rng.integers(-9, 9, shape)
-    state = jaxkv.init(cpu_empty(layout="keys"), {"e": jnp.asarray(table, dtype)})
+    state = jaxkv.init(
+        cpu_empty(layout="keys", bigarray_bound=SPLIT_BOUND), {"e": jnp.asarray(table, dtype)}
+    )
     assert state.is_sharded(shape)
     ids = [rng.integers(0, shape[0], 7).astype(np.int32) for _ in range(NDEV)]
     ids[2][:3] = ids[5][:3]  # repeats across devices: assigned their sum

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _devices import held_per_device
+from _devices import SPLIT_BOUND, held_per_device
 from _variants import rotating
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -68,7 +68,8 @@ def test_a_big_bucket_is_split_and_each_key_held_one_dth_per_device(devices):
 
 def test_auto_on_cpu_splits_no_bucket(devices):
     s = jaxkv.init(
-        jaxkv.empty(devices, layout="auto"), {"w": jnp.ones((8, 4096)), "b": jnp.ones(3)}
+        jaxkv.empty(devices, layout="auto", bigarray_bound=SPLIT_BOUND),
+        {"w": jnp.ones((8, 4096)), "b": jnp.ones(3)},
     )
     assert s.buckets == 1 and not s.flat_layout.split
     (big,) = [x for x in jax.tree_util.tree_leaves(s) if x.shape == (8, 4096)]
@@ -369,11 +370,14 @@ def test_new_keys_inside_shard_map_are_refused_over_split_buckets(devices):
         step(s)
 
 
-def test_compression_set_over_split_buckets_lays_each_key_out_where_it_belongs(devices):
+def test_compression_set_over_split_buckets_lays_each_key_out_where_it_belongs(
+    devices, monkeypatch
+):
     """Setting gradient compression takes a flat store to one array per key. Each key's array
     must then be placed as the per-key layout places it (replicated below the bound), not as
     XLA placed its view of the split bucket (row-sharded): else a pull into outs hands each
     device only its rows (found by the stateful model, make test-deep)."""
+    monkeypatch.setenv("MXNET_KVSTORE_BIGARRAY_BOUND", str(SPLIT_BOUND))  # the bucket is split
     kv = jaxkv.KVStore("device", devices=devices, layout="flat")
     shapes = [(8, 4), (2, 3), (1024, 16)]
     values = [np.arange(np.prod(s), dtype=np.float32).reshape(s) for s in shapes]

@@ -8,6 +8,8 @@ reduce-scattered one by one. Several keys of each kind go through one call, so a
 keys shows. The data are small integers, so every sum is exact in any order.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,23 +81,25 @@ def test_every_key_gets_its_own_sum(stores, devices, bound, pattern):
         assert new[k].sharding == state[k].sharding, k  # the store's layout is kept
 
 
+def _documented(bound):
+    """The keys a store over 8 devices with ``bound`` shards, by the documented rule: at least
+    ``bound`` elements, not a scalar, rows dividing over the devices."""
+    shapes = {**SHAPES, **HALF}
+    return sorted(
+        k
+        for k, s in shapes.items()
+        if bound is not None and s and math.prod(s) >= bound and s[0] % D == 0
+    )
+
+
 def test_sharded_and_replicated_layouts_are_as_documented(stores):
-    default, replicated, tiny = stores["default"], stores["replicated"], stores["16"]
-    assert [k for k in default.keys() if default.is_sharded(default[k].shape)] == [
-        "big",
-        "mid_a",
-        "mid_b",
-        "mid_c",
-        "mid_h",
-    ]
-    assert not any(replicated.is_sharded(replicated[k].shape) for k in replicated.keys())
-    assert [k for k in tiny.keys() if tiny.is_sharded(tiny[k].shape)] == [
-        "big",
-        "mid_a",
-        "mid_b",
-        "mid_c",
-        "mid_h",
-    ]
+    for state in stores.values():  # (the default store's bound is whatever the default is)
+        assert [k for k in state.keys() if state.is_sharded(state[k].shape)] == _documented(
+            state.bigarray_bound
+        )
+    assert _documented(1 << 14) == ["big", "mid_a", "mid_b", "mid_c", "mid_h"]
+    assert _documented(16) == ["big", "mid_a", "mid_b", "mid_c", "mid_h"]
+    assert _documented(1 << 17) == ["big"] and _documented(None) == []
 
 
 def test_mixed_dtypes_from_different_devices_are_cast_before_the_sum(devices):

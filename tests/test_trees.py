@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _devices import SPLIT_BOUND
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -150,7 +151,7 @@ def test_namedtuples_and_other_nodes_below_the_root():
 def test_a_shard_map_step_on_a_tree_compiles_once_and_matches_optax(cpus, compiles):
     mesh = Mesh(np.array(cpus), ("data",))
     tx = optax.sgd(0.1, momentum=0.9)
-    state = jaxkv.init(jaxkv.empty(mesh=mesh), _params())
+    state = jaxkv.init(jaxkv.empty(mesh=mesh, bigarray_bound=SPLIT_BOUND), _params())
     state = jaxkv.init_optimizer(state, tx, _params())
     spec = jaxkv.specs(state, "data")
     # Big leaves are sharded: the specs of a tree say so.
@@ -184,7 +185,7 @@ def test_a_shard_map_step_on_a_tree_compiles_once_and_matches_optax(cpus, compil
 
 def test_gather_takes_and_gives_trees(cpus):
     mesh = Mesh(np.array(cpus), ("data",))
-    state = jaxkv.init(jaxkv.empty(mesh=mesh), _params())
+    state = jaxkv.init(jaxkv.empty(mesh=mesh, bigarray_bound=SPLIT_BOUND), _params())
     spec = jaxkv.specs(state, "data")
 
     def step(state):

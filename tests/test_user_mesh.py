@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _devices import SPLIT_BOUND
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -46,7 +47,10 @@ def _loop(state, mesh, steps, compiles):
 
 
 def test_a_shard_map_step_over_the_users_mesh_compiles_once(mesh, compiles):
-    state = jaxkv.init(jaxkv.empty(mesh=mesh), {"w": jnp.zeros((64, 512)), "b": jnp.zeros(3)})
+    state = jaxkv.init(
+        jaxkv.empty(mesh=mesh, bigarray_bound=SPLIT_BOUND),
+        {"w": jnp.zeros((64, 512)), "b": jnp.zeros(3)},
+    )
     state = jaxkv.init_optimizer(state, optax.sgd(0.1), keys=["w"])
     assert state.mesh is mesh and state.axis == "data"
     assert state["w"].sharding == NamedSharding(mesh, P("data"))
@@ -60,14 +64,20 @@ def test_a_shard_map_step_over_the_users_mesh_compiles_once(mesh, compiles):
 def test_a_store_on_its_own_mesh_recompiles_in_such_a_loop(cpus, mesh, compiles):
     """What the user's mesh is for: the store's own mesh (axis 'kv') comes back out of the
     step on the user's mesh, a new input sharding at the second call."""
-    state = jaxkv.init(jaxkv.empty(cpus), {"w": jnp.zeros((64, 512)), "b": jnp.zeros(3)})
+    state = jaxkv.init(
+        jaxkv.empty(cpus, bigarray_bound=SPLIT_BOUND),
+        {"w": jnp.zeros((64, 512)), "b": jnp.zeros(3)},
+    )
     state = jaxkv.init_optimizer(state, optax.sgd(0.1), keys=["w"])
     _, counts = _loop(state, mesh, 3, compiles)
     assert counts[1] >= 1
 
 
 def test_axis_name_alone_names_the_stores_own_mesh(cpus):
-    state = jaxkv.init(jaxkv.empty(cpus, axis_name="batch"), {"w": jnp.zeros((64, 512))})
+    state = jaxkv.init(
+        jaxkv.empty(cpus, axis_name="batch", bigarray_bound=SPLIT_BOUND),
+        {"w": jnp.zeros((64, 512))},
+    )
     assert state.axis == "batch" and state.mesh.axis_names == ("batch",)
     assert state["w"].sharding.spec == P("batch")
     assert jaxkv.specs(state, "batch").values["w"] == P("batch")
@@ -86,8 +96,8 @@ def test_eager_pushes_on_the_users_mesh(cpus, mesh, compression):
     }
     results = []
     for store in (
-        jaxkv.empty(mesh=mesh, compression=compression),
-        jaxkv.empty(cpus, compression=compression),
+        jaxkv.empty(mesh=mesh, compression=compression, bigarray_bound=SPLIT_BOUND),
+        jaxkv.empty(cpus, compression=compression, bigarray_bound=SPLIT_BOUND),
     ):
         state = jaxkv.init(store, {k: jnp.asarray(v) for k, v in values.items()})
         state = jaxkv.init_optimizer(state, optax.sgd(0.1, momentum=0.9))
@@ -105,11 +115,15 @@ def test_eager_pushes_on_the_users_mesh(cpus, mesh, compression):
 
 def test_a_checkpoint_loads_across_meshes(tmp_path, cpus, mesh):
     own = jaxkv.init(
-        jaxkv.empty(cpus), {"w": jnp.arange(64 * 512.0).reshape(64, 512), "b": jnp.ones(3)}
+        jaxkv.empty(cpus, bigarray_bound=SPLIT_BOUND),
+        {"w": jnp.arange(64 * 512.0).reshape(64, 512), "b": jnp.ones(3)},
     )
     own = jaxkv.init_optimizer(own, optax.adam(0.1))
     jaxkv.save_state(str(tmp_path / "own.kv"), own)
-    target = jaxkv.init(jaxkv.empty(mesh=mesh), {"w": jnp.zeros((64, 512)), "b": jnp.zeros(3)})
+    target = jaxkv.init(
+        jaxkv.empty(mesh=mesh, bigarray_bound=SPLIT_BOUND),
+        {"w": jnp.zeros((64, 512)), "b": jnp.zeros(3)},
+    )
     loaded = jaxkv.load_state(str(tmp_path / "own.kv"), target, optimizer=optax.adam(0.1))
     assert loaded.mesh is mesh and loaded["w"].sharding == NamedSharding(mesh, P("data"))
     np.testing.assert_array_equal(np.asarray(loaded["w"]), np.asarray(own["w"]))
