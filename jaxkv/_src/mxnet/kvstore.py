@@ -44,6 +44,7 @@ from jaxkv._src.processes import host, join, order
 from jaxkv._src.rows.sizes import Padded
 from jaxkv._src.state import buckets, dtypes, pairing, placement
 from jaxkv._src.state.kvstate import Key, KVState, empty, spans_processes
+from jaxkv._src.state.policy import bound_from
 
 __all__ = ["KVStore", "create"]
 
@@ -203,7 +204,7 @@ class KVStore:
         # default ("default": JAXKV_BIGARRAY_BOUND, else policy.BIGARRAY_BOUND).
         bound: int | None | str = "default"
         if "MXNET_KVSTORE_BIGARRAY_BOUND" in os.environ:
-            bound = int(os.environ["MXNET_KVSTORE_BIGARRAY_BOUND"])
+            bound = bound_from("MXNET_KVSTORE_BIGARRAY_BOUND")
         elif name in _DIST_TYPES and jax.process_count() > 1:
             bound = MXNET_BIGARRAY_BOUND
         # A row-sparse push under MXNet's optimizer, checked and held until the next call: a

@@ -20,6 +20,7 @@ __all__ = [
     "ROW_PADDING",
     "SCATTER_FUSE_BELOW",
     "block_rows",
+    "bound_from",
     "default_bound",
     "scatters_alone",
 ]
@@ -52,8 +53,13 @@ def default_bound() -> int | None:
     """The bound of a store made without one: ``JAXKV_BIGARRAY_BOUND`` (a positive number of
     elements, or ``none``: nothing is split), else :data:`BIGARRAY_BOUND`."""
     text = os.environ.get(BOUND_ENV, "").strip()
-    if not text:
-        return BIGARRAY_BOUND
+    return bound_from(BOUND_ENV) if text else BIGARRAY_BOUND
+
+
+def bound_from(variable: str) -> int | None:
+    """The bound the environment variable ``variable`` sets (a positive number of elements, or
+    ``none``); a :class:`KVStoreError` naming it for anything else."""
+    text = os.environ.get(variable, "").strip()
     if text.lower() == "none":
         return None
     try:
@@ -62,7 +68,7 @@ def default_bound() -> int | None:
         bound = 0
     if bound < 1:
         raise KVStoreError(
-            f"{BOUND_ENV}: expected a positive number of elements or 'none', given {text!r}"
+            f"{variable}: expected a positive number of elements or 'none', given {text!r}"
         )
     return bound
 

@@ -53,6 +53,9 @@ def test_the_big_array_bound_comes_from_mxnets_variable(devices, monkeypatch):
     assert kvstore.KVStore("local", devices[:2])._stored.bigarray_bound == 12
     monkeypatch.setenv("MXNET_KVSTORE_BIGARRAY_BOUND", "6")
     assert kvstore.KVStore("local", devices[:2])._stored.bigarray_bound == 6
+    monkeypatch.setenv("MXNET_KVSTORE_BIGARRAY_BOUND", "1e6")  # (MXNet reads an integer)
+    with pytest.raises(jaxkv.KVStoreError, match="MXNET_KVSTORE_BIGARRAY_BOUND: .* given '1e6'"):
+        kvstore.KVStore("local", devices[:2])
 
 
 def test_the_fifth_held_push_of_a_key_runs_the_four_held_before_it(devices):
