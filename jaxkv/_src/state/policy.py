@@ -97,8 +97,9 @@ class Placement:
     """Where a store over ``shards`` devices (along its axis) puts a value, given its bound.
 
     Every layout asks it (the store, its buckets, the sums of a push, the row operations), and
-    so do the tests: a test that needs a value the store splits asks :meth:`is_sharded` or
-    builds its shape from :meth:`smallest_split`, rather than assuming the bound.
+    so do the tests of the default placement, rather than assuming the default bound (a test
+    of split values gives its store the bound it assumes; :meth:`smallest_split` and
+    :meth:`largest_whole` give shapes on either side of a bound).
     """
 
     shards: int
