@@ -47,6 +47,7 @@ from jaxkv._src.rows.ops import pushpull_rows as pushpull_rows
 from jaxkv._src.rows.ops import row_sparse_pull as row_sparse_pull
 from jaxkv._src.state.kvstate import KVState as KVState
 from jaxkv._src.state.kvstate import empty as empty
+from jaxkv._src.state.policy import Placement as Placement
 
 
 def _version() -> str:
@@ -77,6 +78,7 @@ __all__ = [
     "KVStore",
     "KVStoreError",
     "KeyTypeError",
+    "Placement",
     "ShapeError",
     "SumError",
     "DiskError",

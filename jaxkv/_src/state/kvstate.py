@@ -694,8 +694,8 @@ class KVState:
 
     @property
     def placement(self) -> Placement:
-        """The store's placement policy: which values it splits over its devices and in what
-        blocks, and which sums of a push share a collective (``state/policy.py``)."""
+        """Which values the store splits over its devices, in what blocks, and which sums of a
+        push share a collective: its placement policy, a :class:`~jaxkv.Placement`."""
         return _placement(self.shards, self._bound)
 
     def is_sharded(self, shape: tuple[int, ...]) -> bool:
