@@ -24,7 +24,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxkv._src.errors import KeyTypeError, KVStoreError, shown, unknown_key
 from jaxkv._src.state import buckets
 from jaxkv._src.state.buckets import FlatLayout, Packing
-from jaxkv._src.state.policy import AUTO_CPU_BELOW, BIGARRAY_BOUND, Placement, default_bound
+from jaxkv._src.state.policy import (
+    AUTO_CPU_BELOW,
+    BIGARRAY_BOUND,
+    Placement,
+    default_bound,
+    is_sharded,
+)
 from jaxkv._src.state.tree_shapes import TreeShape
 
 __all__ = ["AXIS", "LAYOUTS", "LAYOUT_ENV", "Facts", "KVState", "empty"]
@@ -699,8 +705,9 @@ class KVState:
         return _placement(self.shards, self._bound)
 
     def is_sharded(self, shape: tuple[int, ...]) -> bool:
-        """Whether a value (or optimizer-state leaf) of ``shape`` is stored sharded."""
-        return self.placement.is_sharded(shape)
+        """Whether a value (or optimizer-state leaf) of ``shape`` is stored sharded (its
+        :attr:`placement` says; asked without making it, on every push's path)."""
+        return is_sharded(tuple(shape), self.shards, self._bound)
 
     def splits(self, shape: tuple[int, ...]) -> bool:
         """Whether a value of ``shape`` is stored split across the devices for its size alone:

@@ -22,6 +22,7 @@ __all__ = [
     "block_rows",
     "bound_from",
     "default_bound",
+    "is_sharded",
     "scatters_alone",
 ]
 
@@ -113,7 +114,7 @@ class Placement:
     def is_sharded(self, shape: tuple[int, ...]) -> bool:
         """Whether a value (or optimizer-state leaf) of ``shape`` is stored sharded along its
         rows: big enough to split, its rows divided by the devices."""
-        return _is_sharded(tuple(shape), self.shards, self.bound)
+        return is_sharded(tuple(shape), self.shards, self.bound)
 
     def pads(self, shape: tuple[int, ...]) -> bool:
         """Whether a value of ``shape`` is big enough to split but its rows do not divide over
@@ -159,6 +160,7 @@ def _splittable(shape: tuple[int, ...], n: int, bound: int | None) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _is_sharded(shape: tuple[int, ...], n: int, bound: int | None) -> bool:
-    # Asked for every value of every push and pull: cached, since shapes repeat.
+def is_sharded(shape: tuple[int, ...], n: int, bound: int | None) -> bool:
+    """:meth:`Placement.is_sharded` of ``Placement(n, bound)``, for the store's own hot path
+    (asked for every value of every push and pull: cached, since shapes repeat)."""
     return _splittable(shape, n, bound) and shape[0] % n == 0
