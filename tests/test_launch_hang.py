@@ -50,10 +50,12 @@ def test_the_stopped_process_is_named_not_the_peer_that_aborted(stopped):
     Before, the launcher said only ``process 0 was killed by SIGABRT`` (or 1)."""
     other = 1 - stopped
     run, output = _stop_job([str(stopped)], ENV_HEARTBEAT_TIMEOUT, HEARTBEAT)
-    assert run.returncode == 128 + signal.SIGABRT, output
+    # (JAX's coordination client aborts the peer; JAX 0.8.1's exits with 1 instead)
+    assert run.returncode in (128 + signal.SIGABRT, 1), output
     summary = re.search(
         rf"^jaxkv.launch: process {stopped} stopped responding \(stopped by SIGSTOP\) for "
-        rf"([\d.]+) s; as a result, process {other} was killed by SIGABRT; stopping the others$",
+        rf"([\d.]+) s; as a result, process {other} (was killed by SIGABRT|exited with 1); "
+        "stopping the others$",
         run.stderr,
         re.MULTILINE,
     )
@@ -77,7 +79,7 @@ def test_the_hung_process_is_named_not_the_peer_whose_collective_timed_out():
     summary = re.search(
         r"^jaxkv.launch: process 1 did not reach the (.+) that process 0 waited (\d+) s for: it "
         r"is hung or far behind; as a result, process 0 exited with 124; stopping the others"
-        r"( \(after it, process 1 was killed by SIGABRT\))?$",
+        r"( \(after it, process 1 (was killed by SIGABRT|exited with 1)\))?$",
         run.stderr,
         re.MULTILINE,
     )

@@ -21,6 +21,7 @@ import jaxkv.mx as mx
 kv = mx.kv.create("dist_sync")
 kv.init("w", mx.nd.zeros((3,)))
 kv.push("w", [mx.nd.ones((3,), mx.cpu(0))])
+kv.barrier()  # both ranks have started and pushed before either stops (a loaded machine)
 os.write(1, f"rank {kv.rank} pushed\n".encode())
 if kv.rank == int(sys.argv[1]):
     if sys.argv[2:] != ["hang"]:
