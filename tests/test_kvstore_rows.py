@@ -57,7 +57,7 @@ def test_a_push_then_a_row_sparse_pull_gives_push_then_pull(asked, layout):
     for seed in range(3):
         ids, data, values = _grads(seed)
         kv.push("e", values)
-        assert kv._deferred is not None  # held: run with the pull below
+        assert kv._calls.rows is not None  # held: run with the pull below
         model = _lazy_sgd(model, ids, data)
         want = {
             "pushed": ids,
@@ -66,7 +66,7 @@ def test_a_push_then_a_row_sparse_pull_gives_push_then_pull(asked, layout):
         }[asked]
         outs = _outs()
         kv.row_sparse_pull("e", out=outs, row_ids=[mx.nd.array(x, dtype="int64") for x in want])
-        assert kv._deferred is None
+        assert kv._calls.rows is None
         for o, x, j in zip(outs, want, range(NDEV)):
             rows = np.unique(x)
             assert o.context == mx.cpu(j)
@@ -129,7 +129,7 @@ def test_a_refused_push_is_refused_at_the_push():
     ]
     with pytest.raises(jaxkv.ShapeError, match="expected the stored shape"):
         kv.push("e", wrong)
-    assert kv._deferred is None
+    assert kv._calls.rows is None
     np.testing.assert_array_equal(np.asarray(kv.pull("e")), table)
 
 

@@ -383,7 +383,7 @@ def test_a_list_pull_with_nothing_held_runs_at_once(devices):
     nd.waitall()
     outs = [nd.zeros((2,)), nd.zeros((3,))]
     kv.pull([0, 1], out=outs)
-    assert kv._held is None and all(o.owed_by is None for o in outs)
+    assert kv._calls.queue is None and all(o.owed_by is None for o in outs)
     held = outs[1].held_value()  # filled, no read needed (a part of the stored value, or it)
     np.testing.assert_array_equal(getattr(held, "whole", held), [1, 1, 1])
     kv.push(0, nd.ones((2,)) * 5)  # held: the next list pull waits behind it

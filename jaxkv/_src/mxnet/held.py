@@ -17,6 +17,10 @@ Across processes (``dist_sync``) the keys each process holds are compared first 
 all-gather of a digest): held pushes are summed in key order, so processes that pushed the
 same keys in their own orders get the same sums; processes that hold different keys all raise
 ``KVStoreError`` naming each process's keys, before anything changes.
+
+:class:`Calls` is the store's part that holds them (its queue, and a push of rows held for its
+``row_sparse_pull``) and runs them in that order through the store's own calls (:class:`Runs`);
+the store keeps MXNet's API.
 """
 
 from __future__ import annotations
@@ -28,16 +32,27 @@ import itertools
 import json
 import logging
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxkv._src.errors import KVStoreError
+from jaxkv._src.errors import KVStoreError, named
 from jaxkv._src.processes import host
 from jaxkv._src.rows import ops
-from jaxkv._src.state.kvstate import Key
+from jaxkv._src.state.kvstate import Key, KVState, spans_processes
 
-__all__ = ["Held", "agree", "before", "described", "differ", "holding", "run_everything_held"]
+__all__ = [
+    "Calls",
+    "Held",
+    "Runs",
+    "agree",
+    "before",
+    "described",
+    "differ",
+    "holding",
+    "run_everything_held",
+]
 
 logger = logging.getLogger("jaxkv")
 
@@ -109,6 +124,184 @@ class Held:
             seen.update(dict.fromkeys(gen))
             seen.update(dict.fromkeys(k for k, _ in pulls))
         return list(seen)
+
+
+class Runs(NamedTuple):
+    """What a store does when its held calls run: its own calls, made now (bound to it by the
+    store each time they run, so that no part of it keeps the store alive)."""
+
+    owner: Any  # the store (noted by :func:`holding` when it holds calls again)
+    stored: Callable[[], KVState]  # its state as stored (its held calls not run)
+    rebind: Callable[[KVState], None]  # its state replaced
+    init: Callable[[list[Key], list], None]  # held inits, in key order
+    push: Callable[[list[Key], list[list], dict[Key, Any]], None]  # one generation of pushes
+    pull: Callable[[list[Key], list[list]], None]  # pulls into outs, in key order
+    restore: Callable[[Any], None]  # an MXNet optimizer's bookkeeping put back (None: nothing)
+    spare: Callable[[], None]  # the arrays lent to outs kept from a donation (Lending.spare)
+    push_rows: Callable[[KVState, Any], KVState]  # a held push of rows run on a state
+
+
+class Calls:
+    """What an imperative store holds until something reads, and how it runs (the module doc):
+    its queue of per-key calls (``queue``: a :class:`Held`, or ``None``), and a lazy push of
+    rows held for its ``row_sparse_pull`` (``rows``: a ``kvstore_rows.Held``, run by
+    ``Runs.push_rows``; or ``None``),
+    which across processes may keep the queue held before it (its ``before``), to be agreed
+    in the pull's own all-gather. The store's lock is held by every caller."""
+
+    __slots__ = ("queue", "rows")
+
+    def __init__(self) -> None:
+        self.queue: Held | None = None
+        self.rows: Any = None  # a kvstore_rows.Held
+
+    def hold(self, queue: Held, owner: Any) -> None:
+        """Hold ``queue`` (the calls held before and the new ones) for ``owner``, the store."""
+        self.queue = queue
+        holding(owner)
+
+    def shape(self, state: KVState, key: Key, queue: Held | None = None) -> tuple[int, ...]:
+        """``key``'s shape, from a held init (of ``queue``, default this one's) or ``state``
+        (whose held calls need not run)."""
+        queue = self.queue if queue is None else queue
+        if queue is not None and key in queue.inits:
+            return tuple(queue.inits[key].shape)
+        return state.key_shapes[state.index(key)]
+
+    def run(self, runs: Runs) -> None:
+        """Run every held call: the push of rows (after the calls it keeps), then the queue."""
+        if self.rows is not None:
+            self.settle(runs)
+        queue, self.queue = self.queue, None
+        self.run_queue(queue, runs)
+
+    def settle(self, runs: Runs) -> None:
+        """Run the held push of rows (after the calls held before it, if it keeps them); where
+        it fails, what the MXNet optimizer counted for it is put back."""
+        rows, self.rows = self.rows, None
+        if rows is None:
+            return
+        if rows.before is not None:
+            try:
+                self.run_queue(rows.before, runs)
+            except BaseException:  # the push of rows is dropped with them
+                if rows.before.counted is None:
+                    runs.restore(rows.counted)
+                raise
+        try:
+            runs.spare()  # (pulls run since it was held may read its table)
+            runs.rebind(runs.push_rows(runs.stored(), rows))
+        except BaseException:
+            runs.restore(rows.counted)
+            raise
+
+    def run_queue(self, queue: Held | None, runs: Runs, agreed: bool = False) -> None:
+        """Run the held calls ``queue`` in their order (across processes, agreed first unless
+        ``agreed``): the inits in key order, then each phase's pulls and the next generation
+        of pushes. Where a call fails, the error is a ``KVStoreError`` naming the held keys,
+        and where nothing ran (the processes disagree), the MXNet optimizer's counts of the
+        held pushes are put back."""
+        if not queue:  # (nothing held: no out is owed either)
+            return
+        queue.release()  # the outs are filled below, or keep what they hold
+        state = runs.stored()
+        try:
+            if not agreed and spans_processes(state.devices):
+                gathered = self.gathered(queue, state)
+                # (pulls alone of values each process holds whole make no collective)
+                if queue.inits or queue.pushes or any(gathered):
+                    agree(queue, gathered)
+            if queue.inits:  # in key order: the same in every process
+                keys = sorted(queue.inits)
+                runs.init(keys, [queue.inits[k] for k in keys])
+            for n, pulls in enumerate(queue.pulls):
+                if n:  # the n-th push of every key pushed n times, in key order
+                    gen = queue.pushes[n - 1]
+                    keys = sorted(gen)
+                    runs.push(keys, [gen[k] for k in keys], queue.scalars[n - 1])
+                if pulls:  # in key order too (a key's own pulls in call order)
+                    pulls = sorted(pulls, key=lambda pull: pull[0])
+                    runs.pull([k for k, _ in pulls], [o for _, o in pulls])
+        except BaseException as e:
+            if runs.stored() is state and queue.counted is not None:
+                # Refused before anything ran (the processes disagree): the optimizer
+                # has not counted the held pushes either.
+                runs.restore(queue.counted)
+            if isinstance(e, KVStoreError) or not isinstance(e, Exception):
+                raise
+            raise KVStoreError(
+                f"{named(list(queue.keys()))}: the held calls failed when run "
+                f"({type(e).__name__}: {e})"
+            ) from e
+
+    def gathered(self, queue: Held, state: KVState) -> list[list[Key]]:
+        """Across processes, the keys of ``queue``'s pulls of values split across processes
+        (each a collective: it gathers them), per phase of pulls."""
+        return [
+            sorted({k for k, _ in pulls if state.splits(self.shape(state, k, queue))})
+            for pulls in queue.pulls
+        ]
+
+    def keeps(self, lazy_mxnet: bool) -> bool:
+        """Whether a push of rows may keep the calls held before it, to run with it (the store
+        then checks that it is one key's rows): across processes, under an MXNet optimizer's
+        lazy update (``lazy_mxnet``), after held pushes and no held init, with no push of rows
+        held already. Decided from what every process agrees on, so that every process
+        decides alike."""
+        queue = self.queue
+        return (
+            queue is not None
+            and bool(queue.pushes)
+            and not queue.inits
+            and self.rows is None
+            and lazy_mxnet
+        )
+
+    def kept(self, rows: Any, runs: Runs) -> tuple[Any, Callable[[], None]]:
+        """The calls a held push of rows kept (``rows.before``), as ``rows.ops.Before`` for its
+        ``row_sparse_pull`` (agreed in the push's all-gather, run by it once agreed), and what
+        to do where the push and pull raise: undo what the push counted; the kept calls held
+        again (ahead of any held since) where they did not run (a process refused, the
+        numbers differ), dropped where the processes hold different ones (as :func:`agree`
+        drops them)."""
+        queue = rows.before
+        if queue is None:  # (across processes, described as none: where another process
+            # kept calls, this one's error names them too)
+            across = spans_processes(runs.stored().devices)
+            return (
+                nothing(runs.stored) if across else None,
+                functools.partial(runs.restore, rows.counted),
+            )
+        stage = {"running": False, "ran": False, "dropped": False}
+
+        def run() -> KVState:
+            stage["running"] = True
+            self.run_queue(queue, runs, agreed=True)
+            stage["ran"] = True
+            return runs.stored()
+
+        def failed() -> None:
+            if stage["ran"]:
+                runs.restore(rows.counted)
+            elif stage["running"]:  # a kept call failed: it undid its own counts, which came first
+                if queue.counted is None:
+                    runs.restore(rows.counted)
+            elif stage["dropped"]:  # (what they counted came first)
+                queue.release()
+                runs.restore(queue.counted if queue.counted is not None else rows.counted)
+            else:
+                runs.restore(rows.counted)
+                if self.queue is not None:  # held since the push: after the kept ones
+                    queue.extend(self.queue)
+                self.hold(queue, runs.owner)
+
+        agreed = before(queue, self.gathered(queue, runs.stored()), run)
+
+        def differ(texts: list[bytes]) -> None:
+            stage["dropped"] = True
+            agreed.differ(texts)
+
+        return agreed._replace(differ=differ), failed
 
 
 def agree(held: Held, gathered: list[list[Key]]) -> None:

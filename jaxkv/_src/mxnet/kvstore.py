@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -34,7 +34,7 @@ from jaxkv._src.core.updater import (
     positional,
     updater_name,
 )
-from jaxkv._src.errors import DtypeError, KVStoreError, ShapeError, named, shown
+from jaxkv._src.errors import DtypeError, KVStoreError, ShapeError, shown
 from jaxkv._src.mxnet import casts, held, kvstore_rows, lending, per_key, states_file
 from jaxkv._src.mxnet.ndarray import NDArray, unwrap
 from jaxkv._src.mxnet.optimizers import catalog  # noqa: F401 - fills the registry
@@ -207,12 +207,11 @@ class KVStore:
             bound = bound_from("MXNET_KVSTORE_BIGARRAY_BOUND")
         elif name in _DIST_TYPES and jax.process_count() > 1:
             bound = MXNET_BIGARRAY_BOUND
-        # A row-sparse push under MXNet's optimizer, checked and held until the next call: a
-        # row_sparse_pull of its key then runs both in one computation (pushpull_rows); any
-        # other use of the state runs it first (see _state).
-        self._deferred: kvstore_rows.Held | None = None
-        # Per-key inits, pushes and pulls into outs, held until something reads (held.py).
-        self._held: held.Held | None = None
+        # What it holds until something reads (held.py): per-key inits, pushes and pulls into
+        # outs (its queue), and a row-sparse push under MXNet's optimizer, checked and held
+        # until the next call (its rows: a row_sparse_pull of its key then runs both in one
+        # computation, pushpull_rows; any other use of the state runs it first, see _state).
+        self._calls = held.Calls()
         self._stored: KVState = empty(devices, bigarray_bound=bound, layout=layout, reduce=reduce)
         self._updater: Any = None
         # An updater that runs as Python on every push (set_updater of a function not marked
@@ -227,44 +226,43 @@ class KVStore:
     @property
     def _state(self) -> KVState:
         """The store's state, with a held row-sparse push and the held calls applied first."""
-        if self._deferred is not None:
-            self._settle()
-        if self._held is not None:
+        calls = self._calls
+        if calls.rows is not None or calls.queue is not None:
             self.run_held()
         return self._stored
 
     @_state.setter
     def _state(self, state: KVState) -> None:
-        if self._deferred is not None:  # the held push came first: it runs, then is replaced
-            self._settle()
-        if self._held is not None:
+        calls = self._calls  # what it holds came first: it runs, then is replaced
+        if calls.rows is not None or calls.queue is not None:
             self.run_held()
         self._stored = state
 
-    def _settle(self) -> None:
-        """Run the held push of rows (after the calls held before it, if it keeps them)."""
-        with self._lock:
-            deferred, self._deferred = self._deferred, None
-            if deferred is not None:
-                if deferred.before is not None:
-                    try:
-                        self._run_queue(deferred.before)
-                    except BaseException:  # the push of rows is dropped with them
-                        if deferred.before.counted is None:
-                            self._uncount(deferred)
-                        raise
-                try:
-                    self._lending.spare()  # (pulls run since it was held may read its table)
-                    self._stored = kvstore_rows.run_held(self._stored, deferred)
-                except BaseException:
-                    self._uncount(deferred)
-                    raise
+    def _runs(self) -> held.Runs:
+        """This store's own calls, as its held calls run them (``held.Runs``)."""
+        return held.Runs(
+            owner=self,
+            stored=self._get_stored,
+            rebind=self._set_stored,
+            init=self._init_now,
+            push=self._push_held,
+            pull=self._pull_now,
+            restore=self._restore,
+            spare=self._lending.spare,
+            push_rows=kvstore_rows.run_held,
+        )
 
-    def _uncount(self, deferred: kvstore_rows.Held) -> None:
-        """A held push of rows refused when it ran (across processes: the processes' numbers
-        differ): the MXNet optimizer has not counted it either, as a push refused at once."""
-        if deferred.counted is not None and self._mxnet_optimizer is not None:
-            self._mxnet_optimizer.restore_bookkeeping(deferred.counted)
+    def _get_stored(self) -> KVState:
+        return self._stored
+
+    def _set_stored(self, state: KVState) -> None:
+        self._stored = state
+
+    def _restore(self, counted: Any) -> None:
+        """Put back the MXNet optimizer's bookkeeping ``counted`` (``None``: nothing): the
+        pushes counted since were refused, or dropped, as a push refused at once."""
+        if counted is not None and self._mxnet_optimizer is not None:
+            self._mxnet_optimizer.restore_bookkeeping(counted)
 
     @property
     def type(self) -> str:
@@ -331,9 +329,9 @@ class KVStore:
             if not self._may_hold(values):
                 self._init_now(key, values)
                 return
-            queue = self._held if self._held is not None else held.Held()
+            queue = self._calls.queue if self._calls.queue is not None else held.Held()
             queue.inits.update(ops.checked_inits(self._stored, key, values, queue.inits))
-            self._hold(queue)
+            self._calls.hold(queue, self)
 
     def _init_tree(self, tree: Any) -> None:
         if _opened_tree(tree, "init") is None:  # a flat mapping of keys to values
@@ -364,7 +362,7 @@ class KVStore:
 
     def _held_state(self) -> KVState:
         """The store's state with its held inits in it (its trees, for the checks)."""
-        if self._held is not None and self._held.inits:
+        if self._calls.queue is not None and self._calls.queue.inits:
             return self._state
         return self._stored
 
@@ -397,7 +395,7 @@ class KVStore:
             ):
                 self._update(key, values)
                 return
-            inits = self._held.inits if self._held is not None else None
+            inits = self._calls.queue.inits if self._calls.queue is not None else None
             if inits:
                 grouped = pairing.group(self._stored, key, values, inits)
             else:  # (a call like an earlier one: grouped again without its per-value checks)
@@ -407,7 +405,7 @@ class KVStore:
                 for k in grouped:  # refused now, as the push would refuse it when run
                     if k in self._stored:  # (a held init's key has no state yet)
                         _alone(self._stored, k)
-            queue = self._held
+            queue = self._calls.queue
             if (
                 queue is not None
                 and len(queue.pushes) >= _HELD_PUSHES
@@ -426,7 +424,7 @@ class KVStore:
                 keys = sorted(grouped)
                 for k, row in zip(keys, opt.next_update(keys)):
                     queue.hold_push(k, grouped[k], row)
-            self._hold(queue)
+            self._calls.hold(queue, self)
 
     def pull(
         self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True
@@ -446,7 +444,7 @@ class KVStore:
                     return trees.fill(tree, list(self._values(tree.keys)))
                 return self._values(key)
             if (
-                self._held is None
+                self._calls.queue is None
                 and isinstance(key, list | tuple)
                 and not spans_processes(self._stored.devices)
             ):  # A list pull with nothing held before it runs now, by its fill plan: the list
@@ -455,15 +453,15 @@ class KVStore:
                 return None
             pairs = pairing.pairs(key, out, "outs")
             if all(type(o) is NDArray for _, outs in pairs for o in outs):
-                if self._held is not None and any(
+                if self._calls.queue is not None and any(
                     o.owed_by is self for _, outs in pairs for o in outs
                 ):
                     self.run_held()  # an out owed a pull already: that one lands first
-                queue = self._held if self._held is not None else held.Held()
+                queue = self._calls.queue if self._calls.queue is not None else held.Held()
                 self._check_outs(pairs, self._held_shape)
                 for k, outs in pairs:
                     queue.hold_pull(k, outs, self)
-                self._hold(queue)
+                self._calls.hold(queue, self)
                 return None
             self._pull_now(key, out, ignore_sparse)
             return None
@@ -486,72 +484,16 @@ class KVStore:
             return all(type(v) is jax_internals.ArrayImpl or self._may_hold(v) for v in values)
         return not pairing.is_traced(values)
 
-    def _hold(self, queue: held.Held) -> None:
-        self._held = queue
-        held.holding(self)
-
-    def _held_shape(self, key: Key, queue: held.Held | None = None) -> tuple[int, ...]:
-        """``key``'s shape, from a held init (of ``queue``, default the store's) or the store
-        (whose held calls need not run)."""
-        queue = self._held if queue is None else queue
-        if queue is not None and key in queue.inits:
-            return tuple(queue.inits[key].shape)
-        state = self._stored
-        return state.key_shapes[state.index(key)]
+    def _held_shape(self, key: Key) -> tuple[int, ...]:
+        """``key``'s shape, from a held init or the store (whose held calls need not run)."""
+        return self._calls.shape(self._stored, key)
 
     def run_held(self) -> None:
         """Run every held call (see ``held.py``): the inits, the pulls before their key's push,
         every push at once, the pulls after it. Package-internal: ``nd.waitall`` and a read of
         an out run it."""
         with self._lock:
-            if self._deferred is not None:  # a push of rows held for its row_sparse_pull
-                self._settle()
-            queue, self._held = self._held, None
-            self._run_queue(queue)
-
-    def _run_queue(self, queue: held.Held | None, agreed: bool = False) -> None:
-        """Run the held calls ``queue`` (across processes, agreed first unless ``agreed``)."""
-        if not queue:  # (nothing held: no out is owed either)
-            return
-        queue.release()  # the outs are filled below, or keep what they hold
-        try:
-            state = self._stored
-            if not agreed and spans_processes(state.devices):
-                gathered = self._gathered(queue)
-                # (pulls alone of values each process holds whole make no collective)
-                if queue.inits or queue.pushes or any(gathered):
-                    held.agree(queue, gathered)
-            if queue.inits:  # in key order: the same in every process
-                keys = sorted(queue.inits)
-                self._init_now(keys, [queue.inits[k] for k in keys])
-            for n, pulls in enumerate(queue.pulls):
-                if n:  # the n-th push of every key pushed n times, in key order
-                    gen = queue.pushes[n - 1]
-                    keys = sorted(gen)
-                    self._push_held(keys, [gen[k] for k in keys], queue.scalars[n - 1])
-                if pulls:  # in key order too (a key's own pulls in call order)
-                    pulls = sorted(pulls, key=lambda pull: pull[0])
-                    self._pull_now([k for k, _ in pulls], [o for _, o in pulls])
-        except BaseException as e:
-            if self._stored is state and queue.counted is not None and self._mxnet_optimizer:
-                # Refused before anything ran (the processes disagree): the optimizer
-                # has not counted the held pushes either.
-                self._mxnet_optimizer.restore_bookkeeping(queue.counted)
-            if isinstance(e, KVStoreError) or not isinstance(e, Exception):
-                raise
-            raise KVStoreError(
-                f"{named(list(queue.keys()))}: the held calls failed when run "
-                f"({type(e).__name__}: {e})"
-            ) from e
-
-    def _gathered(self, queue: held.Held) -> list[list[Key]]:
-        """Across processes, the keys of ``queue``'s pulls of values split across processes
-        (each a collective: it gathers them), per phase of pulls."""
-        state = self._stored
-        return [
-            sorted({k for k, _ in pulls if state.splits(self._held_shape(k, queue))})
-            for pulls in queue.pulls
-        ]
+            self._calls.run(self._runs())
 
     def _push_held(self, keys: list[Key], values: list[list], scalars: dict[Key, Any]) -> None:
         """The held pushes, as one push: each key updated alone, as MXNet updates it (under an
@@ -622,7 +564,7 @@ class KVStore:
         if row_ids is None:
             raise KVStoreError(f"key {shown(key)}: row_sparse_pull expects row_ids, given None")
         with self._lock:
-            deferred = self._deferred if out is not None else None
+            deferred = self._calls.rows if out is not None else None
             if deferred is not None:
                 pairs = pairing.pairs(key, out, "outs")
                 outs = pairs[0][1] if len(pairs) == 1 else []
@@ -631,7 +573,7 @@ class KVStore:
                     and pairs[0][0] == deferred.key
                     and all(map(kvstore_rows.is_row_sparse, outs))
                 ):
-                    self._deferred = None  # taken: the pull below runs it
+                    self._calls.rows = None  # taken: the pull below runs it
                     across = spans_processes(self._stored.devices)
                     try:
                         # Across processes the refusal is told to the others in the
@@ -645,17 +587,17 @@ class KVStore:
                                 _row_ids_per_out(key, pairs, row_ids)[0],
                             )
                     except KVStoreError:
-                        self._deferred = deferred  # refused: the push still runs
+                        self._calls.rows = deferred  # refused: the push still runs
                         if not across:  # (in one process, now: alone)
-                            self._settle()
+                            self._calls.settle(self._runs())
                         raise
-                    before, failed = self._kept(deferred)
+                    before, failed = self._calls.kept(deferred, self._runs())
                     try:
                         state, got = kvstore_rows.pushpull_into(
                             self._stored, deferred, outs, ids, before
                         )
                     except rows.ops.PullRefusedElsewhere:  # (before anything ran anywhere)
-                        self._deferred = deferred  # held still, with the calls it keeps
+                        self._calls.rows = deferred  # held still, with the calls it keeps
                         raise
                     except BaseException:
                         failed()
@@ -723,7 +665,7 @@ class KVStore:
             return
         updater = as_updater(updater, "set_updater")  # optax.MultiSteps: its transformation
         with self._lock:
-            if self._held is not None:
+            if self._calls.queue is not None:
                 self.run_held()
             if (
                 updater is not None
@@ -771,7 +713,7 @@ class KVStore:
             optimizer, "set_optimizer", "optax.sgd(0.1)", "mx.optimizer.SGD / Adam, "
         )
         with self._lock:
-            if self._held is not None:
+            if self._calls.queue is not None:
                 self.run_held()
             self._python_updater = None
             if optimizer is not self._updater:  # states made for another optimizer go
@@ -1157,7 +1099,8 @@ class KVStore:
             self._stored = state  # (no value changes)
         steps = len(sparse) + bool(dense)
         donate = steps == 1 and self._lending.row_push_donates(state, sparse)
-        if keep and self._held is not None and any(self._held.pulls):  # (a kept pull may
+        if keep and self._calls.queue is not None and any(self._calls.queue.pulls):  # (a kept
+            # pull may
             # lend the table's array)
             donate = False
         if dense and opt is not None:
@@ -1178,8 +1121,9 @@ class KVStore:
             # with it in one computation, as a training loop's push and pull of rows do.
             k = sparse[0]
             deferred = kvstore_rows.held(state, k, grouped[k], updater_of[k], donate, extra_of[k])
-            before, self._held = (self._held, None) if keep else (None, self._held)
-            self._deferred = deferred._replace(counted=counted, before=before)
+            calls = self._calls
+            before, calls.queue = (calls.queue, None) if keep else (None, calls.queue)
+            calls.rows = deferred._replace(counted=counted, before=before)
             held.holding(self)  # nd.waitall runs it
             return
         for k in sparse:
@@ -1187,53 +1131,6 @@ class KVStore:
                 state, k, grouped[k], updater_of[k], lazy, donate, extra_of[k]
             )
         self._state = state
-
-    def _kept(self, deferred: kvstore_rows.Held) -> tuple[Any, Callable[[], None]]:
-        """The calls a held push of rows kept (``deferred.before``), as ``rows.ops.Before`` for
-        its ``row_sparse_pull`` (agreed in the push's all-gather, run by it once agreed), and
-        what to do where the push and pull raise: undo what the push counted; the kept calls
-        held again (ahead of any held since) where they did not run (a process refused, the
-        numbers differ), dropped where the processes hold different ones (as ``held.agree``
-        drops them)."""
-        queue = deferred.before
-        if queue is None:  # (across processes, described as none: where another process
-            # kept calls, this one's error names them too)
-            nothing = spans_processes(self._stored.devices)
-            before = held.nothing(lambda: self._stored) if nothing else None
-            return before, functools.partial(self._uncount, deferred)
-        stage = {"running": False, "ran": False, "dropped": False}
-
-        def run() -> KVState:
-            stage["running"] = True
-            self._run_queue(queue, agreed=True)
-            stage["ran"] = True
-            return self._stored
-
-        def failed() -> None:
-            if stage["ran"]:
-                self._uncount(deferred)
-            elif stage["running"]:  # a kept call failed: it undid its own counts, which came first
-                if queue.counted is None:
-                    self._uncount(deferred)
-            elif stage["dropped"]:  # (what they counted came first)
-                queue.release()
-                if queue.counted is not None and self._mxnet_optimizer is not None:
-                    self._mxnet_optimizer.restore_bookkeeping(queue.counted)
-                else:
-                    self._uncount(deferred)
-            else:
-                self._uncount(deferred)
-                if self._held is not None:  # held since the push: after the kept ones
-                    queue.extend(self._held)
-                self._hold(queue)
-
-        before = held.before(queue, self._gathered(queue), run)
-
-        def differ(texts: list[bytes]) -> None:
-            stage["dropped"] = True
-            before.differ(texts)
-
-        return before._replace(differ=differ), failed
 
     def _keeps_held(self, key: Any, value: Any) -> dict[Key, list] | None:
         """The pushed values by key (``_grouped``) where a push of rows keeps the calls held
@@ -1243,18 +1140,11 @@ class KVStore:
         ``row_sparse_pull`` then agrees both in one host all-gather (``rows.ops.Before``) where
         each would make one. Decided from what every process agrees on (the held pushes and
         inits, the push), so that every process decides alike."""
-        queue, opt = self._held, self._mxnet_optimizer
-        if (
-            queue is None
-            or not queue.pushes
-            or queue.inits
-            or self._deferred is not None
-            or opt is None
-            or not opt.lazy_update
-            or self._python_updater is not None
-            or not spans_processes(self._stored.devices)
-        ):
+        opt, queue = self._mxnet_optimizer, self._calls.queue
+        lazy_mxnet = opt is not None and opt.lazy_update and self._python_updater is None
+        if not self._calls.keeps(lazy_mxnet) or not spans_processes(self._stored.devices):
             return None
+        assert queue is not None  # (keeps: pushes are held)
         grouped = _grouped(self._stored, key, value)  # (no held init: the store's keys)
         (k, values), *others = grouped.items()
         rows = any(map(kvstore_rows.is_row_sparse, values))
@@ -1496,7 +1386,8 @@ class DropInKVStore(KVStore):
         return out if isinstance(key, list | tuple) else out[0]
 
     def _dtype_of(self, key: Key) -> Any:
-        inits = self._held.inits if self._held is not None else {}
+        queue = self._calls.queue
+        inits = queue.inits if queue is not None else {}
         if key in inits:
             return inits[key].dtype
         state = self._stored

@@ -62,9 +62,9 @@ def test_the_fifth_held_push_of_a_key_runs_the_four_held_before_it(devices):
     kv = _store(devices)
     for n in range(1, kvstore._HELD_PUSHES + 1):
         kv.push("a", ndarray.full((2,), float(n)))
-        assert len(kv._held.pushes) == n  # held, one generation per push of the key
+        assert len(kv._calls.queue.pushes) == n  # held, one generation per push of the key
     kv.push("a", ndarray.full((2,), 9.0))
-    assert len(kv._held.pushes) == 1  # the four ran first: only the fifth is held
+    assert len(kv._calls.queue.pushes) == 1  # the four ran first: only the fifth is held
     assert _value(kv) == [9.0, 9.0]  # no updater: each push replaces the value
 
 
