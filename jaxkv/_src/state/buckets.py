@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec
 
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.processes import order
-from jaxkv._src.state.policy import block_rows
+from jaxkv._src.state.policy import Placement, block_rows
 
 if TYPE_CHECKING:  # (a type only: kvstate imports this module)
     from jaxkv._src.state.kvstate import KVState
@@ -102,20 +102,23 @@ class FlatLayout:
         return b if b >= 0 else len(self.buckets) + j
 
 
+_ONE_DEVICE = Placement(1, None)  # (nothing split)
+
+
 def plan(
     keys: Sequence[Key],
     shapes: Sequence[tuple[int, ...]],
     dtypes: Sequence[Any],
     groups: Sequence[Sequence[Key]] = (),
     bucketed: Sequence[int] | None = None,
-    split_from: int | None = None,
-    devices: int = 1,
+    placement: Placement = _ONE_DEVICE,
 ) -> FlatLayout:
     """The layout of ``keys`` (sorted, with their shapes and dtypes): one bucket per (optimizer
     group or none, dtype), buckets in the order of their first key, keys in key order inside.
     Keys whose ``bucketed`` is false are kept as arrays of their own; a key whose ``bucketed``
-    is ``PADDED`` has a bucket of its own, split over ``devices`` whatever ``split_from``. A
-    bucket of at least ``split_from`` elements is split over ``devices`` (see the module doc)."""
+    is ``PADDED`` has a bucket of its own, split over the ``placement``'s devices whatever its
+    size. A shared bucket is split where the ``placement`` says (:meth:`Placement.splits_bucket`:
+    see the module doc)."""
     group_of = {k: g for g in map(tuple, groups) for k in g}
     bucket_of: dict[tuple, int] = {}
     padded: list[bool] = []  # whether each bucket is one PADDED key's
@@ -140,8 +143,9 @@ def plan(
         b = bucket_of[tag]
         where.append((b, sizes[b], size))
         sizes[b] += size
+    devices = placement.shards
     parts = [
-        devices if devices > 1 and (pad or split_from is not None and size >= split_from) else 1
+        devices if devices > 1 and (pad or placement.splits_bucket(size)) else 1
         for size, pad in zip(sizes, padded)
     ]
     if any(p > 1 for p in parts):  # offsets within each device's chunk; sizes padded

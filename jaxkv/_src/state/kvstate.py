@@ -1005,8 +1005,8 @@ class KVState:
             [t.dtype for t in types],
             groups,
             bucketed,
-            self._bound if split else None,
-            len(self._devices),
+            # (where the policy splits no shared bucket, only a padded value's is split)
+            self.placement if split else Placement(self.placement.shards, None),
         )
         if self.flat_layout is not None and flat == self.flat_layout:
             return self.flat_layout  # the same object: cached computations key on it

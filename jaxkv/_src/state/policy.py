@@ -133,9 +133,16 @@ class Placement:
         shards are: gloo's reduce-scatter costs what an all-reduce does, and the value would
         then need an all-gather as well."""
         shape = tuple(shape)
-        if processes > 1 or self.is_sharded(shape):
-            return self.is_sharded(shape)
+        sharded = self.is_sharded(shape)
+        if processes > 1 or sharded:
+            return sharded
         return len(shape) > 0 and shape[0] % self.shards == 0 and math.prod(shape) >= FUSE_BELOW
+
+    def splits_bucket(self, size: int) -> bool:
+        """Whether a bucket of ``size`` elements shared by several small values (the flat
+        layout) is split over the devices: at least the bound's elements, over more than one
+        device (a bucket of one padded value is split whatever its size)."""
+        return self.shards > 1 and self.bound is not None and size >= self.bound
 
     def smallest_split(self, width: int = 1) -> tuple[int, int] | None:
         """The smallest ``(rows, width)`` shape the store shards (rows a multiple of the

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxkv._src.state import buckets
+from jaxkv._src.state.policy import Placement
 
 
 def _layout(sizes, split_from, devices=4):
@@ -14,8 +15,7 @@ def _layout(sizes, split_from, devices=4):
         keys,
         [(s,) for s in sizes],
         [np.float32] * len(sizes),
-        split_from=split_from,
-        devices=devices,
+        placement=Placement(devices, split_from),
     )
 
 
@@ -94,7 +94,7 @@ def test_values_written_into_a_split_bucket_read_back_whole_and_per_device(shape
     parts = 4
     sizes = [int(np.prod(s)) for s in shapes]
     flat = buckets.plan(
-        list(range(len(shapes))), shapes, [np.float32] * len(shapes), split_from=1, devices=parts
+        list(range(len(shapes))), shapes, [np.float32] * len(shapes), placement=Placement(parts, 1)
     )
     total = flat.buckets[0][1]
     assert flat.parts_of(0) == parts and total % parts == 0

@@ -33,6 +33,23 @@ def test_the_store_shards_exactly_what_its_placement_says(bound, shape):
     assert not (place.is_sharded(shape) and place.pads(shape))
 
 
+@pytest.mark.parametrize("bound", [32, 64, 100])
+def test_a_flat_stores_shared_bucket_is_split_exactly_where_its_placement_says(bound):
+    """Small values share one bucket; it is split over the devices once the bucket (not any
+    one value) reaches the bound, as the store's placement answers."""
+    state = jaxkv.empty(jax.devices("cpu")[:4], bigarray_bound=bound, layout="flat")
+    place = state.placement
+    seen = set()
+    for n in (1, 3, 4, 7, 12):  # buckets of 10 to 120 elements: on either side of each bound
+        filled = jaxkv.init(state, {f"k{i}": jnp.ones((2, 5)) for i in range(n)})
+        split = filled.flat_layout.parts_of(0) > 1
+        assert split == place.splits_bucket(10 * n) == (10 * n >= bound)
+        assert buckets.is_split(filled, 0) == split
+        seen.add(split)
+    assert seen == {True, False}
+    assert not Placement(1, 8).splits_bucket(100) and not Placement(4, None).splits_bucket(100)
+
+
 def test_the_smallest_split_shape_is_sharded_and_the_largest_whole_one_is_not():
     for shards, bound, width in [(8, 1 << 14, 64), (4, 100, 7), (2, 9, 1), (8, 1 << 16, 128)]:
         place = Placement(shards, bound)
