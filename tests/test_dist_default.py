@@ -12,7 +12,11 @@ from _jobs import launch
 def test_the_default_store_spans_every_process(n):
     run = launch(n, "default_store_job.py", per_process=2)
     assert run.returncode == 0, run.stdout + run.stderr
-    for name in ("empty() spans every process", "one process's devices when asked"):
+    for name in (
+        "empty() spans every process",
+        "one process's devices when asked",
+        "processes with different bounds refused",
+    ):
         assert run.stdout.count(f"ok {name}") == n, run.stdout + run.stderr
     assert run.stdout.count("ok a push sums every process's devices") == n, run.stdout
 

@@ -8,10 +8,13 @@ with no arguments is in a joined job, and what it keeps per process.
   and ``jaxkv.create('local')`` is MXNet's per-process store.
 - A functional push of every device's gradient into the default store sums over every device
   of every process: each process feeds its own data and every replica sees the same sums.
+- Processes whose ``JAXKV_BIGARRAY_BOUND`` differ are refused by ``jaxkv.empty()``, every one
+  naming each process's bound.
 
 Each check prints ``rank R ok NAME``; a failure raises.
 """
 
+import os
 from functools import partial
 
 import jax
@@ -67,6 +70,21 @@ def main():
         for shard in state[k].addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), -total, err_msg=k)
     ok(f"a push sums every process's devices ({rank})")
+
+    # Processes whose environments give the store other bounds would place its values apart
+    # (their collectives never meet): every process refuses, naming each one's bound.
+    os.environ["JAXKV_BIGARRAY_BOUND"] = str(1024 * (rank + 1))
+    try:
+        jaxkv.empty()
+    except jaxkv.KVStoreError as e:
+        assert "expected every process to make the store" in str(e), e
+        assert "bigarray_bound=1024" in str(e) and "bigarray_bound=2048" in str(e), e
+    else:
+        raise AssertionError("processes with different JAXKV_BIGARRAY_BOUND were not refused")
+    os.environ["JAXKV_BIGARRAY_BOUND"] = "1024"
+    assert jaxkv.empty().placement.bound == 1024  # alike again: made
+    del os.environ["JAXKV_BIGARRAY_BOUND"]
+    ok("processes with different bounds refused")
 
 
 if __name__ == "__main__":

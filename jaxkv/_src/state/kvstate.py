@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 import math
 import numbers
@@ -22,11 +23,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxkv._src.errors import KeyTypeError, KVStoreError, shown, unknown_key
+from jaxkv._src.processes import host
 from jaxkv._src.state import buckets
 from jaxkv._src.state.buckets import FlatLayout, Packing
 from jaxkv._src.state.policy import (
     AUTO_CPU_BELOW,
     BIGARRAY_BOUND,
+    BOUND_ENV,
     Placement,
     default_bound,
     is_sharded,
@@ -1175,6 +1178,8 @@ def empty(
     policy = layout_policy(layout, devs)
     if reduce not in ("sum", "mean"):
         raise KVStoreError(f"reduce: expected one of ['sum', 'mean'], given {reduce!r}")
+    if any(d.process_index != jax.process_index() for d in devs):
+        _agree_across(devs, bigarray_bound, config, reduce, axes)
     return KVState(
         keys=(),
         devices=devs,
@@ -1186,6 +1191,38 @@ def empty(
         policy=policy,
         reduce=reduce,
         mesh_axes=axes,
+    )
+
+
+def _agree_across(
+    devices: tuple[jax.Device, ...],
+    bound: int | None,
+    compression: tuple | None,
+    reduce: str,
+    axes: tuple[str, ...],
+) -> None:
+    """A store over several processes' devices is made alike by every process: each places
+    and sums values as the others do (else their collectives do not match: seen, a push that
+    waited until the watchdog ended the job). What may differ unseen is what comes from each
+    process's environment (its ``JAXKV_BIGARRAY_BOUND``; a ``dist_sync`` store's
+    ``MXNET_KVSTORE_BIGARRAY_BOUND``), so every process compares what it made in one host
+    all-gather of a digest (one more, of the texts, where they differ: every process then
+    raises, naming each one's). The layout is not compared: across processes every layout
+    keeps one array per key."""
+    mine = (
+        f"bigarray_bound={bound}, reduce={reduce!r}, "
+        f"compression={compression!r}, axes={list(axes)}, devices={[d.id for d in devices]}"
+    ).encode()
+    digest = np.frombuffer(hashlib.sha256(mine).digest(), np.uint8)
+    every = host.all_gather(digest, "check that every process makes the store alike")
+    if (every == digest).all():
+        return
+    texts = host.all_gather_text(mine, "the stores each process made")
+    per = "; ".join(f"process {p}: {t.decode()}" for p, t in enumerate(texts))
+    raise KVStoreError(
+        f"empty: expected every process to make the store over {len(devices)} devices alike, "
+        f"given {per}. Set {BOUND_ENV} (a dist_sync store: MXNET_KVSTORE_BIGARRAY_BOUND) or "
+        "pass bigarray_bound the same in every process"
     )
 
 
