@@ -69,6 +69,9 @@ class _Store:
 
         return call
 
+    def run_held(self) -> None:
+        """(``nd.waitall`` and the process's end run every holding store's calls.)"""
+
     def runs(self) -> held.Runs:
         return held.Runs(
             owner=self,
