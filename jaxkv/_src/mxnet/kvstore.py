@@ -1099,9 +1099,9 @@ class KVStore:
             self._stored = state  # (no value changes)
         steps = len(sparse) + bool(dense)
         donate = steps == 1 and self._lending.row_push_donates(state, sparse)
-        if keep and self._calls.queue is not None and any(self._calls.queue.pulls):  # (a kept
-            # pull may
-            # lend the table's array)
+        queue = self._calls.queue
+        if keep and queue is not None and any(queue.pulls):  # (a kept pull may lend the
+            # table's array)
             donate = False
         if dense and opt is not None:
             state = self._push_key_by_key(

@@ -74,6 +74,17 @@ def all_gather_text(text: bytes, what: str) -> list[bytes]:
     return [bytes(row[: int(n)]) for row, n in zip(rows, sizes[:, 0])]
 
 
+def texts_if_differ(text: bytes, what: str) -> list[bytes] | None:
+    """``None`` where every process has the same ``text`` (one all-gather of its SHA-256),
+    else every process's text, in process order (gathered only then: :func:`all_gather_text`);
+    ``what`` names the turns. Every process calls it at the same point of its calls."""
+    digest = np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
+    every = all_gather(digest, what)
+    if (every == digest).all():
+        return None
+    return all_gather_text(text, what)
+
+
 def from_rank_zero(tree: Any) -> Any:
     """``tree`` (host arrays) as rank 0 has it, on every process, after this process's earlier
     collectives: bit for bit (the bytes of every leaf, summed with the other processes' zeros

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import logging
 import math
 import numbers
@@ -1009,7 +1008,7 @@ class KVState:
             groups,
             bucketed,
             # (where the policy splits no shared bucket, only a padded value's is split)
-            self.placement if split else Placement(self.placement.shards, None),
+            self.placement if split else _placement(self.shards, None),
         )
         if self.flat_layout is not None and flat == self.flat_layout:
             return self.flat_layout  # the same object: cached computations key on it
@@ -1213,11 +1212,9 @@ def _agree_across(
         f"bigarray_bound={bound}, reduce={reduce!r}, "
         f"compression={compression!r}, axes={list(axes)}, devices={[d.id for d in devices]}"
     ).encode()
-    digest = np.frombuffer(hashlib.sha256(mine).digest(), np.uint8)
-    every = host.all_gather(digest, "check that every process makes the store alike")
-    if (every == digest).all():
+    texts = host.texts_if_differ(mine, "the stores each process made")
+    if texts is None:
         return
-    texts = host.all_gather_text(mine, "the stores each process made")
     per = "; ".join(f"process {p}: {t.decode()}" for p, t in enumerate(texts))
     raise KVStoreError(
         f"empty: expected every process to make the store over {len(devices)} devices alike, "
