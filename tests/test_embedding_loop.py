@@ -445,3 +445,43 @@ def test_outs_on_each_device_hold_parts_of_the_stored_array_until_read(devices, 
     before = _table(kv)
     push()
     assert before.is_deleted()
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_rows_touched_before_their_gather_give_lazy_adams_numbers(devices, monkeypatch, split):
+    """A big table's rows are touched a cache line at a time before the push gathers them
+    (``kernels._touched``; the bound lowered here to a small table's size): on one device (the
+    sorted rows' gather) and split over 8 (each device's block), the table is lazy Adam's and
+    the pulled rows are its rows."""
+    from jaxkv._src.rows import kernels
+
+    rows, width = 600, 32  # 128-byte rows: two cache lines (shapes of this test's own)
+    monkeypatch.setattr(kernels, "TOUCH_MIN_BYTES", 0)
+    touched = []
+    plain = kernels._touched  # noqa: SLF001
+
+    def spy(x, ids, ordered=False):
+        out = plain(x, ids, ordered)
+        touched.append(out is not ids)  # traced: a touch made
+        return out
+
+    monkeypatch.setattr(kernels, "_touched", spy)
+    if split:
+        monkeypatch.setenv("MXNET_KVSTORE_BIGARRAY_BOUND", str(rows * width // 8))
+    kv = jaxkv.KVStore("device", devices=devices if split else devices[:1])
+    kv.set_optimizer(mx.optimizer.Adam(learning_rate=0.05, lazy_update=True))
+    rng = np.random.default_rng(7)
+    start = rng.normal(size=(rows, width)).astype(np.float32)
+    kv.init("emb", mx.nd.array(start).tostype("row_sparse"))
+    out = mx.nd.sparse.zeros("row_sparse", (rows, width))
+    steps = []
+    for n in (50, 61, 57):
+        ids = np.sort(rng.choice(rows, n, replace=False))
+        g = rng.normal(size=(n, width)).astype(np.float32)
+        steps.append((ids, g))
+        kv.push("emb", mx.nd.sparse.row_sparse_array((g, ids), shape=(rows, width)))
+        kv.row_sparse_pull("emb", out=out, row_ids=mx.nd.array(ids))
+    assert any(touched)
+    want = _lazy_adam_model(start, steps, [0.05] * 3, wd=0.0)
+    np.testing.assert_allclose(np.asarray(kv.pull("emb")), want, rtol=2e-6, atol=2e-7)
+    np.testing.assert_allclose(out.data.asnumpy(), want[steps[-1][0]], rtol=2e-6, atol=2e-7)

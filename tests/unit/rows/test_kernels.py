@@ -57,6 +57,59 @@ def test_rows_outside_a_block_read_as_zeros_and_writes_there_are_dropped():
     np.testing.assert_array_equal(put, [[1, 2], [3, 4], [9, 9]])
 
 
+# -- a big table's rows touched a cache line at a time before they are gathered -------------------
+def _gathers(fn, *args):
+    import jax
+
+    # (a function of its own each time: JAX would reuse a trace of ``fn`` made under another
+    # bound)
+    return jax.jit(lambda *a: fn(*a)).lower(*args).compile().as_text().count(" gather(")
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_a_big_tables_gather_touches_its_rows_first_and_reads_the_same_rows(monkeypatch, big):
+    import jax
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the rows are touched first on a CPU only")
+    table = np.random.default_rng(0).normal(size=(64, 48)).astype(np.float32)  # 3 lines a row
+    table[5] = 0.0  # a row of zeros (the touch tests its elements against zero)
+    table[7, 0] = np.nan
+    # (a small table here, the bound lowered: what a table of 16 MiB or more does)
+    monkeypatch.setattr(kernels, "TOUCH_MIN_BYTES", table.nbytes if big else table.nbytes + 1)
+    x = jnp.asarray(table)
+    ids = np.array([9, 5, 70, 7, -3, 63, 5], np.int32)  # repeated, past the table, negative
+    got = np.asarray(kernels.take(x, ids))
+    want = np.where(((ids >= 0) & (ids < 64))[:, None], table[np.clip(ids, 0, 63)], 0.0)
+    np.testing.assert_array_equal(got, want)
+    block = np.asarray(kernels.take(x, ids, lo=4))  # the table as rows 4.. of a bigger one
+    inside = (ids - 4 >= 0) & (ids - 4 < 64)
+    np.testing.assert_array_equal(
+        block, np.where(inside[:, None], table[np.clip(ids - 4, 0, 63)], 0.0)
+    )
+    # sorted distinct ids, padded past the table: the one-device push's gather
+    ordered = np.array([0, 5, 7, 40, 63, 64, 65], np.int32)
+    got = np.asarray(kernels._Sorted().take(x, ordered))
+    np.testing.assert_array_equal(got[:5], table[ordered[:5]])
+    np.testing.assert_array_equal(got[5:], 0.0)
+    # XLA keeps the touch (a gather more than without it), only where the table is big enough
+    for fn, i in [(kernels.take, ids), (kernels._Sorted().take, ordered)]:
+        with_touch = _gathers(fn, x, i)
+        monkeypatch.setattr(kernels, "TOUCH_MIN_BYTES", 1 << 62)
+        assert with_touch == _gathers(fn, x, i) + (1 if big else 0)
+        monkeypatch.setattr(kernels, "TOUCH_MIN_BYTES", table.nbytes if big else table.nbytes + 1)
+
+
+@pytest.mark.parametrize("width", [16, 40])
+def test_rows_of_one_cache_line_or_part_of_one_are_gathered_without_a_touch(monkeypatch, width):
+    # 64-byte rows: the gather itself reads each line once; 160: the last line is a part
+    x = jnp.ones((64, width), jnp.float32)
+    ids = np.arange(8, dtype=np.int32)
+    plain = _gathers(kernels.take, x, ids)
+    monkeypatch.setattr(kernels, "TOUCH_MIN_BYTES", 0)
+    assert _gathers(kernels.take, x, ids) == plain
+
+
 # -- an updater's own errors, where update_rows runs it -------------------------------------------
 def _raising(key, pushed, stored):
     raise ValueError("this updater refuses")
