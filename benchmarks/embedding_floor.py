@@ -20,11 +20,15 @@ The step (``device``): one ``jax.jit``; the table and its moments are one donate
 row), the dense key's one donated ``(3, 256, 64)``; the ids padded to the next multiple of
 ``--pad`` (128: two sizes for 1,200-1,300 rows, both compiled in the first steps) with R, R + 1,
 ..., out of range and distinct: the gather fills those rows (``mode="fill"``), the scatter drops
-them (``mode="drop"``), both told the ids are sorted and unique. The padded ids and gradient
-rows, the two step sizes and an int32 zero are NumPy arguments of the jitted function (JAX's
-fast path on CPU: no ``device_put`` of their own). It returns the pushed rows' new weights (the
-pull: cut to the count on the host, ``np.asarray(rows)[:n]``) and the dense key's. Tried: the
-table as its (R, 96) uint64 bits (half the elements to gather and scatter): no faster.
+them (``mode="drop"``), both told the ids are sorted and unique; before the gather, one
+element of each cache line of the rows is read (``_touched``: the CPU overlaps those misses,
+which a gather of whole rows takes one row at a time), as jaxkv's push does. The padded ids
+and gradient rows, the two step sizes and an int32 zero are NumPy arguments of the jitted
+function (JAX's fast path on CPU: no ``device_put`` of their own). It returns the pushed rows'
+new weights (the pull: cut to the count on the host, ``np.asarray(rows)[:n]``) and the dense
+key's. Tried: the table as its (R, 96) uint64 bits (half the elements to gather and scatter):
+no faster; the touch in the ``dist_sync`` step (below; huge pages there, the launcher's
+default): no faster in 2 pairs of jobs, within their spread.
 
 ``dist_sync`` (2 processes of one device each, under ``python -m jaxkv.launch``: ``import
 jaxkv`` joins the job, gloo between the processes; nothing else of jaxkv is used): one
@@ -115,10 +119,35 @@ def _adam(w, m, v, g, lr, z):
     return w, m, v
 
 
+def _touched(table, ids, z):
+    """``ids`` (sorted, distinct), once one element of each 64-byte cache line of those rows of
+    the ``(R, 3, 64)`` table has been read (one gather of 12 elements a row, whose misses the
+    CPU overlaps; the whole rows' gather then reads them from the caches): the ids or-ed with
+    a zero made of the touched elements and ``z``, so that XLA runs the touch first and keeps
+    it (what jaxkv's push does, ``jaxkv/_src/rows/kernels.py``). This machine, one device:
+    1.36-1.59 ms a step without it, 0.86-1.03 ms with it."""
+    lined = table.reshape(table.shape[0], 3 * WIDTH // 16, 16)  # (a bitcast: no copy)
+    lines = jax.lax.gather(
+        lined,
+        ids[:, None],
+        jax.lax.GatherDimensionNumbers(
+            offset_dims=(1,), collapsed_slice_dims=(0, 2), start_index_map=(0,)
+        ),
+        slice_sizes=(1, 3 * WIDTH // 16, 1),
+        indices_are_sorted=True,
+        unique_indices=True,
+        mode="fill",
+        fill_value=0,
+    )
+    return ids | ((lines == 0).any(axis=1).astype(ids.dtype) & z)
+
+
 def _rows_update(table, ids, grad, lr, z):
     """Lazy Adam on the rows ``ids`` (sorted, unique, padded with R) of a ``(R, 3, 64)`` table
     (w, m, v of a row side by side): the new table and the rows' new weights."""
-    got = table.at[ids].get(mode="fill", fill_value=0, indices_are_sorted=True, unique_indices=True)
+    got = table.at[_touched(table, ids, z)].get(
+        mode="fill", fill_value=0, indices_are_sorted=True, unique_indices=True
+    )
     w, m, v = _adam(got[:, 0], got[:, 1], got[:, 2], grad, lr, z)
     new = jnp.stack([w, m, v], axis=1)
     table = table.at[ids].set(new, mode="drop", indices_are_sorted=True, unique_indices=True)
