@@ -58,8 +58,8 @@ def _touched(x: Any, ids: Any, ordered: bool = False) -> Any:
     depend on the touched elements (or-ed with a zero XLA cannot see is one), so that the
     touch runs first and is kept. Lazy Adam on 1,280 of 1M rows of 64 float32 (three tables:
     weights and two moments), one jitted step on the project's 2-core AMD EPYC virtual
-    machine: 1.85-1.94 ms, 1.09-1.31 ms with the touch; the embedding loop's row computation
-    (``benchmarks/embedding_worker.py``) 1.55-2.02 ms, 1.05-1.65 ms.
+    machine: 1.66-1.94 ms, 0.96-1.17 ms with the touch; the embedding loop's row computation
+    (``benchmarks/embedding_worker.py``) 1.42-2.22 ms, 1.00-1.19 ms (docs/benchmarks.md).
     """
     per_line = max(1, _LINE // x.dtype.itemsize)  # elements
     width = math.prod(x.shape[1:])
