@@ -46,10 +46,10 @@ _LINE = 64  # bytes: a CPU cache line
 
 
 def _touched(x: Any, ids: Any, ordered: bool = False) -> Any:
-    """``ids`` (non-negative: the zero below is made of the first), to gather rows of ``x`` by,
-    once one element of each cache line of those rows has been read: on a CPU, for a table of
-    at least :data:`TOUCH_MIN_BYTES` whose rows span several cache lines (whole lines); else
-    ``ids`` as given. ``ordered``: the ids are sorted and distinct (XLA's gather is told so).
+    """``ids``, to gather rows of ``x`` by, once one element of each cache line of those rows
+    has been read: on a CPU, for a table of at least :data:`TOUCH_MIN_BYTES` whose rows span
+    several cache lines (whole lines); else ``ids`` as given. ``ordered``: the ids are sorted
+    and distinct (XLA's gather is told so).
 
     XLA:CPU's gather of whole rows reads a row's elements one after another, so the CPU waits
     for each row's page-table walk and cache lines in turn (a TLB miss per row and table, the
@@ -87,7 +87,9 @@ def _touched(x: Any, ids: Any, ordered: bool = False) -> Any:
         mode="fill",
         fill_value=0,
     )
-    zero = jnp.minimum(ids[0], 0)  # 0: the ids are non-negative
+    # 0 whatever the first id's sign (a negative id must not change the ids), and XLA cannot
+    # tell it is 0: it does not follow a value's range through the comparison
+    zero = jnp.where(ids[0] >= 0, jnp.minimum(ids[0], 0), 0)
     return ids | ((lines == 0).any(axis=1).astype(ids.dtype) & zero)
 
 

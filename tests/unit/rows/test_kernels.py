@@ -92,6 +92,12 @@ def test_a_big_tables_gather_touches_its_rows_first_and_reads_the_same_rows(monk
     got = np.asarray(kernels._Sorted().take(x, ordered))
     np.testing.assert_array_equal(got[:5], table[ordered[:5]])
     np.testing.assert_array_equal(got[5:], 0.0)
+    # a negative first id (the touch's zero is made of it) changes none of the ids
+    first = np.array([-3, 9, 64, 6], np.int32)  # 64 past the table: read as zeros
+    np.testing.assert_array_equal(
+        np.asarray(kernels._touched(x, jnp.asarray(first))),
+        first,  # noqa: SLF001
+    )
     # XLA keeps the touch (a gather more than without it), only where the table is big enough
     for fn, i in [(kernels.take, ids), (kernels._Sorted().take, ordered)]:
         with_touch = _gathers(fn, x, i)
