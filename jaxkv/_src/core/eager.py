@@ -649,26 +649,72 @@ def _build_push_flat(sig: PushKey) -> Callable:
                 )
             values = [jnp.copy(v) if id(v) in inputs else v for v in values]
             new = state.replace(dict(zip(keys, values)), {keys: opt_state} if optax_push else None)
-        return place_leaves(new)
+        return new
 
     run = scoped(PUSH)(run)
-    if donate != KEEP_VALUES:
-        return checked.jit(run, verify_every(), donate_argnums=(0,) if donate else ())
+    if donate is True:
+        return checked.jit(
+            lambda state, pushed, extra_args=None: place_leaves(run(state, pushed, extra_args)),
+            verify_every(),
+            donate_argnums=(0,),
+        )
+    # The values it keeps (not donated: all of them, or, under KEEP_VALUES, the keys kept as
+    # arrays of their own, which the store lends to outs) come back as they went in where the
+    # push leaves them unchanged: left out of the computation's outputs (``None`` there), not
+    # copied (a big table beside the pushed keys would be, at every push of a small key).
+    if not donate:
+        jitted = checked.jit(
+            lambda state, pushed, extra_args: _unchanged(state, run(state, pushed, extra_args), 0),
+            verify_every(),
+        )
 
-    # KEEP_VALUES: the keys kept as arrays of their own are lent to outs, so only the buckets,
-    # the optimizer state and the residuals are donated: the leaves split in two arguments.
+        def call_kept(state: KVState, pushed: list[jax.Array], extra_args: Any = None) -> KVState:
+            return _put_back(state, jitted(state, pushed, extra_args))
+
+        return call_kept
+
+    # KEEP_VALUES: only the buckets, the optimizer state and the residuals are donated: the
+    # leaves split in two arguments.
     def split(
         treedef: Any, rest: list, alone: list, pushed: list, nb: int, extra_args: Any
     ) -> KVState:
         state = jax.tree_util.tree_unflatten(treedef, rest[:nb] + alone + rest[nb:])
-        return run(state, pushed, extra_args)
+        return _unchanged(state, run(state, pushed, extra_args), nb)
 
-    jitted = checked.jit(split, verify_every(), static_argnums=(0, 4), donate_argnums=1)
+    jitted_split = checked.jit(split, verify_every(), static_argnums=(0, 4), donate_argnums=1)
 
     def call(state: KVState, pushed: list[jax.Array], extra_args: Any = None) -> KVState:
         leaves, treedef = jax.tree_util.tree_flatten(state)
         nb = 0 if state.flat_layout is None else len(state.flat_layout.buckets)
         nv = len(state.leaves)
-        return jitted(treedef, leaves[:nb] + leaves[nv:], leaves[nb:nv], pushed, nb, extra_args)
+        alone = leaves[nb:nv]
+        return _put_back(
+            state, jitted_split(treedef, leaves[:nb] + leaves[nv:], alone, pushed, nb, extra_args)
+        )
 
     return call
+
+
+def _unchanged(state: KVState, new: KVState, start: int) -> KVState:
+    """Inside the flat push: ``new`` placed (:func:`place_leaves`), where each value leaf from
+    position ``start`` on that is the same as ``state``'s (the push left it as it came: the same
+    layout, the same tracer) is ``None``, for :func:`_put_back` to put back."""
+    placed = place_leaves(new)
+    if new.flat_layout != state.flat_layout or len(new.leaves) != len(state.leaves):
+        return placed
+    leaves = tuple(
+        None if j >= start and x is y else z
+        for j, (x, y, z) in enumerate(zip(new.leaves, state.leaves, placed.leaves))
+    )
+    children, aux = placed.tree_flatten()
+    return type(placed).tree_unflatten(aux, (leaves, *children[1:]))
+
+
+def _put_back(state: KVState, new: KVState) -> KVState:
+    """``new`` with each value leaf the computation left out (:func:`_unchanged`) put back:
+    ``state``'s own array, kept (not donated)."""
+    if all(x is not None for x in new.leaves):
+        return new
+    leaves = tuple(y if x is None else x for x, y in zip(new.leaves, state.leaves))
+    children, aux = new.tree_flatten()
+    return type(new).tree_unflatten(aux, (leaves, *children[1:]))

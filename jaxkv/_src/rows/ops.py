@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import json
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -330,7 +331,13 @@ def _place(x: jax.Array, device: jax.Device) -> jax.Array:
 
 
 def _traced_leaves(state: KVState) -> bool:
-    return any(is_traced(x) for x in state.leaves)
+    return _any_tracer(state.leaves)
+
+
+def _any_tracer(xs: Sequence[Any]) -> bool:
+    """Whether any of ``xs`` is a tracer (asked of every leaf at each push: no Python call
+    per leaf)."""
+    return any(map(isinstance, xs, itertools.repeat(jax.core.Tracer, len(xs))))
 
 
 def _own_leaf(state: KVState, i: int) -> int | None:
@@ -680,8 +687,8 @@ def _push(
         optax_push = isinstance(updater, optax.GradientTransformation)
         traced = (
             _traced_leaves(state)
-            or any(is_traced(x) for x in jax.tree_util.tree_leaves(state.group_states))
-            or any(is_traced(ids) or is_traced(r) for ids, r in pairs)
+            or _any_tracer(jax.tree_util.tree_leaves(state.group_states))
+            or _any_tracer([x for pair in pairs for x in pair])
         )
         if traced:
             return _push_traced(state, key, shape, pairs, updater, axis_name, group, extra), None

@@ -272,6 +272,52 @@ def eager_values(layout: FlatLayout, leaves: Sequence[Any]) -> list[Any]:
     return out
 
 
+def eager_values_at(
+    layout: FlatLayout, leaves: Sequence[Any], positions: Sequence[int]
+) -> list[Any] | None:
+    """The values of the keys at ``positions``, eagerly, as :func:`eager_values` gives them,
+    made for those keys alone: a key kept on its own is its array, and the keys in buckets
+    are sliced by one computation whose offsets are arguments (compiled once per buckets
+    and shapes, whatever keys of those shapes are read), so a read of a few keys costs
+    those keys, not every key of the buckets. ``None`` where one lies in a split bucket
+    (:func:`eager_values` then makes them all)."""
+    nb = len(layout.buckets)
+    out: list[Any] = []
+    sliced, offsets, shapes, where = [], [], [], []
+    for n, i in enumerate(positions):
+        b, start, _ = layout.where[i]
+        if b < 0:
+            out.append(leaves[nb + start])
+            continue
+        if layout.parts_of(b) > 1:
+            return None
+        out.append(None)
+        sliced.append(n)
+        offsets.append(start)
+        shapes.append(layout.shapes[i])
+        where.append(b)
+    if sliced:
+        fn = _views_at(tuple(where), tuple(shapes))
+        made = run("flat views", fn, list(leaves[:nb]), np.asarray(offsets, np.int32))
+        for n, x in zip(sliced, made):
+            out[n] = x
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _views_at(where: tuple[int, ...], shapes: tuple[tuple[int, ...], ...]) -> Any:
+    """The jitted views of :func:`eager_values_at`: key ``n`` is ``math.prod(shapes[n])``
+    elements of bucket ``where[n]`` from ``offsets[n]`` on."""
+
+    def views(leaves: list[jax.Array], offsets: jax.Array) -> list[jax.Array]:
+        return [
+            jax.lax.dynamic_slice_in_dim(leaves[b], offsets[n], math.prod(shape)).reshape(shape)
+            for n, (b, shape) in enumerate(zip(where, shapes))
+        ]
+
+    return jax.jit(views)
+
+
 @functools.lru_cache(maxsize=256)
 def bucket_layout(layout: FlatLayout) -> FlatLayout:
     """``layout`` without its keys kept as arrays of their own: the keys in its buckets, in

@@ -806,7 +806,36 @@ class KVState:
             return False
 
     def __getitem__(self, key: Key) -> Any:
-        return self.stored_values[self.index(key)]
+        return self.stored_value(self.index(key))
+
+    def values_at(self, index: Sequence[int]) -> list[Any]:
+        """The stored values of key positions ``index`` (:attr:`stored_values`): under a flat
+        layout, eagerly, where they are fewer than half the keys in buckets and their views
+        are not made yet, made for those keys alone (``buckets.eager_values_at``), so that a
+        read of a few keys costs them, not every key of the buckets."""
+        flat = self.flat_layout
+        if flat is not None and self._views is None and 2 * len(index) < len(flat.where):
+            leaves = self.leaves
+            if not any(map(isinstance, leaves, [jax.core.Tracer] * len(leaves))) and all(
+                map(isinstance, leaves, [jax.Array] * len(leaves))
+            ):
+                got = buckets.eager_values_at(flat, leaves, index)
+                if got is not None:
+                    return got
+        held = self.stored_values
+        return [held[i] for i in index]
+
+    def stored_value(self, i: int) -> Any:
+        """Key position ``i``'s stored value (:attr:`stored_values`): under a flat layout, a
+        key with an array of its own is that array, with no view of any bucket made."""
+        flat = self.flat_layout
+        if flat is None:
+            return self.leaves[i]
+        if self._views is None and flat.where[i][0] < 0:
+            leaf = self.leaves[flat.leaf(i)]
+            if isinstance(leaf, jax.Array):  # (as stored_values gives it: itself)
+                return leaf
+        return self.stored_values[i]
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -827,6 +856,12 @@ class KVState:
 
     def index(self, key: Any) -> int:
         """Position of ``key`` in :meth:`keys`; refuses unknown keys and the wrong key kind."""
+        kind = type(key)
+        if kind is int or kind is str:  # asked several times a push: a held key at once
+            lookup = self._lookup
+            i = (self.key_positions if lookup is None else lookup).get(key)
+            if i is not None:  # (an int key is found among int keys only, a str among str)
+                return i
         key = normalize_key(key)
         self.check_kind(key)
         try:
@@ -1064,7 +1099,12 @@ class KVState:
 
 
 def spans_processes(devices: tuple[jax.Device, ...]) -> bool:
-    me = jax.process_index()
+    """Whether ``devices`` include another process's."""
+    return _spans(devices, jax.process_index())
+
+
+@functools.lru_cache(maxsize=256)  # asked several times a push, of a store's few device sets
+def _spans(devices: tuple[jax.Device, ...], me: int) -> bool:
     return any(d.process_index != me for d in devices)
 
 

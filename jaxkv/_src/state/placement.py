@@ -89,8 +89,7 @@ def for_outs(state: KVState, index: Sequence[int], lend: bool) -> list[jax.Array
     pull's outs: with ``lend``, the stored arrays themselves (the store keeps its values);
     else a key read through a view of its bucket gets that view (a fresh array no push
     donates) and a key kept as an array of its own a copy (one computation for all)."""
-    held = state.stored_values
-    values = [held[i] for i in index]
+    values = state.values_at(index)
     if lend:
         return values
     layout = state.flat_layout
@@ -142,11 +141,15 @@ class Later:
                     "value is lost; pull again"
                 )
             layout = self._layout
-            made = buckets.run(
-                "flat views", buckets.eager_views(buckets.bucket_layout(layout)), leaves
-            )
-            at = {i: n for n, i in enumerate(buckets.in_buckets(layout))}
-            values = [made[at[i]] for i in self._index]
+            values = None
+            if 2 * len(self._index) < len(buckets.in_buckets(layout)):  # (those keys alone)
+                values = buckets.eager_values_at(layout, leaves, self._index)
+            if values is None:
+                made = buckets.run(
+                    "flat views", buckets.eager_views(buckets.bucket_layout(layout)), leaves
+                )
+                at = {i: n for n, i in enumerate(buckets.in_buckets(layout))}
+                values = [made[at[i]] for i in self._index]
             self._buckets = None
             self._values = values
         if self._noted is not None:

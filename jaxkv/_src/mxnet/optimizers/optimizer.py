@@ -372,6 +372,7 @@ class Optimizer:
         self.num_update = begin_num_update
         self._index_update_count: dict = {}
         self._marks: weakref.WeakSet[_Mark] = weakref.WeakSet()  # bookkeeping()'s, still held
+        self._text_columns: tuple[bool, ...] | None = None  # which SCALARS are parsed, once
         self.clip_gradient = (
             None if clip_gradient is None else number(owner, "clip_gradient", clip_gradient)
         )
@@ -735,9 +736,10 @@ class Optimizer:
         """
         scheduler = self.lr_scheduler
         before = {index: self._entries(index) for index in indices}  # what the loop changes
-        for mark in list(self._marks):  # a mark keeps each index as it was the first time
-            for index, entry in before.items():
-                mark.before.setdefault(index, entry)
+        if self._marks:  # (iterating a WeakSet costs, even an empty one's)
+            for mark in list(self._marks):  # a mark keeps each index as it was the first time
+                for index, entry in before.items():
+                    mark.before.setdefault(index, entry)
         saved = (
             self.num_update,
             None if scheduler is None else dict(vars(scheduler)),
@@ -753,11 +755,17 @@ class Optimizer:
             num_update, sched_state, host = saved
             self._put_back(num_update, before, sched_state, host)
             raise
-        table = np.asarray(rows, np.float64).astype(np.float32).reshape(len(rows), -1)
-        for j, name in enumerate(self.SCALARS):
-            if name in self.TEXT_SCALARS:
-                table[:, j] = [f32.parsed(row[j]) for row in rows]
-        return table
+        return self._table(rows)
+
+    def _table(self, rows: list[tuple[float, ...]]) -> np.ndarray:
+        """:meth:`next_update`'s rows as the kernel takes them: float32, each ``TEXT_SCALARS``
+        column as MXNet's operator parses its float parameter (:func:`float32.parsed`)."""
+        text = self._text_columns
+        if text is None:
+            text = tuple(name in self.TEXT_SCALARS for name in self.SCALARS)
+            self._text_columns = text
+        parsed = [[f32.parsed(x) if p else x for x, p in zip(row, text)] for row in rows]
+        return np.array(parsed, np.float64).astype(np.float32).reshape(len(rows), len(text))
 
     # -- the kernel ----------------------------------------------------------------------
     def slot_names(self) -> tuple[str, ...]:
