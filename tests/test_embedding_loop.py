@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pickle
+import sys
 from pathlib import Path
 
 import jax
@@ -140,6 +142,78 @@ def test_varying_counts_and_a_schedule_compile_nothing_after_warm_up(one, compil
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6, atol=2e-7)
     ids = steps[-1][0]
     np.testing.assert_allclose(out.data.asnumpy(), want[ids], rtol=2e-6, atol=2e-7)
+
+
+def _jaxkv_calls(fn):
+    """How many calls of jaxkv's own Python functions ``fn()`` makes (``sys.setprofile``)."""
+    root = os.path.dirname(jaxkv.__file__) + os.sep
+    count = 0
+
+    def profile(frame, event, arg):  # noqa: ARG001
+        nonlocal count
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def _loop_beside(one, others, steps=8):
+    """The loop with ``others`` small dense keys beside the table and its dense key (a model's
+    other parameters: a store of many small keys is flat), each pushed and pulled once
+    first. Returns the table, the last pulled rows and dense value, and the jaxkv calls of
+    each step."""
+    rng = np.random.default_rng(3)
+    kv = jaxkv.KVStore("device", devices=one, layout="auto")  # (whatever JAXKV_LAYOUT says)
+    kv.set_optimizer(mx.optimizer.Adam(lazy_update=True))
+    start = rng.normal(size=(R, W)).astype(np.float32)
+    kv.init("emb", mx.nd.array(start).tostype("row_sparse"))
+    kv.init("dense", mx.nd.zeros((W,)))
+    names = [f"w{k:03d}" for k in range(others)]
+    if names:
+        kv.init(names, [mx.nd.zeros((4, W))] * others)
+        kv.push(names, [mx.nd.ones((4, W))] * others)
+        kv.pull(names, out=[mx.nd.zeros((4, W)) for _ in names])
+    out = mx.nd.sparse.zeros("row_sparse", (R, W))
+    dense = mx.nd.zeros((W,))
+    calls = []
+    for _ in range(steps):
+        ids, g = _rows(rng, 130)
+
+        def step(ids=ids, g=g):
+            kv.push("dense", mx.nd.ones((W,)), priority=-1)
+            _push_pull(kv, ids, g, out)
+            kv.pull("dense", out=dense, priority=-1)
+            out.data.wait_to_read()
+            dense.wait_to_read()
+
+        calls.append(_jaxkv_calls(step))
+    return np.asarray(kv.pull("emb")), out.data.asnumpy(), dense.asnumpy(), calls, kv
+
+
+def test_a_step_costs_the_keys_it_touches_not_the_keys_beside_them(one):
+    """Issue 48's O(keys touched): the loop with 100 or 200 small keys beside the table (a flat
+    store) makes as many of jaxkv's Python calls a warm step either way (a pass over every
+    key, or every lent array, at each step would add a call per key), gives the numbers of
+    the loop with none beside it, and its dense push leaves the table's array as it was: not
+    copied (a 1M x 64 table was copied at every push of a small key of a flat store)."""
+    alone = _loop_beside(one, 0)
+    few = _loop_beside(one, 100)
+    many = _loop_beside(one, 200)
+    for got in (few, many):
+        for a, b in zip(alone[:3], got[:3]):
+            np.testing.assert_array_equal(a, b)
+    assert few[4]._stored.flat_layout is not None  # noqa: SLF001 - the layout asked of
+    assert few[3][3:] == many[3][3:], (few[3], many[3])
+    kv = many[4]
+    table = _table(kv)
+    kv.push("dense", mx.nd.ones((W,)))
+    kv.pull("dense", out=mx.nd.zeros((W,)))
+    assert _table(kv) is table
 
 
 def _resume_store(one):

@@ -382,7 +382,7 @@ def _in_bucket(state: KVState, i: int) -> tuple[int, int, bool] | None:
     """``(bucket, offset, split)`` of key position ``i`` where its rows can be addressed in its
     bucket, else ``None`` (an array of its own, or rows cut across devices)."""
     flat = state.flat_layout
-    if flat is None or any(is_traced(x) for x in state.leaves):
+    if flat is None or _traced_leaves(state):
         return None
     b, off, _ = flat.where[i]
     if b < 0:

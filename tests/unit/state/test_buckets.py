@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import numpy as np
 import pytest
 
@@ -161,3 +162,33 @@ def test_a_state_not_kept_key_after_key_is_not_packed_per_key():
     state = {"count": jnp.zeros((), jnp.int32), "mu": {0: jnp.ones(3), 1: jnp.ones(3)}}
     packing = buckets.opt_packing((0, 1), [(3,), (3,)], state)
     assert packing.stride == 0 and packing.families == ((1, "float32"),)
+
+
+def test_the_values_of_a_few_keys_are_made_for_them_alone(compiles):
+    """eager_values_at gives what eager_values gives at those positions (a key of its own:
+    its array itself; a key in a bucket: a fresh array of its view), by a computation whose
+    offsets are arguments: other keys of the same shapes compile nothing new. Keys in a split
+    bucket give ``None`` (every view is made then)."""
+    shapes = [(3, 2), (5,), (3, 2), (40,), (5,), (2, 2)]
+    kept = [1, 1, 1, 0, 1, 1]  # key 3 an array of its own
+    flat = buckets.plan(list(range(len(shapes))), shapes, [np.float32] * 6, bucketed=kept)
+    nb = len(flat.buckets)
+    leaves = [
+        jax.numpy.arange(n, dtype=np.float32) + 100 * b for b, (_, n) in enumerate(flat.buckets)
+    ]
+    own = jax.numpy.ones(40, np.float32)
+    leaves.append(own)
+    everything = buckets.eager_values(flat, leaves)
+    got = buckets.eager_values_at(flat, leaves, [3, 0, 4])
+    assert got[0] is own
+    for g, i in zip(got, [3, 0, 4]):
+        np.testing.assert_array_equal(g, everything[i])
+        assert g.shape == shapes[i]
+    with compiles() as c:  # (the same shapes in the same buckets: keys 2 and 1)
+        again = buckets.eager_values_at(flat, leaves, [2, 1])
+    assert c.count == 0
+    np.testing.assert_array_equal(again[0], everything[2])
+    np.testing.assert_array_equal(again[1], everything[1])
+    assert len(leaves) == nb + 1
+    split = buckets.plan([0, 1], [(8,), (8,)], [np.float32] * 2, placement=Placement(4, 1))
+    assert buckets.eager_values_at(split, [jax.numpy.zeros(split.buckets[0][1])], [0]) is None
