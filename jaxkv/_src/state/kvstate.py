@@ -321,6 +321,7 @@ class KVState:
         "_compression",
         "_lookup",
         "_grouping",
+        "_read",
         "key_shapes",
         "groups",
         "user_mesh",
@@ -353,6 +354,7 @@ class KVState:
     flat_layout: FlatLayout | None
     packings: tuple[Packing | None, ...]
     _views: tuple[Any, ...] | None
+    _read: bool
     _deferral: bool | None
     trees: tuple[TreeShape, ...]
     reduce: str
@@ -406,6 +408,7 @@ class KVState:
         # its packed leaves (buckets.pack_opt); None where its optax state is kept as it is.
         object.__setattr__(self, "packings", tuple(packings) or (None,) * len(self.groups))
         object.__setattr__(self, "_views", None)  # each key's value under a flat layout, cached
+        object.__setattr__(self, "_read", False)  # values_at made a few keys' values already
         object.__setattr__(self, "_deferral", None)  # `deferred`, once asked
         # The keys of each tree given to init, sorted (core/trees.py): a tree pushed must be
         # one of them; plain keys and trees do not mix.
@@ -810,11 +813,18 @@ class KVState:
 
     def values_at(self, index: Sequence[int]) -> list[Any]:
         """The stored values of key positions ``index`` (:attr:`stored_values`): under a flat
-        layout, eagerly, where they are fewer than half the keys in buckets and their views
-        are not made yet, made for those keys alone (``buckets.eager_values_at``), so that a
-        read of a few keys costs them, not every key of the buckets."""
+        layout, eagerly, at the first read of this state, where they are fewer than half the
+        keys, made for those keys alone (``buckets.eager_values_at``), so that a read of a few
+        keys costs them, not every key of the buckets; a second read makes every view, once
+        (keys read one at a time: two computations a state, not one a key)."""
         flat = self.flat_layout
-        if flat is not None and self._views is None and 2 * len(index) < len(flat.where):
+        if (
+            flat is not None
+            and self._views is None
+            and not self._read
+            and 2 * len(index) < len(flat.where)
+        ):
+            object.__setattr__(self, "_read", True)
             leaves = self.leaves
             if not any(map(isinstance, leaves, [jax.core.Tracer] * len(leaves))) and all(
                 map(isinstance, leaves, [jax.Array] * len(leaves))

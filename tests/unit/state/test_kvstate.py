@@ -47,3 +47,27 @@ def test_values_opt_states_and_residuals_are_pytrees_of_the_stored_arrays():
         jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.values)[0]
     ]
     assert paths == ["['a']", "['b']"]
+
+
+def test_a_flat_state_read_key_by_key_makes_few_views_then_all_once(monkeypatch):
+    """KVState.values_at: the first read of a few keys of a flat state makes their values
+    alone; a second read makes every view once (kept with the state): keys read one at a time
+    cost two computations a state, not one a key nor every view at each read. A key kept as
+    an array of its own is that array, with no view made. The values are the state's."""
+    from jaxkv._src.state import buckets
+
+    values = {f"k{i}": jnp.full((3, 2), float(i)) for i in range(10)}
+    values["big"] = jnp.arange(5000.0)  # (auto: an array of its own on CPU)
+    state = jaxkv.init(jaxkv.empty(jax.devices("cpu")[:1], layout="auto"), values)
+    assert state.flat_layout is not None
+    made = []
+    real_all, real_few = buckets.eager_values, buckets.eager_values_at
+    monkeypatch.setattr(buckets, "eager_values", lambda *a: made.append("all") or real_all(*a))
+    monkeypatch.setattr(buckets, "eager_values_at", lambda *a: made.append("few") or real_few(*a))
+    keys = state.keys()
+    big = state["big"]
+    assert made == [] and big is state.leaves[-1]
+    for k in ["k3", "k5", "k7", "big"]:
+        (got,) = state.values_at([keys.index(k)])
+        assert got.tolist() == values[k].tolist()
+    assert made == ["few", "all"]
