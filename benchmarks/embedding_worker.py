@@ -10,7 +10,12 @@ priority, the table's row-sparse gradient pushed, its rows pulled back with
 or ``dist_sync`` (each process one device; MXNet: workers and servers).
 
     python embedding_worker.py jaxkv|mxnet device|dist_sync [--rows R] [--steps S]
-        [--pieces] [--count-syncs]
+        [--beside N] [--pieces] [--count-syncs]
+
+``--beside N``: N keys of 16 x 16 float32 beside the table and the dense key (a model's other
+parameters), initialized, pushed and pulled once as a list before the loop, which touches
+none of them: a step should cost the keys it touches (jaxkv then keeps the small keys in flat
+buckets).
 
 Prints ``embedding <name> kind=<kind> rank=<r> first_ms=<x> median_ms=<x> compiles=<n>
 rows_sum=<x>``: the first step (start-up: compiles), the median of the steps after the 10
@@ -38,7 +43,7 @@ import time
 import numpy as np
 from compiles import Compiles  # benchmarks/compiles.py
 
-WIDTH, DENSE = 64, (256, 64)
+WIDTH, DENSE, BESIDE = 64, (256, 64), (16, 16)
 WARM = 10
 LOW, HIGH = 1200, 1300
 
@@ -74,6 +79,7 @@ def run(
     steps: int,
     pieces: bool = False,
     count_syncs: bool = False,
+    beside: int = 0,
 ) -> None:
     counter = None
     if name == "jaxkv":
@@ -94,6 +100,11 @@ def run(
     kv.init("emb", mx.nd.array(start).tostype("row_sparse"))
     kv.init("dense", mx.nd.zeros(DENSE))
     del start
+    if beside:
+        names = [f"w{k:04d}" for k in range(beside)]
+        kv.init(names, [mx.nd.zeros(BESIDE) for _ in names])
+        kv.push(names, [mx.nd.ones(BESIDE) for _ in names])
+        kv.pull(names, out=[mx.nd.zeros(BESIDE) for _ in names])
     rng = np.random.default_rng(rank)
     out = mx.nd.sparse.zeros("row_sparse", (rows, WIDTH))
     dense_out = mx.nd.zeros(DENSE)
@@ -171,6 +182,7 @@ def main() -> None:
     parser.add_argument("kind", choices=["device", "dist_sync"])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--beside", type=int, default=0, help="small keys beside the table")
     parser.add_argument("--pieces", action="store_true", help="time each call of the step")
     parser.add_argument(
         "--count-syncs", action="store_true", help="jaxkv: host collectives per step"
@@ -181,7 +193,7 @@ def main() -> None:
     else:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         import jaxkv.mx as mx
-    run(mx, args.name, args.kind, args.rows, args.steps, args.pieces, args.count_syncs)
+    run(mx, args.name, args.kind, args.rows, args.steps, args.pieces, args.count_syncs, args.beside)
     sys.stdout.flush()
 
 

@@ -15,6 +15,7 @@ directory), so only the first round compiles from nothing: first steps are round
 
   embedding, one device   benchmarks/embedding_worker.py ``jaxkv|mxnet device`` and
                           benchmarks/embedding_floor.py ``device`` (one jitted step)
+  the same, keys beside   embedding_worker.py ``jaxkv|mxnet device --beside 200`` (no floor)
   1000 keys x 8 devices   benchmarks/keys_worker.py ``jaxkv|mxnet|floor``
   embedding, 2 processes  embedding_worker.py ``dist_sync`` (jaxkv: ``python -m jaxkv.launch -n
                           2 --devices-per-process 1``, counting its host collectives; MXNet: 2
@@ -49,9 +50,11 @@ ROWS = 1_000_000
 NEW_KEYS = 100
 TIMEOUT = 1800  # seconds for one run (the keys loop's first compile takes minutes here)
 SIDES = ("jaxkv", "mxnet", "floor")
-LOOPS = ("embedding-1", "keys", "embedding-2")
+BESIDE = 200  # the small keys beside the table in the loop "embedding-beside"
+LOOPS = ("embedding-1", "embedding-beside", "keys", "embedding-2")
 TITLES = {
     "embedding-1": "Embedding loop, one device",
+    "embedding-beside": f"Embedding loop, one device, {BESIDE} small keys beside the table",
     "keys": "1000 keys x 8 devices, list push and pull",
     "embedding-2": "Embedding loop, 2 processes (dist_sync)",
 }
@@ -154,6 +157,14 @@ def _round(k: int, rounds: int, settings: dict, mxnet: str | None, env: dict, lo
         note("embedding-1", "mxnet", _embedding("mxnet", out, err))
     out, err = _run([sys.executable, floor, "device", *emb], env)
     note("embedding-1", "floor", _embedding("floor", out, err))
+
+    log(f"{tag}: the embedding loop, one device, {BESIDE} keys beside ...")
+    beside = [*emb, "--beside", str(BESIDE)]
+    out, err = _run([sys.executable, worker, "jaxkv", "device", *beside], env)
+    note("embedding-beside", "jaxkv", _embedding("jaxkv", out, err))
+    if mxnet:
+        out, err = _run([mxnet, worker, "mxnet", "device", *beside])
+        note("embedding-beside", "mxnet", _embedding("mxnet", out, err))
 
     log(f"{tag}: 1000 keys x 8 devices ...")
     out, err = _run([sys.executable, keys, "jaxkv", "--steps", str(keys_steps)], env)
@@ -388,6 +399,15 @@ def _goals(res: dict) -> list[str]:
         f"{_span(j_floor)}; MXNet / jaxkv {_span(mx_j)} | "
         f"{ok(None if a is None or b is None else a <= 1.2 and b >= 1.2)} |"
     )
+    alone = [_ms(r["embedding-1"].get("jaxkv")) for r in res["rounds"]]
+    near = [_ms(r["embedding-beside"].get("jaxkv")) for r in res["rounds"]]
+    grows = [b / a if a and b else None for a, b in zip(alone, near)]
+    g = _median(grows)
+    lines.append(
+        f"| embedding loop, one device, {BESIDE} small keys beside the table: within 1.2x of the "
+        f"loop alone (a step costs the keys it touches) | jaxkv beside / alone {_span(grows)} | "
+        f"{ok(None if g is None else g <= 1.2)} |"
+    )
     mx_j, _ = _ratios(res, "keys")
     b = _median(mx_j)
     lines.append(
@@ -485,6 +505,11 @@ def report(res: dict) -> list[str]:
         "benchmarks/embedding_floor.py, the same numbers in one jitted step (table, moments "
         "and dense key donated, ids padded to a multiple of 128, NumPy arguments, the pulled "
         "rows cut on the host).",
+        f"- Embedding loop, one device, {BESIDE} small keys beside the table: the same loop "
+        f"with {BESIDE} keys of 16 x 16 float32 initialized, pushed and pulled once as a list "
+        "before it (a model's other parameters; jaxkv keeps them in flat buckets), which the "
+        "loop never touches (embedding_worker.py `--beside`); no floor (the floor's step is "
+        "the loop alone's).",
         "- 1000 keys x 8 devices: benchmarks/keys_worker.py, a `device` store over 8 CPU "
         "devices, `SGD(learning_rate=0.1)` on the store, 1000 keys of 16 x 16 float32, per "
         "step `kv.push(keys, grads)` (8 per-device gradients a key), `kv.pull(keys, out=outs)` "
