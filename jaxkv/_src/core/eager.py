@@ -530,10 +530,14 @@ def push_eager(
     options: PushOptions,
     extra_args: Any = None,
     divisors: tuple[int, ...] | None = None,
+    own: list[int] | None = None,
 ) -> KVState:
     """``push`` of the validated eager contributions ``grouped`` (keys at ``index`` in
     ``state``, with their stored values and, for an optax updater, their group's optimizer
-    state and the ``extra_args`` of its update): one cached computation for all keys."""
+    state and the ``extra_args`` of its update): one cached computation for all keys.
+    ``own``: under a flat layout, the keys' own arrays' leaf positions (``stored`` those
+    arrays; their group, if any, exactly these keys and not packed): the new ones are
+    written back in their places, no bucket touched."""
     _all_own(grouped)
     if one_device_per_process(state):
         # Each process's values summed at full precision first; compressed after that, once.
@@ -559,6 +563,11 @@ def push_eager(
         "push", fn, stored, opt_state, residuals, list(pushed), extra_args
     )
     optax_push = isinstance(options.updater, optax.GradientTransformation)
+    if own is not None:  # keys of their own in a flat state: written back in their places
+        group = state.groups.index(tuple(sorted(grouped))) if optax_push else None
+        return buckets.with_leaves(
+            state, dict(zip(own, new_values)), {} if group is None else {group: new_opt}
+        )
     return state.replace(
         dict(zip(grouped, new_values)),
         {tuple(grouped): new_opt} if optax_push else None,

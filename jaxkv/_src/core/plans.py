@@ -106,6 +106,10 @@ class _PushPlan:
     residuals: list[None]
     fn: Callable
     flat: bool  # fn is a flat push: fn(state, pushed) -> new state
+    # Under a flat layout where every pushed key is an array of its own (and its optimizer
+    # group's state is not packed): those arrays' positions among the leaves, pushed by the
+    # per-key computation (fn) and written back in place of them, no bucket touched.
+    own: list[int] | None = None
 
 
 def _call(keys: Any, values: Any) -> tuple[tuple, Sequence[Any], int, Sequence[Any]] | None:
@@ -297,7 +301,8 @@ def _push_plan(
             return _NO_PLAN
         group_at = state.groups.index(group_keys)
     means = divisors(state, order, [per] * len(order), options.reduce)
-    if state.flat_layout is None:
+    own = _own_leaves(state, index, group_at)
+    if state.flat_layout is None or own is not None:
         fn = push_fn(state, order, tuple(kinds), options, means)
     else:
         fn = flat_push_fn(state, order, tuple(kinds), options, means)
@@ -317,8 +322,36 @@ def _push_plan(
         group=group_at,
         residuals=[None] * len(order),
         fn=fn,
-        flat=state.flat_layout is not None,
+        flat=state.flat_layout is not None and own is None,
+        own=own,
     )
+
+
+def _own_leaves(state: KVState, index: list[int], group: int | None) -> list[int] | None:
+    """Under a flat layout, the leaf positions of the keys at ``index`` where each is an array
+    of its own and their optimizer group's state (``group``) is not packed: their push then
+    needs none of the buckets (a flat push's computation takes the whole state: its compile
+    and its dispatch grow with every key of the store). ``None`` otherwise."""
+    flat = state.flat_layout
+    if flat is None or (group is not None and state.packings[group] is not None):
+        return None
+    if any(flat.where[i][0] >= 0 for i in index):
+        return None
+    return [flat.leaf(i) for i in index]
+
+
+def own_leaves(
+    state: KVState, index: list[int], keys: tuple[Key, ...], optax_push: bool
+) -> list[int] | None:
+    """:func:`_own_leaves` for a push of ``keys`` (at ``index``), whose optimizer group (for
+    an optax push) must be exactly those keys, its state made already."""
+    group = None
+    if optax_push:
+        keys = tuple(sorted(keys))
+        if keys not in state.groups:
+            return None
+        group = state.groups.index(keys)
+    return _own_leaves(state, index, group)
 
 
 def _run_push(
@@ -341,6 +374,17 @@ def _run_push(
             pushed[p] = x
     if plan.flat:
         return cast(KVState, plan.fn(state, pushed, extra_args))
+    if plan.own is not None:  # (keys of their own in a flat state)
+        leaves = state.leaves
+        opt = None if plan.group is None else state.group_states[plan.group]
+        new, new_opt, _ = plan.fn(
+            [leaves[j] for j in plan.own], opt, plan.residuals, pushed, extra_args
+        )
+        return buckets.with_leaves(
+            state,
+            dict(zip(plan.own, new)),
+            {} if plan.group is None else {plan.group: new_opt},
+        )
     held = state.stored_values
     stored = list(held) if plan.whole else [held[i] for i in plan.index]
     opts = state.group_states

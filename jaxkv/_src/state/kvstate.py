@@ -45,6 +45,8 @@ _KEEP = object()
 # The layouts a store can be asked for, and the environment variable that sets the default.
 LAYOUTS = ("auto", "flat", "keys")
 LAYOUT_ENV = "JAXKV_LAYOUT"
+# A flat state of this many keys or more makes the views of a few keys read alone (values_at).
+FEW_VIEWS_FROM = 64
 # A store's layout policy: (the layout asked for, bucket the values with fewer elements than
 # this, or None: one array per key, split buckets). "flat" buckets every value, and splits a
 # bucket of at least the big-array bound over the devices (buckets.py); "auto" does the same on
@@ -813,15 +815,18 @@ class KVState:
 
     def values_at(self, index: Sequence[int]) -> list[Any]:
         """The stored values of key positions ``index`` (:attr:`stored_values`): under a flat
-        layout, eagerly, at the first read of this state, where they are fewer than half the
-        keys, made for those keys alone (``buckets.eager_values_at``), so that a read of a few
-        keys costs them, not every key of the buckets; a second read makes every view, once
-        (keys read one at a time: two computations a state, not one a key)."""
+        layout of at least ``FEW_VIEWS_FROM`` keys, eagerly, at the first read of this state,
+        where they are fewer than half the keys, made for those keys alone
+        (``buckets.eager_values_at``: compiled per shapes read), so that a read of a few keys
+        costs them, not every key of the buckets; a second read makes every view, once (keys
+        read one at a time: two computations a state, not one a key). A store of fewer keys
+        makes every view at its first read (one compile for its layout)."""
         flat = self.flat_layout
         if (
             flat is not None
             and self._views is None
             and not self._read
+            and len(flat.where) >= FEW_VIEWS_FROM
             and 2 * len(index) < len(flat.where)
         ):
             object.__setattr__(self, "_read", True)

@@ -18,7 +18,7 @@ from jaxkv._src.errors import KVStoreError
 from jaxkv._src.jax_internals import assemble, per_device, single_device
 from jaxkv._src.processes import order
 from jaxkv._src.state import buckets
-from jaxkv._src.state.kvstate import Key, KVState, mesh_over
+from jaxkv._src.state.kvstate import FEW_VIEWS_FROM, Key, KVState, mesh_over
 from jaxkv._src.state.pairing import is_traced
 
 __all__ = [
@@ -142,7 +142,8 @@ class Later:
                 )
             layout = self._layout
             values = None
-            if 2 * len(self._index) < len(buckets.in_buckets(layout)):  # (those keys alone)
+            keys = len(layout.where)
+            if keys >= FEW_VIEWS_FROM and 2 * len(self._index) < keys:  # (those keys alone)
                 values = buckets.eager_values_at(layout, leaves, self._index)
             if values is None:
                 made = buckets.run(

@@ -50,13 +50,13 @@ def test_values_opt_states_and_residuals_are_pytrees_of_the_stored_arrays():
 
 
 def test_a_flat_state_read_key_by_key_makes_few_views_then_all_once(monkeypatch):
-    """KVState.values_at: the first read of a few keys of a flat state makes their values
-    alone; a second read makes every view once (kept with the state): keys read one at a time
+    """KVState.values_at: the first read of a few keys of a flat state of many keys makes
+    their values alone; a second read makes every view once (kept with the state): keys read one at a time
     cost two computations a state, not one a key nor every view at each read. A key kept as
     an array of its own is that array, with no view made. The values are the state's."""
     from jaxkv._src.state import buckets
 
-    values = {f"k{i}": jnp.full((3, 2), float(i)) for i in range(10)}
+    values = {f"k{i:02d}": jnp.full((3, 2), float(i)) for i in range(70)}  # (FEW_VIEWS_FROM)
     values["big"] = jnp.arange(5000.0)  # (auto: an array of its own on CPU)
     state = jaxkv.init(jaxkv.empty(jax.devices("cpu")[:1], layout="auto"), values)
     assert state.flat_layout is not None
@@ -67,7 +67,11 @@ def test_a_flat_state_read_key_by_key_makes_few_views_then_all_once(monkeypatch)
     keys = state.keys()
     big = state["big"]
     assert made == [] and big is state.leaves[-1]
-    for k in ["k3", "k5", "k7", "big"]:
+    for k in ["k03", "k05", "k07", "big"]:
         (got,) = state.values_at([keys.index(k)])
         assert got.tolist() == values[k].tolist()
     assert made == ["few", "all"]
+    small = jaxkv.init(jaxkv.empty(jax.devices("cpu")[:1], layout="flat"), {"a": jnp.ones(3)})
+    made.clear()
+    small.values_at([0])  # (a store of few keys: every view at once, one compile a layout)
+    assert made == ["all"]
