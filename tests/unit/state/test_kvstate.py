@@ -51,9 +51,10 @@ def test_values_opt_states_and_residuals_are_pytrees_of_the_stored_arrays():
 
 def test_a_flat_state_read_key_by_key_makes_few_views_then_all_once(monkeypatch):
     """KVState.values_at: the first read of a few keys of a flat state of many keys makes
-    their values alone; a second read makes every view once (kept with the state): keys read one at a time
-    cost two computations a state, not one a key nor every view at each read. A key kept as
-    an array of its own is that array, with no view made. The values are the state's."""
+    their values alone; a second read makes every view once (kept with the state): keys read
+    one at a time cost two computations a state, not one a key nor every view at each read.
+    A key kept as an array of its own is that array, with no view made. The values are the
+    state's. A store of few keys makes every view at its first read."""
     from jaxkv._src.state import buckets
 
     values = {f"k{i:02d}": jnp.full((3, 2), float(i)) for i in range(70)}  # (FEW_VIEWS_FROM)
