@@ -814,7 +814,7 @@ class KVState:
         return self.stored_value(self.index(key))
 
     def values_at(self, index: Sequence[int]) -> list[Any]:
-        """The stored values of key positions ``index`` (:attr:`stored_values`): under a flat
+        """The stored values of key positions ``index`` (``stored_values``): under a flat
         layout of at least ``FEW_VIEWS_FROM`` keys, eagerly, at the first read of this state,
         where they are fewer than half the keys, made for those keys alone
         (``buckets.eager_values_at``: compiled per shapes read), so that a read of a few keys
@@ -841,7 +841,7 @@ class KVState:
         return [held[i] for i in index]
 
     def stored_value(self, i: int) -> Any:
-        """Key position ``i``'s stored value (:attr:`stored_values`): under a flat layout, a
+        """Key position ``i``'s stored value (``stored_values``): under a flat layout, a
         key with an array of its own is that array, with no view of any bucket made."""
         flat = self.flat_layout
         if flat is None:
