@@ -23,6 +23,7 @@ taken whatever ``JAXKV_NO_FAST_PATHS`` says.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from typing import Any
 
@@ -64,6 +65,12 @@ def all_eager(xs: Any) -> bool:
     if ArrayImpl is not None:
         return set(map(type, xs)) <= {ArrayImpl}
     return all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def any_tracer(xs: Any) -> bool:
+    """Whether any item of the sequence ``xs`` is a tracer (asked of every leaf at each push:
+    no Python call per item)."""
+    return any(map(isinstance, xs, itertools.repeat(jax.core.Tracer, len(xs))))
 
 
 def single_device(x: jax.Array) -> jax.Device | None:

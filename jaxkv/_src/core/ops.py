@@ -317,10 +317,11 @@ def _push(
     if reduce == "mean" and spans_processes(state.devices):
         counts = _reduce.job_counts(counts)  # every process's values counted
     means = _reduce.divisors(state, list(grouped), counts, reduce)
-    own = plans.own_leaves(state, index, tuple(grouped), opt_state is not None) if flat else None
-    if own is not None:  # keys of their own in a flat state: their arrays alone
-        if opt_state is not None:
-            opt_state = state.group_states[state.groups.index(tuple(sorted(grouped)))]
+    alone = plans.own_leaves(state, index, tuple(grouped), opt_state is not None) if flat else None
+    if alone is not None:  # keys of their own in a flat state: their arrays alone
+        own, at = alone
+        if at is not None:
+            opt_state = state.group_states[at]
         stored = [state.leaves[j] for j in own]
         return push_eager(
             state, grouped, index, stored, opt_state, options, extra_args, means, own=own

@@ -301,7 +301,7 @@ def _push_plan(
             return _NO_PLAN
         group_at = state.groups.index(group_keys)
     means = divisors(state, order, [per] * len(order), options.reduce)
-    own = _own_leaves(state, index, group_at)
+    own = state.own_leaves(index)
     if state.flat_layout is None or own is not None:
         fn = push_fn(state, order, tuple(kinds), options, means)
     else:
@@ -327,31 +327,21 @@ def _push_plan(
     )
 
 
-def _own_leaves(state: KVState, index: list[int], group: int | None) -> list[int] | None:
-    """Under a flat layout, the leaf positions of the keys at ``index`` where each is an array
-    of its own and their optimizer group's state (``group``) is not packed: their push then
-    needs none of the buckets (a flat push's computation takes the whole state: its compile
-    and its dispatch grow with every key of the store). ``None`` otherwise."""
-    flat = state.flat_layout
-    if flat is None or (group is not None and state.packings[group] is not None):
-        return None
-    if any(flat.where[i][0] >= 0 for i in index):
-        return None
-    return [flat.leaf(i) for i in index]
-
-
 def own_leaves(
     state: KVState, index: list[int], keys: tuple[Key, ...], optax_push: bool
-) -> list[int] | None:
-    """:func:`_own_leaves` for a push of ``keys`` (at ``index``), whose optimizer group (for
-    an optax push) must be exactly those keys, its state made already."""
+) -> tuple[list[int], int | None] | None:
+    """For a push of ``keys`` (at ``index``) whose arrays are their own in a flat state
+    (``KVState.own_leaves``), those arrays' positions among the leaves and, for an optax push,
+    the position of their optimizer group, which must be exactly those keys, its state made
+    already; ``None`` otherwise (the push then takes the buckets)."""
     group = None
     if optax_push:
         keys = tuple(sorted(keys))
         if keys not in state.groups:
             return None
         group = state.groups.index(keys)
-    return _own_leaves(state, index, group)
+    own = state.own_leaves(index)
+    return None if own is None else (own, group)
 
 
 def _run_push(

@@ -113,16 +113,11 @@ class Lending:
         flat = state.flat_layout
         if flat is None:
             return not self.lent([state[k] for k in keys])
-        tables = []  # the keys' own arrays: all the push takes of the stored values (O(keys))
-        for k in keys:
-            i = state.index(k)
-            group = state.opt_group(k)
-            if flat.where[i][0] >= 0 or (
-                group is not None and state.packings[state.groups.index(group)] is not None
-            ):  # it takes a bucket (or the whole state): a lent view may alias a bucket
-                return not any(note() is not None for note in self.lent_to.values())
-            tables.append(state.leaves[flat.leaf(i)])
-        return not self.lent(tables)
+        own = state.own_leaves([state.index(k) for k in keys])
+        if own is None:  # it takes a bucket (or the whole state): a lent view may alias a bucket
+            return not any(note() is not None for note in self.lent_to.values())
+        # the keys' own arrays: all the push takes of the stored values (O(keys))
+        return not self.lent([state.leaves[j] for j in own])
 
     def donation(self, state: KVState, key: Any, values: Any) -> Donate:
         """What a push of ``values`` to ``key`` into the store's ``state`` may donate: its

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import itertools
 import json
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -48,7 +47,7 @@ from jaxkv._src.core.on_buckets import structure as _structure
 from jaxkv._src.core.tree_view import viewed
 from jaxkv._src.core.updater import as_updater, optimizer_group, updater_errors
 from jaxkv._src.errors import KVStoreError, ShapeError, shown
-from jaxkv._src.jax_internals import assemble, per_device, single_device
+from jaxkv._src.jax_internals import any_tracer, assemble, per_device, single_device
 from jaxkv._src.processes import host, order
 from jaxkv._src.rows.kernels import (
     ROUTE,
@@ -277,7 +276,7 @@ def _pull_per_device(
             f"{len(row_ids)} row_ids"
         )
     ids = [host_ids(key, x, shape[0]) for x in ids_on_host(row_ids)]
-    leaf = _own_leaf(state, i)
+    leaf = state.own_leaf(i)
     sizes = {x.size for x in ids}
     if (
         targets != state.devices
@@ -331,23 +330,7 @@ def _place(x: jax.Array, device: jax.Device) -> jax.Array:
 
 
 def _traced_leaves(state: KVState) -> bool:
-    return _any_tracer(state.leaves)
-
-
-def _any_tracer(xs: Sequence[Any]) -> bool:
-    """Whether any of ``xs`` is a tracer (asked of every leaf at each push: no Python call
-    per leaf)."""
-    return any(map(isinstance, xs, itertools.repeat(jax.core.Tracer, len(xs))))
-
-
-def _own_leaf(state: KVState, i: int) -> int | None:
-    """The position among the leaves of key position ``i``'s own array, or ``None`` where it
-    lives in a bucket."""
-    flat = state.flat_layout
-    if flat is None:
-        return i
-    b, j, _ = flat.where[i]
-    return None if b >= 0 else len(flat.buckets) + j
+    return any_tracer(state.leaves)
 
 
 def _eager_take(state: KVState, key: Key, i: int, ids: np.ndarray) -> jax.Array:
@@ -355,7 +338,7 @@ def _eager_take(state: KVState, key: Key, i: int, ids: np.ndarray) -> jax.Array:
     few sizes (:func:`sizes.padded`), then cut, so that a new count compiles nothing."""
     replicated = NamedSharding(state.mesh, PartitionSpec())
     dev_ids = order.put(pad_ids(ids, fit(("take", key), ids.size)), replicated)
-    leaf = _own_leaf(state, i)
+    leaf = state.own_leaf(i)
     place = _in_bucket(state, i)
     if place is not None:  # its rows read straight from its bucket
         b, off, split = place
@@ -461,7 +444,7 @@ def row_sparse_pull(state: KVState, key: Any, row_ids: Any, *, devices: Any = No
             lo = jax.lax.axis_index(_axis(state, None, key)) * block
         return put(jnp.zeros_like(value), ids, take(value, ids, lo), lo)
     ids = host_ids(key, row_ids, shape[0])
-    leaf = _own_leaf(state, i)
+    leaf = state.own_leaf(i)
     # Whole on the store's devices where the store keeps it so, as a pull gives it (a result
     # that needs no input, no ids at all, would otherwise land on one device).
     replicated = NamedSharding(state.mesh, PartitionSpec())
@@ -687,8 +670,8 @@ def _push(
         optax_push = isinstance(updater, optax.GradientTransformation)
         traced = (
             _traced_leaves(state)
-            or _any_tracer(jax.tree_util.tree_leaves(state.group_states))
-            or _any_tracer([x for pair in pairs for x in pair])
+            or any_tracer(jax.tree_util.tree_leaves(state.group_states))
+            or any_tracer([x for pair in pairs for x in pair])
         )
         if traced:
             return _push_traced(state, key, shape, pairs, updater, axis_name, group, extra), None
@@ -720,7 +703,7 @@ def _push(
             from jaxkv._src.core.eager import init_opt_states
 
             state = init_opt_states(state, updater, (key,))
-        leaf = _own_leaf(state, i)
+        leaf = state.own_leaf(i)
         n: int | None = None if group is None else state.groups.index(group)
         if across is not None:
             pairs_here, m, most, pull_sizes = across
@@ -1107,7 +1090,7 @@ def _asked_here(state: KVState, asked: list[np.ndarray]) -> list[np.ndarray]:
 def _pull_route(state: KVState, i: int, shape: tuple[int, ...], mine: list[np.ndarray]) -> int:
     """The busiest route of a pull of ``mine`` from a sharded table (1 for any other)."""
     parts = len(state.devices)
-    sharded = state.is_sharded(shape) and _own_leaf(state, i) is not None
+    sharded = state.is_sharded(shape) and state.own_leaf(i) is not None
     return busiest(mine, shape[0] // parts, parts) if sharded else 1
 
 
@@ -1122,7 +1105,7 @@ def _pull_agreed(
 ) -> list[jax.Array]:
     """Each device of this process's rows for its ids ``mine``, once the largest count ``n``
     and busiest route ``most`` of every process are agreed (:func:`_agreed`)."""
-    leaf = _own_leaf(state, i)
+    leaf = state.own_leaf(i)
     sharded = state.is_sharded(shape) and leaf is not None
     # no ids anywhere: padded ids (XLA may place a zero-size result whole)
     n = fit(("pull across", key), max(n, 1))
@@ -1186,7 +1169,7 @@ def _across_pairs(
             for d in local[1:]
         ]
     parts = len(state.devices)
-    sharded = state.is_sharded(shape) and _own_leaf(state, state.index(key)) is not None
+    sharded = state.is_sharded(shape) and state.own_leaf(state.index(key)) is not None
     most = busiest([x for x, _ in pairs], shape[0] // parts, parts) if sharded else 1
     sizes: tuple[int, ...] = (max(x.size for x, _ in pairs), most)
     if pull is not None:

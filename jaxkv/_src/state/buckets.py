@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxkv._src import jax_internals
 from jaxkv._src.errors import KVStoreError
 from jaxkv._src.processes import order
 from jaxkv._src.state.policy import Placement, block_rows
@@ -840,7 +841,7 @@ def new_leaves(
     if flat is None and state.flat_layout is None:
         held = dict(zip(state.keys(), state.leaves))
         return [values[k] if k in values else held[k] for k in keys]
-    traced = any(isinstance(x, jax.core.Tracer) for x in [*state.leaves, *values.values()])
+    traced = jax_internals.any_tracer([*state.leaves, *values.values()])
     if flat is not None and flat is state.flat_layout:  # the same keys: write in place
         index = state.key_positions
         new = {index[k]: v for k, v in values.items()}
@@ -890,11 +891,11 @@ def packed_group_state(
         and packing.treedef == jax.tree_util.tree_structure(opt)
     ):
         leaves = old.group_states[n]  # type: ignore[index]
-        if any(isinstance(x, jax.core.Tracer) for x in [*leaves, *jax.tree_util.tree_leaves(opt)]):
+        if jax_internals.any_tracer([*leaves, *jax.tree_util.tree_leaves(opt)]):
             return packing, write_opt(packing, leaves, opt)
         writer = eager_write_opt(packing)
         return packing, list(run("flat optimizer write", writer, list(leaves), opt))
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(opt)):
+    if jax_internals.any_tracer(jax.tree_util.tree_leaves(opt)):
         return pack_opt(group, shapes, opt, parts)
     packing = opt_packing(group, shapes, opt, parts)
     return packing, list(run("flat optimizer pack", eager_pack_opt(packing), opt))

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxkv._src import jax_internals
 from jaxkv._src.errors import KeyTypeError, KVStoreError, shown, unknown_key
 from jaxkv._src.processes import host
 from jaxkv._src.state import buckets
@@ -528,11 +529,11 @@ class KVState:
         if views is not None:
             return views
         leaves = self.leaves
-        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        if jax_internals.any_tracer(leaves):
             views = tuple(buckets.views(flat, leaves))
         elif all(isinstance(x, jax.Array) for x in leaves):
             views = tuple(buckets.eager_values(flat, leaves))
-            if any(isinstance(x, jax.core.Tracer) for x in views):
+            if jax_internals.any_tracer(views):
                 return views  # a state closed over by a trace: its views belong to the trace
         elif all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):  # jax.eval_shape's
             views = buckets.stored_types(self)
@@ -547,7 +548,7 @@ class KVState:
         opt = self.group_states[n]
         if packing is None:
             return opt
-        if any(isinstance(x, jax.core.Tracer) for x in opt):
+        if jax_internals.any_tracer(opt):
             return buckets.unpack_opt(packing, opt)
         if not all(isinstance(x, jax.Array) for x in opt):  # specs, or jax.eval_shape's
             return buckets.unpack_opt_like(packing, opt)
@@ -793,11 +794,15 @@ class KVState:
 
     def opt_group(self, key: Any) -> tuple[Key, ...] | None:
         """The optimizer group ``key`` belongs to, or ``None`` if it has no optimizer state."""
+        return self._groups_of().get(self._keys[self.index(key)])
+
+    def _groups_of(self) -> dict[Key, tuple[Key, ...]]:
+        """Each key's optimizer group (asked per key at every push: built once per state)."""
         grouping = self._grouping
-        if grouping is None:  # asked per key at every push: built once per state
+        if grouping is None:
             grouping = {k: g for g in self.groups for k in g}
             object.__setattr__(self, "_grouping", grouping)
-        return grouping.get(self._keys[self.index(key)])
+        return grouping
 
     @property
     def key_kind(self) -> str | None:
@@ -831,14 +836,41 @@ class KVState:
         ):
             object.__setattr__(self, "_read", True)
             leaves = self.leaves
-            if not any(map(isinstance, leaves, [jax.core.Tracer] * len(leaves))) and all(
-                map(isinstance, leaves, [jax.Array] * len(leaves))
-            ):
+            if jax_internals.all_eager(leaves):
                 got = buckets.eager_values_at(flat, leaves, index)
                 if got is not None:
                     return got
         held = self.stored_values
         return [held[i] for i in index]
+
+    def own_leaf(self, i: int) -> int | None:
+        """The position among ``leaves`` of key position ``i``'s array of its own (every key's,
+        under one array per key), or ``None`` where it lives in a bucket."""
+        flat = self.flat_layout
+        if flat is None:
+            return i
+        b, j, _ = flat.where[i]
+        return None if b >= 0 else len(flat.buckets) + j
+
+    def own_leaves(self, index: Sequence[int]) -> list[int] | None:
+        """Under a flat layout, the positions among ``leaves`` of the keys at ``index`` where
+        each is an array of its own and its optimizer state, if any, is not packed into
+        buckets: all a computation on those keys takes of the state (a flat push's
+        computation takes the whole state: its compile and dispatch grow with every key).
+        ``None`` where one is not, or under one array per key."""
+        flat = self.flat_layout
+        if flat is None:
+            return None
+        own, groups_of = [], self._groups_of()
+        for i in index:
+            leaf = self.own_leaf(i)
+            group = groups_of.get(self._keys[i])
+            if leaf is None or (
+                group is not None and self.packings[self.groups.index(group)] is not None
+            ):
+                return None
+            own.append(leaf)
+        return own
 
     def stored_value(self, i: int) -> Any:
         """Key position ``i``'s stored value (``stored_values``): under a flat layout, a
@@ -846,8 +878,9 @@ class KVState:
         flat = self.flat_layout
         if flat is None:
             return self.leaves[i]
-        if self._views is None and flat.where[i][0] < 0:
-            leaf = self.leaves[flat.leaf(i)]
+        own = self.own_leaf(i)
+        if self._views is None and own is not None:
+            leaf = self.leaves[own]
             if isinstance(leaf, jax.Array):  # (as stored_values gives it: itself)
                 return leaf
         return self.stored_values[i]
@@ -1015,7 +1048,7 @@ class KVState:
         leaves = jax.tree_util.tree_leaves(self)
         if not leaves or not all(isinstance(x, jax.Array) for x in leaves):
             return self  # traced, or abstract: a computation places its own results
-        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        if jax_internals.any_tracer(leaves):
             return self
         mesh = self.mesh
         shardings = jax.tree_util.tree_map(
@@ -1108,7 +1141,7 @@ class KVState:
         ``defer``): the same state where nothing was deferred, or where it is traced."""
         if not self.deferred:
             return self
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(self)):
+        if jax_internals.any_tracer(jax.tree_util.tree_leaves(self)):
             return self
         return self.replace(defer=False)
 
