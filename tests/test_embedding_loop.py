@@ -216,6 +216,41 @@ def test_a_step_costs_the_keys_it_touches_not_the_keys_beside_them(one):
     assert _table(kv) is table
 
 
+def _small_keys_beside_a_big_one(one, layout):
+    kv = jaxkv.KVStore("device", devices=one, layout=layout)
+    kv.set_optimizer(mx.optimizer.Adam(learning_rate=0.01, wd=0.001))
+    names = [f"w{k:03d}" for k in range(70)]
+    kv.init("dense", mx.nd.zeros((256, 128)))  # (above the big-array bound: its own array)
+    kv.init(names, [mx.nd.ones((4, 4)) * (k + 1) for k in range(70)])
+    for step in range(3):  # each step's pushes held, then run as one list push
+        kv.push(names, [mx.nd.ones((4, 4)) * 0.1 * (k + step) for k in range(70)])
+        kv.push("dense", mx.nd.ones((256, 128)) * 0.01 * (step + 1))
+        outs = [mx.nd.zeros((4, 4)) for _ in names]
+        dense = mx.nd.zeros((256, 128))
+        kv.pull(names, out=outs)
+        kv.pull("dense", out=dense)
+    return kv, [o.asnumpy() for o in outs] + [dense.asnumpy()], names
+
+
+def test_small_keys_pushed_beside_a_big_key_keep_their_optimizer_state_packed(one):
+    """A held push of small keys (kept in buckets) and of a key kept as an array of its own
+    under an MXNet optimizer runs as two optimizer groups, so the small keys' state is
+    packed beside their bucket (one fused update): one group over both is updated key by
+    key, in a computation whose compile grew with the keys (200 small keys beside a dense
+    one: an 11 s first step of the loop above). The numbers are a store of one array per
+    key's."""
+    kv, got, names = _small_keys_beside_a_big_one(one, "auto")
+    _, want, _ = _small_keys_beside_a_big_one(one, "keys")
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    state = kv._stored  # noqa: SLF001 - the layout and groups asked of
+    assert state.flat_layout is not None
+    small = state.opt_group(names[0])
+    assert small == tuple(sorted(names)), small
+    assert state.packings[state.groups.index(small)] is not None
+    assert state.opt_group("dense") == ("dense",)
+
+
 def _resume_store(one):
     kv = jaxkv.KVStore("device", devices=one)
     sched = mx.lr_scheduler.CosineScheduler(

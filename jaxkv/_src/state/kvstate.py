@@ -852,6 +852,17 @@ class KVState:
         b, j, _ = flat.where[i]
         return None if b >= 0 else len(flat.buckets) + j
 
+    def in_buckets(self, index: Sequence[int]) -> list[bool]:
+        """Whether each key at ``index`` lies in a bucket, or will once this state is
+        :meth:`settled` (a key the policy buckets, added one at a time, keeps an array of its
+        own until then): where its policy puts it, with no computation made."""
+        if not self.deferred:
+            return [self.own_leaf(i) is None for i in index]
+        if self._compression is not None:  # (no buckets: each key keeps its residual)
+            return [False] * len(index)
+        policy = self._bucketed(self.key_shapes)
+        return [bool(policy[i]) for i in index]
+
     def own_leaves(self, index: Sequence[int]) -> list[int] | None:
         """Under a flat layout, the positions among ``leaves`` of the keys at ``index`` where
         each is an array of its own and its optimizer state, if any, is not packed into
