@@ -68,7 +68,7 @@ def init_opt_states(state: KVState, optimizer: Any, keys: Sequence[Key]) -> KVSt
         return state
     optimizer = viewed(state, optimizer)  # it sees the trees given to init
     group = tuple(sorted(set(keys)))
-    init = _opt_initialiser(
+    rules = (
         optimizer,
         state.devices,
         state.bigarray_bound,
@@ -76,15 +76,48 @@ def init_opt_states(state: KVState, optimizer: Any, keys: Sequence[Key]) -> KVSt
         state.mesh_axes,
         keyed_shardings(state, group),
     )
+    renamable = renamed.renamable(state, optimizer, group)
+    index = tuple(state.index(k) for k in group)
+    flat = state.flat_layout
+    if flat is not None and not renamable and any(flat.where[i][0] >= 0 for i in index):
+        # Keys in buckets: viewed inside the computation (slices XLA fuses into their
+        # readers; an init of zeros reads none), not by an eager computation with an array
+        # per key, whose compile grows with the keys (200 keys' views: 2.7 s).
+        init = _opt_initialiser_on_leaves(*rules, flat, group, index)
+        opt_state = order.ordered("optimizer init", init, list(state.leaves))
+        return state.replace(opt_states={group: opt_state})
+    init = _opt_initialiser(*rules)
     tree = {k: state[k] for k in group}
     opt_state = None
-    if renamed.renamable(state, optimizer, group):  # one computation for keys of a shape
+    if renamable:  # one computation for keys of a shape
         opt_state = renamed.init(
             optimizer, lambda t: order.ordered("optimizer init", init, t), tree
         )
     if opt_state is None:
         opt_state = order.ordered("optimizer init", init, tree)
     return state.replace(opt_states={group: opt_state})
+
+
+def _initialise(
+    optimizer: Any,
+    devices: tuple,
+    bound: int | None,
+    mesh: Any,
+    axes: tuple[str, ...],
+    keyed: Keyed,
+) -> Callable[[dict], Any]:
+    """``optimizer.init`` of a tree of keys, its state placed by the store's rules."""
+    # Its placement rules (and the keys with their own sharding: their leaves placed so).
+    layout = KVState(
+        keys=(),
+        devices=devices,
+        values=(),
+        opt_states=(),
+        bound=bound,
+        mesh=mesh,
+        mesh_axes=axes,
+    )
+    return lambda tree: place_keyed(layout, init_state(optimizer, tree), keyed)
 
 
 @functools.lru_cache(maxsize=64)
@@ -96,17 +129,25 @@ def _opt_initialiser(
     axes: tuple[str, ...],
     keyed: Keyed,
 ) -> Callable:
-    # Its placement rules (and the keys with their own sharding: their leaves placed so).
-    layout = KVState(
-        keys=(),
-        devices=devices,
-        values=(),
-        opt_states=(),
-        bound=bound,
-        mesh=mesh,
-        mesh_axes=axes,
-    )
-    return jax.jit(lambda tree: place_keyed(layout, init_state(optimizer, tree), keyed))
+    return jax.jit(_initialise(optimizer, devices, bound, mesh, axes, keyed))
+
+
+@functools.lru_cache(maxsize=64)
+def _opt_initialiser_on_leaves(
+    optimizer: Any,
+    devices: tuple,
+    bound: int | None,
+    mesh: Any,
+    axes: tuple[str, ...],
+    keyed: Keyed,
+    flat: buckets.FlatLayout,
+    group: tuple[Key, ...],
+    index: tuple[int, ...],
+) -> Callable:
+    """:func:`_opt_initialiser`'s computation on a flat state's leaves: the keys of ``group``
+    (at ``index``) viewed inside it."""
+    init = _initialise(optimizer, devices, bound, mesh, axes, keyed)
+    return jax.jit(lambda leaves: init(dict(zip(group, buckets.views(flat, leaves, index)))))
 
 
 def _layout(

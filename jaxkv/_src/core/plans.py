@@ -518,7 +518,7 @@ def prepare_fill(state: KVState, keys: Any, outs: Any, handle: type) -> Callable
         if not (now.keys() is plan.keys and now.key_shapes is plan.shapes_of):
             return False
         layout = now.flat_layout
-        if later is not None and lend and len(now.devices) > 1 and layout is not None:
+        if later is not None and lend and layout is not None:
             # The keys in buckets: their views made when an out is first read (one computation
             # for all, as below), ``later`` noting them for the store, which spares them before
             # it donates; the keys kept as arrays of their own lent as they are.
