@@ -83,7 +83,7 @@ def init_opt_states(state: KVState, optimizer: Any, keys: Sequence[Key]) -> KVSt
         # Keys in buckets: viewed inside the computation (slices XLA fuses into their
         # readers; an init of zeros reads none), not by an eager computation with an array
         # per key, whose compile grows with the keys (200 keys' views: 2.7 s).
-        init = _opt_initialiser_on_leaves(*rules, flat, group, index)
+        init = _opt_initialiser(*rules, (flat, group, index))
         opt_state = order.ordered("optimizer init", init, list(state.leaves))
         return state.replace(opt_states={group: opt_state})
     init = _opt_initialiser(*rules)
@@ -98,15 +98,19 @@ def init_opt_states(state: KVState, optimizer: Any, keys: Sequence[Key]) -> KVSt
     return state.replace(opt_states={group: opt_state})
 
 
-def _initialise(
+@functools.lru_cache(maxsize=64)
+def _opt_initialiser(
     optimizer: Any,
     devices: tuple,
     bound: int | None,
     mesh: Any,
     axes: tuple[str, ...],
     keyed: Keyed,
-) -> Callable[[dict], Any]:
-    """``optimizer.init`` of a tree of keys, its state placed by the store's rules."""
+    viewed: tuple[buckets.FlatLayout, tuple[Key, ...], tuple[int, ...]] | None = None,
+) -> Callable:
+    """``optimizer.init`` of a tree of keys, its state placed by the store's rules, jitted;
+    ``viewed``, ``(flat, group, index)``: taking a flat state's leaves instead, the keys of
+    ``group`` (at ``index``) viewed inside it."""
     # Its placement rules (and the keys with their own sharding: their leaves placed so).
     layout = KVState(
         keys=(),
@@ -117,36 +121,13 @@ def _initialise(
         mesh=mesh,
         mesh_axes=axes,
     )
-    return lambda tree: place_keyed(layout, init_state(optimizer, tree), keyed)
 
+    def init(tree: dict) -> Any:
+        return place_keyed(layout, init_state(optimizer, tree), keyed)
 
-@functools.lru_cache(maxsize=64)
-def _opt_initialiser(
-    optimizer: Any,
-    devices: tuple,
-    bound: int | None,
-    mesh: Any,
-    axes: tuple[str, ...],
-    keyed: Keyed,
-) -> Callable:
-    return jax.jit(_initialise(optimizer, devices, bound, mesh, axes, keyed))
-
-
-@functools.lru_cache(maxsize=64)
-def _opt_initialiser_on_leaves(
-    optimizer: Any,
-    devices: tuple,
-    bound: int | None,
-    mesh: Any,
-    axes: tuple[str, ...],
-    keyed: Keyed,
-    flat: buckets.FlatLayout,
-    group: tuple[Key, ...],
-    index: tuple[int, ...],
-) -> Callable:
-    """:func:`_opt_initialiser`'s computation on a flat state's leaves: the keys of ``group``
-    (at ``index``) viewed inside it."""
-    init = _initialise(optimizer, devices, bound, mesh, axes, keyed)
+    if viewed is None:
+        return jax.jit(init)
+    flat, group, index = viewed
     return jax.jit(lambda leaves: init(dict(zip(group, buckets.views(flat, leaves, index)))))
 
 
