@@ -79,7 +79,7 @@ def init_opt_states(state: KVState, optimizer: Any, keys: Sequence[Key]) -> KVSt
     renamable = renamed.renamable(state, optimizer, group)
     index = tuple(state.index(k) for k in group)
     flat = state.flat_layout
-    if flat is not None and not renamable and any(flat.where[i][0] >= 0 for i in index):
+    if flat is not None and not renamable and any(state.own_leaf(i) is None for i in index):
         # Keys in buckets: viewed inside the computation (slices XLA fuses into their
         # readers; an init of zeros reads none), not by an eager computation with an array
         # per key, whose compile grows with the keys (200 keys' views: 2.7 s).
