@@ -37,6 +37,7 @@ from jaxkv._src.state.buckets import as_blocks, block, from_blocks
 from jaxkv._src.state.kvstate import Key, KVState
 from jaxkv._src.state.placement import (
     Keyed,
+    as_pushed,
     host_empty,
     keyed_shardings,
     place,
@@ -142,7 +143,10 @@ def _layout(
     """
     multiprocess = jax.process_count() > 1  # each worker's values are summed over workers
     if len(xs) == 1 and not multiprocess:
-        return "one", jax.device_put(xs[0], target or state.sharding_for(stored.shape))
+        x = as_pushed(state, xs[0], single_device(xs[0]))
+        return "one", x if x is not None else jax.device_put(
+            xs[0], target or state.sharding_for(stored.shape)
+        )
     devices = [single_device(x) for x in xs]
     positions = state.local_positions
     if multiprocess and (

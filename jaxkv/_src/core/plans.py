@@ -34,7 +34,7 @@ from jaxkv._src.jax_internals import all_eager, assemble, per_device, single_dev
 from jaxkv._src.state import buckets
 from jaxkv._src.state.kvstate import Key, KVState, normalize_key
 from jaxkv._src.state.pairing import devices_of, group
-from jaxkv._src.state.placement import Later, for_outs, stacked_sharding
+from jaxkv._src.state.placement import Later, as_pushed, for_outs, stacked_sharding
 
 __all__ = ["NO_PLAN", "checked_group", "prepare_fill", "pull", "push"]
 
@@ -284,7 +284,7 @@ def _push_plan(
         shape = state.key_shapes[i]
         if per == 1:
             kinds.append("one")
-            if not (n_devices == 1 and devices[perm[p]] == state.devices[0]):
+            if as_pushed(state, mine[0], devices[perm[p]]) is None:
                 puts.append((p, state.sharding_of(state.keys()[i])))
             continue
         if devices[perm[p] * per : (perm[p] + 1) * per] != state.devices:

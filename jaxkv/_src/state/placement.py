@@ -23,6 +23,7 @@ from jaxkv._src.state.pairing import is_traced
 
 __all__ = [
     "Later",
+    "as_pushed",
     "copies",
     "for_outs",
     "local_parts",
@@ -296,6 +297,15 @@ def place_keyed(state: KVState, tree: Any, keyed: Keyed) -> Any:
 @functools.lru_cache(maxsize=256)
 def _zeros(shape: tuple[int, ...], dtype: Any, device: jax.Device) -> jax.Array:
     return jnp.zeros(shape, dtype, device=device)
+
+
+def as_pushed(state: KVState, x: jax.Array, device: jax.Device | None) -> jax.Array | None:
+    """One contribution ``x`` (on ``device``, ``single_device(x)``) as a push computation takes
+    it without a put: on a store of one device, ``x`` where it lies on that device, whatever
+    sharding it was given; else ``None`` (it is put on the key's sharding first). The general
+    path and a replayed plan both ask this, so that they pass alike placed values and run
+    one computation, compiled once."""
+    return x if len(state.devices) == 1 and device == state.devices[0] else None
 
 
 @functools.lru_cache(maxsize=64)

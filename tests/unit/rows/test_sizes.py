@@ -64,11 +64,13 @@ def test_a_route_follows_the_padded_count(most, n, parts, c):
 
 
 def test_a_site_pads_only_once_its_counts_vary():
-    """A place of the code compiles for its first two counts as they are (a workload of one
-    size pads and copies nothing), and pads any other to a few sizes."""
+    """A place of the code compiles for its first count as it is (a workload of one size pads
+    and copies nothing), and pads any other to a few sizes."""
     other = ("another test", object())
-    got = [sizes.fit(other, n) for n in (1000, 1250, 1300, 1000, 1201, 1290)]
-    assert got == [1000, 1250, 1408, 1000, 1280, 1408]
+    got = [sizes.fit(other, n) for n in (1000, 1250, 1300, 1000, 1201, 1290, 1000)]
+    assert got == [1000, 1280, 1408, 1000, 1280, 1408, 1000]
+    constant = ("a third test", object())
+    assert [sizes.fit(constant, 1000) for _ in range(4)] == [1000] * 4
 
 
 def test_joined_rows_take_the_dtype_asked_for_without_a_compile(devices, compiles):
