@@ -313,6 +313,50 @@ def test_a_first_push_and_pull_of_many_small_keys_makes_no_view_of_each(one, mon
         np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
 
 
+def _small_keys_pulled_beside_rows(one, layout, steps=3):
+    """A model's loop: 40 small keys pushed and pulled into outs at every step, the table's
+    rows pushed and pulled beside them, the outs read at the end of the step. Returns the
+    store, the small keys' outs, the pulled rows and the table."""
+    rng = np.random.default_rng(11)
+    kv = jaxkv.KVStore("device", devices=one, layout=layout)
+    kv.set_optimizer(mx.optimizer.Adam(learning_rate=0.1, lazy_update=True))
+    names = [f"w{k:03d}" for k in range(40)]
+    kv.init(names, [mx.nd.ones((4, 4)) * k for k in range(40)])
+    kv.init("emb", mx.nd.array(rng.normal(size=(R, W))).tostype("row_sparse"))
+    outs = [mx.nd.zeros((4, 4)) for _ in names]
+    rows = mx.nd.sparse.zeros("row_sparse", (R, W))
+    for step in range(steps):
+        kv.push(names, [mx.nd.ones((4, 4)) * (k % 3 + step) for k in range(40)])
+        kv.pull(names, out=outs)
+        _push_pull(kv, *_rows(rng, 30), rows)
+        rows.data.wait_to_read()
+        for out in outs:
+            out.wait_to_read()
+    return kv, outs, rows.data.asnumpy(), _table(kv)
+
+
+def test_small_keys_pulled_beside_a_table_of_its_own_are_not_copied_at_its_push(one, monkeypatch):
+    """A push of rows into a table kept as an array of its own donates no bucket, so the small
+    keys' values pulled before it (made when their outs are read) keep reading the buckets:
+    no copy of the buckets at each step (every pending pull's buckets were copied before any
+    donating push of rows). The numbers are a store of one array per key's."""
+    from jaxkv._src.state import placement
+
+    _, want_outs, want_rows, want_table = _small_keys_pulled_beside_rows(one, "keys")
+    copied = []
+    real = placement.copies
+    monkeypatch.setattr(placement, "copies", lambda xs: copied.append(len(xs)) or real(xs))
+    kv, outs, got_rows, table = _small_keys_pulled_beside_rows(one, "auto")
+    state = kv._stored  # noqa: SLF001 - the layout the test asks for
+    assert state.flat_layout is not None
+    assert state.own_leaves([state.index("emb")]) is not None  # the table: its own array
+    assert copied == []
+    for a, b in zip(outs, want_outs):
+        np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
+    np.testing.assert_array_equal(got_rows, want_rows)
+    np.testing.assert_array_equal(np.asarray(table), np.asarray(want_table))
+
+
 def _resume_store(one):
     kv = jaxkv.KVStore("device", devices=one)
     sched = mx.lr_scheduler.CosineScheduler(

@@ -137,7 +137,8 @@ class Runs(NamedTuple):
     push: Callable[[list[Key], list[list], dict[Key, Any]], None]  # one generation of pushes
     pull: Callable[[list[Key], list[list]], None]  # pulls into outs, in key order
     restore: Callable[[Any], None]  # an MXNet optimizer's bookkeeping put back (None: nothing)
-    spare: Callable[[], None]  # the arrays lent to outs kept from a donation (Lending.spare)
+    # the arrays pulls not made yet read kept from a push of rows to these keys (Lending)
+    spare_for_rows: Callable[[KVState, list[Key]], None]
     push_rows: Callable[[KVState, Any], KVState]  # a held push of rows run on a state
 
 
@@ -189,8 +190,10 @@ class Calls:
                     runs.restore(rows.counted)
                 raise
         try:
-            runs.spare()  # (pulls run since it was held may read its table)
-            runs.rebind(runs.push_rows(runs.stored(), rows))
+            state = runs.stored()
+            if rows.donate:  # (pulls run since it was held may read what it donates)
+                runs.spare_for_rows(state, [rows.key])
+            runs.rebind(runs.push_rows(state, rows))
         except BaseException:
             runs.restore(rows.counted)
             raise

@@ -248,7 +248,7 @@ class KVStore:
             push=self._push_held,
             pull=self._pull_now,
             restore=self._restore,
-            spare=self._lending.spare,
+            spare_for_rows=self._lending.spare_for_rows,
             push_rows=kvstore_rows.run_held,
         )
 

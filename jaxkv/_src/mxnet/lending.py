@@ -84,6 +84,15 @@ class Lending:
                 made.spare()
             self.laters.clear()
 
+    def spare_for_rows(self, state: KVState, keys: list[Key]) -> None:
+        """:meth:`spare`, before a donating push of rows to ``keys``, where it may donate what a
+        pull not made yet reads: a bucket (the keys lie in one, or the push takes the whole
+        state). A push into tables kept as arrays of their own donates none (a pull not made
+        yet holds the buckets alone), so the pulled values stay unmade and uncopied: a model's
+        small keys pulled at every step beside a table cost no copy of their buckets."""
+        if self.laters and _own_rows(state, keys) is None:
+            self.spare()
+
     def lent(self, leaves: list[Any]) -> bool:
         """Whether one of the stored arrays ``leaves`` was lent to an out (then a push must not
         donate it: an out may still hold it, or a part of it). Once the store holds a new
@@ -107,13 +116,12 @@ class Lending:
         then updated in place, at a cost that grows with the rows alone."""
         if len(self.shared):
             return False
-        self.spare()
+        self.spare_for_rows(state, keys)
         if not self.keeps_values(state):
             return True
-        flat = state.flat_layout
-        if flat is None:
+        if state.flat_layout is None:
             return not self.lent([state[k] for k in keys])
-        own = state.own_leaves([state.index(k) for k in keys])
+        own = _own_rows(state, keys)
         if own is None:  # it takes a bucket (or the whole state): a lent view may alias a bucket
             return not any(note() is not None for note in self.lent_to.values())
         # the keys' own arrays: all the push takes of the stored values (O(keys))
@@ -147,3 +155,11 @@ class Lending:
                 # and every one left in `shared` is a leaf of `state` (forgotten above if not).
                 donate = False
         return donate
+
+
+def _own_rows(state: KVState, keys: list[Key]) -> list[int] | None:
+    """The leaf positions of ``keys``' arrays of their own in a flat state (all a push of rows
+    to them takes of its stored values: ``KVState.own_leaves``), else ``None``."""
+    if state.flat_layout is None:
+        return None
+    return state.own_leaves([state.index(k) for k in keys])

@@ -81,7 +81,7 @@ class _Store:
             push=self._call("push"),
             pull=self._call("pull"),
             restore=self.restored.append,
-            spare=lambda: None,
+            spare_for_rows=lambda state, keys: None,
             push_rows=lambda state, rows: state,
         )
 
