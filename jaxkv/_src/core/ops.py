@@ -331,6 +331,16 @@ def _push(
     return push_eager(state, grouped, index, stored, opt_state, options, extra_args, means)
 
 
+def with_opt_state(state: KVState, keys: list[Key], updater: Any) -> KVState:
+    """``state`` with the optimizer state an eager push of ``keys`` under the optax
+    ``updater`` makes first, where none of them has any yet (else ``state`` itself): the same
+    group and the same computation as the push's (under a flat layout, the keys' views made
+    inside it), so that a caller may make it before pushing."""
+    updater = tree_view.viewed(state, as_updater(updater))
+    group_keys, opt_state = optimizer_group(state, tuple(keys), unpack=False)
+    return state if opt_state is not None else init_opt_states(state, updater, group_keys)
+
+
 def _one_key(keys: Any) -> bool:
     """Whether a push names one key: alone, or in a list or tuple of it (a mapping or a tree
     is taken as several)."""

@@ -1013,6 +1013,19 @@ class KVStore:
         but the last donates nothing: the store's state changes only once every part has
         succeeded."""
         row = {k: i for i, k in enumerate(sorted(grouped))}
+        # Every part's optimizer group and state made before the first part runs, as its own
+        # push would make them: a part whose computation takes the whole state (keys in
+        # buckets) then sees, at the first push, the state's structure of every later push,
+        # and is compiled once (made by the next part's push, the new group changed the
+        # structure the first part's computation was traced for: the Gluon loop on ResNet-50
+        # compiled its bucketed keys' push again at its second step).
+        state = state.settled()
+        for part in parts:
+            regrouped = per_key.regroup(state, part, updater)
+            if regrouped is None:
+                return None
+            state = regrouped
+            state = ops.with_opt_state(state, part, per_key.per_key(updater))
         for n, part in enumerate(parts):
             regrouped = per_key.regroup(state, part, updater)
             if regrouped is None:
