@@ -64,6 +64,32 @@ def test_the_drop_in_casts_in_pushpull_and_in_lists_of_keys():
     assert value.asnumpy().tolist() == [88.0, 3.0]
 
 
+@pytest.mark.parametrize("make", [lambda: jaxkv.create("local"), lambda: mx.kv.create("local")])
+@pytest.mark.parametrize("out_dtype", ["int8", "uint8", "int16"])
+def test_a_pull_into_an_out_of_another_dtype_casts_as_mxnet_copies(make, out_dtype):
+    """A float value pulled (or pushpulled with no out) into an integer array of another
+    dtype is cast as MXNet copies it (C's cast, as x86 runs it: toward zero through int32,
+    then the low bits): -159.0 into int8 is 97, where XLA's cast clamps it to -128 (found by
+    the deep stateful run, against its NumPy model)."""
+    kv = make()
+    values = np.array([-159.0, 300.0, 97.5, -1.7, 3.0, 70000.0], np.float32)
+    want = np.trunc(values).astype(np.int32).astype(out_dtype)
+    kv.init(0, mx.nd.array(values))
+    out = mx.nd.zeros((6,), dtype=out_dtype)
+    kv.pull(0, out=out)
+    assert out.dtype == np.dtype(out_dtype)
+    np.testing.assert_array_equal(out.asnumpy(), want)
+
+    def add(key, inp, stored):  # MXNet's in-place updater
+        stored += inp
+
+    kv.set_updater(add)
+    kv.init(1, mx.nd.array(values))
+    handle = mx.nd.zeros((6,), dtype=out_dtype)
+    kv.pushpull(1, handle)  # pushed (zeros, widened), then pulled into the handle itself
+    np.testing.assert_array_equal(handle.asnumpy(), want)
+
+
 @pytest.mark.parametrize("make", [jaxkv.create, lambda: None], ids=["KVStore", "core"])
 @pytest.mark.parametrize(
     ("stored", "given"),

@@ -1287,13 +1287,15 @@ class KVStore:
 
 
 def _set(out: NDArray, x: jax.Array, device: Any) -> None:
-    """Rebind ``out`` to ``x`` (on ``device``), in ``out``'s dtype (a row-sparse out keeps
-    the rows of ``x`` that are not zero)."""
+    """Rebind ``out`` to ``x`` (on ``device``), in ``out``'s dtype, cast as MXNet copies a
+    value into an array of another dtype (:func:`casts.mxnet_cast`: a float beyond an 8-bit
+    out's range keeps its low bits, as C's cast does, where XLA's would clamp it); a
+    row-sparse out keeps the rows of ``x`` that are not zero."""
     if kvstore_rows.is_row_sparse(out):
         out.set_value(x, device)
         return
     dtype = out.held_value().dtype  # (nothing read)
-    out.set_value(x if dtype == x.dtype else x.astype(dtype), device)
+    out.set_value(casts.mxnet_cast(x, dtype), device)
 
 
 def _alone(state: KVState, key: Key) -> None:
