@@ -1026,21 +1026,18 @@ class KVStore:
                 return None
             state = regrouped
             state = ops.with_opt_state(state, part, per_key.per_key(updater))
-        for n, part in enumerate(parts):
-            regrouped = per_key.regroup(state, part, updater)
-            if regrouped is None:
-                return None
+        for n, part in enumerate(parts):  # (each part is one group already, made above)
             values = [grouped[k] for k in part]
             args = None
             if extra is not None:
                 args = {name: v[[row[k] for k in part]] for name, v in extra.items()}
             last = n == len(parts) - 1
             state = ops.push(
-                regrouped,
+                state,
                 part,
                 values,
                 updater=per_key.per_key(updater),
-                donate=self._lending.donation(regrouped, part, values) if last else False,  # type: ignore[arg-type]
+                donate=self._lending.donation(state, part, values) if last else False,  # type: ignore[arg-type]
                 extra_args=args,
             )
         return state
