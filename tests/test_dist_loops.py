@@ -84,6 +84,8 @@ def test_calls_held_before_a_push_of_rows_are_agreed_with_it():
             "the next step after different held calls",
             "different learning rates refused, nothing run",
             "the next step after different learning rates",
+            "pushes before and after a push of rows in call order (row_sparse_pull)",
+            "pushes before and after a push of rows in call order (a read)",
             "a wrong sum raised at the read on every process",
         ),
     )

@@ -152,6 +152,27 @@ def main():
     check("different learning rates changed no row", np.asarray(kv.pull("emb")), emb)
     check("the next step after different learning rates", step(6), model(6))
 
+    # A key pushed before the push of rows and again after it, before the row_sparse_pull (or
+    # a read): its pushes run in call order, the kept one first (momentum SGD, whose value
+    # depends on the order).
+    for then in ("row_sparse_pull", "a read"):
+        kv2 = mx.kv.create("dist_sync")
+        kv2.set_optimizer(mx.optimizer.SGD(learning_rate=LR, momentum=0.9, lazy_update=True))
+        kv2.init("emb", mx.nd.zeros((R, W)).tostype("row_sparse"))
+        kv2.init("bias", mx.nd.zeros((W,)))
+        kv2.pull("bias")  # (the held inits run: a push of rows keeps no held init)
+        kv2.push("bias", mx.nd.ones((W,)))
+        kv2.push("emb", rows([1, 2]))
+        kv2.push("bias", mx.nd.ones((W,)) * 3)
+        if then == "row_sparse_pull":
+            kv2.row_sparse_pull("emb", out=out, row_ids=mx.nd.array([1, 2]))
+        mom, want = np.zeros(W), np.zeros(W)
+        for g in (1.0 * ALL, 3.0 * ALL):
+            mom = 0.9 * mom - LR * g
+            want = want + mom
+        check(f"pushes before and after a push of rows in call order ({then})",
+              np.asarray(kv2.pull("bias")), want)
+
     # A wrong sum (one device's part of a reduce-scatter off): every process raises SumError,
     # naming device 1, at its read of the pulled value (jaxkv's own computation has no host
     # callback: the verdict comes back as an output, compared at the read).

@@ -184,7 +184,7 @@ class Calls:
             return
         if rows.before is not None:
             try:
-                self.run_queue(rows.before, runs)
+                self.run_kept(rows.before, runs)
             except BaseException:  # the push of rows is dropped with them
                 if rows.before.counted is None:
                     runs.restore(rows.counted)
@@ -260,6 +260,37 @@ class Calls:
             and lazy_mxnet
         )
 
+    @staticmethod
+    def differ_never(texts: list[bytes]) -> None:  # pragma: no cover - one process agrees alone
+        raise AssertionError("one process's held calls are compared with no other's")
+
+    def run_after(self, queue: Held, runs: Runs) -> Callable[[], KVState]:
+        """In one process, how the calls ``queue`` kept by a push of rows (other keys' pushes,
+        no pull) run once the push of rows has run: ahead of any call held since (which waits
+        for the next read), on the state the push left. Where one fails when run (a call
+        accepted and counted already), the push of rows has run: nothing is put back, the
+        error names the kept keys."""
+
+        def run() -> KVState:
+            queue.counted = None  # (the push of rows, counted after them, ran)
+            self.run_kept(queue, runs, agreed=True)
+            return runs.stored()
+
+        return run
+
+    def run_kept(self, queue: Held, runs: Runs, agreed: bool = False) -> None:
+        """Run the calls ``queue`` a push of rows kept, ahead of the calls held since it: those
+        wait (set aside while these run, so that a read inside these runs none of them first:
+        a key pushed before and after the push of rows gets its pushes in call order)."""
+        since, self.queue = self.queue, None
+        try:
+            self.run_queue(queue, runs, agreed)
+        finally:
+            if since is not None:
+                if self.queue is not None:  # (nothing is held while they run)
+                    since.extend(self.queue)
+                self.queue = since
+
     def kept(self, rows: Any, runs: Runs) -> tuple[Any, Callable[[], None]]:
         """The calls a held push of rows kept (``rows.before``), as ``rows.ops.Before`` for its
         ``row_sparse_pull`` (agreed in the push's all-gather, run by it once agreed), and what
@@ -279,7 +310,7 @@ class Calls:
 
         def run() -> KVState:
             stage["running"] = True
-            self.run_queue(queue, runs, agreed=True)
+            self.run_kept(queue, runs, agreed=True)
             stage["ran"] = True
             return runs.stored()
 
@@ -297,6 +328,11 @@ class Calls:
                 if self.queue is not None:  # held since the push: after the kept ones
                     queue.extend(self.queue)
                 self.hold(queue, runs.owner)
+
+        if not spans_processes(runs.stored().devices):
+            # One process: nothing to agree, and the store runs them after the push of rows
+            # (its computation dispatched): see :meth:`run_after`.
+            return ops.Before(b"{}", _NONE, self.differ_never, self.run_after(queue, runs)), failed
 
         agreed = before(queue, self.gathered(queue, runs.stored()), run)
 
@@ -327,11 +363,14 @@ def before(held: Held, gathered: list[list[Key]], run: Any) -> ops.Before:
     return ops.Before(text, digest, functools.partial(differ, text), run)
 
 
+_NONE = np.zeros(32, np.uint8)  # the digest of no held calls
+
+
 def nothing(run: Any) -> ops.Before:
     """No calls held before a row push, as :func:`before` gives them: the digest every process
     sends where it holds none (zeros), with a text naming none, so that where another process
     holds calls this one's error names them too (``run()`` returns the store's state)."""
-    return ops.Before(b"{}", np.zeros(32, np.uint8), functools.partial(differ, b"{}"), run)
+    return ops.Before(b"{}", _NONE, functools.partial(differ, b"{}"), run)
 
 
 def described(held: Held, gathered: list[list[Key]]) -> tuple[bytes, np.ndarray]:

@@ -580,7 +580,8 @@ class KVStore:
                         # all-gather they meet first in the pull (its agreement): every
                         # process refuses the pull and holds the push still, as this one.
                         with rows.ops.checking(self._stored, deferred.key, rows.ops.REFUSED_PULL):
-                            self._check_outs(pairs)
+                            # (shapes as held: a call held since the push runs after it)
+                            self._check_outs(pairs, self._held_shape)
                             ids = kvstore_rows.wanted(
                                 self._stored,
                                 deferred.key,
@@ -592,9 +593,12 @@ class KVStore:
                             self._calls.settle(self._runs())
                         raise
                     before, failed = self._calls.kept(deferred, self._runs())
+                    # In one process the calls it kept run after it, while its computation
+                    # runs (held.Calls.run_after); across processes, before it, once agreed.
+                    after = None if across or before is None else before.run
                     try:
                         state, got = kvstore_rows.pushpull_into(
-                            self._stored, deferred, outs, ids, before
+                            self._stored, deferred, outs, ids, None if after else before
                         )
                     except rows.ops.PullRefusedElsewhere:  # (before anything ran anywhere)
                         self._calls.rows = deferred  # held still, with the calls it keeps
@@ -605,6 +609,8 @@ class KVStore:
                     self._stored = state
                     for o, x, where in got:
                         o.set_rows_lazily(*_padded(x), where)
+                    if after is not None:
+                        after()
                     return None
             state = self._state
             if out is None:
@@ -1184,17 +1190,22 @@ class KVStore:
 
     def _keeps_held(self, key: Any, value: Any) -> dict[Key, list] | None:
         """The pushed values by key (``_grouped``) where a push of rows keeps the calls held
-        before it, to run with it (else ``None``, nothing grouped or run): across
-        processes, where it is one lazy push of one key's rows under an MXNet optimizer (held
-        for its ``row_sparse_pull``), after held pushes of other keys and no held init. Its
-        ``row_sparse_pull`` then agrees both in one host all-gather (``rows.ops.Before``) where
-        each would make one. Decided from what every process agrees on (the held pushes and
-        inits, the push), so that every process decides alike."""
+        before it, to run with it (else ``None``, nothing grouped or run): where it is one
+        lazy push of one key's rows under an MXNet optimizer (held for its
+        ``row_sparse_pull``), after held pushes of other keys and no held init. Across
+        processes its ``row_sparse_pull`` then agrees both in one host all-gather
+        (``rows.ops.Before``) where each would make one; in one process, where no pull is
+        held among them, the kept pushes run once the rows' computation is dispatched, while
+        it runs (their values and numbers do not depend on it: other keys, numbers worked out
+        when each push was called). Decided from what every process agrees on (the held
+        pushes and inits, the push), so that every process decides alike."""
         opt, queue = self._mxnet_optimizer, self._calls.queue
         lazy_mxnet = opt is not None and opt.lazy_update and self._python_updater is None
-        if not self._calls.keeps(lazy_mxnet) or not spans_processes(self._stored.devices):
+        if not self._calls.keeps(lazy_mxnet):
             return None
         assert queue is not None  # (keeps: pushes are held)
+        if not spans_processes(self._stored.devices) and any(queue.pulls):
+            return None  # (a held pull must read what it reads before the push of rows)
         grouped = _grouped(self._stored, key, value)  # (no held init: the store's keys)
         (k, values), *others = grouped.items()
         rows = any(map(kvstore_rows.is_row_sparse, values))
