@@ -130,8 +130,8 @@ def run(
         out.data.wait_to_read()
         dense_out.wait_to_read()
         times.append(time.perf_counter() - t)
+    compiles = -1 if counter is None else counter.count - compiled_before  # (the timed steps')
     got = out.data.asnumpy().astype(np.float64)
-    compiles = -1 if counter is None else counter.count - compiled_before
     extra = ""
     if count_syncs and name == "jaxkv":
         per_step = -1 if syncs is None else (len(syncs) - synced_before) / (steps - WARM)
