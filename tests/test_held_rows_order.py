@@ -1,0 +1,147 @@
+"""Random sequences of MXNet's embedding-loop calls on the imperative store give the values of
+the calls run one by one, in call order: a NumPy model of MXNet's lazy momentum SGD under a
+learning-rate schedule (both depend on the order of a key's pushes and on when each push was
+counted). The store holds pushes and pulls until a read, keeps the pushes held before a push
+of rows with it and runs them after the rows' computation (one process), and fuses a push of
+rows with its ``row_sparse_pull``: none of that may change a value."""
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxkv
+import jaxkv.mx as mx
+
+ROWS, W = 16, 4
+DENSE = {"a": (W,), "b": (2, 3)}
+LR, MU, STEP, FACTOR = 0.5, 0.9, 2, 0.5
+IDS = st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=4, unique=True).map(sorted)
+_PUSH = st.tuples(
+    st.just("push"), st.sampled_from(["a", "a", "b"]), st.sampled_from([1.0, -2.0, 3.0])
+)
+_PULL = st.tuples(st.just("pull"), st.sampled_from(sorted(DENSE)), st.just(None))
+_READ = st.tuples(st.just("read"), st.sampled_from([*sorted(DENSE), "e"]), st.just(None))
+
+
+@st.composite
+def _step(draw):
+    """A step of the loop, varied: dense pushes (a held pull among them, sometimes), a push of
+    rows, more pushes (the same key again, sometimes), then its row_sparse_pull (of the pushed
+    ids or others), a read, or nothing (the next step's calls come first)."""
+    calls = draw(st.lists(st.one_of(_PUSH, _PUSH, _PULL), max_size=3))
+    if draw(st.integers(0, 4)):
+        calls.append(("push rows", draw(IDS), draw(st.sampled_from([1.0, -0.5]))))
+    calls += draw(st.lists(_PUSH, max_size=2))
+    end = draw(st.sampled_from(["pushed ids", "other ids", "read", "nothing"]))
+    if end == "read":
+        calls.append(draw(_READ))
+    elif end != "nothing":
+        calls.append(("row_sparse_pull", end == "pushed ids", draw(IDS)))
+    return calls
+
+
+CALLS = st.lists(_step(), min_size=1, max_size=4).map(lambda steps: sum(steps, []))
+
+
+class _Model:
+    """MXNet's SGD with momentum (lazy: only a row-sparse push's rows), its num_update and a
+    FactorScheduler, call by call."""
+
+    def __init__(self):
+        self.w = {"e": np.zeros((ROWS, W))} | {k: np.zeros(s) for k, s in DENSE.items()}
+        self.mom = {k: np.zeros_like(v) for k, v in self.w.items()}
+        self.count: dict[str, int] = {}
+        self.num_update = 0
+
+    def lr(self, key):
+        self.count[key] = self.count.get(key, 0) + 1
+        self.num_update = max(self.num_update, self.count[key])
+        return LR * FACTOR ** max(0, (self.num_update - 1) // STEP)
+
+    def push(self, key, g, ids=None):
+        lr = self.lr(key)
+        at = slice(None) if ids is None else ids
+        self.mom[key][at] = MU * self.mom[key][at] - lr * g
+        self.w[key][at] = self.w[key][at] + self.mom[key][at]
+
+
+def _store():
+    kv = jaxkv.KVStore("local", devices=jax.devices("cpu")[:1])
+    sched = mx.lr_scheduler.FactorScheduler(step=STEP, factor=FACTOR, base_lr=LR)
+    kv.set_optimizer(mx.optimizer.SGD(momentum=MU, lazy_update=True, lr_scheduler=sched))
+    kv.init("e", mx.nd.zeros((ROWS, W)).tostype("row_sparse"))
+    for k, s in DENSE.items():
+        kv.init(k, mx.nd.zeros(s))
+    kv.pull("a")  # (the held inits run: a push of rows keeps no held init)
+    return kv
+
+
+@settings(max_examples=50, deadline=None, derandomize=True, database=None)
+@given(calls=CALLS)
+def test_the_embedding_loops_calls_in_any_order_give_the_values_of_call_order(calls):
+    _run(calls)
+
+
+@pytest.mark.deep  # make test-deep: more sequences, drawn anew each run
+@settings(max_examples=1000, deadline=None, database=None)
+@given(calls=CALLS)
+def test_the_embedding_loops_calls_in_any_order_give_the_values_of_call_order_deep(calls):
+    _run(calls)
+
+
+def _run(calls):
+    kv, model = _store(), _Model()
+    owed = []  # (out, the value it must hold when read)
+    pushed: list[int] = [0]
+    for what, x, y in calls:
+        if what == "push":
+            kv.push(x, mx.nd.ones(DENSE[x]) * y)
+            model.push(x, y)
+        elif what == "push rows":
+            data = np.full((len(x), W), y, np.float32)
+            kv.push("e", mx.nd.sparse.row_sparse_array((data, np.array(x)), shape=(ROWS, W)))
+            model.push("e", y, x)
+            pushed = x
+        elif what == "row_sparse_pull":
+            ids = pushed if x else y
+            out = mx.nd.sparse.zeros("row_sparse", (ROWS, W))
+            kv.row_sparse_pull("e", out=out, row_ids=mx.nd.array(ids))
+            owed.append((out, model.w["e"][ids].copy()))
+        elif what == "pull":
+            out = mx.nd.zeros(DENSE[x])
+            kv.pull(x, out=out)
+            owed.append((out, model.w[x].copy()))
+        else:
+            np.testing.assert_allclose(np.asarray(kv.pull(x)), model.w[x], rtol=1e-5, atol=1e-6)
+    for out, want in owed:
+        got = out.data.asnumpy() if out.stype == "row_sparse" else out.asnumpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for k, w in model.w.items():
+        np.testing.assert_allclose(np.asarray(kv.pull(k)), w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kept", ["pushes", "pushes and a pull"])
+def test_the_bug_found_here_a_key_pushed_around_a_push_of_rows(kept):
+    """The sequence that was wrong across processes (the push held after the push of rows ran
+    before the one kept by it), and with a pull among the held calls, in one process."""
+    kv, model = _store(), _Model()
+    kv.push("a", mx.nd.ones((W,)))
+    model.push("a", 1.0)
+    out = mx.nd.zeros((W,))
+    if kept != "pushes":
+        kv.pull("a", out=out)
+    want = model.w["a"].copy()
+    kv.push(
+        "e", mx.nd.sparse.row_sparse_array((np.ones((2, W), np.float32), [1, 2]), shape=(ROWS, W))
+    )
+    model.push("e", 1.0, [1, 2])
+    kv.push("a", mx.nd.ones((W,)) * 3)
+    model.push("a", 3.0)
+    rows = mx.nd.sparse.zeros("row_sparse", (ROWS, W))
+    kv.row_sparse_pull("e", out=rows, row_ids=mx.nd.array([1, 2]))
+    np.testing.assert_allclose(rows.data.asnumpy(), model.w["e"][[1, 2]], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(kv.pull("a")), model.w["a"], rtol=1e-6)
+    if kept != "pushes":
+        np.testing.assert_allclose(out.asnumpy(), want, rtol=1e-6)
