@@ -260,10 +260,6 @@ class Calls:
             and lazy_mxnet
         )
 
-    @staticmethod
-    def differ_never(texts: list[bytes]) -> None:  # pragma: no cover - one process agrees alone
-        raise AssertionError("one process's held calls are compared with no other's")
-
     def run_after(self, queue: Held, runs: Runs) -> Callable[[], KVState]:
         """In one process, how the calls ``queue`` kept by a push of rows (other keys' pushes,
         no pull) run once the push of rows has run: ahead of any call held since (which waits
@@ -330,9 +326,9 @@ class Calls:
                 self.hold(queue, runs.owner)
 
         if not spans_processes(runs.stored().devices):
-            # One process: nothing to agree, and the store runs them after the push of rows
-            # (its computation dispatched): see :meth:`run_after`.
-            return ops.Before(b"{}", _NONE, self.differ_never, self.run_after(queue, runs)), failed
+            # One process: nothing to agree (described as none), and the store runs them
+            # after the push of rows (its computation dispatched): see :meth:`run_after`.
+            return nothing(self.run_after(queue, runs)), failed
 
         agreed = before(queue, self.gathered(queue, runs.stored()), run)
 
@@ -363,14 +359,11 @@ def before(held: Held, gathered: list[list[Key]], run: Any) -> ops.Before:
     return ops.Before(text, digest, functools.partial(differ, text), run)
 
 
-_NONE = np.zeros(32, np.uint8)  # the digest of no held calls
-
-
 def nothing(run: Any) -> ops.Before:
     """No calls held before a row push, as :func:`before` gives them: the digest every process
     sends where it holds none (zeros), with a text naming none, so that where another process
     holds calls this one's error names them too (``run()`` returns the store's state)."""
-    return ops.Before(b"{}", _NONE, functools.partial(differ, b"{}"), run)
+    return ops.Before(b"{}", np.zeros(32, np.uint8), functools.partial(differ, b"{}"), run)
 
 
 def described(held: Held, gathered: list[list[Key]]) -> tuple[bytes, np.ndarray]:
