@@ -106,9 +106,14 @@ def _store(mesh, tx):
     return state
 
 
-def _same(state, want):
+def _same(state, want, name):
+    """The store's values are optax's on one device, within two float32 roundings: LAMB's
+    Adam ratio at an element of a small second moment amplifies them (``row[4, 29]`` after 3
+    steps: the store and optax each 6e-6 from float64's value, on either side of it, on JAX
+    0.12); a sum left incomplete over a mesh axis is off by the update itself (1e-3 and up)."""
     got = jaxkv.pull(state, _params())
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), got, want)
+    tol = 3e-5 if name == "lamb" else 1e-5
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=tol, atol=tol), got, want)
 
 
 # Adam's eps above the default: a clipped gradient of 3e-8 (emb[43, 11]) against 1e-8 would make
@@ -148,7 +153,7 @@ def test_tree_sums_in_a_shard_map_step_are_completed_over_each_leafs_axes(mesh, 
     x = jax.device_put(_batch(), NamedSharding(mesh, P("data")))
     state = stepped(fn, state, (x,), 3, compiles)
     assert state["col"].sharding.spec == P("data", "model")
-    _same(state, _optax_on_one_device(tx))
+    _same(state, _optax_on_one_device(tx), name)
 
 
 @pytest.mark.standard_promotion
@@ -159,7 +164,7 @@ def test_tree_sums_of_whole_gradients_eagerly_and_in_plain_jit(mesh, compiles, n
     state = _store(mesh, tx)
     for _ in range(3):  # eagerly: one whole gradient per key
         state = jaxkv.push(state, _grad(jaxkv.pull(state, _params())), updater=tx)
-    _same(state, want)
+    _same(state, want, name)
 
     @jax.jit
     def step(state):
@@ -167,7 +172,7 @@ def test_tree_sums_of_whole_gradients_eagerly_and_in_plain_jit(mesh, compiles, n
 
     state = stepped(step, _store(mesh, tx), (), 3, compiles)
     assert state["col"].sharding.spec == P("data", "model")
-    _same(state, want)
+    _same(state, want, name)
 
 
 @pytest.mark.standard_promotion

@@ -14,7 +14,8 @@ It also reaches two private hooks of ``jax.distributed`` (:func:`gloo_cpu_backen
 them gloo binds to the host name's address.
 
 It also holds the feature detection of public names that moved between JAX versions
-(:func:`varying_axes`, :func:`to_varying`, :func:`all_gather_invariant`, :func:`manual_axes`):
+(:func:`varying_axes`, :func:`to_varying`, :func:`all_gather_invariant`, :func:`manual_axes`,
+:func:`single_device_sharding`, :func:`is_single_device_sharding`):
 each detected by
 attribute, or by trying the keyword, never by version. Where a JAX has a public route, it is
 taken whatever ``JAXKV_NO_FAST_PATHS`` says.
@@ -28,7 +29,7 @@ import os
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import NamedSharding
 
 __all__ = [
     "CAN_MARK_VARYING",
@@ -40,9 +41,11 @@ __all__ = [
     "cluster_environments",
     "distributed_state",
     "gloo_cpu_backend",
+    "is_single_device_sharding",
     "manual_axes",
     "per_device",
     "single_device",
+    "single_device_sharding",
     "to_varying",
     "varying_axes",
 ]
@@ -51,12 +54,36 @@ ENABLED = os.environ.get("JAXKV_NO_FAST_PATHS", "") in ("", "0")
 
 ArrayImpl: Any = None  # the concrete class of eager jax.Arrays, cheaper to test for than the ABC
 ShapedArray: Any = None
+SingleDevice: Any = None  # the concrete class of one device's sharding (a type test, no call)
 if ENABLED:
     try:
         from jax._src.array import ArrayImpl
         from jax._src.core import ShapedArray
     except ImportError:  # another JAX: the public routes below still work
         ArrayImpl = ShapedArray = None
+    try:
+        from jax._src.sharding_impls import SingleDeviceSharding as SingleDevice
+    except ImportError:
+        SingleDevice = None
+
+
+def single_device_sharding(device: jax.Device) -> jax.sharding.Sharding:
+    """The sharding that places a whole array on ``device``: JAX 0.12's public
+    ``jax.sharding.make_single_device_sharding``, else the class older JAX exports (0.12
+    deprecates the class's public name)."""
+    make = getattr(jax.sharding, "make_single_device_sharding", None)
+    if make is not None:
+        return make(device)  # type: ignore[no-any-return]
+    return jax.sharding.SingleDeviceSharding(device)
+
+
+def is_single_device_sharding(sharding: jax.sharding.Sharding) -> bool:
+    """Whether ``sharding`` is one device's sharding as :func:`single_device_sharding` makes it
+    (not a one-device ``NamedSharding``): JAX 0.12's public test, else the class's."""
+    test = getattr(jax.sharding, "is_single_device_sharding", None)
+    if test is not None:
+        return bool(test(sharding))
+    return isinstance(sharding, jax.sharding.SingleDeviceSharding)
 
 
 def all_eager(xs: Any) -> bool:
@@ -76,7 +103,7 @@ def any_tracer(xs: Any) -> bool:
 def single_device(x: jax.Array) -> jax.Device | None:
     """The device ``x`` lives on, or ``None`` if it spans several."""
     sharding = x.sharding
-    if ENABLED and type(sharding) is SingleDeviceSharding:  # the common case, without a set
+    if SingleDevice is not None and type(sharding) is SingleDevice:  # the common case, no set
         device = getattr(sharding, "_device", None)
         if device is not None:
             return device

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv._src import jax_internals as ji
@@ -28,6 +28,7 @@ def public(monkeypatch):
         monkeypatch.setattr(ji, "ENABLED", False)
         monkeypatch.setattr(ji, "ArrayImpl", None)
         monkeypatch.setattr(ji, "ShapedArray", None)
+        monkeypatch.setattr(ji, "SingleDevice", None)
         monkeypatch.setattr(ji, "_private_gather", None)
 
     return off
@@ -35,7 +36,7 @@ def public(monkeypatch):
 
 def _arrays(mesh, devices):
     """A small pool of arrays: on one device, split over the mesh, replicated over it, and
-    placed by a one-device NamedSharding (not a SingleDeviceSharding)."""
+    placed by a one-device NamedSharding (not one device's own sharding)."""
     x = np.arange(24, dtype=np.float32).reshape(8, 3)
     return {
         "one": jax.device_put(x, devices[3]),
@@ -44,6 +45,19 @@ def _arrays(mesh, devices):
         "replicated": jax.device_put(x, NamedSharding(mesh, P())),
         "named_one": jax.device_put(x, NamedSharding(Mesh(np.array(devices[5:6]), ("j",)), P())),
     }
+
+
+def test_one_devices_sharding_is_made_and_told_apart_without_a_deprecated_name(mesh, devices):
+    """JAX 0.12 deprecates ``jax.sharding.SingleDeviceSharding`` (a warning, an error in the
+    suite): the helpers take the public route each JAX offers."""
+    s = ji.single_device_sharding(devices[2])
+    assert s.device_set == {devices[2]}
+    x = jax.device_put(np.arange(3.0), s)
+    assert x.sharding == s and ji.single_device(x) == devices[2]
+    assert ji.is_single_device_sharding(s)
+    assert ji.is_single_device_sharding(jax.device_put(np.arange(3.0), devices[4]).sharding)
+    for name, a in _arrays(mesh, devices).items():
+        assert ji.is_single_device_sharding(a.sharding) == (name == "one"), name
 
 
 def _both(public, fn, *args):
@@ -126,7 +140,7 @@ def test_per_device_gives_the_addressable_shards_in_their_order(mesh, devices, p
     shards = x.addressable_shards
     assert len(fast) == len(slow) == len(shards)
     for f, s, shard in zip(fast, slow, shards):
-        assert isinstance(f.sharding, SingleDeviceSharding)
+        assert ji.is_single_device_sharding(f.sharding)
         assert f.sharding.device_set == s.sharding.device_set == {shard.device}
         np.testing.assert_array_equal(np.asarray(f), np.asarray(shard.data))
         np.testing.assert_array_equal(np.asarray(s), np.asarray(x)[shard.index])

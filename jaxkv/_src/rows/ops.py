@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv._src.core.checked import naming
 from jaxkv._src.core.collectives import axis_names, psum_scatter, unsummed_axes
@@ -47,7 +47,13 @@ from jaxkv._src.core.on_buckets import structure as _structure
 from jaxkv._src.core.tree_view import viewed
 from jaxkv._src.core.updater import as_updater, optimizer_group, updater_errors
 from jaxkv._src.errors import KVStoreError, ShapeError, shown
-from jaxkv._src.jax_internals import any_tracer, assemble, per_device, single_device
+from jaxkv._src.jax_internals import (
+    any_tracer,
+    assemble,
+    per_device,
+    single_device,
+    single_device_sharding,
+)
 from jaxkv._src.processes import host, order
 from jaxkv._src.rows.kernels import (
     ROUTE,
@@ -1118,7 +1124,7 @@ def _pull_agreed(
         # collective turn: nothing waits for the push before it on the host).
         copies = {single_device(t): t for t in own}
         return [
-            cut(replicated_take(SingleDeviceSharding(d))(copies[d], pad_ids(x, n, 0)), x.size)
+            cut(replicated_take(single_device_sharding(d))(copies[d], pad_ids(x, n, 0)), x.size)
             for d, x in zip(_local_devices(state), mine)
         ]
     elif leaf is not None:
@@ -1160,7 +1166,7 @@ def _across_pairs(
         pairs = [(ids, r.astype(dtype)) for ids, r in host_pairs]
     else:
         ids = np.concatenate([x for x, _ in host_pairs])
-        here = SingleDeviceSharding(local[0])
+        here = single_device_sharding(local[0])
         rows = concat_rows(
             [r for _, r in host_pairs], here, ids.size, dtype
         )  # (no compile per count)

@@ -12,10 +12,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxkv._src.errors import KVStoreError
-from jaxkv._src.jax_internals import assemble, per_device, single_device
+from jaxkv._src.jax_internals import assemble, per_device, single_device, single_device_sharding
 from jaxkv._src.processes import order
 from jaxkv._src.state import buckets
 from jaxkv._src.state.kvstate import FEW_VIEWS_FROM, Key, KVState, mesh_over
@@ -338,9 +338,9 @@ def replicate(values: Sequence[jax.Array], devices: tuple[jax.Device, ...]) -> l
             f"devices={list(devices)}: expected an eager call; inside jit the caller's "
             "shardings decide where values live"
         )
-    sharding: SingleDeviceSharding | NamedSharding
+    sharding: jax.sharding.Sharding
     if len(devices) == 1:
-        sharding = SingleDeviceSharding(devices[0])
+        sharding = single_device_sharding(devices[0])
     else:
         sharding = NamedSharding(mesh_over(devices), PartitionSpec())
     if all(v.is_fully_addressable for v in values):

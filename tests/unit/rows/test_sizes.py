@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxkv._src.jax_internals import single_device_sharding
 from jaxkv._src.rows import sizes
 
 
@@ -76,7 +77,7 @@ def test_a_site_pads_only_once_its_counts_vary():
 def test_joined_rows_take_the_dtype_asked_for_without_a_compile(devices, compiles):
     rows = [jax.device_put(np.ones((n, 2), np.float32), devices[0]) for n in (3, 5)]
     with compiles() as c:
-        both = sizes.concat_rows(rows, jax.sharding.SingleDeviceSharding(devices[0]), 8, np.float16)
+        both = sizes.concat_rows(rows, single_device_sharding(devices[0]), 8, np.float16)
     assert c.count == 0
     assert both.dtype == np.float16 and both.shape == (8, 2)
     np.testing.assert_array_equal(np.asarray(both)[:8], np.ones((8, 2), np.float16))

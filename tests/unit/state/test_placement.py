@@ -5,10 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxkv
+from jaxkv._src.jax_internals import single_device_sharding
 from jaxkv._src.state import buckets, placement
 
 D = 4  # the stores' devices
@@ -81,7 +82,7 @@ def test_put_places_each_value_with_its_own_sharding(devices, agreed):
     shardings = [
         NamedSharding(mesh, P()),
         NamedSharding(mesh, P("i")),
-        SingleDeviceSharding(devices[6]),
+        single_device_sharding(devices[6]),
     ]
     values = [A, W, B]
     out = placement.put(values, shardings, agreed=agreed)
@@ -159,7 +160,7 @@ def test_replicate_puts_values_on_exactly_the_devices_asked_for(state, devices, 
         np.testing.assert_array_equal(np.asarray(x), v)
         assert x.sharding.device_set == set(target) and x.is_fully_replicated
         if count == 1:
-            assert x.sharding == SingleDeviceSharding(target[0])
+            assert x.sharding == single_device_sharding(target[0])
         else:
             assert tuple(x.sharding.mesh.devices.flat) == target
 
