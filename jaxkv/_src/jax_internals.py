@@ -73,7 +73,7 @@ def single_device_sharding(device: jax.Device) -> jax.sharding.Sharding:
     deprecates the class's public name)."""
     make = getattr(jax.sharding, "make_single_device_sharding", None)
     if make is not None:
-        return make(device)  # type: ignore[no-any-return]
+        return make(device)
     return jax.sharding.SingleDeviceSharding(device)
 
 
