@@ -1,9 +1,10 @@
 """Random sequences of MXNet's embedding-loop calls on the imperative store give the values of
 the calls run one by one, in call order: a NumPy model of MXNet's lazy momentum SGD under a
 learning-rate schedule (both depend on the order of a key's pushes and on when each push was
-counted). The store holds pushes and pulls until a read, keeps the pushes held before a push
-of rows with it and runs them after the rows' computation (one process), and fuses a push of
-rows with its ``row_sparse_pull``: none of that may change a value."""
+counted). The store holds pushes and pulls until a read, runs what is held up to a pull into an
+out a held pull owes (the rest stays held), keeps the pushes held before a push of rows with it
+and runs them after the rows' computation (one process), and fuses a push of rows with its
+``row_sparse_pull``: none of that may change a value."""
 
 import jax
 import numpy as np
@@ -21,8 +22,11 @@ IDS = st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=4, unique=True).ma
 _PUSH = st.tuples(
     st.just("push"), st.sampled_from(["a", "a", "b"]), st.sampled_from([1.0, -2.0, 3.0])
 )
-_PULL = st.tuples(st.just("pull"), st.sampled_from(sorted(DENSE)), st.just(None))
+# A pull into a new out, or into one of two outs per key used again (Gluon's loop pulls into
+# the same outs at every step: a pull into an out a held pull owes runs what is held up to it).
+_PULL = st.tuples(st.just("pull"), st.sampled_from(sorted(DENSE)), st.sampled_from([None, 0, 1]))
 _READ = st.tuples(st.just("read"), st.sampled_from([*sorted(DENSE), "e"]), st.just(None))
+_READ_OUT = st.tuples(st.just("read out"), st.sampled_from(sorted(DENSE)), st.sampled_from([0, 1]))
 
 
 @st.composite
@@ -30,7 +34,7 @@ def _step(draw):
     """A step of the loop, varied: dense pushes (a held pull among them, sometimes), a push of
     rows, more pushes (the same key again, sometimes), then its row_sparse_pull (of the pushed
     ids or others), a read, or nothing (the next step's calls come first)."""
-    calls = draw(st.lists(st.one_of(_PUSH, _PUSH, _PULL), max_size=3))
+    calls = draw(st.lists(st.one_of(_PUSH, _PUSH, _PULL, _PULL, _READ_OUT), max_size=4))
     if draw(st.integers(0, 4)):
         calls.append(("push rows", draw(IDS), draw(st.sampled_from([1.0, -0.5]))))
     calls += draw(st.lists(_PUSH, max_size=2))
@@ -43,6 +47,15 @@ def _step(draw):
 
 
 CALLS = st.lists(_step(), min_size=1, max_size=4).map(lambda steps: sum(steps, []))
+# Gluon's loop without rows: pushes and pulls into outs used again (each pull into an out a
+# held pull owes runs what is held up to that pull; what is held after it stays held).
+_POOL_PULL = st.one_of(
+    st.tuples(st.just("pull"), st.sampled_from(sorted(DENSE)), st.sampled_from([0, 1])),
+    st.tuples(st.just("pull list"), st.sampled_from([0, 1]), st.sampled_from([0, 1])),
+)
+DENSE_CALLS = st.lists(
+    st.one_of(_PUSH, _PUSH, _POOL_PULL, _POOL_PULL, _READ_OUT), min_size=1, max_size=16
+)
 
 
 class _Model:
@@ -91,10 +104,25 @@ def test_the_embedding_loops_calls_in_any_order_give_the_values_of_call_order_de
     _run(calls)
 
 
+@settings(max_examples=50, deadline=None, derandomize=True, database=None)
+@given(calls=DENSE_CALLS)
+def test_pulls_into_outs_used_again_give_the_values_of_call_order(calls):
+    _run(calls)
+
+
+@pytest.mark.deep
+@settings(max_examples=1000, deadline=None, database=None)
+@given(calls=DENSE_CALLS)
+def test_pulls_into_outs_used_again_give_the_values_of_call_order_deep(calls):
+    _run(calls)
+
+
 def _run(calls):
     kv, model = _store(), _Model()
     owed = []  # (out, the value it must hold when read)
     pushed: list[int] = [0]
+    pool = {(k, i): mx.nd.zeros(s) for k, s in DENSE.items() for i in (0, 1)}
+    last = {}  # an out of the pool -> the value of the last pull into it
     for what, x, y in calls:
         if what == "push":
             kv.push(x, mx.nd.ones(DENSE[x]) * y)
@@ -109,13 +137,22 @@ def _run(calls):
             out = mx.nd.sparse.zeros("row_sparse", (ROWS, W))
             kv.row_sparse_pull("e", out=out, row_ids=mx.nd.array(ids))
             owed.append((out, model.w["e"][ids].copy()))
+        elif what == "pull" and y is not None:
+            kv.pull(x, out=pool[x, y])
+            last[x, y] = model.w[x].copy()
         elif what == "pull":
             out = mx.nd.zeros(DENSE[x])
             kv.pull(x, out=out)
             owed.append((out, model.w[x].copy()))
+        elif what == "pull list":  # "a" and "b" into an out of each
+            kv.pull(["a", "b"], out=[pool["a", x], pool["b", y]])
+            last["a", x], last["b", y] = model.w["a"].copy(), model.w["b"].copy()
+        elif what == "read out":
+            want = last.get((x, y), np.zeros(DENSE[x]))
+            np.testing.assert_allclose(pool[x, y].asnumpy(), want, rtol=1e-5, atol=1e-6)
         else:
             np.testing.assert_allclose(np.asarray(kv.pull(x)), model.w[x], rtol=1e-5, atol=1e-6)
-    for out, want in owed:
+    for out, want in [*owed, *((pool[k], w) for k, w in last.items())]:
         got = out.data.asnumpy() if out.stype == "row_sparse" else out.asnumpy()
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     for k, w in model.w.items():

@@ -121,11 +121,14 @@ def test_one_key_at_a_time_compiles_a_constant_and_no_more_than_a_list(
             kv.pull(keys, out=params)
         nd.waitall()
     # A small constant: never one per key (before the store held calls, 20 keys of this loop
-    # took 163 compiles). Not yet the list's count: the held loop's first step makes a few
-    # more (its pulls in two phases; tracked on the issue).
+    # took 163 compiles), and within 3 of the list's: each step's pushes run as one list (a
+    # pull into an out owed runs what is held up to it only), and optax pushed one key at a
+    # time updates each key alone, its keys in buckets and its split keys two groups (their
+    # states made and packed once), where the list updates one tree. (Running everything held
+    # at such a pull made two more lists at the start: 17-19 compiles for optax's Adam.)
     assert counts[15] <= counts[5] + 2, counts
-    assert counts[15] <= 2 * c.count + 3, (counts, c.count)
-    assert counts[15] <= 20, counts
+    assert counts[15] <= c.count + 3, (counts, c.count)
+    assert counts[15] <= 12, counts
 
 
 @pytest.mark.parametrize("layout", ["auto", "flat", "keys"])
@@ -210,6 +213,26 @@ def test_mxnet_sgd_one_key_at_a_time_against_numpy(devices):
             w = w + mom
         for x in got[i]:
             np.testing.assert_allclose(x, w, rtol=1e-6)
+
+
+def test_a_loop_pulling_into_the_same_outs_runs_each_steps_pushes_as_one_list(devices):
+    """Gluon's loop pulls into the same outs at every step: a step's first pull, into an out
+    the last step's pull still owes, runs what is held up to that pull, and the step's own push
+    of its key stays held with the step's other pushes. (Running everything held ran that push
+    alone, then the rest of the step with the next step's first push: two more lists at the
+    start, each computation compiled.) The numbers are those of the calls run one by one."""
+    kv = jaxkv.KVStore("device", devices[:2])
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.5, momentum=0.5, wd=0.0))
+    ran, push_held = [], kv._push_held
+    kv._push_held = lambda keys, *rest: (ran.append(list(keys)), push_held(keys, *rest))[1]
+    data = arrays(shapes(4, 90), 2, 3)
+    got = gluon_loop(kv, data)
+    assert ran == [[0, 1, 2, 3]] * 3
+    alone = jaxkv.KVStore("device", devices[:2])
+    alone.set_optimizer(mx.optimizer.SGD(learning_rate=0.5, momentum=0.5, wd=0.0))
+    for a, b in zip(got, gluon_loop(alone, data, read_each=True)):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
 
 
 def test_held_pulls_follow_mxnets_order(devices):

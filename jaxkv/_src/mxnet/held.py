@@ -10,7 +10,9 @@ read exactly what MXNet's ordering gives it: each key's calls are
 ``[init] [pull ...] [push] [pull ...] [push] ...``: the inits run first, then the pulls that
 came before their key's first push, then every key's first push at once, then the pulls that
 came after it, then every key's second push, and so on (a second init is refused; a pull into
-an out a held pull already owes runs what is held first). What runs together does not depend
+an out a held pull already owes runs what is held up to that pull first: the rest stays held in
+one process, so that a loop that pulls into the same outs at every step runs each step's
+pushes together). What runs together does not depend
 on the order of the calls of different keys.
 
 Across processes (``dist_sync``) the keys each process holds are compared first (one host
@@ -112,6 +114,23 @@ class Held:
         if self.counted is None:
             self.counted = later.counted
 
+    def split(self, n: int) -> Held:
+        """Cut these calls after the pulls of phase ``n`` (``pulls[n]``, which run after each
+        key's ``n``-th push): these keep the inits and everything up to those pulls; the
+        returned ``Held`` has the rest (each key's later pushes and the pulls after them), in
+        the same order, its optimizer counts not recorded (``counted``: what was counted
+        before it was held mixes with these calls' counts)."""
+        later = Held()
+        later.pushes, self.pushes = self.pushes[n:], self.pushes[:n]
+        later.scalars, self.scalars = self.scalars[n:], self.scalars[:n]
+        later.pulls, self.pulls = [[], *self.pulls[n + 1 :]], self.pulls[: n + 1]
+        later.count = {k: c - n for k, c in self.count.items() if c > n}
+        self.count = {k: min(c, n) for k, c in self.count.items()}
+        mine = {id(o) for pulls in self.pulls for _, outs in pulls for o in outs}
+        later.outs = [o for o in self.outs if id(o) not in mine]
+        self.outs = [o for o in self.outs if id(o) in mine]
+        return later
+
     def release(self) -> None:
         """No out is owed anything any more (each keeps the value it holds)."""
         for o in self.outs:
@@ -175,6 +194,43 @@ class Calls:
             self.settle(runs)
         queue, self.queue = self.queue, None
         self.run_queue(queue, runs)
+
+    def run_through(self, outs: list, runs: Runs) -> None:
+        """Run the held calls up to the last held pull into any of ``outs`` (owed by this
+        store), so that it lands before a new pull into them. In one process with no push of
+        rows held, the calls held after that pull stay held (each key's later pushes and the
+        pulls after them, in their order): Gluon's loop pulls into the same outs at every step,
+        so a step's first pull would otherwise run the previous step with only its own key's
+        next push, and each step's pushes would run as two lists of other keys (two more
+        computations, each compiled). Across processes everything held runs (what runs is
+        agreed as a whole). Where the calls run fail, those held after them are dropped too,
+        as when everything held runs."""
+        queue = self.queue
+        if queue is None or self.rows is not None or spans_processes(runs.stored().devices):
+            self.run(runs)
+            return
+        owed = {id(o) for o in outs}
+        n = max(
+            (
+                i
+                for i, pulls in enumerate(queue.pulls)
+                for _, os in pulls
+                for o in os
+                if id(o) in owed
+            ),
+            default=len(queue.pulls) - 1,
+        )
+        later = queue.split(n)
+        self.queue = None
+        try:
+            self.run_queue(queue, runs)
+        except BaseException:
+            later.release()
+            raise
+        if later:
+            if self.queue is not None:  # (nothing is held while they run)
+                later.extend(self.queue)
+            self.queue = later
 
     def settle(self, runs: Runs) -> None:
         """Run the held push of rows (after the calls held before it, if it keeps them); where

@@ -453,10 +453,9 @@ class KVStore:
                 return None
             pairs = pairing.pairs(key, out, "outs")
             if all(type(o) is NDArray for _, outs in pairs for o in outs):
-                if self._calls.queue is not None and any(
-                    o.owed_by is self for _, outs in pairs for o in outs
-                ):
-                    self.run_held()  # an out owed a pull already: that one lands first
+                owed = [o for _, outs in pairs for o in outs if o.owed_by is self]
+                if owed and self._calls.queue is not None:  # that pull lands first
+                    self._calls.run_through(owed, self._runs())
                 queue = self._calls.queue if self._calls.queue is not None else held.Held()
                 self._check_outs(pairs, self._held_shape)
                 for k, outs in pairs:

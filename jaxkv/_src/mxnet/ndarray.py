@@ -164,7 +164,7 @@ class NDArray:
 
     @property
     def _data(self) -> jax.Array:
-        """The held array, once any pull held for it has run (see ``_owed``)."""
+        """The held array, once any pull held for it has run (see ``owed_by``)."""
         if self.owed_by is not None:
             self.owed_by.run_held()
         if type(self._value) in _LAZY:
