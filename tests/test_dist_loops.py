@@ -2,6 +2,8 @@
 loop, MXNet's optimizers with a schedule), each process in its own order. In make test, not in
 the selection the other JAX versions run (tests/test_dist.py is)."""
 
+import os
+
 import pytest
 from _jobs import expect_ok, launch
 
@@ -89,6 +91,23 @@ def test_calls_held_before_a_push_of_rows_are_agreed_with_it():
             "a wrong sum raised at the read on every process",
         ),
     )
+
+
+# make test: 2 processes, one sequence; make test-deep: 3 processes, a longer one drawn anew.
+@pytest.mark.parametrize(
+    ("n", "steps", "seed"), [(2, 30, 1), pytest.param(3, 60, None, marks=pytest.mark.deep)]
+)
+def test_random_embedding_loop_calls_across_processes_give_the_values_of_call_order(n, steps, seed):
+    """Random sequences of MXNet's embedding-loop calls on dist_sync (dense pushes, held pulls
+    into new outs and outs used again, pushes of rows keeping the pushes held before them, the
+    same key pushed again, row_sparse_pull of the pushed ids or others, reads), each process
+    its own values and rows: every read and out is a NumPy model's of lazy momentum SGD under
+    a schedule, call by call, on every process's values summed (tests/dist/held_order_job.py;
+    it catches the kept calls run after the ones held since)."""
+    seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
+    run = launch(n, "held_order_job.py", steps, seed, per_process=1, timeout=600)
+    assert run.returncode == 0, f"seed {seed}: {run.stdout}{run.stderr}"
+    expect_ok(run, n, ("random calls",))
 
 
 # make test: SGD (with the refusals of processes whose learning rates differ), Adam, and the
