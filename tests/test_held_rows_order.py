@@ -9,14 +9,13 @@ and runs them after the rows' computation (one process), and fuses a push of row
 import jax
 import numpy as np
 import pytest
+from _embedding_calls import DENSE, ROWS, Model, W, play, store
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxkv
 import jaxkv.mx as mx
 
-ROWS, W = 16, 4
-DENSE = {"a": (W,), "b": (2, 3)}
 LR, MU, STEP, FACTOR = 0.5, 0.9, 2, 0.5
 IDS = st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=4, unique=True).map(sorted)
 _PUSH = st.tuples(
@@ -58,37 +57,16 @@ DENSE_CALLS = st.lists(
 )
 
 
-class _Model:
-    """MXNet's SGD with momentum (lazy: only a row-sparse push's rows), its num_update and a
-    FactorScheduler, call by call."""
-
-    def __init__(self):
-        self.w = {"e": np.zeros((ROWS, W))} | {k: np.zeros(s) for k, s in DENSE.items()}
-        self.mom = {k: np.zeros_like(v) for k, v in self.w.items()}
-        self.count: dict[str, int] = {}
-        self.num_update = 0
-
-    def lr(self, key):
-        self.count[key] = self.count.get(key, 0) + 1
-        self.num_update = max(self.num_update, self.count[key])
-        return LR * FACTOR ** max(0, (self.num_update - 1) // STEP)
-
-    def push(self, key, g, ids=None):
-        lr = self.lr(key)
-        at = slice(None) if ids is None else ids
-        self.mom[key][at] = MU * self.mom[key][at] - lr * g
-        self.w[key][at] = self.w[key][at] + self.mom[key][at]
+def _model():
+    return Model(LR, MU, STEP, FACTOR)
 
 
-def _store():
-    kv = jaxkv.KVStore("local", devices=jax.devices("cpu")[:1])
-    sched = mx.lr_scheduler.FactorScheduler(step=STEP, factor=FACTOR, base_lr=LR)
-    kv.set_optimizer(mx.optimizer.SGD(momentum=MU, lazy_update=True, lr_scheduler=sched))
-    kv.init("e", mx.nd.zeros((ROWS, W)).tostype("row_sparse"))
-    for k, s in DENSE.items():
-        kv.init(k, mx.nd.zeros(s))
-    kv.pull("a")  # (the held inits run: a push of rows keeps no held init)
-    return kv
+def _store(model):
+    return store(jaxkv.KVStore("local", devices=jax.devices("cpu")[:1]), model)
+
+
+def _close(got, want, what):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=what)
 
 
 @settings(max_examples=50, deadline=None, derandomize=True, database=None)
@@ -118,52 +96,16 @@ def test_pulls_into_outs_used_again_give_the_values_of_call_order_deep(calls):
 
 
 def _run(calls):
-    kv, model = _store(), _Model()
-    owed = []  # (out, the value it must hold when read)
-    pushed: list[int] = [0]
-    pool = {(k, i): mx.nd.zeros(s) for k, s in DENSE.items() for i in (0, 1)}
-    last = {}  # an out of the pool -> the value of the last pull into it
-    for what, x, y in calls:
-        if what == "push":
-            kv.push(x, mx.nd.ones(DENSE[x]) * y)
-            model.push(x, y)
-        elif what == "push rows":
-            data = np.full((len(x), W), y, np.float32)
-            kv.push("e", mx.nd.sparse.row_sparse_array((data, np.array(x)), shape=(ROWS, W)))
-            model.push("e", y, x)
-            pushed = x
-        elif what == "row_sparse_pull":
-            ids = pushed if x else y
-            out = mx.nd.sparse.zeros("row_sparse", (ROWS, W))
-            kv.row_sparse_pull("e", out=out, row_ids=mx.nd.array(ids))
-            owed.append((out, model.w["e"][ids].copy()))
-        elif what == "pull" and y is not None:
-            kv.pull(x, out=pool[x, y])
-            last[x, y] = model.w[x].copy()
-        elif what == "pull":
-            out = mx.nd.zeros(DENSE[x])
-            kv.pull(x, out=out)
-            owed.append((out, model.w[x].copy()))
-        elif what == "pull list":  # "a" and "b" into an out of each
-            kv.pull(["a", "b"], out=[pool["a", x], pool["b", y]])
-            last["a", x], last["b", y] = model.w["a"].copy(), model.w["b"].copy()
-        elif what == "read out":
-            want = last.get((x, y), np.zeros(DENSE[x]))
-            np.testing.assert_allclose(pool[x, y].asnumpy(), want, rtol=1e-5, atol=1e-6)
-        else:
-            np.testing.assert_allclose(np.asarray(kv.pull(x)), model.w[x], rtol=1e-5, atol=1e-6)
-    for out, want in [*owed, *((pool[k], w) for k, w in last.items())]:
-        got = out.data.asnumpy() if out.stype == "row_sparse" else out.asnumpy()
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    for k, w in model.w.items():
-        np.testing.assert_allclose(np.asarray(kv.pull(k)), w, rtol=1e-5, atol=1e-6)
+    model = _model()
+    play(_store(model), model, calls, _close)
 
 
 @pytest.mark.parametrize("kept", ["pushes", "pushes and a pull"])
 def test_the_bug_found_here_a_key_pushed_around_a_push_of_rows(kept):
     """The sequence that was wrong across processes (the push held after the push of rows ran
     before the one kept by it), and with a pull among the held calls, in one process."""
-    kv, model = _store(), _Model()
+    model = _model()
+    kv = _store(model)
     kv.push("a", mx.nd.ones((W,)))
     model.push("a", 1.0)
     out = mx.nd.zeros((W,))
