@@ -67,22 +67,25 @@ if ENABLED:
         SingleDevice = None
 
 
+# JAX 0.12's public names for one device's sharding, looked up once (None on older JAX).
+_MAKE_SINGLE: Any = getattr(jax.sharding, "make_single_device_sharding", None)
+_IS_SINGLE: Any = getattr(jax.sharding, "is_single_device_sharding", None)
+
+
 def single_device_sharding(device: jax.Device) -> jax.sharding.Sharding:
     """The sharding that places a whole array on ``device``: JAX 0.12's public
     ``jax.sharding.make_single_device_sharding``, else the class older JAX exports (0.12
     deprecates the class's public name)."""
-    make = getattr(jax.sharding, "make_single_device_sharding", None)
-    if make is not None:
-        return make(device)
+    if _MAKE_SINGLE is not None:
+        return _MAKE_SINGLE(device)
     return jax.sharding.SingleDeviceSharding(device)
 
 
 def is_single_device_sharding(sharding: jax.sharding.Sharding) -> bool:
     """Whether ``sharding`` is one device's sharding as :func:`single_device_sharding` makes it
     (not a one-device ``NamedSharding``): JAX 0.12's public test, else the class's."""
-    test = getattr(jax.sharding, "is_single_device_sharding", None)
-    if test is not None:
-        return bool(test(sharding))
+    if _IS_SINGLE is not None:
+        return bool(_IS_SINGLE(sharding))
     return isinstance(sharding, jax.sharding.SingleDeviceSharding)
 
 
