@@ -95,7 +95,9 @@ test-oldest: $(OVENV)/.installed
 
 # The suite with the newest JAX on the index, which needs Python >= 3.12: NEWEST_PYTHON if set,
 # else the first of python3.14 .. python3.12 and python3 on PATH that runs and is >= 3.12, else
-# the newest that pyenv installed. Without any, says so and succeeds.
+# the newest that pyenv installed. Without any, says so and succeeds; so too where the package
+# indexes that pip reaches offer no jaxlib at all for that Python (asked three times, a minute
+# apart: a registry out of reach or a mirror without it), quoting pip. Any other failure fails.
 NVENV := .venv-newest
 test-newest:
 	@py="$(NEWEST_PYTHON)"; \
@@ -111,9 +113,19 @@ test-newest:
 	if [ -z "$$py" ]; then \
 	  echo "test-newest: SKIPPED: no Python >= 3.12 on this machine (python3.12 or newer on"; \
 	  echo "PATH, or under pyenv), and JAX 0.11+ needs one; NEWEST_PYTHON=... names one."; \
-	else \
-	  $(MAKE) --no-print-directory _test-newest NEWEST_PYTHON="$$py"; \
-	fi
+	  exit 0; \
+	fi; \
+	for try in 1 2 3; do \
+	  asked=$$("$$py" -m pip index versions jaxlib 2>&1) && break; \
+	  case "$$asked" in *"No matching distribution found for jaxlib"*) ;; *) break;; esac; \
+	  [ $$try = 3 ] || { echo "test-newest: no jaxlib on the index for $$py; asking again in 60 s"; sleep 60; }; \
+	done; \
+	case "$$asked" in *"No matching distribution found for jaxlib"*) \
+	  echo "test-newest: SKIPPED: the package indexes pip reaches offer no jaxlib for $$py"; \
+	  echo "(asked three times, a minute apart); pip said:"; echo "$$asked" | sed 's/^/    /'; \
+	  exit 0;; \
+	esac; \
+	$(MAKE) --no-print-directory _test-newest NEWEST_PYTHON="$$py"
 
 $(NVENV)/.installed: pyproject.toml
 	$(NEWEST_PYTHON) -m venv --clear $(NVENV)
