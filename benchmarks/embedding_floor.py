@@ -1,7 +1,7 @@
 """The embedding loop's floor: benchmarks/embedding_worker.py's loop written by hand in JAX, one
 jitted step, no store, the same data and the same numbers.
 
-    python embedding_floor.py device [--rows R] [--steps S] [--pad 128]
+    python embedding_floor.py device [--rows R] [--steps S] [--pad 128] [--apart]
     python -m jaxkv.launch -n 2 --devices-per-process 1 --no-prefix \\
         embedding_floor.py dist_sync [--rows R] [--steps S]
 
@@ -26,9 +26,12 @@ which a gather of whole rows takes one row at a time), as jaxkv's push does. The
 and gradient rows, the two step sizes and an int32 zero are NumPy arguments of the jitted
 function (JAX's fast path on CPU: no ``device_put`` of their own). It returns the pushed rows'
 new weights (the pull: cut to the count on the host, ``np.asarray(rows)[:n]``) and the dense
-key's. Tried: the table as its (R, 96) uint64 bits (half the elements to gather and scatter):
-no faster; the touch in the ``dist_sync`` step (below; huge pages there, the launcher's
-default): no faster in 2 pairs of jobs, within their spread.
+key's. ``--apart``: w, m and v as three donated ``(R, 64)`` tables, the layout jaxkv's store
+keeps (the value and each optimizer slot an array of its own): the floor of that layout, three
+touches, gathers and scatters of 256 bytes a row. Tried: the table as its (R, 96) uint64 bits
+(half the elements to gather and scatter): no faster; the touch in the ``dist_sync`` step
+(below; huge pages there, the launcher's default): no faster in 2 pairs of jobs, within their
+spread.
 
 ``dist_sync`` (2 processes of one device each, under ``python -m jaxkv.launch``: ``import
 jaxkv`` joins the job, gloo between the processes; nothing else of jaxkv is used): one
@@ -126,14 +129,14 @@ def _touched(table, ids, z):
     a zero made of the touched elements and ``z``, so that XLA runs the touch first and keeps
     it (what jaxkv's push does, ``jaxkv/_src/rows/kernels.py``). This machine, one device:
     1.36-1.59 ms a step without it, 0.86-1.03 ms with it."""
-    lined = table.reshape(table.shape[0], 3 * WIDTH // 16, 16)  # (a bitcast: no copy)
+    lined = table.reshape(table.shape[0], -1, 16)  # (a bitcast: no copy)
     lines = jax.lax.gather(
         lined,
         ids[:, None],
         jax.lax.GatherDimensionNumbers(
             offset_dims=(1,), collapsed_slice_dims=(0, 2), start_index_map=(0,)
         ),
-        slice_sizes=(1, 3 * WIDTH // 16, 1),
+        slice_sizes=(1, lined.shape[1], 1),
         indices_are_sorted=True,
         unique_indices=True,
         mode="fill",
@@ -152,6 +155,24 @@ def _rows_update(table, ids, grad, lr, z):
     new = jnp.stack([w, m, v], axis=1)
     table = table.at[ids].set(new, mode="drop", indices_are_sorted=True, unique_indices=True)
     return table, w
+
+
+def _rows_update_apart(tables, ids, grad, lr, z):
+    """``_rows_update`` on w, m and v kept as three ``(R, 64)`` tables (``--apart``: the layout
+    jaxkv's store keeps, the value and each optimizer slot an array of its own): three touches,
+    gathers and scatters of 256 bytes a row."""
+
+    def got(t):
+        return t.at[_touched(t, ids, z)].get(
+            mode="fill", fill_value=0, indices_are_sorted=True, unique_indices=True
+        )
+
+    new = _adam(*[got(t) for t in tables], grad, lr, z)
+    tables = tuple(
+        t.at[ids].set(x, mode="drop", indices_are_sorted=True, unique_indices=True)
+        for t, x in zip(tables, new)
+    )
+    return tables, new[0]
 
 
 def _dense_update(dense, grad, lr, z):
@@ -204,7 +225,7 @@ def _padded(n: int, pad: int) -> int:
     return -(-n // pad) * pad
 
 
-def run(kind: str, rows: int, steps: int, pad: int) -> None:
+def run(kind: str, rows: int, steps: int, pad: int, apart: bool = False) -> None:
     counter = Compiles()
     logger = logging.getLogger("jax")
     logger.addHandler(counter)
@@ -218,14 +239,18 @@ def run(kind: str, rows: int, steps: int, pad: int) -> None:
     z = np.int32(0)
     if kind == "device":
         dev = jax.devices()[0]
-        state = jax.device_put(table, dev)
+        if apart:
+            state = tuple(jax.device_put(np.ascontiguousarray(table[:, j]), dev) for j in range(3))
+        else:
+            state = jax.device_put(table, dev)
         dense = jax.device_put(np.zeros((3, *DENSE), np.float32), dev)
         dense_grad = jax.device_put(np.full(DENSE, np.float32(0.01)), dev)  # pushed every step
         del table
+        update = _rows_update_apart if apart else _rows_update
 
         @partial(jax.jit, donate_argnums=(0, 1))
         def step(state, dense, ids, grad, dense_grad, lr, z):
-            state, pulled = _rows_update(state, ids, grad, lr, z)
+            state, pulled = update(state, ids, grad, lr, z)
             dense, dense_w = _dense_update(dense, dense_grad, lr, z)
             return state, dense, pulled, dense_w
 
@@ -300,10 +325,18 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--pad", type=int, default=128)
+    parser.add_argument(
+        "--apart",
+        action="store_true",
+        help="device: w, m and v as three (R, 64) tables, as jaxkv keeps them (the floor of "
+        "that layout), not one (R, 3, 64)",
+    )
     args = parser.parse_args()
+    if args.apart and args.kind != "device":
+        parser.error("--apart: device only")
     if args.kind == "dist_sync":
         import jaxkv  # noqa: F401  (joins the launched job: jax.distributed, gloo)
-    run(args.kind, args.rows, args.steps, args.pad)
+    run(args.kind, args.rows, args.steps, args.pad, args.apart)
     sys.stdout.flush()
 
 
