@@ -99,6 +99,7 @@ test-oldest: $(OVENV)/.installed
 # indexes that pip reaches offer no jaxlib at all for that Python (asked three times, a minute
 # apart: a registry out of reach or a mirror without it), quoting pip. Any other failure fails.
 NVENV := .venv-newest
+NEWEST_ASK_PAUSE ?= 60
 test-newest:
 	@py="$(NEWEST_PYTHON)"; \
 	if [ -z "$$py" ]; then \
@@ -118,7 +119,8 @@ test-newest:
 	for try in 1 2 3; do \
 	  asked=$$("$$py" -m pip index versions jaxlib 2>&1) && break; \
 	  case "$$asked" in *"No matching distribution found for jaxlib"*) ;; *) break;; esac; \
-	  [ $$try = 3 ] || { echo "test-newest: no jaxlib on the index for $$py; asking again in 60 s"; sleep 60; }; \
+	  [ $$try = 3 ] || { echo "test-newest: no jaxlib on the index for $$py; asking again in" \
+	    "$(NEWEST_ASK_PAUSE) s"; sleep $(NEWEST_ASK_PAUSE); }; \
 	done; \
 	case "$$asked" in *"No matching distribution found for jaxlib"*) \
 	  echo "test-newest: SKIPPED: the package indexes pip reaches offer no jaxlib for $$py"; \

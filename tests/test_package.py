@@ -3,7 +3,11 @@ py.typed, and the JAX floor that `make test-oldest` reads. `make wheel-check` bu
 and runs the README's examples with it installed on its own."""
 
 import importlib.metadata
+import os
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -67,6 +71,36 @@ def test_make_test_oldest_finds_the_floor():
     assert r"""s/^ *"jax>=\([0-9.]*\)".*/\1/p""" in (ROOT / "Makefile").read_text()
     text = (ROOT / "pyproject.toml").read_text()
     assert re.findall(r'(?m)^ *"jax>=([0-9.]*)"', text) == [_floor("jax")]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make on this machine")
+def test_make_test_newest_says_so_and_succeeds_where_no_index_offers_jaxlib(tmp_path):
+    """A registry out of reach (or a mirror without JAX for the newest Python) is not a failure
+    of the project: make test-newest asks three times, quotes pip and succeeds (``-n``: were
+    jaxlib found, the suite would only be printed, not run)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1", MAKEFLAGS="")
+    done = subprocess.run(
+        [
+            "make",
+            "-n",
+            "--no-print-directory",
+            "test-newest",
+            f"NEWEST_PYTHON={sys.executable}",
+            "NEWEST_ASK_PAUSE=0",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = done.stdout.splitlines()  # (-n echoes the recipe too: its lines start otherwise)
+    assert sum(x.startswith("test-newest: no jaxlib on the index for") for x in said) == 2
+    assert sum(x.startswith("test-newest: SKIPPED: the package indexes") for x in said) == 1
+    assert "    ERROR: No matching distribution found for jaxlib" in said  # pip, quoted
+    assert "pytest" not in done.stdout
 
 
 def test_an_absent_mxnet_module_says_where_its_job_went():
