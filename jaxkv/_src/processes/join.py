@@ -61,6 +61,18 @@ ENV_IFNAME = "JAXKV_IFNAME"
 ENV_HEARTBEAT_TIMEOUT = "JAXKV_HEARTBEAT_TIMEOUT"
 
 
+ENV_COMPILATION_CACHE = "JAXKV_COMPILATION_CACHE"
+
+
+#: The first JAX release seen to hang a job of several processes in its first collective when
+#: some of its processes load that computation from JAX's persistent compilation cache and the
+#: others compile it: from it on, the cache's key holds each process's own topology, and only
+#: process 0 writes entries, so once the cache is warm process 0 loads every computation and
+#: the others compile theirs, and the two do not meet (gloo, CPU; seen with JAX 0.12.1 in a
+#: plain ``shard_map`` of one ``psum`` run twice; JAX 0.10.2 runs it).
+CACHE_HANGS_FROM = (0, 12)
+
+
 #: Seconds without a heartbeat after which JAX's coordination service declares a process dead
 #: and ends the job (JAX's own default is 100 s). ``JAXKV_HEARTBEAT_TIMEOUT`` overrides it.
 DEFAULT_HEARTBEAT_TIMEOUT = 60
@@ -152,6 +164,50 @@ def exit_on_uncaught_exception() -> None:
     sys.excepthook = hook
 
 
+def _jax_release() -> tuple[int, ...]:
+    """JAX's version as numbers: ``(0, 12, 1)``."""
+    info = getattr(jax, "__version_info__", None)
+    if info is not None:
+        return tuple(int(x) for x in info[:3])
+    return tuple(int(x) for x in jax.__version__.split(".")[:3] if x.isdigit())
+
+
+def _cache_folder() -> str | None:
+    """The folder of JAX's persistent compilation cache set so far, or ``None``."""
+    folder = getattr(jax.config, "jax_compilation_cache_dir", None)
+    return folder or os.environ.get("JAX_COMPILATION_CACHE_DIR") or None
+
+
+def no_mixed_compilation_cache(num_processes: int) -> bool:
+    """In a job of several processes, with a JAX from :data:`CACHE_HANGS_FROM` on, turn JAX's
+    persistent compilation cache off in this process (``jax_enable_compilation_cache``), before
+    anything is compiled: with it on, once the cache is warm (a job run again, or restarted by
+    ``jaxkv.launch --max-restarts``) process 0 loads each computation from it and the others
+    compile theirs, and the job hangs in its first collective. Said at WARNING where a cache
+    folder is set (each process then compiles what it runs), else at INFO (a folder set later
+    is not used); ``JAXKV_COMPILATION_CACHE=keep`` keeps the cache on. Returns whether it was
+    turned off."""
+    if num_processes < 2 or _jax_release() < CACHE_HANGS_FROM:
+        return False
+    if os.environ.get(ENV_COMPILATION_CACHE, "").strip().lower() == "keep":
+        return False
+    if not getattr(jax.config, "jax_enable_compilation_cache", True):
+        return False
+    jax.config.update("jax_enable_compilation_cache", False)
+    folder = _cache_folder()
+    (logger.warning if folder else logger.info)(
+        "jaxkv: JAX's persistent compilation cache (%s) is off in this job of %d "
+        "processes: with JAX %s, once the cache is warm process 0 loads each computation "
+        "from it and the other processes compile theirs, and the job hangs in its first "
+        "collective. Each process compiles what it runs; %s=keep keeps the cache on.",
+        folder or "no folder set yet",
+        num_processes,
+        jax.__version__,
+        ENV_COMPILATION_CACHE,
+    )
+    return True
+
+
 def join_launched_job() -> None:
     """Initialise ``jax.distributed`` when this process was started by ``jaxkv.launch``."""
     coordinator = os.environ.get(ENV_COORDINATOR)
@@ -163,12 +219,14 @@ def join_launched_job() -> None:
         jax.config.update("jax_num_cpu_devices", int(per_process))
     process_id = int(os.environ[ENV_PROCESS_ID])
     binding = gloo_binding(coordinator)
+    num_processes = int(os.environ[ENV_NUM_PROCESSES])
     jax.distributed.initialize(
         coordinator_address=coordinator,
-        num_processes=int(os.environ[ENV_NUM_PROCESSES]),
+        num_processes=num_processes,
         process_id=process_id,
         heartbeat_timeout_seconds=heartbeat_timeout(),
     )
+    no_mixed_compilation_cache(num_processes)
     pin_gloo(binding)
     exit_on_uncaught_exception()
     logger.info("jaxkv: joined %s as process %d, gloo on %s", coordinator, process_id, binding)
@@ -230,6 +288,7 @@ def join_cluster() -> bool:
     _use_gloo()
     jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout())
     state = jax_internals.distributed_state()
+    no_mixed_compilation_cache(int(getattr(state, "num_processes", None) or 2))
     coordinator = getattr(state, "coordinator_address", None)
     if coordinator:
         pin_gloo(gloo_binding(coordinator))

@@ -151,6 +151,8 @@ def fake_job(monkeypatch):
     monkeypatch.setattr(join, "pin_gloo", lambda binding: dist.pinned.append(binding) or True)
     dist.hooked = []
     monkeypatch.setattr(join, "exit_on_uncaught_exception", lambda: dist.hooked.append(True))
+    # (a JAX before CACHE_HANGS_FROM: the compilation cache is left alone; tests below set it)
+    monkeypatch.setattr(join, "_jax_release", lambda: (0, 11, 2))
     return dist
 
 
@@ -192,6 +194,60 @@ def test_without_devices_per_process_jax_keeps_its_own_count(monkeypatch, fake_j
     assert [name for name, _ in fake_job.config] == ["jax_cpu_collectives_implementation"]
     assert fake_job.calls[0]["heartbeat_timeout_seconds"] == join.DEFAULT_HEARTBEAT_TIMEOUT
     assert fake_job.pinned == [{"hostname": "127.0.0.1"}]
+
+
+def test_jax_release_reads_jaxs_own_version():
+    assert join._jax_release()[:2] == tuple(int(x) for x in jax.__version__.split(".")[:2])
+
+
+def test_the_cache_folder_is_jaxs_setting_else_its_variable(monkeypatch):
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/from/the/variable")
+    assert join._cache_folder() == (jax.config.jax_compilation_cache_dir or "/from/the/variable")
+
+
+@pytest.mark.parametrize(
+    "release, processes, keep, off",
+    [
+        ((0, 12, 1), 2, "", True),
+        ((0, 13, 0), 3, "", True),
+        ((0, 11, 2), 2, "", False),  # (the same job runs from a warm cache)
+        ((0, 12, 1), 1, "", False),  # one process: nothing to meet
+        ((0, 12, 1), 2, "keep", False),
+    ],
+)
+def test_a_job_of_several_processes_turns_the_compilation_cache_off_from_jax_0_12(
+    monkeypatch, fake_job, caplog, release, processes, keep, off
+):
+    monkeypatch.setattr(join, "_jax_release", lambda: release)
+    monkeypatch.setenv(join.ENV_COMPILATION_CACHE, keep)
+    monkeypatch.setattr(join, "_cache_folder", lambda: "/cache/of/the/job")
+    with caplog.at_level(logging.INFO, logger="jaxkv"):
+        assert join.no_mixed_compilation_cache(processes) is off
+    assert (("jax_enable_compilation_cache", False) in fake_job.config) is off
+    said = [r for r in caplog.records if "compilation cache" in r.getMessage()]
+    assert len(said) == off
+    if off:
+        assert said[0].levelno == logging.WARNING
+        assert "/cache/of/the/job" in said[0].getMessage()
+        assert f"{join.ENV_COMPILATION_CACHE}=keep" in said[0].getMessage()
+
+
+def test_without_a_cache_folder_the_cache_is_turned_off_quietly(monkeypatch, fake_job, caplog):
+    monkeypatch.setattr(join, "_jax_release", lambda: (0, 12, 1))
+    monkeypatch.setattr(join, "_cache_folder", lambda: None)
+    with caplog.at_level(logging.INFO, logger="jaxkv"):
+        assert join.no_mixed_compilation_cache(2) is True
+    said = [r for r in caplog.records if "compilation cache" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO]
+
+
+def test_a_launched_process_of_jax_0_12_turns_the_compilation_cache_off(monkeypatch, fake_job):
+    monkeypatch.setattr(join, "_jax_release", lambda: (0, 12, 1))
+    monkeypatch.setenv(join.ENV_COORDINATOR, "127.0.0.1:9")
+    monkeypatch.setenv(join.ENV_NUM_PROCESSES, "2")
+    monkeypatch.setenv(join.ENV_PROCESS_ID, "1")
+    join.join_launched_job()
+    assert ("jax_enable_compilation_cache", False) in fake_job.config
 
 
 _SLURM = {"SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "n[0-1]", "SLURM_PROCID": "0"}
@@ -254,9 +310,11 @@ def test_join_cluster_joins_what_jax_detects_and_pins_gloo_toward_its_coordinato
     state = types.SimpleNamespace(coordinator_address="127.0.0.1:9", process_id=1)
     monkeypatch.setattr(jax_internals, "distributed_state", lambda: state)
     monkeypatch.setenv(join.ENV_HEARTBEAT_TIMEOUT, "13")
+    monkeypatch.setattr(join, "_jax_release", lambda: (0, 12, 1))
     assert join.join_cluster() is True
     assert fake_job.calls == [{"heartbeat_timeout_seconds": 13}]  # JAX finds the rest
     assert ("jax_cpu_collectives_implementation", "gloo") in fake_job.config
+    assert ("jax_enable_compilation_cache", False) in fake_job.config
     assert fake_job.pinned == [{"hostname": "127.0.0.1"}]
     assert fake_job.hooked == [True]
 
