@@ -69,7 +69,8 @@ ENV_COMPILATION_CACHE = "JAXKV_COMPILATION_CACHE"
 #: others compile it: from it on, the cache's key holds each process's own topology, and only
 #: process 0 writes entries, so once the cache is warm process 0 loads every computation and
 #: the others compile theirs, and the two do not meet (gloo, CPU; seen with JAX 0.12.1 in a
-#: plain ``shard_map`` of one ``psum`` run twice; JAX 0.10.2 runs it).
+#: plain ``shard_map`` of one ``psum``, all-gather or reduce-scatter run twice with one cache
+#: folder, no jaxkv; JAX 0.10.2 and 0.11.2 run the reduce-scatter's twice).
 CACHE_HANGS_FROM = (0, 12)
 
 
