@@ -15,6 +15,7 @@ and ``rank R done``.
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
@@ -173,24 +174,26 @@ def main():
         check(f"pushes before and after a push of rows in call order ({then})",
               np.asarray(kv2.pull("bias")), want)
 
-    # A wrong sum (one device's part of a reduce-scatter off): every process raises SumError,
-    # naming device 1, at its read of the pulled value (jaxkv's own computation has no host
-    # callback: the verdict comes back as an output, compared at the read).
+    # A wrong sum (device 1's part of the big key's all-reduce off by 7, so every device's total
+    # is): every process raises SumError, naming both devices, at its read of the pulled value
+    # (jaxkv's own computation has no host callback: the verdict comes back as an output,
+    # compared at the read). One program in every process: from JAX 0.12 the processes'
+    # collectives meet only where their programs are the same (a psum that added 7 in process 1
+    # alone hung both in the read until the collective timeout).
     real = jax.lax.psum
     big = (64, 512)
 
-    def corrupted(x, axis, **kw):  # the big key's all-reduce, off in process 1 (device 1)
-        out = real(x, axis, **kw)
-        if getattr(x, "size", 0) == big[0] * big[1] and RANK == 1:
-            out = out + 7.0
-        return out
+    def corrupted(x, axis, **kw):  # the big key's all-reduce, device 1's part off
+        if getattr(x, "size", 0) == big[0] * big[1]:
+            x = x + jnp.where(jax.lax.axis_index(axis) == 1, 7.0, 0.0).astype(x.dtype)
+        return real(x, axis, **kw)
 
     jax.lax.psum = corrupted
     kv.init("big", mx.nd.zeros(big))
     kv.push("big", mx.nd.ones(big))
     got = mx.nd.zeros(big)
     kv.pull("big", out=got)
-    refused("a wrong sum", got.asnumpy, "failed its checksum on device 1:")
+    refused("a wrong sum", got.asnumpy, "failed its checksum on device 0, device 1:")
     print(f"rank {RANK} ok a wrong sum raised at the read on every process", flush=True)
     print(f"rank {RANK} done", flush=True)
 
