@@ -145,34 +145,33 @@ def _touched(table, ids, z):
     return ids | ((lines == 0).any(axis=1).astype(ids.dtype) & z)
 
 
+def _gather(table, ids, z):
+    """The rows ``ids`` (sorted, unique, padded with R: filled with zeros) of ``table``, touched
+    first."""
+    return table.at[_touched(table, ids, z)].get(
+        mode="fill", fill_value=0, indices_are_sorted=True, unique_indices=True
+    )
+
+
+def _scatter(table, ids, rows):
+    """``table`` with its rows ``ids`` set to ``rows`` (the padding's dropped)."""
+    return table.at[ids].set(rows, mode="drop", indices_are_sorted=True, unique_indices=True)
+
+
 def _rows_update(table, ids, grad, lr, z):
     """Lazy Adam on the rows ``ids`` (sorted, unique, padded with R) of a ``(R, 3, 64)`` table
     (w, m, v of a row side by side): the new table and the rows' new weights."""
-    got = table.at[_touched(table, ids, z)].get(
-        mode="fill", fill_value=0, indices_are_sorted=True, unique_indices=True
-    )
+    got = _gather(table, ids, z)
     w, m, v = _adam(got[:, 0], got[:, 1], got[:, 2], grad, lr, z)
-    new = jnp.stack([w, m, v], axis=1)
-    table = table.at[ids].set(new, mode="drop", indices_are_sorted=True, unique_indices=True)
-    return table, w
+    return _scatter(table, ids, jnp.stack([w, m, v], axis=1)), w
 
 
 def _rows_update_apart(tables, ids, grad, lr, z):
     """``_rows_update`` on w, m and v kept as three ``(R, 64)`` tables (``--apart``: the layout
     jaxkv's store keeps, the value and each optimizer slot an array of its own): three touches,
     gathers and scatters of 256 bytes a row."""
-
-    def got(t):
-        return t.at[_touched(t, ids, z)].get(
-            mode="fill", fill_value=0, indices_are_sorted=True, unique_indices=True
-        )
-
-    new = _adam(*[got(t) for t in tables], grad, lr, z)
-    tables = tuple(
-        t.at[ids].set(x, mode="drop", indices_are_sorted=True, unique_indices=True)
-        for t, x in zip(tables, new)
-    )
-    return tables, new[0]
+    new = _adam(*[_gather(t, ids, z) for t in tables], grad, lr, z)
+    return tuple(_scatter(t, ids, x) for t, x in zip(tables, new)), new[0]
 
 
 def _dense_update(dense, grad, lr, z):
