@@ -57,6 +57,42 @@ def test_rows_outside_a_block_read_as_zeros_and_writes_there_are_dropped():
     np.testing.assert_array_equal(put, [[1, 2], [3, 4], [9, 9]])
 
 
+@pytest.mark.standard_promotion  # (optax's Adam)
+def test_summed_rows_update_through_ids_told_sorted_and_distinct_as_a_model_of_lazy_adam():
+    # The ids a push sums (several pairs, or an owner's rows from every device) come out of the
+    # sum sorted and distinct; the padding after them made distinct past the table, the
+    # optimizer's gathers and scatters are told so, as a push of distinct ids is.
+    import jax
+
+    table = np.random.default_rng(1).normal(size=(16, 4)).astype(np.float32)
+    ids = np.array([9, 2, 9, -1, 15, 2, 16, 0], np.int32)  # repeated, outside the table
+    rows = np.arange(32, dtype=np.float32).reshape(8, 4) / 10
+    opt = optax.adam(0.1)
+    state = opt.init({"e": jnp.asarray(table)})
+
+    def run(t, s, i, r):
+        return kernels.update_rows("e", kernels.Where(), t, s, i, r, 16, opt)[:2]
+
+    new, new_state = jax.jit(run)(jnp.asarray(table), state, ids, rows)
+    grad = np.zeros_like(table)
+    for i, r in zip(ids, rows):
+        if 0 <= i < 16:
+            grad[i] += r
+    touched = np.array([0, 2, 9, 15])
+    updates, dense_state = opt.update({"e": jnp.asarray(grad)}, state, {"e": jnp.asarray(table)})
+    want = np.asarray(optax.apply_updates({"e": jnp.asarray(table)}, updates)["e"])
+    np.testing.assert_allclose(np.asarray(new)[touched], want[touched], rtol=1e-6)
+    rest = np.setdiff1d(np.arange(16), touched)
+    np.testing.assert_array_equal(np.asarray(new)[rest], table[rest])  # lazy: only those rows
+    for got, model in zip(jax.tree.leaves(new_state), jax.tree.leaves(dense_state)):
+        if np.ndim(model) == 2:  # a moment: its touched rows, the others as they were (zeros)
+            np.testing.assert_allclose(np.asarray(got)[touched], np.asarray(model)[touched])
+            np.testing.assert_array_equal(np.asarray(got)[rest], 0.0)
+    hlo = jax.jit(run).lower(jnp.asarray(table), state, ids, rows).compile().as_text()
+    assert hlo.count("unique_indices=true") >= 3  # the scatters of the rows, m and v
+    assert hlo.count("indices_are_sorted=true") >= 6  # and their gathers (none before)
+
+
 # -- a big table's rows touched a cache line at a time before they are gathered -------------------
 def _gathers(fn, *args):
     import jax
