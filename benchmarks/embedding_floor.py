@@ -3,7 +3,7 @@ jitted step, no store, the same data and the same numbers.
 
     python embedding_floor.py device [--rows R] [--steps S] [--pad 128] [--apart]
     python -m jaxkv.launch -n 2 --devices-per-process 1 --no-prefix \\
-        embedding_floor.py dist_sync [--rows R] [--steps S]
+        embedding_floor.py dist_sync [--rows R] [--steps S] [--split]
 
 The loop (embedding_worker.py's ``run``): a table of R x 64 float32 (the same random rows) and a
 dense 256 x 64 key of zeros, MXNet's lazy Adam (beta1 0.9, beta2 0.999, epsilon 1e-8, no weight
@@ -49,6 +49,22 @@ but the read of the pulled rows. Tried (this machine, 100,000 rows): an all-gath
 ids, rows and (``psum``) the dense gradients, and ``jnp.unique`` for the union of the ids:
 10-13 ms a step; one all-gather: 8-9 ms; with ``jnp.searchsorted`` for ``jnp.unique`` (a sort
 of 2,816 ids, 0.7 ms alone): 5-6 ms.
+
+``--split`` (``dist_sync``): the table split across the processes, as a ``dist_sync`` store
+(and MXNet's 2 servers) keeps it: each process holds its block of R / P rows of w, m and v,
+three arrays (jaxkv's layout), and the step is one ``jax.jit`` of a ``shard_map`` with two
+collectives: one all-to-all takes each owner the rows pushed to it (the ids' bits as a 65th
+column, 1,408 slots per owner: room for every row a process pushes, so that no count is
+exchanged), followed by the process's dense gradient; the owner sums the rows several
+processes pushed (``jnp.searchsorted``, as above) and updates them, and one all-to-all brings
+each process its rows back. So the floor of jaxkv's own layout across processes: what one
+computation a step with two all-to-alls costs. Measured 2026-12-06 (this machine, loaded by
+two test runs; 3 interleaved rounds of 60 steps, the slower process's median): jaxkv 18.9,
+12.1, 12.1 ms; MXNet 1.9.1 (2 workers, 2 servers) 8.6, 6.8, 8.7; this floor with the whole
+table 6.3, 2.9, 4.8; ``--split`` 5.9, 5.6, 9.1: every checksum equal. The split layout is not
+what keeps jaxkv from MXNet's time; the collectives and host turns of a step are (jaxkv makes
+a host all-gather and three computations, four collectives: docs/design.md, "Many
+processes").
 
 MXNet's float32 arithmetic, bit for bit: every product is rounded before the sum that uses it,
 as MXNet's CPU kernels do (XLA would fuse it into an FMA, one rounding): its bits or-ed with an
@@ -219,12 +235,73 @@ def _dist_body(rows, state, dense, packed, dense_grad, lr, z):
     return table[None], d[None], pulled[None], dense_w[None]
 
 
+def _split_body(rows, tables, dense, packed, dense_grad, lr, z):
+    """``--split``: one process's step inside ``shard_map`` over axis ``p``, the table split
+    across the processes as a ``dist_sync`` store (and MXNet's servers) keeps it: this
+    process's block of ``rows / P`` rows of w, m and v (``tables``, three arrays, jaxkv's
+    layout). Two collectives: one all-to-all takes each owner its rows (the ids' bits as a
+    65th column, ``C`` = ``pad`` slots per owner, room for every row a process pushes, so no
+    count is exchanged) and, after them, this process's dense gradient; the owner sums the
+    rows several processes pushed into the first one's (``jnp.searchsorted`` in the earlier
+    processes' ids, which arrive sorted), updates them, and one all-to-all brings each process
+    its rows back. ``packed``: as ``_dist_body``'s."""
+    w, m, v = (t[0] for t in tables)
+    mine = packed[0]
+    pad = mine.shape[0]
+    procs = jax.lax.axis_size("p")
+    block = w.shape[0]
+    ids = jax.lax.bitcast_convert_type(mine[:, WIDTH], jnp.int32)
+    valid = (ids >= 0) & (ids < rows)
+    owner = jnp.where(valid, ids // block, procs)
+    to = owner[:, None] == jnp.arange(procs, dtype=owner.dtype)[None, :]
+    slot = jnp.sum(jnp.where(to, jnp.cumsum(to.astype(jnp.int32), axis=0), 0), axis=1) - 1
+    dest = jnp.where(valid, owner * pad + slot, procs * pad)  # this process's rows' slots
+    local = jnp.where(valid, ids - owner * block, block)  # (block: selects no row)
+    bits = jax.lax.bitcast_convert_type(mine[:, :WIDTH], jnp.int32)
+    bits = jnp.concatenate([bits, local[:, None]], axis=1)
+    sent = jnp.full((procs * pad, WIDTH + 1), block, jnp.int32).at[dest].set(bits, mode="drop")
+    grad_bits = jax.lax.bitcast_convert_type(dense_grad[0], jnp.int32)
+    extra = jnp.concatenate([grad_bits, jnp.zeros((DENSE[0], 1), jnp.int32)], axis=1)
+    sent = jnp.concatenate(
+        [sent.reshape(procs, pad, WIDTH + 1), jnp.broadcast_to(extra, (procs, *extra.shape))],
+        axis=1,
+    )
+    got = jax.lax.all_to_all(sent.reshape(-1, WIDTH + 1), "p", 0, 0, tiled=True)
+    got = got.reshape(procs, pad + DENSE[0], WIDTH + 1)
+    here = [got[j, :pad, WIDTH] for j in range(procs)]  # each sender's ids, sorted, padded
+    grads = [jax.lax.bitcast_convert_type(got[j, :pad, :WIDTH], jnp.float32) for j in range(procs)]
+    alive = [here[j] < block for j in range(procs)]
+    for j in range(1, procs):  # process j's rows that an earlier process pushed too
+        for i in range(j):
+            at = jnp.minimum(jnp.searchsorted(here[i], here[j]), pad - 1)
+            hit = (here[i][at] == here[j]) & alive[i][at] & alive[j]
+            grads[i] = grads[i].at[jnp.where(hit, at, pad)].add(grads[j], mode="drop")
+            alive[j] = alive[j] & ~hit
+    beyond = block + jnp.arange(procs * pad, dtype=jnp.int32)  # distinct, dropped
+    union = jnp.where(jnp.concatenate(alive), jnp.concatenate(here), beyond)
+    summed = jnp.concatenate(grads)
+    old = [t.at[union].get(mode="fill", fill_value=0, unique_indices=True) for t in (w, m, v)]
+    new = _adam(*old, summed, lr, z)
+    w, m, v = (t.at[union].set(x, mode="drop", unique_indices=True) for t, x in zip((w, m, v), new))
+    asked = jnp.concatenate(here)  # every sender's ids here, in its slots
+    back = w.at[asked].get(mode="fill", fill_value=0)
+    back = jax.lax.all_to_all(back, "p", 0, 0, tiled=True)  # each process's rows, in its slots
+    pulled = back.at[dest].get(mode="fill", fill_value=0)
+    dense_sum = jax.lax.bitcast_convert_type(got[0, pad:, :WIDTH], jnp.float32)
+    for k in range(1, procs):  # in rank order
+        dense_sum = dense_sum + jax.lax.bitcast_convert_type(got[k, pad:, :WIDTH], jnp.float32)
+    d, dense_w = _dense_update(dense[0], dense_sum, lr, z)
+    return (w[None], m[None], v[None]), d[None], pulled[None], dense_w[None]
+
+
 def _padded(n: int, pad: int) -> int:
     """The next multiple of ``pad`` at or above ``n``."""
     return -(-n // pad) * pad
 
 
-def run(kind: str, rows: int, steps: int, pad: int, apart: bool = False) -> None:
+def run(
+    kind: str, rows: int, steps: int, pad: int, apart: bool = False, split_table: bool = False
+) -> None:
     counter = Compiles()
     logger = logging.getLogger("jax")
     logger.addHandler(counter)
@@ -265,14 +342,21 @@ def run(kind: str, rows: int, steps: int, pad: int, apart: bool = False) -> None
             """A global (processes, ...) array whose block on this process is ``x``."""
             return jax.make_array_from_process_local_data(split, x[None], (procs, *x.shape))
 
-        state = local(table)
+        if split_table:
+            if rows % procs:
+                sys.exit(f"--split: expected rows that divide by {procs} processes, given {rows}")
+            block = rows // procs
+            mine = slice(rank * block, (rank + 1) * block)
+            state = tuple(local(np.ascontiguousarray(table[mine, j])) for j in range(3))
+        else:
+            state = local(table)
         dense = local(np.zeros((3, *DENSE), np.float32))
         dense_grad = local(np.full(DENSE, np.float32(0.01)))  # pushed every step
         del table
 
         spec = P("p")
         mapped = jax.shard_map(
-            partial(_dist_body, rows),
+            partial(_split_body if split_table else _dist_body, rows),
             mesh=mesh,
             in_specs=(spec, spec, spec, spec, P(), P()),
             out_specs=(spec, spec, spec, spec),
@@ -330,12 +414,20 @@ def main() -> None:
         help="device: w, m and v as three (R, 64) tables, as jaxkv keeps them (the floor of "
         "that layout), not one (R, 3, 64)",
     )
+    parser.add_argument(
+        "--split",
+        action="store_true",
+        help="dist_sync: the table split across the processes as a dist_sync store keeps it "
+        "(w, m and v apart; two all-to-alls), not a whole copy in each",
+    )
     args = parser.parse_args()
     if args.apart and args.kind != "device":
         parser.error("--apart: device only")
+    if args.split and args.kind != "dist_sync":
+        parser.error("--split: dist_sync only")
     if args.kind == "dist_sync":
         import jaxkv  # noqa: F401  (joins the launched job: jax.distributed, gloo)
-    run(args.kind, args.rows, args.steps, args.pad, args.apart)
+    run(args.kind, args.rows, args.steps, args.pad, args.apart, args.split)
     sys.stdout.flush()
 
 
