@@ -195,6 +195,23 @@ def _dense_update(dense, grad, lr, z):
     return jnp.stack([w, m, v]), w
 
 
+def _union(ids, grads, alive, past):
+    """Each process's sorted ids and gradient rows (``alive``: its rows that hold an id) as one
+    set of distinct ids and their summed rows: the rows several processes pushed summed into
+    the first one's (``jnp.searchsorted`` of each process's ids in the earlier processes'), the
+    later copies, and the rows that hold no id, given distinct ids from ``past`` on (dropped)."""
+    ids, grads, alive = list(ids), list(grads), list(alive)
+    pad = ids[0].shape[0]
+    for j in range(1, len(ids)):  # process j's rows that an earlier process pushed too
+        for i in range(j):
+            at = jnp.minimum(jnp.searchsorted(ids[i], ids[j]), pad - 1)
+            hit = (ids[i][at] == ids[j]) & alive[i][at] & alive[j]
+            grads[i] = grads[i].at[jnp.where(hit, at, pad)].add(grads[j], mode="drop")
+            alive[j] = alive[j] & ~hit
+    beyond = past + jnp.arange(len(ids) * pad, dtype=jnp.int32)  # distinct, dropped
+    return jnp.where(jnp.concatenate(alive), jnp.concatenate(ids), beyond), jnp.concatenate(grads)
+
+
 def _dist_body(rows, state, dense, packed, dense_grad, lr, z):
     """One process's step inside ``shard_map`` over axis ``p``: every process's ids, rows and
     dense gradient in one all-gather; the rows several processes pushed summed into the first
@@ -211,15 +228,7 @@ def _dist_body(rows, state, dense, packed, dense_grad, lr, z):
     ids = [jax.lax.bitcast_convert_type(blocks[j, :, WIDTH], jnp.int32) for j in range(procs)]
     grads = [blocks[j, :, :WIDTH] for j in range(procs)]
     alive = [jnp.ones(pad, bool) for _ in range(procs)]
-    for j in range(1, procs):  # process j's rows that an earlier process pushed too
-        for i in range(j):
-            at = jnp.minimum(jnp.searchsorted(ids[i], ids[j]), pad - 1)
-            hit = (ids[i][at] == ids[j]) & alive[i][at] & alive[j]
-            grads[i] = grads[i].at[jnp.where(hit, at, pad)].add(grads[j], mode="drop")
-            alive[j] = alive[j] & ~hit
-    beyond = rows + procs * pad + jnp.arange(procs * pad, dtype=jnp.int32)  # distinct, dropped
-    union = jnp.where(jnp.concatenate(alive), jnp.concatenate(ids), beyond)
-    summed = jnp.concatenate(grads)
+    union, summed = _union(ids, grads, alive, rows + procs * pad)
     dense_sum = every[0, pad * (WIDTH + 1) :]
     for k in range(1, procs):
         dense_sum = dense_sum + every[k, pad * (WIDTH + 1) :]  # in rank order
@@ -270,16 +279,7 @@ def _split_body(rows, tables, dense, packed, dense_grad, lr, z):
     got = got.reshape(procs, pad + DENSE[0], WIDTH + 1)
     here = [got[j, :pad, WIDTH] for j in range(procs)]  # each sender's ids, sorted, padded
     grads = [jax.lax.bitcast_convert_type(got[j, :pad, :WIDTH], jnp.float32) for j in range(procs)]
-    alive = [here[j] < block for j in range(procs)]
-    for j in range(1, procs):  # process j's rows that an earlier process pushed too
-        for i in range(j):
-            at = jnp.minimum(jnp.searchsorted(here[i], here[j]), pad - 1)
-            hit = (here[i][at] == here[j]) & alive[i][at] & alive[j]
-            grads[i] = grads[i].at[jnp.where(hit, at, pad)].add(grads[j], mode="drop")
-            alive[j] = alive[j] & ~hit
-    beyond = block + jnp.arange(procs * pad, dtype=jnp.int32)  # distinct, dropped
-    union = jnp.where(jnp.concatenate(alive), jnp.concatenate(here), beyond)
-    summed = jnp.concatenate(grads)
+    union, summed = _union(here, grads, [x < block for x in here], block)
     old = [t.at[union].get(mode="fill", fill_value=0, unique_indices=True) for t in (w, m, v)]
     new = _adam(*old, summed, lr, z)
     w, m, v = (t.at[union].set(x, mode="drop", unique_indices=True) for t, x in zip((w, m, v), new))
