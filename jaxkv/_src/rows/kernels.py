@@ -654,8 +654,7 @@ def own_push(
                 return table, opt, written
             asked = pull[0]
             if back == "sorted ids" and n_rows + asked.shape[0] < 2**31:
-                beyond = n_rows + jnp.arange(asked.shape[0], dtype=asked.dtype)
-                asked = jnp.where((asked >= 0) & (asked < n_rows), asked, beyond)
+                asked = jnp.where((asked >= 0) & (asked < n_rows), asked, _beyond(n_rows, asked))
                 return table, opt, _Sorted().take(table, asked)
             return table, opt, take(table, asked)
 
