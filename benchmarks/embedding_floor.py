@@ -63,7 +63,7 @@ two test runs; 3 interleaved rounds of 60 steps, the slower process's median): j
 12.1, 12.1 ms; MXNet 1.9.1 (2 workers, 2 servers) 8.6, 6.8, 8.7; this floor with the whole
 table 6.3, 2.9, 4.8; ``--split`` 5.9, 5.6, 9.1: every checksum equal. The split layout is not
 what keeps jaxkv from MXNet's time; the collectives and host turns of a step are (jaxkv makes
-a host all-gather and three computations, four collectives: docs/design.md, "Many
+a host all-gather and three computations, five collectives: docs/design.md, "Many
 processes").
 
 MXNet's float32 arithmetic, bit for bit: every product is rounded before the sum that uses it,
