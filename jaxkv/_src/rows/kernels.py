@@ -330,24 +330,58 @@ def plan(ids: Any, block: int, parts: int, c: int) -> tuple[Any, Any]:
     return dest, local.at[dest].set(ids - owner * block, mode="drop")
 
 
-def exchange(local: Any, rows: Any, dest: Any, axis: str) -> tuple[Any, Any]:
+def exchange(
+    local: Any, rows: Any, dest: Any, axis: str, words: Any = None
+) -> tuple[Any, Any, Any]:
     """Each slot's id and row sent to its owner (see :func:`plan`): one all-to-all, the id a
-    column of the rows bit cast to ``int32`` where the rows' items are 4 bytes, else two."""
+    column of the rows bit cast to ``int32`` where the rows' items are 4 bytes, else two.
+    ``words`` (``int32``, this device's agreement: :func:`agreed`) ride behind each owner's
+    slots, the same to every owner; the third result is every device's, one row each in mesh
+    order (``None`` without ``words``)."""
     n = local.shape[0]
     shape = rows.shape[1:]
+    parts = jax.lax.axis_size(axis)
     if jnp.dtype(rows.dtype).itemsize != 4:
         sent = jnp.zeros((n, *shape), rows.dtype).at[dest].set(rows, mode="drop")
-        ids = jax.lax.all_to_all(local, axis, 0, 0, tiled=True)
-        return ids, jax.lax.all_to_all(sent, axis, 0, 0, tiled=True)
+        ids, got_words = _behind(local[:, None], words, parts, axis)
+        return ids[:, 0], jax.lax.all_to_all(sent, axis, 0, 0, tiled=True), got_words
     flat = rows.reshape(rows.shape[0], math.prod(shape))
     if flat.dtype != jnp.int32:
         flat = jax.lax.bitcast_convert_type(flat, jnp.int32)
     sent = jnp.zeros((n, flat.shape[1] + 1), jnp.int32).at[:, -1].set(local)
-    sent = jax.lax.all_to_all(sent.at[dest, :-1].set(flat, mode="drop"), axis, 0, 0, tiled=True)
+    sent, got_words = _behind(sent.at[dest, :-1].set(flat, mode="drop"), words, parts, axis)
     got = sent[:, :-1]
     if rows.dtype != jnp.int32:
         got = jax.lax.bitcast_convert_type(got, rows.dtype)
-    return sent[:, -1], got.reshape(n, *shape)
+    return sent[:, -1], got.reshape(n, *shape), got_words
+
+
+def _behind(slots: Any, words: Any, parts: int, axis: str) -> tuple[Any, Any]:
+    """One all-to-all of ``slots`` (``int32``, owner-major, ``parts`` equal chunks of rows) with
+    ``words`` behind each chunk (as whole rows of zero-padded words): the received slots, and
+    each sender's words (``None`` without ``words``)."""
+    if words is None:
+        return jax.lax.all_to_all(slots, axis, 0, 0, tiled=True), None
+    width = slots.shape[1]
+    extra = -(-words.shape[0] // width)  # rows of words behind each chunk
+    behind = jnp.zeros(extra * width, jnp.int32).at[: words.shape[0]].set(words)
+    chunks = slots.reshape(parts, -1, width)
+    each = jnp.broadcast_to(behind.reshape(1, extra, width), (parts, extra, width))
+    sent = jnp.concatenate([chunks, each], axis=1).reshape(-1, width)
+    got = jax.lax.all_to_all(sent, axis, 0, 0, tiled=True).reshape(parts, -1, width)
+    got_words = got[:, -extra:].reshape(parts, extra * width)[:, : words.shape[0]]
+    return got[:, :-extra].reshape(-1, width), got_words
+
+
+# The first of an agreement's words: a process's status (0: it agrees to run; else why not).
+AGREE = 0
+
+
+def agreed(words: Any) -> Any:
+    """Whether every sender's agreement (``words``, one row each: :func:`exchange`) lets the
+    computation run: each one's status :data:`AGREE` and its other words equal to every
+    other's. Every device gets every sender's words, so all reach the same verdict."""
+    return (words[:, 0] == AGREE).all() & (words[:, 1:] == words[:1, 1:]).all()
 
 
 @functools.lru_cache(maxsize=64)
@@ -578,7 +612,14 @@ def bucket_keep(key: Key, out: NamedSharding | None) -> Any:
 
 @functools.lru_cache(maxsize=256)
 def routed_push(
-    mesh: Any, axis: str, key: Key, updater: Any, donate: bool, c: int, back: int | None
+    mesh: Any,
+    axis: str,
+    key: Key,
+    updater: Any,
+    donate: bool,
+    c: int,
+    back: int | None,
+    agree: int = 0,
 ) -> Any:
     """``(table, opt_state, ids, rows, extra) -> (table, opt_state)``, ids and rows split along
     axis 0 (``extra``: the updater's extra arguments, whole on every device):
@@ -588,37 +629,75 @@ def routed_push(
     With ``back`` (not ``None``), also each device's rows after the update: ``back == 0``, the
     pushed ids, in their order (one more all-to-all, back along the same routes); ``back > 0``,
     the ids of one more argument, ``pull_ids`` (routed as a pull with ``C = back``: two more).
-    Then ``(table, opt_state, rows)``."""
+    Then ``(table, opt_state, rows)``.
+
+    With ``agree`` (a count of words), the processes' agreement rides in the first all-to-all:
+    one more argument after ``extra``, each device's ``agree`` ``int32`` words (split along
+    axis 0), and one more result, whether they agreed (:func:`agreed`; one per device, the
+    same on all). Where they did not, nothing changes (the table, every leaf of its optimizer
+    state), and the rows sent back are not the pull's."""
     split = PartitionSpec(axis)
     parts = mesh.shape[axis]
 
-    def body(block: Any, opt: Any, ids: Any, rows: Any, extra: Any, *pull_ids: Any) -> Any:
+    def body(block: Any, opt: Any, ids: Any, rows: Any, extra: Any, *more: Any) -> Any:
+        words, pull_ids = (more[0], more[1:]) if agree else (None, more)
         with jax.named_scope(ROUTE):
             dest, local = plan(ids, block.shape[0], parts, c)
-            got_ids, got = exchange(local, rows, dest, axis)
+            got_ids, got, got_words = exchange(local, rows, dest, axis, words)
         n = block.shape[0]
+        before = block, opt
+        if agree:
+            ok = agreed(got_words)
+            got_ids = jnp.where(ok, got_ids, n)  # (selects nothing: no row is written)
         block, opt, _ = update_rows(key, Where(), block, opt, got_ids, got, n, updater, extra)
+        if agree:
+            block, opt = _unless(ok, updater, before, (block, opt))
+        done = (ok.reshape(1),) if agree else ()
         if back is None:
-            return block, opt
+            return block, opt, *done
         with jax.named_scope(ROUTE):
             if pull_ids:
                 dest, local = plan(pull_ids[0], block.shape[0], parts, back)
                 got_ids = jax.lax.all_to_all(local, axis, 0, 0, tiled=True)
             rows = jax.lax.all_to_all(take(block, got_ids), axis, 0, 0, tiled=True)
-            return block, opt, jnp.take(rows, dest, axis=0, mode="fill", fill_value=0)
+            return block, opt, jnp.take(rows, dest, axis=0, mode="fill", fill_value=0), *done
 
-    def run(table: Any, opt: Any, ids: Any, rows: Any, extra: Any, *pull_ids: Any) -> Any:
+    def run(table: Any, opt: Any, ids: Any, rows: Any, extra: Any, *more: Any) -> Any:
         opt_spec = like_table(opt, table, split)
+        outs = (split, opt_spec) if back is None else (split, opt_spec, split)
         mapped = checked.shard_map(
             body,
             mesh=mesh,
-            in_specs=(split, opt_spec, split, split, PartitionSpec(), *[split] * len(pull_ids)),
-            out_specs=(split, opt_spec) if back is None else (split, opt_spec, split),
+            in_specs=(split, opt_spec, split, split, PartitionSpec(), *[split] * len(more)),
+            out_specs=(*outs, split) if agree else outs,
             check_vma=False,
         )
-        return mapped(table, opt, ids, rows, extra, *pull_ids)
+        return mapped(table, opt, ids, rows, extra, *more)
 
     return checked.jit(run, verify_every(), donate_argnums=(0, 1) if donate else ())
+
+
+def _unless(ok: Any, updater: Any, before: tuple[Any, Any], after: tuple[Any, Any]) -> Any:
+    """``after`` where ``ok``, else ``before`` (a block and its optimizer state), given an
+    update whose ids selected nothing where not ``ok``: an optax updater's per-parameter
+    leaves are then unchanged already, and only its other leaves (a step count) are chosen
+    (a select of a whole table costs a read and a write of it); a Python updater's whole
+    new value is chosen."""
+    (block, opt), (new_block, new_opt) = before, after
+    if updater is None:
+        return new_block, new_opt
+    if isinstance(updater, optax.GradientTransformation):
+        per_row = optax.tree_utils.tree_map_params(
+            updater, lambda x: True, opt, transform_non_params=lambda x: False
+        )
+        new_opt = jax.tree_util.tree_map(
+            lambda rowwise, x, new: new if rowwise else jnp.where(ok, new, x),
+            per_row,
+            opt,
+            new_opt,
+        )
+        return new_block, new_opt
+    return jnp.where(ok, new_block, block), new_opt
 
 
 @functools.lru_cache(maxsize=256)

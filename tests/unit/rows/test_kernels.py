@@ -195,3 +195,60 @@ def test_an_updater_that_returns_none_or_another_shape_is_named():
         _update_rows(_returning_none)
     with pytest.raises(jaxkv.ShapeError, match=r"\(the updater: _returning_a_row\)"):
         _update_rows(_returning_a_row)
+
+
+# -- the processes' agreement riding in a routed push's first all-to-all ---------------------------
+def _routed(dtype, words=None, back=0):
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = jax.devices()[:4]
+    mesh = Mesh(np.array(devices), ("d",))
+    split = NamedSharding(mesh, PartitionSpec("d"))
+    rng = np.random.default_rng(5)
+    table = jax.device_put(jnp.asarray(rng.normal(size=(32, 4)), dtype), split)
+    opt = optax.adam(0.1)
+    state = opt.init({"e": table})
+    # 6 ids a device: repeated within and across devices, and padding (-1)
+    ids = rng.integers(-1, 32, size=24).astype(np.int32)
+    rows = jnp.asarray(rng.normal(size=(24, 4)), dtype)
+    fn = kernels.routed_push(mesh, "d", "e", opt, False, 6, back, 0 if words is None else 7)
+    more = () if words is None else (jax.device_put(np.asarray(words, np.int32).ravel(), split),)
+    out = fn(table, state, jax.device_put(ids, split), jax.device_put(rows, split), None, *more)
+    return (table, state), out
+
+
+@pytest.mark.standard_promotion  # (optax's Adam)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])  # ids a column of the rows, or apart
+def test_a_routed_push_whose_processes_agree_updates_as_one_without_an_agreement(dtype):
+    import jax
+
+    words = np.tile(np.array([kernels.AGREE, 7, 9, -1, 2**30, 5, 6], np.int32), (4, 1))
+    _, want = _routed(dtype)
+    _, got = _routed(dtype, words)
+    assert np.asarray(got[-1]).tolist() == [True] * 4  # agreed, on every device
+    for a, b in zip(jax.tree.leaves(got[:-1]), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.standard_promotion
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("who", [0, 3])
+@pytest.mark.parametrize("why", ["a word differs", "refused"])
+def test_a_routed_push_whose_processes_disagree_changes_nothing_and_says_so_everywhere(
+    dtype, who, why
+):
+    # One device's agreement differs from the others' (a digest, a count that does not fit)
+    # or says it refuses: the table and every leaf of its optimizer state (the step count too)
+    # are as they were, and every device says they did not agree.
+    import jax
+
+    words = np.tile(np.array([kernels.AGREE, 7, 9, -1, 2**30, 5, 6], np.int32), (4, 1))
+    if why == "refused":
+        words[who, 0] = 1
+    else:
+        words[who, 6] = 8  # (the last word: the one past the first row behind the rows)
+    before, got = _routed(dtype, words)
+    assert np.asarray(got[-1]).tolist() == [False] * 4
+    for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(before)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
