@@ -30,6 +30,8 @@ def test_rows_across_processes(bound, rows):
             "functional pull and push of no rows",
             "row_sparse_pull of no rows",
             "one process's bad ids refused everywhere",
+            "rows of another key on each process refused everywhere",
+            "... the other key unchanged",
             "one process's bad row_sparse_pull refused everywhere",
         ),
         tag,

@@ -118,6 +118,23 @@ def main():
         else:
             raise AssertionError(f"{name} with process {workers - 1}'s bad ids was not refused")
     check(f"{tag} one process's bad ids refused everywhere", jaxkv.pull(state, "t", devices=local[0]), model)
+    # rows of two keys of one shape, one per process (one program on every process is asked):
+    # every process refuses, naming each one's key, where the two would have met in one sum
+    state = jaxkv.init(state, {"u": table})
+    theirs = "t" if rank == 0 else "u"
+    for name, call in (
+        ("push_rows", lambda: jaxkv.push_rows(state, theirs, [0], one, updater=optax.sgd(LR))),
+        ("pull_rows", lambda: jaxkv.pull_rows(state, theirs, [rank])),
+        ("pushpull_rows", lambda: jaxkv.pushpull_rows(state, theirs, [0], one)),
+    ):
+        try:
+            call()
+        except jaxkv.KVStoreError as e:
+            assert "process 0: 't'" in str(e) and "process 1: 'u'" in str(e), str(e)
+        else:
+            raise AssertionError(f"{name} of another key on each process was not refused")
+    check(f"{tag} rows of another key on each process refused everywhere", jaxkv.pull(state, "t", devices=local[0]), model)
+    check(f"{tag} ... the other key unchanged", jaxkv.pull(state, "u", devices=local[0]), table)
 
     # Imperative: a dist_sync store, row-sparse values, MXNet's lazy SGD.
     kv = mx.kv.create("dist_sync")

@@ -967,15 +967,19 @@ def _agreed(
     computation, after checking its own arguments. Where a process refused them (``refused``:
     :data:`REFUSED` or :data:`REFUSED_PULL`; it raises its own error after this), every other
     process raises too (:class:`PullRefusedElsewhere` for a pull), and nothing changes
-    anywhere. ``extra`` (an updater's extra arguments: an MXNet optimizer's numbers) must be
-    the same in every process, else every process raises, naming each one's; so must the calls
+    anywhere. ``key`` and ``extra`` (an updater's extra arguments: an MXNet optimizer's
+    numbers) must be the same in every process (two keys of one shape would otherwise meet in
+    one computation: a process's rows added into another's table), else every process raises,
+    naming each one's; so must the calls
     held ``before`` the push, compared in the same all-gather (else ``before.differ``). Held
     calls agreed alone (:func:`agree_before`) take the same all-gather, so that processes whose
     held calls differ meet in all-gathers of one size and all raise. ``what`` names the turn
     for the watchdog."""
     held = np.zeros(4, np.int64) if before is None else before.digest.view(np.int64)
+    named = _digest({"key": np.frombuffer(repr(key).encode(), np.uint8)})
     sent = np.array(
-        [refused, *values, *[0] * (_AGREED - len(values)), *_digest(extra), *held], np.int64
+        [refused, *values, *[0] * (_AGREED - len(values)), *_digest(extra), *named, *held],
+        np.int64,
     )
     got = host.all_gather(sent, what)
     refusing = np.flatnonzero(got[:, 0]).tolist()
@@ -1002,7 +1006,14 @@ def _agreed(
             f"key {shown(key)}: expected every process to hold the same calls before this row "
             "push, given different ones; nothing changed on any process"
         )
-    if not (got[:, 1 + _AGREED : -4] == got[0, 1 + _AGREED : -4]).all():
+    if not (got[:, -8:-4] == got[0, -8:-4]).all():
+        keys = host.all_gather_text(repr(key).encode(), "the keys of a row operation")
+        per = "; ".join(f"process {p}: {t.decode()}" for p, t in enumerate(keys))
+        raise KVStoreError(
+            f"key {shown(key)}: expected every process to make this row operation on the same "
+            f"key (one program on every process), given {per}; nothing changed on any process"
+        )
+    if not (got[:, 1 + _AGREED : -8] == got[0, 1 + _AGREED : -8]).all():
         _extra_differs(key, extra)
     return tuple(int(got[:, 1 + j].max()) for j in range(len(values)))
 
