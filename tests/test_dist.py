@@ -67,6 +67,7 @@ def test_dist_sync_sums_within_each_process_then_across(n):
             "flat split store",
             "mean across processes",
             "mean per key across processes",
+            "another key on one process refused everywhere",
             "global value refused",
         ),
     )

@@ -26,12 +26,13 @@ import collections
 import contextlib
 import contextvars
 import functools
+import hashlib
 import itertools
 import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -41,7 +42,17 @@ from jax.sharding import PartitionSpec
 from jaxkv._src.errors import SumError, named
 from jaxkv._src.processes import order
 
-__all__ = ["collecting", "jit", "named_now", "naming", "settle", "shard_map", "turn"]
+__all__ = [
+    "collecting",
+    "digest",
+    "jit",
+    "keys_digest",
+    "named_now",
+    "naming",
+    "settle",
+    "shard_map",
+    "turn",
+]
 
 logger = logging.getLogger("jaxkv")
 
@@ -108,7 +119,29 @@ def turn() -> Any:
     """The run's count of the jaxkv computation being traced (inside its ``shard_map``)."""
     trace = _innermost("map")
     assert trace is not None, "turn() is read only where collecting() is true"
-    return trace.turn
+    return trace.turn[0]
+
+
+def keys_digest() -> Any:
+    """The digest of the keys this run of the jaxkv computation being traced is for (inside
+    its ``shard_map``; :func:`digest`), an argument of the computation as its count is."""
+    trace = _innermost("map")
+    assert trace is not None, "keys_digest() is read only where collecting() is true"
+    return trace.turn[1]
+
+
+def digest(keys: Any) -> int:
+    """The keys of a call (:func:`naming`; ``None``: none named) as a number below 2**24 (a
+    ``float32`` holds it exactly), the same for the same keys in any order: the checks of a
+    computation's sums compare it across processes (``verified.py``), where two processes
+    pushing different keys of one shape would meet in one sum."""
+    if keys is None:
+        return 0
+    if isinstance(keys, Mapping):
+        keys = list(keys)
+    listed = list(keys) if isinstance(keys, list | tuple) else [keys]
+    text = "\0".join(sorted(repr(k) for k in listed)).encode()
+    return 1 + int.from_bytes(hashlib.sha256(text).digest()[:3], "little") % (2**24 - 1)
 
 
 def found(off: Any, arrays: list[Any], compares: list[Callable]) -> None:
@@ -194,11 +227,15 @@ class _Checked:
                 return self.plain(*args)
         if jax.process_count() == 1:  # (across processes, at the turns: see settle)
             settle()  # the earlier runs' verdicts, where they have finished
-        count = np.int32(next(self.runs) % self.every if self.every > 1 else 0)
+        keys = _naming.get()
+        # The run's count and its keys' digest (the checks compare it across processes).
+        count = np.array(
+            [next(self.runs) % self.every if self.every > 1 else 0, digest(keys)], np.int32
+        )
         out, verdicts = self.jitted(count, *args)
         if verdicts:
             compares = self.compares.get(_shapes(verdicts), [])
-            _pending.append((verdicts, compares, _naming.get()))
+            _pending.append((verdicts, compares, keys))
         return out
 
     def _decide(self, args: tuple) -> None:
@@ -206,7 +243,7 @@ class _Checked:
         in it, it is a plain jit from now on. A later call whose trace would hold a check (other
         shapes taking another branch) then checks it with the host callback, as inside a user's
         ``jit``: checked still, only slower."""
-        _, verdicts = self.jitted.trace(np.int32(0), *args).out_info
+        _, verdicts = self.jitted.trace(np.zeros(2, np.int32), *args).out_info
         if not verdicts:
             self.plain = self.plain_jit()
         self.decided = True
@@ -276,7 +313,15 @@ def _compare(verdicts: list, compares: list, keys: Any = None) -> None:
                 raise SumError(f"{named(keys)}: {e}") from None
 
 
-order.on_turn(settle)
+def _at_turn() -> None:
+    """At a collective turn: across processes every verdict still pending, waited for (those of
+    the turns before it have finished, so the wait is for none of them in practice): a process
+    that went on where its verdict was not yet ready would skip the error the others raise,
+    and wait alone in the collective they never reach. In one process, those finished."""
+    settle(wait=jax.process_count() > 1)
+
+
+order.on_turn(_at_turn)
 
 
 def _at_exit() -> None:

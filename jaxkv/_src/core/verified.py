@@ -257,6 +257,11 @@ def _check(
         pieces += [expected.ravel(), scale.ravel(), got]
         shapes.append(expected.shape)
         wholes.append(whole)
+    # In jaxkv's own computations, the digest of the keys summed rides last (below 2**24:
+    # exact in float32): every device's must be this one's.
+    keyed = checked.collecting()
+    if keyed:
+        pieces.append(checked.keys_digest().astype(jnp.float32)[None])
     # One all-gather of every device's dots: the inputs' are summed here.
     with jax.named_scope(CHECK):
         every_dot = jax.lax.all_gather(jnp.concatenate(pieces), axis)
@@ -276,6 +281,12 @@ def _check(
         )
         reports.append((compare, jnp.stack([expected, scale]), got))
 
+    if keyed:
+        digests = every_dot[:, -1]
+        offs.append(jnp.any(digests != digests[0]))
+        compare = functools.partial(_compare_keys, owners=owners)
+        reports.append((compare, digests, digests))
+
     def report(*arrays: Any) -> None:  # on the host: the first sum that is off raises
         for j, (compare, _, _) in enumerate(reports):
             compare(arrays[2 * j], arrays[2 * j + 1])
@@ -291,6 +302,25 @@ def _check(
         lambda: jax.debug.callback(report, *args),
         lambda: None,
     )
+
+
+def _compare_keys(digests: Any, _: Any, *, owners: tuple[int, ...] | None) -> None:
+    """On the host: refuse a sum whose devices summed values of different keys (each
+    device's digest of its call's keys, ``checked.digest``): processes whose calls differ
+    met in one collective, and its sum mixed them."""
+    digests = np.asarray(digests).reshape(-1)
+    other = np.flatnonzero(digests != digests[0])
+    if other.size:
+        where = ", ".join(
+            f"device {d}" + (f" (process {owners[d]})" if owners and d < len(owners) else "")
+            for d in other
+        )
+        raise SumError(
+            f"the sum across {digests.size} devices mixed the values of different keys: "
+            f"{where} pushed other keys than device 0 in the same collective (every process "
+            "must make the same calls: one program on every process). Those keys' values "
+            "are now wrong on every process: init them again, or load a checkpoint"
+        )
 
 
 def _compare(
