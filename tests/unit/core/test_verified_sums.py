@@ -378,3 +378,59 @@ def test_a_jaxkv_computation_with_no_check_is_a_plain_jit_and_one_with_a_check_s
     summing(x)
     assert summing.plain is None and len(checked._pending) == before + 1
     checked.settle(wait=True)
+
+
+# -- the keys each device's call sums, compared in the same all-gather ----------------------------
+def test_the_keys_digest_is_the_same_in_any_order_and_another_for_other_keys():
+    from jaxkv._src.core import checked
+
+    d = checked.digest(["a", "b", 3])
+    assert d == checked.digest([3, "b", "a"]) == checked.digest({"b": 0, 3: 1, "a": 2})
+    assert 0 < d < 2**24  # (exact in float32)
+    assert len({checked.digest(k) for k in ("a", "b", ["a"], ["a", "a"], 3, "3")}) == 5
+    assert checked.digest("a") == checked.digest(["a"])
+    assert checked.digest(None) == 0
+
+
+@pytest.mark.parametrize("other", [None, 0, 3])
+def test_a_sum_whose_devices_summed_other_keys_fails_its_check_naming_them(
+    as_across_processes, monkeypatch, other
+):
+    """In jaxkv's own computations each device's keys (one process's call: the same on its
+    devices) ride in the checksums' all-gather: a device whose keys differ (another process
+    pushing another key of the same shape, played here by one device's digest) fails the
+    check, though the sum itself is right, naming the keys of this call."""
+    from jaxkv._src.core import checked
+
+    digest = checked.keys_digest
+
+    def per_device():  # device ``other`` made another call than the rest
+        mine = digest()
+        if other is None:
+            return mine
+        return jnp.where(jax.lax.axis_index("kv") == other, mine + 1, mine)
+
+    monkeypatch.setattr(checked, "keys_digest", per_device)
+    x = _blocks((N, 8))
+
+    def fn(b):
+        out = jax.lax.psum(b, "kv")
+        verified.check_sum(b, out, "kv", "an all-reduce")
+        return out
+
+    split = P("kv")
+    mapped = checked.shard_map(fn, mesh=_mesh(), in_specs=split, out_specs=split)
+    body = checked.jit(mapped, verified.verify_every())
+    with checked.naming(["w", "v"]):
+        got = body(jax.device_put(x, jax.sharding.NamedSharding(_mesh(), split)))
+    want = x.reshape(N, N, 8).sum(0)
+    np.testing.assert_array_equal(np.asarray(got).reshape(N, N, 8)[0], want)  # the sum is right
+    if other is None:
+        checked.settle(wait=True)
+        return
+    with pytest.raises(verified.SumError) as caught:
+        checked.settle(wait=True)
+    text = str(caught.value)
+    assert text.startswith("keys ['w', 'v']: ") and "mixed the values of different keys" in text
+    named = "device 1, device 2, device 3" if other == 0 else "device 3"
+    assert f"{named} pushed other keys than device 0" in text, text
