@@ -970,11 +970,10 @@ def _agreed(
     anywhere. ``key`` and ``extra`` (an updater's extra arguments: an MXNet optimizer's
     numbers) must be the same in every process (two keys of one shape would otherwise meet in
     one computation: a process's rows added into another's table), else every process raises,
-    naming each one's; so must the calls
-    held ``before`` the push, compared in the same all-gather (else ``before.differ``). Held
-    calls agreed alone (:func:`agree_before`) take the same all-gather, so that processes whose
-    held calls differ meet in all-gathers of one size and all raise. ``what`` names the turn
-    for the watchdog."""
+    naming each one's; so must the calls held ``before`` the push, compared in the same
+    all-gather (else ``before.differ``). Held calls agreed alone (:func:`agree_before`) take
+    the same all-gather, so that processes whose held calls differ meet in all-gathers of one
+    size and all raise. ``what`` names the turn for the watchdog."""
     held = np.zeros(4, np.int64) if before is None else before.digest.view(np.int64)
     named = _digest({"key": np.frombuffer(repr(key).encode(), np.uint8)})
     sent = np.array(
