@@ -11,9 +11,12 @@ conditional took 4.8 ms to dispatch, one without 0.14 ms; MXNet's embedding loop
 So jaxkv's own eager computations (built with :func:`jit`, their ``shard_map``\\ s with
 :func:`shard_map`) have no callback: each check's verdict (whether a part is off, and the
 checksums that say where) is an output, and the count of runs that picks the slice checked is
-an argument. The host compares them once the computation has finished (:func:`settle`): at
-this process's next collective turn (``order.py``: every process reaches it at the same call,
-with the same all-gathered checksums, so every process raises the same ``SumError``; in one
+an argument, as is a digest of the keys of the call that dispatched it (:func:`digest`: the
+checks compare it across devices, where processes pushing different keys met in one sum). The
+host compares them once the computation has finished (:func:`settle`): at this process's next
+collective turn (``order.py``: every process reaches it at the same call, waits there for every
+verdict pending, and has the same all-gathered checksums, so every process raises the same
+``SumError``; in one
 process, at any jaxkv computation after it), at a read of an MXNet out (``asnumpy``,
 ``wait_to_read``, ``nd.waitall``), and at the process's exit (the error logged, exit status
 1), so a wrong sum is raised at the next call of jaxkv after the push that made it.
