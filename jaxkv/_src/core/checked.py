@@ -16,10 +16,10 @@ checks compare it across devices, where processes pushing different keys met in 
 host compares them once the computation has finished (:func:`settle`): at this process's next
 collective turn (``order.py``: every process reaches it at the same call, waits there for every
 verdict pending, and has the same all-gathered checksums, so every process raises the same
-``SumError``; in one
-process, at any jaxkv computation after it), at a read of an MXNet out (``asnumpy``,
-``wait_to_read``, ``nd.waitall``), and at the process's exit (the error logged, exit status
-1), so a wrong sum is raised at the next call of jaxkv after the push that made it.
+``SumError``; in one process, at any jaxkv computation after it), at a read of an MXNet out
+(``asnumpy``, ``wait_to_read``, ``nd.waitall``), and at the process's exit (the error logged,
+exit status 1), so a wrong sum is raised at the next call of jaxkv after the push that made
+it.
 """
 
 from __future__ import annotations
