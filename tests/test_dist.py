@@ -67,10 +67,24 @@ def test_dist_sync_sums_within_each_process_then_across(n):
             "flat split store",
             "mean across processes",
             "mean per key across processes",
-            "another key on one process refused everywhere",
             "global value refused",
         ),
     )
+
+
+def test_pushes_of_different_keys_on_each_process_are_never_a_silent_sum():
+    """The last process pushes another key of the same shape than the others (a program that
+    differs between processes): where JAX makes one computation of both pushes, they meet in
+    one sum and every process raises SumError at its next collective, naming its key (the
+    checks of the sums compare the keys' digests); where it makes two (JAX 0.12 here), they
+    never meet and the watchdog ends the job. Never a sum that mixes two keys with no error."""
+    run = launch(2, "keys_job.py", timeout=180)
+    if run.returncode == 0:
+        expect_ok(run, 2, ("another key on one process refused everywhere",))
+    else:
+        assert run.returncode == 124, run.stdout + run.stderr
+        assert "one of them is hung or far behind" in run.stderr, run.stderr
+        assert " ok " not in run.stdout, run.stdout
 
 
 @pytest.mark.parametrize("n", N_PROCESSES)
