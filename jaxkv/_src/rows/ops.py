@@ -1006,8 +1006,7 @@ def _agreed(
             "push, given different ones; nothing changed on any process"
         )
     if not (got[:, -8:-4] == got[0, -8:-4]).all():
-        keys = host.all_gather_text(repr(key).encode(), "the keys of a row operation")
-        per = "; ".join(f"process {p}: {t.decode()}" for p, t in enumerate(keys))
+        per = _each_process(repr(key).encode(), "the keys of a row operation")
         raise KVStoreError(
             f"key {shown(key)}: expected every process to make this row operation on the same "
             f"key (one program on every process), given {per}; nothing changed on any process"
@@ -1041,12 +1040,18 @@ def _extra_differs(key: Key, extra: dict | None) -> None:
     mine = json.dumps(
         {n: np.asarray(v).tolist() for n, v in sorted((extra or {}).items())}
     ).encode()
-    texts = host.all_gather_text(mine, "the numbers of a row push")
-    per = "; ".join(f"process {p}: {t.decode()}" for p, t in enumerate(texts))
+    per = _each_process(mine, "the numbers of a row push")
     raise KVStoreError(
         f"key {shown(key)}: expected every process to push with the same numbers (an MXNet "
         f"optimizer's learning rate, ...), given {per}; nothing changed on any process"
     )
+
+
+def _each_process(mine: bytes, what: str) -> str:
+    """Every process's text (this one's ``mine``), gathered (every process calls it) and
+    named for an error: ``process 0: ...; process 1: ...``."""
+    texts = host.all_gather_text(mine, what)
+    return "; ".join(f"process {p}: {t.decode()}" for p, t in enumerate(texts))
 
 
 @contextlib.contextmanager
