@@ -25,6 +25,8 @@ def test_rows_across_processes(bound, rows):
             "functional pull per device",
             "functional pull of one array",
             "functional assign of one pair per process",
+            "functional pushpull of the pushed ids",
+            "... the table after it",
             "row_sparse_pull after lazy sgd",
             "the whole table after lazy sgd",
             "functional pull and push of no rows",

@@ -96,6 +96,21 @@ def main():
     for i, g in summed.items():
         model[i] = g
     check(f"{tag} functional assign of one pair per process", jaxkv.pull(state, "t", devices=local[0]), model)
+    # pushpull_rows of the ids it pushes, one pair per process: one agreement (one host
+    # all-gather) and one computation, the rows coming back on every device of the process
+    from jaxkv._src.processes import host
+
+    gathers, gather = [], host._mine
+    host._mine = lambda x: gathers.append(1) or gather(x)
+    every = pairs(3, workers, 1)
+    ids, rows = every[rank][0]
+    state, got = jaxkv.pushpull_rows(state, "t", ids, jnp.asarray(rows), updater=optax.sgd(LR))
+    host._mine = gather
+    model = lazy_sgd(model, every)
+    assert len(gathers) == 1, f"{len(gathers)} host all-gathers"
+    assert got.devices() == set(local), got.devices()
+    check(f"{tag} functional pushpull of the pushed ids", got, model[ids])
+    check(f"{tag} ... the table after it", jaxkv.pull(state, "t", devices=local[0]), model)
     # no ids on any process: nothing read, nothing changed (one padded id, selecting nothing)
     none = np.zeros(0, np.int32)
     got = jaxkv.pull_rows(state, "t", [none] * len(local))

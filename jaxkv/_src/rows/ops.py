@@ -620,7 +620,11 @@ def pushpull_rows(
         state, key, row_ids, rows, updater, axis_name, donate, plan, extra=extra_args
     )
     if pulled is not None and not many:
-        return state, exact(pulled[0])
+        one = exact(pulled[0])
+        local = _local_devices(state)
+        if spans_processes(state) and len(local) > 1:  # (as pull_rows gives it: on every one)
+            one = replicate([one], tuple(local))[0]
+        return state, one
     if not many:
         return state, pull_rows(state, key, asked, axis_name=axis_name)
     if traced:
@@ -694,15 +698,20 @@ def _push(
                 host_pairs = _host_pairs(key, shape, dtype, pairs)
         across = None
         if spans_processes(state):  # agreed before anything runs (init_opt_states may compute)
-            # A pull of one id array per device of this process, fused: agreed with the push.
+            here = _here(state, key, shape, host_pairs)
+            # A pull of one id array per device of this process, fused: agreed with the push
+            # (the pushed ids of one pair: this process's, on its first device).
             fused = None
-            if (
+            if pull is _SAME and len(host_pairs) == 1:
+                fused = [x for x, _ in here]
+            elif (
                 pull is not None
                 and pull is not _SAME
                 and len(pull[1]) <= len(_local_devices(state))
             ):
                 fused = _asked_here(state, list(pull[1]))
-            across = _across_pairs(state, key, shape, host_pairs, extra, fused, before)
+            asked_n = 0 if pull is None else 1 if pull is _SAME else len(pull[1])
+            across = _across_pairs(state, key, shape, here, extra, fused, before)
         if before is not None:  # (held calls of other keys: the same key, shape and layout)
             state = before.run()
         if optax_push and state.opt_group(key) is None:
@@ -722,9 +731,9 @@ def _push(
             if pull_sizes is None:
                 return new, None
             if rows is None:
-                mine = _asked_here(state, list(pull[1]))
+                mine = fused if fused is not None else _asked_here(state, list(pull[1]))
                 rows = _pull_agreed(new, key, i, shape, mine, pull_sizes[0], pull_sizes[1])
-            return new, rows[: len(pull[1])]
+            return new, rows[:asked_n]
         if leaf is not None and (n is None or state.packings[n] is None):
             routed = _routed(state, key, shape, host_pairs, updater, n, [ids for ids, _ in pairs])
             if routed is not None:
@@ -1159,6 +1168,25 @@ def _pull_agreed(
     return [cut(x, a.size) for x, a in zip(per_device(out), mine)]
 
 
+def _here(
+    state: KVState, key: Key, shape: tuple[int, ...], host_pairs: list[tuple[np.ndarray, Any]]
+) -> list[tuple[np.ndarray, Any]]:
+    """This process's checked pairs as one pair per device of this process, in the table's
+    dtype (all of them from its first device, if not already so)."""
+    local = _local_devices(state)
+    placed = [_one_device(r) for _, r in host_pairs]
+    dtype = buckets.stored_type(state, state.index(key)).dtype
+    if len(host_pairs) == len(local) and placed == local:
+        return [(ids, r.astype(dtype)) for ids, r in host_pairs]
+    ids = np.concatenate([x for x, _ in host_pairs])
+    first = single_device_sharding(local[0])
+    rows = concat_rows([r for _, r in host_pairs], first, ids.size, dtype)  # (no compile per count)
+    return [(ids, rows)] + [
+        (np.zeros(0, np.int32), jax.device_put(np.zeros((0, *shape[1:]), dtype), d))
+        for d in local[1:]
+    ]
+
+
 def _across_pairs(
     state: KVState,
     key: Key,
@@ -1168,27 +1196,13 @@ def _across_pairs(
     pull: list[np.ndarray] | None = None,
     before: Before | None = None,
 ) -> tuple[list[tuple[np.ndarray, Any]], int, int, tuple[int, int, bool] | None]:
-    """This process's checked pairs as one pair per device of this process (all of them from
-    its first device, if not already so), with the largest count of ids of any device of any
-    process and the busiest route of a sharded table, agreed (:func:`_agreed`, with the
-    updater's ``extra`` arguments), and, for the pull fused with it (``pull``: this process's
-    checked ids, one per device of it), its count and route and whether every process pulls
-    the ids it pushes, agreed in the same all-gather, as are the calls held ``before``."""
-    local = _local_devices(state)
-    placed = [_one_device(r) for _, r in host_pairs]
-    dtype = buckets.stored_type(state, state.index(key)).dtype
-    if len(host_pairs) == len(local) and placed == local:
-        pairs = [(ids, r.astype(dtype)) for ids, r in host_pairs]
-    else:
-        ids = np.concatenate([x for x, _ in host_pairs])
-        here = single_device_sharding(local[0])
-        rows = concat_rows(
-            [r for _, r in host_pairs], here, ids.size, dtype
-        )  # (no compile per count)
-        pairs = [(ids, rows)] + [
-            (np.zeros(0, np.int32), jax.device_put(np.zeros((0, *shape[1:]), dtype), d))
-            for d in local[1:]
-        ]
+    """This process's checked pairs, one per device of this process (:func:`_here`), with the
+    largest count of ids of any device of any process and the busiest route of a sharded table,
+    agreed (:func:`_agreed`, with the updater's ``extra`` arguments), and, for the pull fused
+    with it (``pull``: this process's checked ids, one per device of it), its count and route
+    and whether every process pulls the ids it pushes, agreed in the same all-gather, as are the
+    calls held ``before``."""
+    pairs = host_pairs
     parts = len(state.devices)
     sharded = state.is_sharded(shape) and state.own_leaf(state.index(key)) is not None
     most = busiest([x for x, _ in pairs], shape[0] // parts, parts) if sharded else 1
