@@ -111,9 +111,7 @@ def lazy_push(
     """One ``push_rows`` of each device's ``(row_ids, rows)``: only the rows pushed (and their
     optimizer state) change; with no updater the stored value becomes the merged sum (MXNet)."""
     updater = replace_all if updater is None else updater
-    return ops.push_rows(
-        state, key, row_ids, rows, updater=updater, donate=donate, extra_args=extra
-    )
+    return ops.push_rows_held(state, key, row_ids, rows, updater, donate, extra)
 
 
 def _row_sparse_values(state: KVState, key: Key, values: list) -> list:

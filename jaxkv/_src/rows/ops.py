@@ -55,6 +55,7 @@ from jaxkv._src.jax_internals import (
     single_device_sharding,
 )
 from jaxkv._src.processes import host, order
+from jaxkv._src.rows import inband
 from jaxkv._src.rows.kernels import (
     ROUTE,
     Where,
@@ -84,6 +85,7 @@ from jaxkv._src.rows.sizes import (
     fit,
     pad_ids,
     pad_rows,
+    padded,
     route,
     slots,
     sorted_distinct,
@@ -557,7 +559,24 @@ def push_rows(
       >>> jaxkv.pull(s, "e").tolist()
       [[1.0, 1.0], [0.0, 0.0], [2.0, 2.0]]
     """
-    new, _ = _push(state, key, row_ids, rows, updater, axis_name, donate, None, extra=extra_args)
+    new, _ = _push(
+        state, key, row_ids, rows, updater, axis_name, donate, None, extra=extra_args, in_band=True
+    )
+    return new
+
+
+def push_rows_held(
+    state: KVState,
+    key: Any,
+    row_ids: Any,
+    rows: Any,
+    updater: Any,
+    donate: bool,
+    extra: dict[str, Any] | None = None,
+) -> KVState:
+    """:func:`push_rows` for the imperative store: across processes agreed on the host alone
+    (never kept to start with its computation: ``inband``)."""
+    new, _ = _push(state, key, row_ids, rows, updater, None, donate, None, extra=extra)
     return new
 
 
@@ -617,7 +636,7 @@ def pushpull_rows(
             else:
                 host_ids(key, pull_ids, n_rows)
     state, pulled = _push(
-        state, key, row_ids, rows, updater, axis_name, donate, plan, extra=extra_args
+        state, key, row_ids, rows, updater, axis_name, donate, plan, extra=extra_args, in_band=True
     )
     if pulled is not None and not many:
         one = exact(pulled[0])
@@ -658,13 +677,15 @@ def _push(
     checked: list[np.ndarray] | None = None,
     extra: dict[str, Any] | None = None,
     before: Before | None = None,
+    in_band: bool = False,
 ) -> tuple[KVState, Any]:
     """``push_rows``, and, where one computation can also pull (see :func:`pushpull_rows`), the
     pulled rows (else ``None``). ``pull``: ``None`` (no pull), ``_SAME`` (the pushed ids), or
     ``(given, checked)``, the ids to pull per device as given and checked on the host.
     ``checked``: the pairs' ids, already checked on the host (:func:`check_push`); ``extra``:
     the updater's extra arguments; ``before``: calls held before the push, agreed with it and
-    run before its computation (a store across processes)."""
+    run before its computation (a store across processes); ``in_band``: across processes, a
+    functional push, which may be kept to start with its computation (``inband``)."""
     with naming(key):  # (a wrong sum's error, found at a later call, names the key)
         updater = as_updater(updater)  # an optax wrapper (MultiSteps): its transformation
         updater = viewed(state, updater)  # optax sees the tree given to init
@@ -711,6 +732,15 @@ def _push(
             ):
                 fused = _asked_here(state, list(pull[1]))
             asked_n = 0 if pull is None else 1 if pull is _SAME else len(pull[1])
+            where = inband.site(state.devices, key, shape, dtype)
+            cls = inband.kept(where) if in_band and before is None else None
+            if cls is not None and _routed_alone(state, key, i, shape, updater, group):
+                ok, state, rows = _in_band(
+                    state, key, shape, cls, updater, group, extra, here, fused, donate
+                )
+                if ok:
+                    return state, None if pull is None else rows[:asked_n]
+                inband.failed(where)  # (every process: the verdict is every device's)
             across = _across_pairs(state, key, shape, here, extra, fused, before)
         if before is not None:  # (held calls of other keys: the same key, shape and layout)
             state = before.run()
@@ -725,6 +755,23 @@ def _push(
             # The pull asks every process's pushed ids back (MXNet's push, then row_sparse_pull of
             # the batch): along the push's own routes, in its computation.
             along = pull_sizes is not None and pull_sizes[2]
+            if in_band and before is None:  # (agreed: alike on every process)
+                alone = _routed_alone(state, key, i, shape, updater, group)
+                keep = None
+                if alone and (pull_sizes is None or along):
+                    to = padded(m)
+                    c = route(most, to, len(state.devices))
+                    keep = inband.Kept(
+                        where,
+                        state.devices,
+                        state.mesh,
+                        state.axis,
+                        key,
+                        tuple(shape[1:]),
+                        dtype,
+                        inband.Class(to, c, pull_sizes is not None),
+                    )
+                inband.agreed_push(where, keep)
             new, rows = _push_across(
                 state, key, shape, pairs_here, m, most, updater, n, leaf, donate, extra, along
             )
@@ -983,6 +1030,7 @@ def _agreed(
     all-gather (else ``before.differ``). Held calls agreed alone (:func:`agree_before`) take
     the same all-gather, so that processes whose held calls differ meet in all-gathers of one
     size and all raise. ``what`` names the turn for the watchdog."""
+    inband.agreeing(_meet)  # (a push kept: the others may start with its computation)
     held = np.zeros(4, np.int64) if before is None else before.digest.view(np.int64)
     named = _digest({"key": np.frombuffer(repr(key).encode(), np.uint8)})
     sent = np.array(
@@ -1185,6 +1233,130 @@ def _here(
         (np.zeros(0, np.int32), jax.device_put(np.zeros((0, *shape[1:]), dtype), d))
         for d in local[1:]
     ]
+
+
+# -- a push agreed inside its computation (``inband``) -------------------------------------------
+def _routed_alone(
+    state: KVState,
+    key: Key,
+    i: int,
+    shape: tuple[int, ...],
+    updater: Any,
+    group: tuple[Key, ...] | None,
+) -> bool:
+    """Whether a push of rows of ``key`` across processes is routed, each owner updating its
+    rows alone (:func:`_push_across`), its optimizer state made: a push that can be kept."""
+    if group is not None and state.opt_group(key) is None:
+        return False
+    n = None if group is None else state.groups.index(group)
+    if state.own_leaf(i) is None or not state.is_sharded(shape):
+        return False
+    if n is not None and state.packings[n] is not None:
+        return False
+    return _owners_alone(state, key, shape, updater, n)
+
+
+def _in_band(
+    state: KVState,
+    key: Key,
+    shape: tuple[int, ...],
+    cls: inband.Class,
+    updater: Any,
+    group: tuple[Key, ...] | None,
+    extra: dict[str, Any],
+    pairs: list[tuple[np.ndarray, Any]],
+    pulled: list[np.ndarray] | None,
+    donate: bool,
+) -> tuple[bool, KVState, list[Any]]:
+    """The push kept (class ``cls``), this process's words behind its rows
+    (:func:`kernels.routed_push`): its ``pairs``, one per device of this process
+    (:func:`_here`), and the ids it pulls (``pulled``: its pushed ids, or ``None``). Returns
+    ``(agreed, state, rows)``: where every process agreed, the new state and, for a class that
+    pulls, each device's pushed rows after the update; else ``state``, as it was (refilled,
+    where this process donated its table to the computation: :func:`_refill`)."""
+    parts = len(state.devices)
+    counts = max(x.size for x, _ in pairs)
+    most = busiest([x for x, _ in pairs], shape[0] // parts, parts)
+    pulls = pulled is not None and all(np.array_equal(p, x) for p, (x, _) in zip(pulled, pairs))
+    fits = counts <= cls.n and most <= cls.c and pulls == cls.back
+    status = inband.AGREE if fits else inband.OTHER
+    local = _local_devices(state)
+    rows: list[Any]
+    if fits:
+        rows = [pad_rows(r, cls.n) for _, r in pairs]
+        sent = [pad_ids(x, cls.n, -1) for x, _ in pairs]
+    else:  # (rows that select nothing)
+        dtype = buckets.stored_type(state, state.index(key)).dtype
+        rows = [np.zeros((cls.n, *shape[1:]), dtype)] * len(local)
+        sent = [np.full(cls.n, -1, np.int32)] * len(local)
+    words = inband.words(status, cls, key, _digest(extra))
+    mine = donate and fits  # (a process that does not run the push keeps its table)
+    i = state.index(key)
+    leaf = state.own_leaf(i)
+    assert leaf is not None  # (:func:`_routed_alone`)
+    n = None if group is None else state.groups.index(group)
+    opt = None if n is None else state.group_states[n]
+    back = 0 if cls.back else None
+    fn = routed_push(state.mesh, state.axis, key, updater, mine, cls.c, back, words.size)
+    out = order.ordered(
+        "push_rows",
+        fn,
+        state.leaves[leaf],
+        opt,
+        _global(state, sent),
+        _global(state, rows),
+        extra,
+        _global(state, [words] * len(local)),
+    )
+    ok = bool(np.asarray(per_device(out[-1])[0]).reshape(-1)[0])  # (the host waits for it)
+    new = buckets.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]})
+    if not ok:
+        if mine:  # (it gave its table to a push that did not run)
+            _refill(state, new)
+        return False, state, []
+    if not cls.back:
+        return True, new, []
+    return True, new, [Padded(x, ids.size) for x, (ids, _) in zip(per_device(out[2]), pairs)]
+
+
+def _refill(given: KVState, got: KVState) -> None:
+    """``given``, whose table and optimizer state were donated to a push that did not run
+    (the processes did not agree), takes the computation's (the same values): a call that
+    then raises leaves the caller's state as it was, usable."""
+    object.__setattr__(given, "leaves", got.leaves)
+    object.__setattr__(given, "group_states", got.group_states)
+    object.__setattr__(given, "_views", None)
+
+
+def _meet(kept: inband.Kept) -> None:
+    """The computation of the push ``kept``, run by a process making another row operation
+    (or refusing its arguments) where the others may be running it: rows that select
+    nothing, its status :data:`inband.OTHER` (so no process updates), and a table of one row
+    per device (the computation's collectives do not depend on the table's rows)."""
+    me = jax.process_index()
+    local = [d for d in kept.devices if d.process_index == me]
+    cls = kept.cls
+    split = NamedSharding(kept.mesh, PartitionSpec(kept.axis))
+
+    def whole(shards: list[np.ndarray]) -> jax.Array:
+        shape = (shards[0].shape[0] * len(kept.devices), *shards[0].shape[1:])
+        placed = jax.device_put(shards, local)
+        return jax.make_array_from_single_device_arrays(shape, split, list(placed))
+
+    cls_words = inband.words(inband.OTHER, cls, kept.key, np.zeros(4, np.int64))
+    fn = routed_push(
+        kept.mesh, kept.axis, kept.key, None, False, cls.c, 0 if cls.back else None, cls_words.size
+    )
+    order.ordered(
+        "push_rows",
+        fn,
+        whole([np.zeros((1, *kept.row), kept.dtype)] * len(local)),
+        None,
+        whole([np.full(cls.n, -1, np.int32)] * len(local)),
+        whole([np.zeros((cls.n, *kept.row), kept.dtype)] * len(local)),
+        {},
+        whole([cls_words] * len(local)),
+    )
 
 
 def _across_pairs(
