@@ -65,16 +65,18 @@ class Class(NamedTuple):
 
 class Kept(NamedTuple):
     """The push kept between host agreements: its ``site`` (:func:`site`), what its
-    computation needs without the store (the store's devices, mesh and axis, the key, a row's
-    shape and the table's dtype) and its class."""
+    computation is made of (the key, a row's shape and the table's dtype, the updater, whether
+    it donates, its extra arguments' names, shapes and dtypes) and its class. Another process
+    meets it by running that same computation, since JAX 0.12 pairs only the collectives of one
+    compiled program across processes."""
 
     site: tuple
-    devices: tuple
-    mesh: Any
-    axis: str
     key: Any
     row: tuple[int, ...]
     dtype: Any
+    updater: Any
+    donate: bool
+    extra: tuple[tuple[str, tuple[int, ...], str], ...]
     cls: Class
 
 

@@ -763,12 +763,15 @@ def _push(
                     c = route(most, to, len(state.devices))
                     keep = inband.Kept(
                         where,
-                        state.devices,
-                        state.mesh,
-                        state.axis,
                         key,
                         tuple(shape[1:]),
                         dtype,
+                        updater,
+                        donate,
+                        tuple(
+                            (name, np.shape(x), np.asarray(x).dtype.name)
+                            for name, x in sorted(extra.items())
+                        ),
                         inband.Class(to, c, pull_sizes is not None),
                     )
                 inband.agreed_push(where, keep)
@@ -1017,6 +1020,7 @@ def _agreed(
     extra: dict | None = None,
     before: Before | None = None,
     what: str = "sizes of a row operation",
+    state: KVState | None = None,
 ) -> tuple[int, ...]:
     """The largest of each value (at most ``_AGREED``) over every process: one host all-gather
     of a fixed size, the one collective every process makes for a row operation before any
@@ -1030,7 +1034,8 @@ def _agreed(
     all-gather (else ``before.differ``). Held calls agreed alone (:func:`agree_before`) take
     the same all-gather, so that processes whose held calls differ meet in all-gathers of one
     size and all raise. ``what`` names the turn for the watchdog."""
-    inband.agreeing(_meet)  # (a push kept: the others may start with its computation)
+    # (a push kept: the others may start with its computation)
+    inband.agreeing(functools.partial(_meet, state))
     held = np.zeros(4, np.int64) if before is None else before.digest.view(np.int64)
     named = _digest({"key": np.frombuffer(repr(key).encode(), np.uint8)})
     sent = np.array(
@@ -1121,7 +1126,7 @@ def checking(state: KVState, key: Any, refused: int = REFUSED) -> Iterator[None]
         yield
     except KVStoreError:
         if spans_processes(state):
-            _agreed(key, (0, 0), refused=refused)
+            _agreed(key, (0, 0), refused=refused, state=state)
         raise
 
 
@@ -1152,7 +1157,8 @@ def _pull_across(
                 f"given {len(asked)} row_ids"
             )
     mine = _asked_here(state, asked)
-    n, most = _agreed(key, (max(x.size for x in mine), _pull_route(state, i, shape, mine)))
+    sizes = (max(x.size for x in mine), _pull_route(state, i, shape, mine))
+    n, most = _agreed(key, sizes, state=state)
     rows = _pull_agreed(state, key, i, shape, mine, n, most)
     if per:
         targets = devices_of(devices) if devices is not None else tuple(local)
@@ -1290,14 +1296,14 @@ def _in_band(
         rows = [np.zeros((cls.n, *shape[1:]), dtype)] * len(local)
         sent = [np.full(cls.n, -1, np.int32)] * len(local)
     words = inband.words(status, cls, key, _digest(extra))
-    mine = donate and fits  # (a process that does not run the push keeps its table)
     i = state.index(key)
     leaf = state.own_leaf(i)
     assert leaf is not None  # (:func:`_routed_alone`)
     n = None if group is None else state.groups.index(group)
     opt = None if n is None else state.group_states[n]
     back = 0 if cls.back else None
-    fn = routed_push(state.mesh, state.axis, key, updater, mine, cls.c, back, words.size)
+    # (donating as the call asks, whatever its status: every process runs one program)
+    fn = routed_push(state.mesh, state.axis, key, updater, donate, cls.c, back, words.size)
     out = order.ordered(
         "push_rows",
         fn,
@@ -1311,7 +1317,7 @@ def _in_band(
     ok = bool(np.asarray(per_device(out[-1])[0]).reshape(-1)[0])  # (the host waits for it)
     new = buckets.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]})
     if not ok:
-        if mine:  # (it gave its table to a push that did not run)
+        if donate:  # (it gave its table to a push that did not run)
             _refill(state, new)
         return False, state, []
     if not cls.back:
@@ -1328,35 +1334,71 @@ def _refill(given: KVState, got: KVState) -> None:
     object.__setattr__(given, "_views", None)
 
 
-def _meet(kept: inband.Kept) -> None:
-    """The computation of the push ``kept``, run by a process making another row operation
-    (or refusing its arguments) where the others may be running it: rows that select
-    nothing, its status :data:`inband.OTHER` (so no process updates), and a table of one row
-    per device (the computation's collectives do not depend on the table's rows)."""
-    me = jax.process_index()
-    local = [d for d in kept.devices if d.process_index == me]
+def _meet(state: KVState | None, kept: inband.Kept) -> None:
+    """The computation of the push ``kept``, run on ``state`` by a process making another row
+    operation on it (or refusing its arguments) where the others may be running that push:
+    rows that select nothing and its status :data:`inband.OTHER`, so that no process updates
+    (a table given to it comes back refilled). The same program as theirs (the updater,
+    donation and extra arguments' shapes the push was kept with): JAX 0.12 pairs only the
+    collectives of one program across processes. Where ``state`` does not hold that table (a
+    call on another store: so do the others', in one program), nothing runs."""
+    table = _holds(state, kept)
+    if table is None or state is None:
+        return
+    leaf, n = table
     cls = kept.cls
-    split = NamedSharding(kept.mesh, PartitionSpec(kept.axis))
-
-    def whole(shards: list[np.ndarray]) -> jax.Array:
-        shape = (shards[0].shape[0] * len(kept.devices), *shards[0].shape[1:])
-        placed = jax.device_put(shards, local)
-        return jax.make_array_from_single_device_arrays(shape, split, list(placed))
-
-    cls_words = inband.words(inband.OTHER, cls, kept.key, np.zeros(4, np.int64))
+    local = _local_devices(state)
+    words = inband.words(inband.OTHER, cls, kept.key, np.zeros(4, np.int64))
     fn = routed_push(
-        kept.mesh, kept.axis, kept.key, None, False, cls.c, 0 if cls.back else None, cls_words.size
+        state.mesh,
+        state.axis,
+        kept.key,
+        kept.updater,
+        kept.donate,
+        cls.c,
+        0 if cls.back else None,
+        words.size,
     )
-    order.ordered(
+    out = order.ordered(
         "push_rows",
         fn,
-        whole([np.zeros((1, *kept.row), kept.dtype)] * len(local)),
-        None,
-        whole([np.full(cls.n, -1, np.int32)] * len(local)),
-        whole([np.zeros((cls.n, *kept.row), kept.dtype)] * len(local)),
-        {},
-        whole([cls_words] * len(local)),
+        state.leaves[leaf],
+        None if n is None else state.group_states[n],
+        _global(state, [np.full(cls.n, -1, np.int32)] * len(local)),
+        _global(state, [np.zeros((cls.n, *kept.row), kept.dtype)] * len(local)),
+        {name: np.zeros(shape, dtype) for name, shape, dtype in kept.extra},
+        _global(state, [words] * len(local)),
     )
+    if kept.donate:
+        _refill(state, buckets.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]}))
+
+
+def _holds(state: KVState | None, kept: inband.Kept) -> tuple[int, int | None] | None:
+    """Where ``state`` holds the table of the push ``kept`` as that push found it (its leaf and
+    optimizer group), else ``None``."""
+    if state is None or _traced_leaves(state):
+        return None
+    try:
+        i = state.index(kept.key)
+    except (KeyError, KVStoreError):
+        return None
+    shape = state.key_shapes[i]
+    dtype = buckets.stored_type(state, i).dtype
+    if inband.site(state.devices, kept.key, shape, dtype) != kept.site:
+        return None
+    group = None
+    if isinstance(kept.updater, optax.GradientTransformation):
+        group = state.opt_group(kept.key)
+        if group is None:
+            return None
+    try:
+        if not _routed_alone(state, kept.key, i, shape, kept.updater, group):
+            return None
+    except KVStoreError:
+        return None
+    leaf = state.own_leaf(i)
+    assert leaf is not None  # (:func:`_routed_alone`)
+    return leaf, None if group is None else state.groups.index(group)
 
 
 def _across_pairs(
@@ -1385,7 +1427,7 @@ def _across_pairs(
             np.array_equal(p, x) for p, (x, _) in zip(pull, pairs)
         )
         sizes += (max(x.size for x in pull), _pull_route(state, i, shape, pull), int(not same))
-    agreed = _agreed(key, sizes, extra=extra, before=before)
+    agreed = _agreed(key, sizes, extra=extra, before=before, state=state)
     # (the pull's count and route, and whether every process pulls the ids it pushed)
     pulled = None if pull is None else (agreed[2], agreed[3], not agreed[4])
     # no rows anywhere: padded rows that select nothing
