@@ -107,3 +107,20 @@ def test_dist_sync_matches_pushes_by_key(n):
         ),
     )
     assert "held push failed" not in run.stdout + run.stderr, run.stdout + run.stderr
+
+
+def test_pushes_of_rows_kept_between_host_agreements():
+    """A functional push of rows across processes, kept (it starts with its computation, the
+    processes' agreement riding in it): every pulled row and table to the bit as agreed on the
+    host each time, the same refusals (one process's bad id, a key per process), and no host
+    all-gather a step once kept (rows/inband.py). Run with every JAX version: JAX 0.12 pairs
+    only one program's collectives across processes, where 0.8 and 0.10 pair any."""
+    run = launch(2, "inband_job.py")
+    expect_ok(
+        run,
+        2,
+        (
+            "kept pushes give every row host-agreed ones give, to the bit, and the same refusals",
+            "kept pushes make no host all-gather",
+        ),
+    )

@@ -10,22 +10,6 @@ from _jobs import expect_ok, launch
 from jaxkv._src.mxnet.optimizers.optimizer import MXNET_OPTIMIZERS
 
 
-def test_pushes_of_rows_kept_between_host_agreements():
-    """A functional push of rows across processes, kept (it starts with its computation, the
-    processes' agreement riding in it): every pulled row and table to the bit as agreed on the
-    host each time, the same refusals (one process's bad id, a key per process), and no host
-    all-gather a step once kept (rows/inband.py)."""
-    run = launch(2, "inband_job.py")
-    expect_ok(
-        run,
-        2,
-        (
-            "kept pushes give every row host-agreed ones give, to the bit, and the same refusals",
-            "kept pushes make no host all-gather",
-        ),
-    )
-
-
 @pytest.mark.parametrize(("bound", "rows"), [(0, 64), (64, 64), (64, 66)])
 def test_rows_across_processes(bound, rows):
     """Each process pushes and pulls its own rows of one table (kept whole on every device, or

@@ -1,4 +1,4 @@
-"""Run by tests/test_dist_loops.py through ``python -m jaxkv.launch``: a functional push of rows
+"""Run by tests/test_dist.py through ``python -m jaxkv.launch``: a functional push of rows
 across processes kept between host agreements (``rows/inband.py``), against the same calls
 agreed on the host each time.
 
