@@ -66,9 +66,9 @@ class Class(NamedTuple):
 class Kept(NamedTuple):
     """The push kept between host agreements: its ``site`` (:func:`site`), what its
     computation is made of (the key, a row's shape and the table's dtype, the updater, whether
-    it donates, its extra arguments' names, shapes and dtypes) and its class. Another process
-    meets it by running that same computation, since JAX 0.12 pairs only the collectives of one
-    compiled program across processes."""
+    it donates, its extra arguments as given: their types shape the program) and its class.
+    Another process meets it by running that same computation, since JAX 0.12 pairs only the
+    collectives of one compiled program across processes."""
 
     site: tuple
     key: Any
@@ -76,7 +76,7 @@ class Kept(NamedTuple):
     dtype: Any
     updater: Any
     donate: bool
-    extra: tuple[tuple[str, tuple[int, ...], str], ...]
+    extra: dict[str, Any]
     cls: Class
 
 

@@ -768,10 +768,7 @@ def _push(
                         dtype,
                         updater,
                         donate,
-                        tuple(
-                            (name, np.shape(x), np.asarray(x).dtype.name)
-                            for name, x in sorted(extra.items())
-                        ),
+                        dict(extra),
                         inband.Class(to, c, pull_sizes is not None),
                     )
                 inband.agreed_push(where, keep)
@@ -1339,7 +1336,7 @@ def _meet(state: KVState | None, kept: inband.Kept) -> None:
     operation on it (or refusing its arguments) where the others may be running that push:
     rows that select nothing and its status :data:`inband.OTHER`, so that no process updates
     (a table given to it comes back refilled). The same program as theirs (the updater,
-    donation and extra arguments' shapes the push was kept with): JAX 0.12 pairs only the
+    donation and extra arguments the push was kept with): JAX 0.12 pairs only the
     collectives of one program across processes. Where ``state`` does not hold that table (a
     call on another store: so do the others', in one program), nothing runs."""
     table = _holds(state, kept)
@@ -1366,7 +1363,7 @@ def _meet(state: KVState | None, kept: inband.Kept) -> None:
         None if n is None else state.group_states[n],
         _global(state, [np.full(cls.n, -1, np.int32)] * len(local)),
         _global(state, [np.zeros((cls.n, *kept.row), kept.dtype)] * len(local)),
-        {name: np.zeros(shape, dtype) for name, shape, dtype in kept.extra},
+        kept.extra,  # (its values: nothing is updated; their types: the same program)
         _global(state, [words] * len(local)),
     )
     if kept.donate:
