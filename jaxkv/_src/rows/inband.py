@@ -1,5 +1,5 @@
-"""Row pushes across processes agreed inside their own computation: the store's one class kept
-between host agreements, and each process's words (``kernels.agreed``).
+"""Row pushes across processes agreed inside their own computation: the one push kept between
+host agreements, its class, and each process's words (``kernels.agreed``).
 
 A row operation across processes is agreed by one host all-gather before its computation
 (``ops._agreed``: refusals, counts, routes, numbers, key). Where a functional ``push_rows`` or
@@ -19,8 +19,11 @@ holds alike: the one class kept, set and forgotten at host agreements (every pro
 the same values), never on the key a process pushes (processes pushing different keys, one
 kept and one not, would start differently). While a class is kept, every row operation that
 is not that push (another key, a pull, an imperative store's, a refusal) starts with that
-class's computation too, with rows that select nothing and its status saying so (``meet``);
-then comes its host agreement, which forgets the class.
+push's computation too, with rows that select nothing and its status saying so
+(``ops._meet``): the very program of that push on the process's own table, since JAX 0.12
+pairs only one program's collectives across processes (a call on a store that does not hold
+the table meets nothing: in one program, neither do the others'); then comes its host
+agreement, which forgets the push.
 """
 
 from __future__ import annotations
