@@ -28,11 +28,12 @@ agreement, which forgets the push.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from jaxkv._src.rows.kernels import AGREE
 
 __all__ = [
     "AGREE",
@@ -47,9 +48,8 @@ __all__ = [
     "words",
 ]
 
-#: A process's status, the first of its words: it runs the push kept (``kernels.AGREE``) ...
-AGREE = 0
-#: ... or not: another call, a refusal, or ids that outgrew the class.
+#: A process's status, the first of its words: it runs the push kept (``kernels.AGREE``) or
+#: not: another call, a refusal, or ids that outgrew the class.
 OTHER = 1
 
 #: Whether pushes start with their computation (tests compare both ways; set it alike on
@@ -68,15 +68,13 @@ class Class(NamedTuple):
 
 class Kept(NamedTuple):
     """The push kept between host agreements: its ``site`` (:func:`site`), what its
-    computation is made of (the key, a row's shape and the table's dtype, the updater, whether
-    it donates, its extra arguments as given: their types shape the program) and its class.
+    computation is made of besides the table (the key, the updater, whether it donates, its
+    extra arguments as given: their types shape the program) and its class.
     Another process meets it by running that same computation, since JAX 0.12 pairs only the
     collectives of one compiled program across processes."""
 
     site: tuple
     key: Any
-    row: tuple[int, ...]
-    dtype: Any
     updater: Any
     donate: bool
     extra: dict[str, Any]
@@ -132,14 +130,14 @@ def agreed_push(where: tuple, keep: Kept | None) -> None:
 def failed(where: tuple) -> None:
     """After the push kept at ``where`` ran and the processes did not agree: forget it (the
     host agreement comes next, and keeps it again where it agrees)."""
-    global _kept, _before, _last
+    global _kept, _last
     _kept = None
-    _before = _last = where
+    _last = where
 
 
-def words(status: int, cls: Class, key: Any, numbers: np.ndarray) -> np.ndarray:
-    """A process's ``int32`` words: its status, the class, the key's digest (8 words) and
-    ``numbers`` (the digest of the updater's extra arguments, 4 ``int64``)."""
-    named = np.frombuffer(hashlib.sha256(repr(key).encode()).digest(), np.int32)
+def words(status: int, cls: Class, named: np.ndarray, numbers: np.ndarray) -> np.ndarray:
+    """A process's ``int32`` words: its status, the class, and the digests of the key
+    (``named``) and of the updater's extra arguments (``numbers``), 4 ``int64`` each."""
     head = np.array([status, cls.n, cls.c, int(cls.back)], np.int32)
-    return np.concatenate([head, named, np.asarray(numbers, np.int64).view(np.int32)])
+    digests = np.concatenate([named, numbers]).astype(np.int64)
+    return np.concatenate([head, digests.view(np.int32)])

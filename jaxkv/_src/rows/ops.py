@@ -751,29 +751,33 @@ def _push(
         leaf = state.own_leaf(i)
         n: int | None = None if group is None else state.groups.index(group)
         if across is not None:
-            pairs_here, m, most, pull_sizes = across
+            m, most, pull_sizes = across
             # The pull asks every process's pushed ids back (MXNet's push, then row_sparse_pull of
             # the batch): along the push's own routes, in its computation.
             along = pull_sizes is not None and pull_sizes[2]
+            alone = _routed_alone(state, key, i, shape, updater, group)
             if in_band and before is None:  # (agreed: alike on every process)
-                alone = _routed_alone(state, key, i, shape, updater, group)
                 keep = None
                 if alone and (pull_sizes is None or along):
                     to = padded(m)
                     c = route(most, to, len(state.devices))
-                    keep = inband.Kept(
-                        where,
-                        key,
-                        tuple(shape[1:]),
-                        dtype,
-                        updater,
-                        donate,
-                        dict(extra),
-                        inband.Class(to, c, pull_sizes is not None),
-                    )
+                    cls = inband.Class(to, c, pull_sizes is not None)
+                    keep = inband.Kept(where, key, updater, donate, dict(extra), cls)
                 inband.agreed_push(where, keep)
             new, rows = _push_across(
-                state, key, shape, pairs_here, m, most, updater, n, leaf, donate, extra, along
+                state,
+                key,
+                shape,
+                here,
+                m,
+                most,
+                updater,
+                n,
+                leaf,
+                donate,
+                extra,
+                along,
+                alone,
             )
             if pull_sizes is None:
                 return new, None
@@ -1034,7 +1038,7 @@ def _agreed(
     # (a push kept: the others may start with its computation)
     inband.agreeing(functools.partial(_meet, state))
     held = np.zeros(4, np.int64) if before is None else before.digest.view(np.int64)
-    named = _digest({"key": np.frombuffer(repr(key).encode(), np.uint8)})
+    named = _named(key)
     sent = np.array(
         [refused, *values, *[0] * (_AGREED - len(values)), *_digest(extra), *named, *held],
         np.int64,
@@ -1092,6 +1096,11 @@ def _digest(extra: dict | None) -> np.ndarray:
         h.update(f"{name}:{x.dtype}:{x.shape}:".encode())
         h.update(x.tobytes())
     return np.frombuffer(h.digest(), np.int64).copy()
+
+
+def _named(key: Any) -> np.ndarray:
+    """Four int64s of the SHA-256 of a key (its ``repr``), which processes compare."""
+    return _digest({"key": np.frombuffer(repr(key).encode(), np.uint8)})
 
 
 def _extra_differs(key: Key, extra: dict | None) -> None:
@@ -1280,27 +1289,45 @@ def _in_band(
     parts = len(state.devices)
     counts = max(x.size for x, _ in pairs)
     most = busiest([x for x, _ in pairs], shape[0] // parts, parts)
-    pulls = pulled is not None and all(np.array_equal(p, x) for p, (x, _) in zip(pulled, pairs))
-    fits = counts <= cls.n and most <= cls.c and pulls == cls.back
-    status = inband.AGREE if fits else inband.OTHER
-    local = _local_devices(state)
-    rows: list[Any]
-    if fits:
-        rows = [pad_rows(r, cls.n) for _, r in pairs]
-        sent = [pad_ids(x, cls.n, -1) for x, _ in pairs]
-    else:  # (rows that select nothing)
-        dtype = buckets.stored_type(state, state.index(key)).dtype
-        rows = [np.zeros((cls.n, *shape[1:]), dtype)] * len(local)
-        sent = [np.full(cls.n, -1, np.int32)] * len(local)
-    words = inband.words(status, cls, key, _digest(extra))
+    fits = counts <= cls.n and most <= cls.c and _pulls_pushed(pulled, pairs) == cls.back
     i = state.index(key)
     leaf = state.own_leaf(i)
     assert leaf is not None  # (:func:`_routed_alone`)
     n = None if group is None else state.groups.index(group)
+    spec = (key, leaf, n, updater, donate, cls.c, 0 if cls.back else None)
+    status = inband.AGREE if fits else inband.OTHER
+    words = inband.words(status, cls, _named(key), _digest(extra))
+    if not fits:  # (it runs the push all the same, with rows that select nothing)
+        return _meeting(state, spec, cls, words, extra), state, []
+    sent = [pad_ids(x, cls.n, -1) for x, _ in pairs]
+    rows = [pad_rows(r, cls.n) for _, r in pairs]
+    new, out = _run_routed(state, spec, sent, rows, extra, words)
+    if not _verdict(out):
+        if donate:  # (it gave its table to a push that did not run)
+            _refill(state, new)
+        return False, state, []
+    return True, new, _pushed_back(out, pairs) if cls.back else []
+
+
+RoutedSpec = tuple  # (key, leaf, optimizer group's index, updater, donate, C, back)
+
+
+def _run_routed(
+    state: KVState,
+    spec: RoutedSpec,
+    sent: list[Any],
+    rows: list[Any],
+    extra: dict[str, Any],
+    words: np.ndarray | None = None,
+) -> tuple[KVState, Any]:
+    """The routed push (:func:`kernels.routed_push`) on a store across processes: ``spec``
+    names it, ``sent`` and ``rows`` are each device of this process's padded ids and rows, and
+    ``words`` (optional) its agreement. Returns the new state and the computation's results."""
+    key, leaf, n, updater, donate, c, back = spec
+    agree = () if words is None else (words.size,)  # (one cached computation per variant)
+    fn = routed_push(state.mesh, state.axis, key, updater, donate, c, back, *agree)
+    more = () if words is None else (_global(state, [words] * len(sent)),)
     opt = None if n is None else state.group_states[n]
-    back = 0 if cls.back else None
-    # (donating as the call asks, whatever its status: every process runs one program)
-    fn = routed_push(state.mesh, state.axis, key, updater, donate, cls.c, back, words.size)
     out = order.ordered(
         "push_rows",
         fn,
@@ -1309,17 +1336,41 @@ def _in_band(
         _global(state, sent),
         _global(state, rows),
         extra,
-        _global(state, [words] * len(local)),
+        *more,
     )
-    ok = bool(np.asarray(per_device(out[-1])[0]).reshape(-1)[0])  # (the host waits for it)
-    new = buckets.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]})
-    if not ok:
-        if donate:  # (it gave its table to a push that did not run)
-            _refill(state, new)
-        return False, state, []
-    if not cls.back:
-        return True, new, []
-    return True, new, [Padded(x, ids.size) for x, (ids, _) in zip(per_device(out[2]), pairs)]
+    return buckets.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]}), out
+
+
+def _pushed_back(out: Any, pairs: list[tuple[np.ndarray, Any]]) -> list[Any]:
+    """Each device's pushed rows after the update, from a routed push's results."""
+    return [Padded(x, ids.size) for x, (ids, _) in zip(per_device(out[2]), pairs)]
+
+
+def _verdict(out: Any) -> bool:
+    """Whether every process agreed, from a routed push's results (the host waits for it)."""
+    return bool(np.asarray(per_device(out[-1])[0]).reshape(-1)[0])
+
+
+def _meeting(
+    state: KVState,
+    spec: RoutedSpec,
+    cls: inband.Class,
+    words: np.ndarray,
+    extra: dict[str, Any],
+) -> bool:
+    """The routed push ``spec`` of class ``cls`` run with rows that select nothing, by a
+    process that does not run it (``words``: its status not ``AGREE``); its table comes back
+    refilled where it donated. Returns ``False``: no process updated."""
+    key = spec[0]
+    local = _local_devices(state)
+    shape = state.key_shapes[state.index(key)]
+    dtype = buckets.stored_type(state, state.index(key)).dtype
+    sent = [np.full(cls.n, -1, np.int32)] * len(local)
+    rows = [np.zeros((cls.n, *shape[1:]), dtype)] * len(local)
+    new, _ = _run_routed(state, spec, sent, rows, extra, words)
+    if spec[4]:  # (it gave its table to a push that did not run)
+        _refill(state, new)
+    return False
 
 
 def _refill(given: KVState, got: KVState) -> None:
@@ -1344,30 +1395,10 @@ def _meet(state: KVState | None, kept: inband.Kept) -> None:
         return
     leaf, n = table
     cls = kept.cls
-    local = _local_devices(state)
-    words = inband.words(inband.OTHER, cls, kept.key, np.zeros(4, np.int64))
-    fn = routed_push(
-        state.mesh,
-        state.axis,
-        kept.key,
-        kept.updater,
-        kept.donate,
-        cls.c,
-        0 if cls.back else None,
-        words.size,
-    )
-    out = order.ordered(
-        "push_rows",
-        fn,
-        state.leaves[leaf],
-        None if n is None else state.group_states[n],
-        _global(state, [np.full(cls.n, -1, np.int32)] * len(local)),
-        _global(state, [np.zeros((cls.n, *kept.row), kept.dtype)] * len(local)),
-        kept.extra,  # (its values: nothing is updated; their types: the same program)
-        _global(state, [words] * len(local)),
-    )
-    if kept.donate:
-        _refill(state, buckets.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]}))
+    spec = (kept.key, leaf, n, kept.updater, kept.donate, cls.c, 0 if cls.back else None)
+    words = inband.words(inband.OTHER, cls, _named(kept.key), np.zeros(4, np.int64))
+    # (its values: nothing is updated; their types: the same program)
+    _meeting(state, spec, cls, words, kept.extra)
 
 
 def _holds(state: KVState | None, kept: inband.Kept) -> tuple[int, int | None] | None:
@@ -1402,33 +1433,40 @@ def _across_pairs(
     state: KVState,
     key: Key,
     shape: tuple[int, ...],
-    host_pairs: list[tuple[np.ndarray, Any]],
+    pairs: list[tuple[np.ndarray, Any]],
     extra: dict | None = None,
     pull: list[np.ndarray] | None = None,
     before: Before | None = None,
-) -> tuple[list[tuple[np.ndarray, Any]], int, int, tuple[int, int, bool] | None]:
-    """This process's checked pairs, one per device of this process (:func:`_here`), with the
+) -> tuple[int, int, tuple[int, int, bool] | None]:
+    """For this process's checked pairs, one per device of this process (:func:`_here`), the
     largest count of ids of any device of any process and the busiest route of a sharded table,
     agreed (:func:`_agreed`, with the updater's ``extra`` arguments), and, for the pull fused
     with it (``pull``: this process's checked ids, one per device of it), its count and route
     and whether every process pulls the ids it pushes, agreed in the same all-gather, as are the
     calls held ``before``."""
-    pairs = host_pairs
     parts = len(state.devices)
     sharded = state.is_sharded(shape) and state.own_leaf(state.index(key)) is not None
     most = busiest([x for x, _ in pairs], shape[0] // parts, parts) if sharded else 1
     sizes: tuple[int, ...] = (max(x.size for x, _ in pairs), most)
     if pull is not None:
         i = state.index(key)
-        same = len(pull) == len(pairs) and all(
-            np.array_equal(p, x) for p, (x, _) in zip(pull, pairs)
-        )
+        same = _pulls_pushed(pull, pairs)
         sizes += (max(x.size for x in pull), _pull_route(state, i, shape, pull), int(not same))
     agreed = _agreed(key, sizes, extra=extra, before=before, state=state)
     # (the pull's count and route, and whether every process pulls the ids it pushed)
     pulled = None if pull is None else (agreed[2], agreed[3], not agreed[4])
     # no rows anywhere: padded rows that select nothing
-    return pairs, fit(("push across", key), max(agreed[0], 1)), agreed[1], pulled
+    return fit(("push across", key), max(agreed[0], 1)), agreed[1], pulled
+
+
+def _pulls_pushed(pull: list[np.ndarray] | None, pairs: list[tuple[np.ndarray, Any]]) -> bool:
+    """Whether this process pulls, per device, the ids it pushes (``pull``: its checked ids
+    to pull, one per device; ``None``: no pull)."""
+    return (
+        pull is not None
+        and len(pull) == len(pairs)
+        and all(np.array_equal(p, x) for p, (x, _) in zip(pull, pairs))
+    )
 
 
 def _push_across(
@@ -1444,29 +1482,22 @@ def _push_across(
     donate: bool,
     extra: dict[str, Any],
     back: bool = False,
+    alone: bool = False,
 ) -> tuple[KVState, list[Any] | None]:
     """``push_rows`` on a store across processes: this process's pairs, one per device of this
     process, summed with every other process's (``n`` ids per device and the busiest route
-    ``most`` agreed by :func:`_across_pairs`); with ``back``, where the table is routed, each
-    device's pushed rows after the update too, along the same routes (else ``None``)."""
+    ``most`` agreed by :func:`_across_pairs`); ``alone``: routed, each owner updating alone
+    (:func:`_routed_alone`); then, with ``back``, each device's pushed rows after the update
+    too, along the same routes (else ``None``)."""
     sharded = state.is_sharded(shape) and leaf is not None
-    alone = sharded and (n_group is None or state.packings[n_group] is None)
-    alone = alone and _owners_alone(state, key, shape, updater, n_group)
     rows = [pad_rows(r, n) for _, r in pairs]
     opt = None if n_group is None else state.group_states[n_group]
     if alone and leaf is not None:
         c = route(most, n, len(state.devices))
-        fn = routed_push(state.mesh, state.axis, key, updater, donate, c, 0 if back else None)
-        sent = _global(state, [pad_ids(x, n, -1) for x, _ in pairs])
-        out = order.ordered(
-            "push_rows", fn, state.leaves[leaf], opt, sent, _global(state, rows), extra
-        )
-        new = buckets.with_leaves(
-            state, {leaf: out[0]}, {} if n_group is None else {n_group: out[1]}
-        )
-        if not back:
-            return new, None
-        return new, [Padded(x, ids.size) for x, (ids, _) in zip(per_device(out[2]), pairs)]
+        sent = [pad_ids(x, n, -1) for x, _ in pairs]
+        spec = (key, leaf, n_group, updater, donate, c, 0 if back else None)
+        new, out = _run_routed(state, spec, sent, rows, extra)
+        return new, _pushed_back(out, pairs) if back else None
     stacked_ids = _global(state, [pad_ids(x, n, -1) for x, _ in pairs])
     stacked = _global(state, rows)
     if leaf is not None and (n_group is None or state.packings[n_group] is None):
