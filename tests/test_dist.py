@@ -122,5 +122,6 @@ def test_pushes_of_rows_kept_between_host_agreements():
         (
             "kept pushes give every row host-agreed ones give, to the bit, and the same refusals",
             "kept pushes make no host all-gather",
+            "a key made beside a pushed table padded by rows",
         ),
     )

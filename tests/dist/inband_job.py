@@ -121,6 +121,19 @@ def main():
     want += [1]  # after the pull
     assert some_steps == want, (some_steps, want)
     ok("kept pushes make no host all-gather")
+    # a key made beside a table padded by rows (66 rows, blocks of 17 on 4 devices) after a push
+    # of its rows: JAX 0.8's device_put refused the push's result (state/buckets.py, put)
+    padded = np.ones((66, WIDTH), np.float32)
+    state = jaxkv.init(jaxkv.empty(jax.devices(), bigarray_bound=64), {"p": padded})
+    state = jaxkv.push_rows(
+        state, "p", [jax.process_index()], np.ones((1, WIDTH), np.float32), updater=optax.sgd(1.0)
+    )
+    state = jaxkv.init(state, {"q": np.full((2, 2), 3.0, np.float32)})
+    padded[: jax.process_count()] = 0.0
+    first = jax.local_devices()[0]
+    assert np.array_equal(np.asarray(jaxkv.pull(state, "p", devices=first)), padded)
+    assert np.array_equal(np.asarray(jaxkv.pull(state, "q", devices=first)), np.full((2, 2), 3.0))
+    ok("a key made beside a pushed table padded by rows")
     print(f"rank {jax.process_index()} done", flush=True)
 
 

@@ -60,6 +60,7 @@ __all__ = [
     "pack",
     "pack_opt",
     "plan",
+    "put",
     "unpack_opt",
     "views",
     "write",
@@ -339,6 +340,38 @@ def bucket_layout(layout: FlatLayout) -> FlatLayout:
 def eager_views(layout: FlatLayout, positions: tuple[int, ...] | None = None) -> Any:
     """:func:`views` as one jitted computation (eagerly, each view is a fresh array)."""
     return jax.jit(lambda leaves: views(layout, leaves, positions))
+
+
+def put(tree: Any, shardings: Any) -> Any:
+    """``jax.device_put(tree, shardings)``, except that an array over several processes'
+    devices whose sharding is not a ``NamedSharding`` (a computation's result, on JAX 0.8) and
+    not the one asked for is laid out by a jitted copy: JAX 0.8's ``device_put`` asserts a
+    ``NamedSharding`` there (``_different_device_order_reshard``), where later versions take
+    any sharding."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    wanted = jax.tree_util.tree_leaves(
+        shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding)
+    )
+    copied = {
+        i: _laid_out(s)(x)
+        for i, (x, s) in enumerate(zip(leaves, wanted))
+        if isinstance(x, jax.Array)
+        and not x.is_fully_addressable
+        and not isinstance(x.sharding, jax.sharding.NamedSharding)
+        and x.sharding != s
+    }
+    if not copied:
+        return jax.device_put(tree, shardings)
+    rest = [i for i in range(len(leaves)) if i not in copied]
+    put_rest = jax.device_put([leaves[i] for i in rest], [wanted[i] for i in rest])
+    copied.update(zip(rest, put_rest))
+    return jax.tree_util.tree_unflatten(treedef, [copied[i] for i in range(len(leaves))])
+
+
+@functools.lru_cache(maxsize=64)
+def _laid_out(sharding: Any) -> Any:
+    """A jitted copy of an array to ``sharding``."""
+    return jax.jit(lambda x: x, out_shardings=sharding)
 
 
 def run(what: str, fn: Any, *args: Any) -> Any:

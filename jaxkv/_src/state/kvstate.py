@@ -1067,7 +1067,7 @@ class KVState:
         )
         # Over several processes' devices a reshard is a computation there: it takes its
         # collective turn, as the layout's other eager computations do.
-        return buckets.run("placement of split buckets", jax.device_put, self, shardings)
+        return buckets.run("placement of split buckets", buckets.put, self, shardings)
 
     def _plan(
         self,
