@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test test-layouts test-deep test-oldest test-newest _test-newest wheel-check demo lint format bench \
+.PHONY: test test-whole test-layouts test-deep test-oldest test-newest _test-newest wheel-check demo lint format bench \
 	conformance mutation clean docs
 
 $(STAMP): pyproject.toml
@@ -19,30 +19,32 @@ XDIST   := -n $(WORKERS)
 # the variants every other target runs cover each value of each axis (most, each pair of them).
 QUICK   := -m "not deep"
 
+# make test: the suite but its costliest files (WHOLE_TESTS, and the tests marked whole), which
+# make test-whole runs; CI runs both.
 test: $(STAMP)
 	$(BIN)/ruff check jaxkv tests examples benchmarks conformance
 	$(BIN)/lint-imports --no-cache  # the layers of jaxkv/_src (pyproject.toml, [tool.importlinter])
 	$(BIN)/mypy jaxkv
 	rm -f .coverage .coverage.*
-	$(BIN)/coverage run -m pytest -q $(XDIST) $(QUICK)
+	$(BIN)/coverage run -m pytest -q $(XDIST) $(NOT_WHOLE)
 	$(BIN)/coverage combine -q
 	$(BIN)/coverage report
 
-# The selection that test-layouts, test-oldest and test-newest run: every module of jaxkv/_src
-# exercised (tests/unit mirrors them), without the slowest files, which make test runs (and
-# make test-deep runs on the oldest and newest JAX too): the property state machine, the rows
-# and per-key property tests, the stress test, the launcher's tests, multi-process checkpoints,
-# the kill -9 matrix (7 launched jobs, 2 to 4 minutes; tests/test_checkpoint_manager.py, in the
-# selection, kills a job of 2 processes and resumes it too), split buckets, the flat store's own
-# suite (make test-layouts runs flat stores), the GPT example, the demo and the notebook; and
-# the multi-process tests whose JAX calls test_dist.py makes too (joining, gloo's sums, the
-# launcher: one array per key in every layout), each ~1 minute with every JAX: the default
-# store over every process, compression and the flax example across processes, MXNet
-# code's row-sparse, embedding and optimizer loops across processes, and the push's options
-# through every path across processes (tests/test_push_parity.py runs them in one).
-SLOW_TESTS := tests/test_stateful.py tests/test_rows.py tests/test_per_key.py \
-	tests/test_dist_stress.py tests/test_dist_sums.py tests/test_launch.py tests/test_launch_cause.py \
-	tests/test_launch_hang.py \
+# The costliest files, each test a job of launched processes or a whole program: the
+# multi-process stress test, the launcher's tests, multi-process checkpoints, the kill -9 matrix
+# (7 launched jobs, 2 to 4 minutes; tests/test_checkpoint_manager.py, in make test, kills a job
+# of 2 processes and resumes it too), split buckets, the flat store's own suite (make
+# test-layouts runs flat stores), the GPT example, the demo and the notebooks; and the
+# multi-process tests whose JAX calls test_dist.py (in make test) makes too (joining, gloo's
+# sums, the launcher: one array per key in every layout), each ~1 minute: the default store over
+# every process, compression and the flax example across processes, MXNet code's row-sparse,
+# embedding and optimizer loops across processes, and the push's options through every path
+# across processes (tests/test_push_parity.py runs them in one). With them, the tests marked
+# whole (pyproject.toml) in the other files: a job of 2 processes killed and resumed (the kill -9
+# matrix does more), a mask by path, a tree on the user's mesh and the flax example's script
+# across processes, the lent arrays' costs.
+WHOLE_TESTS := tests/test_dist_stress.py tests/test_dist_sums.py tests/test_launch.py \
+	tests/test_launch_cause.py tests/test_launch_hang.py \
 	tests/test_launch_hosts.py tests/test_launch_env.py tests/test_launch_output.py \
 	tests/test_checkpoint_dist.py tests/test_kill_matrix.py \
 	tests/test_split_buckets.py tests/test_flat_store.py tests/test_demo.py tests/test_notebook.py \
@@ -50,10 +52,19 @@ SLOW_TESTS := tests/test_stateful.py tests/test_rows.py tests/test_per_key.py \
 	tests/test_example_gpt.py tests/test_dist_loops.py \
 	tests/test_dist_default.py tests/test_dist_compression.py tests/test_example_processes.py \
 	tests/test_push_parity_dist.py
-# Tests marked whole (pyproject.toml) in the other files are left out of the selection too: a
-# job of 2 processes killed and resumed (the kill -9 matrix does more), a mask by path, a tree
-# on the user's mesh and the flax example's script across processes, the lent arrays' costs.
-SELECTION  := $(foreach f,$(SLOW_TESTS),--ignore $(f)) -m "not deep and not whole"
+NOT_WHOLE := $(foreach f,$(WHOLE_TESTS),--ignore $(f)) -m "not deep and not whole"
+
+test-whole: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) $(QUICK) $(WHOLE_TESTS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) -m "whole and not deep" \
+	  $(foreach f,$(WHOLE_TESTS),--ignore $(f))
+
+# The selection that test-layouts, test-oldest and test-newest run: make test's without the
+# property tests against the NumPy model (the state machine, the rows and the per-key ones),
+# still every module of jaxkv/_src exercised (tests/unit mirrors them). make test-deep runs
+# everything on the oldest and newest JAX.
+PROPERTY_TESTS := tests/test_stateful.py tests/test_rows.py tests/test_per_key.py
+SELECTION  := $(foreach f,$(PROPERTY_TESTS),--ignore $(f)) $(NOT_WHOLE)
 # What test-oldest and test-newest run: the selection (make test-deep: everything).
 VERSIONS_SUITE ?= $(SELECTION)
 
