@@ -40,7 +40,7 @@ processes of their own.
 One device, SGD push + pull, beside a hand-written jitted update (benchmarks/eager.py):
   proxy     CPU device 0, always run: ResNet-50's 193 keys and 1000 keys with every dimension
             cut to at most 2, so the host's and the per-buffer cost alone are timed; hand-written
-            JAX, jaxkv functional and imperative, with their goals (<= 1.2x and <= 1.5x)
+            JAX, jaxkv functional and imperative, with their goal (<= 1.2x each)
   gpu       the accelerator's first device, the full key sets; the rows above, PyTorch's foreach
             ops and the copy floor; skipped where JAX's default backend is cpu, unless
             JAXKV_BENCH_GPU_ON_CPU=1 runs it on CPU device 0 (to test it; 10 steps a round)

@@ -33,9 +33,10 @@ FUNCTIONAL = "jaxkv functional"
 IMPERATIVE = "jaxkv imperative"
 TORCH = "torch foreach"
 FLOOR = "copy floor"
-# Each jaxkv row's goal: at most this many times the hand-written row's ms/step.
+# Each jaxkv row's goal: at most this many times the hand-written row's ms/step (issue 48's
+# "eager host cost": <= 1.2x for the functional and the imperative store alike).
 GOALS = {
-    "proxy": {FUNCTIONAL: 1.2, IMPERATIVE: 1.5},
+    "proxy": {FUNCTIONAL: 1.2, IMPERATIVE: 1.2},
     "gpu": {FUNCTIONAL: 1.2, IMPERATIVE: 1.2},
 }
 # Seconds of timed steps one key set may take (all rows, all rounds): where the rows are slow,
