@@ -7,7 +7,7 @@ import pytest
 from _jobs import launch
 
 
-# 3 processes in make test, 2 in make test-deep (as tests/test_dist.py's jobs).
+# 3 processes in make test-whole, 2 in make test-deep (as tests/test_dist.py's jobs).
 @pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.deep), 3])
 def test_the_default_store_spans_every_process(n):
     run = launch(n, "default_store_job.py", per_process=2)
@@ -37,7 +37,7 @@ def test_a_dist_sync_store_keeps_1_over_p_of_big_values_and_their_state(n):
     assert max(held) <= 1.1 / n, held
 
 
-# make test: onto 3 processes (which do not divide the big key's rows); onto 1 and 4 in
+# make test-whole: onto 3 processes (which do not divide the big key's rows); onto 1 and 4 in
 # make test-deep (tests/test_checkpoint_dist.py loads a 2-process checkpoint on 1 and 4 too).
 @pytest.mark.parametrize(
     "n", [3, pytest.param(1, marks=pytest.mark.deep), pytest.param(4, marks=pytest.mark.deep)]

@@ -1,5 +1,5 @@
 """Many processes: MXNet code's loops on a dist_sync store (row-sparse tables, the embedding
-loop, MXNet's optimizers with a schedule), each process in its own order. In make test, not in
+loop, MXNet's optimizers with a schedule), each process in its own order. In make test-whole, not in
 the selection the other JAX versions run (tests/test_dist.py is)."""
 
 import os
@@ -97,7 +97,7 @@ def test_calls_held_before_a_push_of_rows_are_agreed_with_it():
     )
 
 
-# make test: 2 processes, one sequence; make test-deep: 3 processes, a longer one drawn anew.
+# make test-whole: 2 processes, one sequence; make test-deep: 3 processes, a longer one drawn anew.
 @pytest.mark.parametrize(
     ("n", "steps", "seed"), [(2, 30, 1), pytest.param(3, 60, None, marks=pytest.mark.deep)]
 )
@@ -114,7 +114,7 @@ def test_random_embedding_loop_calls_across_processes_give_the_values_of_call_or
     expect_ok(run, n, ("random calls",))
 
 
-# make test: SGD (with the refusals of processes whose learning rates differ), Adam, and the
+# make test-whole: SGD (with the refusals of processes whose learning rates differ), Adam, and the
 # optimizers whose numbers depend on more than the summed gradient and the weight (SGLD's noise,
 # LARS's norms, DCASGD's previous weight) or whose state or shape differs (GroupAdaGrad's 2-D
 # rows, Ftrl's weight rewritten from its state), in one job; make test-deep: every other.

@@ -24,7 +24,7 @@ OPS = int(os.environ.get("JAXKV_STRESS_OPS") or (300 if DEEP else 60))
 BOUND = "12"  # elements: the keys "a" and "e" are then split across the processes
 
 
-# make test: 2 processes with values whole, 3 with big values split; make test-deep: every
+# make test-whole: 2 processes with values whole, 3 with big values split; make test-deep: every
 # seed, process count and way.
 @pytest.mark.parametrize(
     ("seed", "n", "way"), covering(range(SEEDS), [2, 3], ["whole", "split"], strength=1)

@@ -5,7 +5,7 @@ devices, with ``jaxkv.gather`` and ``jaxkv.push`` inside the user's ``shard_map`
 ``pmean`` of the loss), and compares every element with a NumPy model after every step.
 Across processes on CPU devices, XLA:CPU's reduce-scatter is gloo's, which intermittently leaves
 the end of rank 0's part wrong, silently (most 2-process runs of this job, before jaxkv stopped
-emitting it there). ``make test`` runs each case once, which catches a sum that is always
+emitting it there). ``make test-whole`` runs each case once, which catches a sum that is always
 wrong; ``JAXKV_STRESS=deep`` (``make test-deep``) runs 20 runs per case, which catches one that
 is wrong once in a few runs; ``JAXKV_SUMS_RUNS`` sets the number directly.
 """

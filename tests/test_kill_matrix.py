@@ -59,10 +59,10 @@ def matrix(seed):
     return cases
 
 
-# Each moment and each way to restart, the coordinator's process (0) killed once. make test runs
-# the first (the coordinator killed inside a save, the job launched again: the case that leaves a
-# half-written step behind); tests/test_checkpoint_manager.py and tests/test_launch.py kill
-# ranks of other jobs there too. make test-deep runs the others.
+# Each moment and each way to restart, the coordinator's process (0) killed once. make
+# test-whole runs the first (the coordinator killed inside a save, the job launched again: the
+# case that leaves a half-written step behind); tests/test_checkpoint_manager.py and
+# tests/test_launch.py kill ranks of other jobs there too. make test-deep runs the others.
 QUICK = [
     Case(2, 0, "save", 4, "again"),
     Case(2, 1, "push", 3, "launcher"),
@@ -163,7 +163,7 @@ def check(case, work, want):
     ids=str,
 )
 def test_a_killed_rank_resumes_to_the_uninterrupted_parameters(case, tmp_path, uninterrupted):
-    """Each moment and each way to restart, on 2 processes (QUICK; make test: the first)."""
+    """Each moment and each way to restart, on 2 processes (QUICK; make test-whole: the first)."""
     check(case, tmp_path, uninterrupted(case.processes))
 
 

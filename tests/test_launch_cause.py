@@ -14,7 +14,7 @@ from jaxkv._src.processes.launcher import _order_failures
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCH = [sys.executable, "-m", "jaxkv.launch", "-n", "2"]
-# Runs of each failure: one in make test; make test-deep (JAXKV_STRESS=deep) makes ten.
+# Runs of each failure: one in make test-whole; make test-deep (JAXKV_STRESS=deep) makes ten.
 RUNS = 10 if os.environ.get("JAXKV_STRESS") == "deep" else 1
 
 

@@ -6,7 +6,7 @@ devices; every process's own values summed, every result against the NumPy model
 processes agreeing bit for bit. A push computation's cache key without an option fails it.
 
 One job runs the cases a test names: a covering set (every pair of an option, a path and a
-layout) in ``make test``, every combination in ``make test-deep``.
+layout) in ``make test-whole``, every combination in ``make test-deep``.
 """
 
 import re
@@ -44,7 +44,7 @@ def test_each_option_of_push_on_each_path_across_processes(cases):
 
 
 # (the fields left out of the push computations' key, the case that must then fail; each in
-# COVERING, so make test runs it whole too): in make test the mean's divisors and reduce
+# COVERING, so make test-whole runs it whole too): in make test-whole the mean's divisors and reduce
 # option, which across processes count every process's values (one value per process: a mean
 # divides by 2, the computation of the sum taken for it without them); the others in make
 # test-deep.

@@ -180,7 +180,7 @@ def _reference(opt, steps):
 
 
 @pytest.mark.standard_promotion
-# make test: each optimizer once, the forms taking turns; every pair in make test-deep.
+# make test-whole: each optimizer once, the forms taking turns; every pair in make test-deep.
 @pytest.mark.parametrize(("name", "form"), rotating(list(OPTIMIZERS), ["whole", "blocks"]))
 def test_a_shard_map_step_matches_one_device_optax(name, form, devices, compiles):
     """Both gradient forms: the whole values pulled (a whole-shape, per-device gradient,
