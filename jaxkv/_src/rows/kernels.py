@@ -724,6 +724,7 @@ def own_push(
     if not sharded:
 
         def whole(table: Any, opt: Any, ids: Any, rows: Any, extra: Any, *pull: Any) -> Any:
+            ids, rows = _together(mesh, ids, rows)
             table, opt, written = update_rows(
                 key, Where(), table, opt, ids, rows, n_rows, updater, extra, distinct
             )
@@ -742,6 +743,31 @@ def own_push(
     return checked.jit(
         sharded_runner(mesh, axis, key, n_rows, updater), verify_every(), donate_argnums=donated
     )
+
+
+def _together(mesh: Any, ids: Any, rows: Any) -> tuple[Any, Any]:
+    """Every device's ids and rows, whole on every device of ``mesh``: where they are split over
+    it (a push from every device, from every process), one all-gather of the rows with the ids
+    a column of them bit cast to ``int32`` (rows of 4-byte items; else one all-gather each).
+    Left to XLA, a push into a whole table gathers the ids, then sums the rows scattered to
+    them with an all-reduce: two collectives, each a wait for every process (gloo)."""
+    if mesh.size == 1:
+        return ids, rows
+    whole = NamedSharding(mesh, PartitionSpec())
+    shape = rows.shape[1:]
+    if jnp.dtype(rows.dtype).itemsize != 4 or ids.dtype != jnp.int32:
+        return (
+            jax.lax.with_sharding_constraint(ids, whole),
+            jax.lax.with_sharding_constraint(rows, whole),
+        )
+    flat = rows.reshape(rows.shape[0], math.prod(shape))
+    if flat.dtype != jnp.int32:
+        flat = jax.lax.bitcast_convert_type(flat, jnp.int32)
+    both = jax.lax.with_sharding_constraint(jnp.concatenate([flat, ids[:, None]], axis=1), whole)
+    got = both[:, :-1]
+    if rows.dtype != jnp.int32:
+        got = jax.lax.bitcast_convert_type(got, rows.dtype)
+    return both[:, -1], got.reshape(rows.shape)
 
 
 def sharded_runner(mesh: Any, axis: str, key: Key, n_rows: int, updater: Any) -> Any:

@@ -252,3 +252,51 @@ def test_a_routed_push_whose_processes_disagree_changes_nothing_and_says_so_ever
     assert np.asarray(got[-1]).tolist() == [False] * 4
     for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(before)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# -- a push into a table kept whole on every device, from every device ---------------------------
+def _collectives(text):
+    return sum(text.count(f" {op}(") for op in ("all-gather", "all-reduce", "all-to-all"))
+
+
+@pytest.mark.standard_promotion  # (optax's Adam)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])  # ids a column of the rows, or apart
+def test_a_push_into_a_whole_table_from_every_device_is_one_gather_and_sums_as_numpy(dtype):
+    """Each device's ids and rows (repeated within and across devices, padding -1) reach every
+    device in one all-gather (where XLA alone gathered the ids and all-reduced the scattered
+    rows: two collectives, each a wait for every process across processes), and the table and
+    Adam's moments are those of the summed rows, as NumPy sums them."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+    split = NamedSharding(mesh, PartitionSpec("d"))
+    whole = NamedSharding(mesh, PartitionSpec())
+    rng = np.random.default_rng(9)
+    start = rng.normal(size=(32, 4)).astype(np.float32)
+    table = jax.device_put(jnp.asarray(start, dtype), whole)
+    opt = optax.adam(0.1)
+    state = jax.device_put(opt.init({"e": table}), whole)
+    ids = rng.integers(-1, 32, size=24).astype(np.int32)  # 6 a device
+    rows = rng.normal(size=(24, 4)).astype(np.float32)
+    fn = kernels.own_push(mesh, "d", "e", 32, False, opt, False)
+    pushed = jax.device_put(jnp.asarray(rows, dtype), split)
+    args = (table, state, jax.device_put(ids, split), pushed)
+    text = fn.lower(*args, None).compile().as_text()
+    assert _collectives(text) == (1 if jnp.dtype(dtype).itemsize == 4 else 2), text
+    got, new_state = fn(*args, None)
+    # the model: each distinct valid id's rows summed, then Adam on those rows alone (lazy)
+    valid = ids >= 0
+    summed = np.zeros((32, 4), np.float32)
+    np.add.at(summed, ids[valid], np.asarray(jnp.asarray(rows, dtype), np.float32)[valid])
+    touched = np.unique(ids[valid])
+    grads = {"e": jnp.asarray(summed[touched], dtype)}
+    old = {"e": jnp.asarray(start, dtype)[touched]}
+    sub = jax.tree.map(lambda x: x[touched] if x.ndim == 2 else x, opt.init(old))
+    updates, _ = opt.update(grads, sub, old)
+    want = np.asarray(jnp.asarray(start, dtype)).copy()
+    want[touched] = np.asarray(optax.apply_updates(old, updates)["e"])
+    np.testing.assert_allclose(np.asarray(got, np.float32), want.astype(np.float32), rtol=1e-6)
+    untouched = np.setdiff1d(np.arange(32), touched)
+    mu = np.asarray(new_state[0].mu["e"])
+    assert np.array_equal(mu[untouched], np.zeros((untouched.size, 4)))
