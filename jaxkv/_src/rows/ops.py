@@ -1268,6 +1268,20 @@ def _routed_alone(
     return _owners_alone(state, key, shape, updater, n)
 
 
+class RoutedSpec(NamedTuple):
+    """What a routed push's computation is made of (:func:`kernels.routed_push`), beside the
+    rows: the key, its leaf, its optimizer group's index, the updater, whether it donates,
+    ``c`` slots a route, and where the pushed rows come back (``None``: they do not)."""
+
+    key: Any
+    leaf: int
+    group: int | None
+    updater: Any
+    donate: bool
+    c: int
+    back: int | None
+
+
 def _in_band(
     state: KVState,
     key: Key,
@@ -1294,11 +1308,12 @@ def _in_band(
     leaf = state.own_leaf(i)
     assert leaf is not None  # (:func:`_routed_alone`)
     n = None if group is None else state.groups.index(group)
-    spec = (key, leaf, n, updater, donate, cls.c, 0 if cls.back else None)
+    spec = RoutedSpec(key, leaf, n, updater, donate, cls.c, 0 if cls.back else None)
     status = inband.AGREE if fits else inband.OTHER
     words = inband.words(status, cls, _named(key), _digest(extra))
     if not fits:  # (it runs the push all the same, with rows that select nothing)
-        return _meeting(state, spec, cls, words, extra), state, []
+        _meeting(state, spec, cls, words, extra)
+        return False, state, []
     sent = [pad_ids(x, cls.n, -1) for x, _ in pairs]
     rows = [pad_rows(r, cls.n) for _, r in pairs]
     new, out = _run_routed(state, spec, sent, rows, extra, words)
@@ -1307,9 +1322,6 @@ def _in_band(
             _refill(state, new)
         return False, state, []
     return True, new, _pushed_back(out, pairs) if cls.back else []
-
-
-RoutedSpec = tuple  # (key, leaf, optimizer group's index, updater, donate, C, back)
 
 
 def _run_routed(
@@ -1357,20 +1369,19 @@ def _meeting(
     cls: inband.Class,
     words: np.ndarray,
     extra: dict[str, Any],
-) -> bool:
+) -> None:
     """The routed push ``spec`` of class ``cls`` run with rows that select nothing, by a
-    process that does not run it (``words``: its status not ``AGREE``); its table comes back
-    refilled where it donated. Returns ``False``: no process updated."""
-    key = spec[0]
+    process that does not run it (``words``: its status not ``AGREE``), so no process updates;
+    its table comes back refilled where it donated."""
+    key = spec.key
     local = _local_devices(state)
     shape = state.key_shapes[state.index(key)]
     dtype = buckets.stored_type(state, state.index(key)).dtype
     sent = [np.full(cls.n, -1, np.int32)] * len(local)
     rows = [np.zeros((cls.n, *shape[1:]), dtype)] * len(local)
     new, _ = _run_routed(state, spec, sent, rows, extra, words)
-    if spec[4]:  # (it gave its table to a push that did not run)
+    if spec.donate:  # (it gave its table to a push that did not run)
         _refill(state, new)
-    return False
 
 
 def _refill(given: KVState, got: KVState) -> None:
@@ -1395,7 +1406,7 @@ def _meet(state: KVState | None, kept: inband.Kept) -> None:
         return
     leaf, n = table
     cls = kept.cls
-    spec = (kept.key, leaf, n, kept.updater, kept.donate, cls.c, 0 if cls.back else None)
+    spec = RoutedSpec(kept.key, leaf, n, kept.updater, kept.donate, cls.c, 0 if cls.back else None)
     words = inband.words(inband.OTHER, cls, _named(kept.key), np.zeros(4, np.int64))
     # (its values: nothing is updated; their types: the same program)
     _meeting(state, spec, cls, words, kept.extra)
@@ -1495,7 +1506,7 @@ def _push_across(
     if alone and leaf is not None:
         c = route(most, n, len(state.devices))
         sent = [pad_ids(x, n, -1) for x, _ in pairs]
-        spec = (key, leaf, n_group, updater, donate, c, 0 if back else None)
+        spec = RoutedSpec(key, leaf, n_group, updater, donate, c, 0 if back else None)
         new, out = _run_routed(state, spec, sent, rows, extra)
         return new, _pushed_back(out, pairs) if back else None
     stacked_ids = _global(state, [pad_ids(x, n, -1) for x, _ in pairs])
