@@ -125,3 +125,24 @@ def test_pushes_of_rows_kept_between_host_agreements():
             "a key made beside a pushed table padded by rows",
         ),
     )
+
+
+def test_mxnet_pushes_of_rows_kept_with_the_calls_held_before_them():
+    """MXNet's embedding loop on dist_sync (a dense key's push held before each push of rows):
+    the push of rows kept between host agreements agrees the held push in its own computation
+    and the store runs it after, as in one process; every pulled row, the dense key and the
+    table to the bit as agreed on the host each time, the same refusals (one process's bad
+    row_sparse_pull, different held calls, different numbers), no host all-gather a step once
+    kept. And a functional pushpull_rows pulling other ids than it pushes while a push
+    without a pull is kept gets its rows (it got none). Run with every JAX version."""
+    run = launch(2, "inband_mx_job.py", per_process=1)
+    expect_ok(
+        run,
+        2,
+        (
+            "kept pushes give every row and value host-agreed ones give, to the bit, and the "
+            "same refusals",
+            "kept pushes make no host all-gather, the dense push held before them agreed in them",
+            "a pull of other ids than a kept push's",
+        ),
+    )

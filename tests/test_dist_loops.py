@@ -40,7 +40,8 @@ def test_rows_across_processes(bound, rows):
     )
 
 
-# The table split (bound 0) at 2 processes and whole at 3; whole at 2 in make test-deep.
+# The table whole (bound 0) at 2 processes and split (bound 1000) at 3; split at 2 in make
+# test-deep.
 @pytest.mark.parametrize(
     ("n", "bound"), [(2, 0), pytest.param(2, 1000, marks=pytest.mark.deep), (3, 1000)]
 )

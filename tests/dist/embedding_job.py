@@ -114,12 +114,15 @@ def main():
     print(f"rank {RANK} ok the dense pull takes no turn", flush=True)
     # The processes agree each step's count (the largest of theirs): its first count runs as
     # it is, every later one padded to 144; from the step after the first padded one, nothing
-    # compiles.
+    # compiles but, once, the push kept between host agreements (rows.inband: from the third
+    # step, after two host agreements of the same push; its agreement rides in its
+    # computation, a program of its own).
     agreed = [max(batch(s, r)[0].size for r in range(jax.process_count())) for s in range(STEPS)]
     padded_from = next((s for s in range(STEPS) if agreed[s] != agreed[0]), STEPS)
-    assert counted[padded_from + 1 :] == [0] * (STEPS - padded_from - 1), (counted, agreed)
+    later = counted[padded_from + 1 :]
+    assert sum(later) <= 1 and later[-3:] == [0, 0, 0], (counted, agreed)
     if jax.process_count() == 2:  # (agreed 141, then 142: padded from the second step)
-        assert counted[2:] == [0] * (STEPS - 2), counted
+        assert counted[2] <= 1 and counted[3:] == [0] * (STEPS - 3), counted
     print(f"rank {RANK} ok no compile after warm-up", flush=True)
     np.testing.assert_allclose(
         np.asarray(kv.pull("emb")), np.asarray(ref.pull("emb")), rtol=2e-6, atol=2e-7

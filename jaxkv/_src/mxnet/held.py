@@ -343,13 +343,16 @@ class Calls:
                     since.extend(self.queue)
                 self.queue = since
 
-    def kept(self, rows: Any, runs: Runs) -> tuple[Any, Callable[[], None]]:
+    def kept(self, rows: Any, runs: Runs) -> tuple[Any, Callable[[], None], Callable[[], None]]:
         """The calls a held push of rows kept (``rows.before``), as ``rows.ops.Before`` for its
-        ``row_sparse_pull`` (agreed in the push's all-gather, run by it once agreed), and what
+        ``row_sparse_pull`` (agreed in the push's all-gather, run by it once agreed), what
         to do where the push and pull raise: undo what the push counted; the kept calls held
         again (ahead of any held since) where they did not run (a process refused, the
         numbers differ), dropped where the processes hold different ones (as :func:`agree`
-        drops them)."""
+        drops them); and what to do once the push and pull have run and the store holds their
+        state: across processes, run the kept calls where the push left them to run after it
+        (``Before.later``: a push kept between host agreements agreed them in its own
+        computation), as one process runs them (:meth:`run_after`)."""
         queue = rows.before
         if queue is None:  # (across processes, described as none: where another process
             # kept calls, this one's error names them too)
@@ -357,8 +360,9 @@ class Calls:
             return (
                 nothing(runs.stored) if across else None,
                 functools.partial(runs.restore, rows.counted),
+                _nothing_later,
             )
-        stage = {"running": False, "ran": False, "dropped": False}
+        stage = {"running": False, "ran": False, "dropped": False, "later": False}
 
         def run() -> KVState:
             stage["running"] = True
@@ -384,7 +388,7 @@ class Calls:
         if not spans_processes(runs.stored().devices):
             # One process: nothing to agree (described as none), and the store runs them
             # after the push of rows (its computation dispatched): see :meth:`run_after`.
-            return nothing(self.run_after(queue, runs)), failed
+            return nothing(self.run_after(queue, runs)), failed, _nothing_later
 
         agreed = before(queue, self.gathered(queue, runs.stored()), run)
 
@@ -392,7 +396,20 @@ class Calls:
             stage["dropped"] = True
             agreed.differ(texts)
 
-        return agreed._replace(differ=differ), failed
+        def later() -> None:
+            stage["later"] = True
+
+        def after() -> None:
+            if stage["later"]:
+                self.run_after(queue, runs)()
+
+        # (a held pull must read what it reads before the push of rows: run before it)
+        runs_later = None if any(queue.pulls) else later
+        return agreed._replace(differ=differ, later=runs_later), failed, after
+
+
+def _nothing_later() -> None:
+    """No kept calls left to run after a push of rows."""
 
 
 def agree(held: Held, gathered: list[list[Key]]) -> None:

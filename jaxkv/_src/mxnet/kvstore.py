@@ -591,9 +591,10 @@ class KVStore:
                         if not across:  # (in one process, now: alone)
                             self._calls.settle(self._runs())
                         raise
-                    before, failed = self._calls.kept(deferred, self._runs())
+                    before, failed, later = self._calls.kept(deferred, self._runs())
                     # In one process the calls it kept run after it, while its computation
-                    # runs (held.Calls.run_after); across processes, before it, once agreed.
+                    # runs (held.Calls.run_after); across processes, before it, once agreed
+                    # on the host, or after it where its computation agreed them (later).
                     after = None if across or before is None else before.run
                     try:
                         state, got = kvstore_rows.pushpull_into(
@@ -610,6 +611,7 @@ class KVStore:
                         o.set_rows_lazily(*_padded(x), where)
                     if after is not None:
                         after()
+                    later()
                     return None
             state = self._state
             if out is None:

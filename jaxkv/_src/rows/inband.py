@@ -3,11 +3,13 @@ host agreements, its class, and each process's words (``kernels.agreed``).
 
 A row operation across processes is agreed by one host all-gather before its computation
 (``ops._agreed``: refusals, counts, routes, numbers, key). Where a functional ``push_rows`` or
-``pushpull_rows`` of one key is agreed so twice in a row, its class is kept: the padded count
+``pushpull_rows`` of one key (or an imperative store's held push of rows run by its
+``row_sparse_pull``) is agreed so twice in a row, its class is kept: the padded count
 of ids per device, the slots of each route, whether the pushed ids come back. The next push of
 that key then skips the host agreement: every process runs the computation of that class at
 once, its words behind its rows in the first all-to-all (its status, the class, digests of the
-key and of the updater's numbers), and each owner updates only where every process agrees;
+key, of the updater's numbers and of the calls an imperative store held before the push, which
+it then runs after it), and each owner updates only where every process agrees;
 every device returns the same verdict, read on the host before anything else runs. Where they
 did not agree (a count outgrew the class, a process refused its arguments or made another
 call, the key or the numbers differ), nothing changed, and every process makes the host
@@ -135,9 +137,12 @@ def failed(where: tuple) -> None:
     _last = where
 
 
-def words(status: int, cls: Class, named: np.ndarray, numbers: np.ndarray) -> np.ndarray:
+def words(
+    status: int, cls: Class, named: np.ndarray, numbers: np.ndarray, held: np.ndarray
+) -> np.ndarray:
     """A process's ``int32`` words: its status, the class, and the digests of the key
-    (``named``) and of the updater's extra arguments (``numbers``), 4 ``int64`` each."""
+    (``named``), of the updater's extra arguments (``numbers``) and of the calls an
+    imperative store held before the push (``held``; zeros for none), 4 ``int64`` each."""
     head = np.array([status, cls.n, cls.c, int(cls.back)], np.int32)
-    digests = np.concatenate([named, numbers]).astype(np.int64)
+    digests = np.concatenate([named, numbers, held]).astype(np.int64)
     return np.concatenate([head, digests.view(np.int32)])

@@ -733,12 +733,31 @@ def _push(
                 fused = _asked_here(state, list(pull[1]))
             asked_n = 0 if pull is None else 1 if pull is _SAME else len(pull[1])
             where = inband.site(state.devices, key, shape, dtype)
-            cls = inband.kept(where) if in_band and before is None else None
+            cls = inband.kept(where) if in_band else None
             if cls is not None and _routed_alone(state, key, i, shape, updater, group):
+                # Calls held before it are agreed in its words and run after it, where they
+                # may (else this process says so, and every process agrees on the host).
+                holds = before is not None and before.holds_calls()
+                ready = not holds or before is not None and before.later is not None
                 ok, state, rows = _in_band(
-                    state, key, shape, cls, updater, group, extra, here, fused, donate
+                    state,
+                    key,
+                    shape,
+                    cls,
+                    updater,
+                    group,
+                    extra,
+                    here,
+                    fused,
+                    donate,
+                    asked=pull is not None,
+                    ready=ready,
+                    held=None if before is None else before.digest,
                 )
                 if ok:
+                    if holds:
+                        assert before is not None and before.later is not None  # (ready)
+                        before.later()
                     return state, None if pull is None else rows[:asked_n]
                 inband.failed(where)  # (every process: the verdict is every device's)
             across = _across_pairs(state, key, shape, here, extra, fused, before)
@@ -756,9 +775,9 @@ def _push(
             # the batch): along the push's own routes, in its computation.
             along = pull_sizes is not None and pull_sizes[2]
             alone = _routed_alone(state, key, i, shape, updater, group)
-            if in_band and before is None:  # (agreed: alike on every process)
+            if in_band:  # (agreed: alike on every process)
                 keep = None
-                if alone and (pull_sizes is None or along):
+                if alone and (pull is None or along):  # (a pull rides only as the pushed ids)
                     to = padded(m)
                     c = route(most, to, len(state.devices))
                     cls = inband.Class(to, c, pull_sizes is not None)
@@ -904,10 +923,14 @@ def pushpull_checked(
     ``(row_ids, rows, ids)``, ``ids`` the checked ids on the host (:func:`check_push`);
     ``pulled`` the checked ids to pull on the host, one array per device of ``devices``.
     Each device's rows may come back as :class:`~jaxkv._src.rows.sizes.Padded` (cut them when
-    read). ``before``: calls held before the push, across processes (see :class:`Before`)."""
+    read). ``before``: calls held before the push, across processes (see :class:`Before`).
+    Across processes the push may be kept between host agreements (``inband``), as a
+    functional one is."""
     row_ids, rows, ids = pushed
     pull = (pulled, pulled)
-    state, got = _push(state, key, row_ids, rows, updater, None, donate, pull, ids, extra, before)
+    state, got = _push(
+        state, key, row_ids, rows, updater, None, donate, pull, ids, extra, before, in_band=True
+    )
     if got is None:
         got = pull_rows(state, key, pulled, devices=devices)
     return state, got
@@ -992,12 +1015,16 @@ class Before(NamedTuple):
     the push's own all-gather and run once it is agreed, before its computation: ``text``
     describes them and ``digest`` is its SHA-256 (32 bytes; ``held.described``);
     ``differ(texts)`` raises, given every process's text, where the digests differ; ``run()``
-    runs them and returns the store's state after them."""
+    runs them and returns the store's state after them. ``later`` (where they may run after
+    the push instead: pushes of other keys, no pull among them): called by a push kept between
+    host agreements (``inband``), which agrees them in its own computation (their digest in
+    its words) and leaves them to the store to run once it has run, as in one process."""
 
     text: bytes
     digest: np.ndarray
     differ: Callable[[list[bytes]], None]
     run: Callable[[], KVState]
+    later: Callable[[], None] | None = None
 
     def holds_calls(self) -> bool:
         """Whether any call is held (``held.nothing`` describes none: a digest of zeros)."""
@@ -1293,24 +1320,39 @@ def _in_band(
     pairs: list[tuple[np.ndarray, Any]],
     pulled: list[np.ndarray] | None,
     donate: bool,
+    asked: bool = False,
+    ready: bool = True,
+    held: np.ndarray | None = None,
 ) -> tuple[bool, KVState, list[Any]]:
     """The push kept (class ``cls``), this process's words behind its rows
     (:func:`kernels.routed_push`): its ``pairs``, one per device of this process
-    (:func:`_here`), and the ids it pulls (``pulled``: its pushed ids, or ``None``). Returns
-    ``(agreed, state, rows)``: where every process agreed, the new state and, for a class that
-    pulls, each device's pushed rows after the update; else ``state``, as it was (refilled,
-    where this process donated its table to the computation: :func:`_refill`)."""
+    (:func:`_here`), and the ids it pulls (``pulled``: one array per device of this process,
+    or ``None``; ``asked``: whether the call pulls at all). Only a pull of the pushed ids rides
+    in a class that pulls; any other pull, or none in a class that pulls, does not fit it.
+    ``ready``: whether this process can run the push now (else it meets the others with rows
+    that select nothing); ``held``: the digest of the calls held before it (32 bytes), which
+    every process must share. Returns ``(agreed, state, rows)``: where every process agreed,
+    the new state and, for a class that pulls, each device's pushed rows after the update;
+    else ``state``, as it was (refilled, where this process donated its table to the
+    computation: :func:`_refill`)."""
     parts = len(state.devices)
     counts = max(x.size for x, _ in pairs)
     most = busiest([x for x, _ in pairs], shape[0] // parts, parts)
-    fits = counts <= cls.n and most <= cls.c and _pulls_pushed(pulled, pairs) == cls.back
+    pulls_pushed = asked and _pulls_pushed(pulled, pairs)
+    fits = (
+        ready
+        and counts <= cls.n
+        and most <= cls.c
+        and asked == pulls_pushed == cls.back  # (a pull rides only as the pushed ids)
+    )
     i = state.index(key)
     leaf = state.own_leaf(i)
     assert leaf is not None  # (:func:`_routed_alone`)
     n = None if group is None else state.groups.index(group)
     spec = RoutedSpec(key, leaf, n, updater, donate, cls.c, 0 if cls.back else None)
     status = inband.AGREE if fits else inband.OTHER
-    words = inband.words(status, cls, _named(key), _digest(extra))
+    calls = np.zeros(4, np.int64) if held is None else held.view(np.int64)
+    words = inband.words(status, cls, _named(key), _digest(extra), calls)
     if not fits:  # (it runs the push all the same, with rows that select nothing)
         _meeting(state, spec, cls, words, extra)
         return False, state, []
@@ -1407,7 +1449,8 @@ def _meet(state: KVState | None, kept: inband.Kept) -> None:
     leaf, n = table
     cls = kept.cls
     spec = RoutedSpec(kept.key, leaf, n, kept.updater, kept.donate, cls.c, 0 if cls.back else None)
-    words = inband.words(inband.OTHER, cls, _named(kept.key), np.zeros(4, np.int64))
+    nothing = np.zeros(4, np.int64)
+    words = inband.words(inband.OTHER, cls, _named(kept.key), nothing, nothing)
     # (its values: nothing is updated; their types: the same program)
     _meeting(state, spec, cls, words, kept.extra)
 

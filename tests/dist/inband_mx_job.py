@@ -1,0 +1,166 @@
+"""Run by tests/test_dist.py under ``python -m jaxkv.launch -n 2 --devices-per-process 1``:
+MXNet's embedding loop on a ``dist_sync`` store whose push of rows is kept between host
+agreements (``rows/inband.py``), with the dense key's push held before it, against the same
+calls agreed on the host each time.
+
+A table split over the processes (lazy Adam under a schedule: new numbers at every step) and a
+dense key; at every step each process pushes the dense key (held), pushes its own rows and
+``row_sparse_pull``s them. Kept, the push agrees the dense push held before it in its own
+computation (their digest in its words) and the store runs it after the push, as in one
+process: no host all-gather a step. Mid-loop one process's ``row_sparse_pull`` is refused,
+then the processes hold different calls before the push, then their weight decays differ:
+every process refuses each, with the store as it was, and the loop goes on. The whole sequence
+runs twice, kept and not, from the same state: every pulled row, the dense key and the table
+must be equal to the bit, and every refusal the same. Then a functional pushpull_rows pulling
+other ids than it pushes while a push without a pull is kept. Prints ``rank R ok CHECK``.
+"""
+
+import os
+import sys
+
+os.environ["MXNET_KVSTORE_BIGARRAY_BOUND"] = "16"  # (the 64 x 4 table split, the bias whole)
+os.environ.setdefault("JAXKV_COLLECTIVE_TIMEOUT", "30")  # (a process waiting alone: ended soon)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import jaxkv  # noqa: E402
+import jaxkv.mx as mx  # noqa: E402
+from jaxkv._src.processes import host  # noqa: E402
+from jaxkv._src.rows import inband  # noqa: E402
+
+R, W, STEPS, GROWN = 64, 4, 10, 6  # (the step whose counts outgrow the class)
+RANK, LAST = jax.process_index(), jax.process_count() - 1
+
+
+def ok(name):
+    print(f"rank {RANK} ok {name}", flush=True)
+
+
+def refused(call, says):
+    """What ``call()`` raised: whether its message holds ``says``; fails where it does not
+    raise."""
+    try:
+        call()
+    except jaxkv.KVStoreError as e:
+        return says in str(e)
+    raise AssertionError(f"not refused (expected {says!r})")
+
+
+def sequence(kept):
+    """MXNet's loop and its refusals, with pushes kept or not: every pulled row and value, each
+    refusal's verdict, and the host all-gathers of each step."""
+    inband.ENABLED = kept
+    kv = mx.kv.create("dist_sync")
+    sched = mx.lr_scheduler.FactorScheduler(step=1, factor=0.9, base_lr=0.1)
+    opt = mx.optimizer.Adam(learning_rate=None, lazy_update=True, lr_scheduler=sched)
+    kv.set_optimizer(opt)
+    start = np.arange(R * W, dtype=np.float32).reshape(R, W) / 64
+    kv.init("emb", mx.nd.array(start).tostype("row_sparse"))
+    kv.init("bias", mx.nd.zeros((W,)))
+    out = mx.nd.sparse.zeros("row_sparse", (R, W))
+    bias = mx.nd.zeros((W,))
+    rng = np.random.default_rng(7 + RANK)
+    seen, gathers = [], []
+    count, gather = [], host._mine
+    host._mine = lambda x: count.append(1) or gather(x)
+
+    def step(i):
+        # (the first two: the most of the others, so that the class they keep fits them all)
+        n = 20 if i == GROWN else 10 if i < 2 else int(rng.integers(4, 11))
+        ids = np.sort(rng.choice(R, n, replace=False)).astype(np.int32)
+        g = rng.normal(size=(n, W)).astype(np.float32)
+        before = len(count)
+        kv.push("bias", mx.nd.ones((W,)) * (i + 1), priority=-1)
+        kv.push("emb", mx.nd.sparse.row_sparse_array((g, ids), shape=(R, W)))
+        kv.row_sparse_pull("emb", out=out, row_ids=mx.nd.array(ids))
+        seen.append(out.data.asnumpy())
+        kv.pull("bias", out=bias, priority=-1)
+        seen.append(bias.asnumpy())
+        gathers.append(len(count) - before)
+
+    def bad_pull():
+        kv.push("bias", mx.nd.ones((W,)))
+        kv.push("emb", mx.nd.sparse.row_sparse_array((np.ones((1, W), np.float32), [5]), (R, W)))
+        ids = [R + 3] if RANK == LAST else [5]
+        kv.row_sparse_pull("emb", out=out, row_ids=mx.nd.array(ids))
+
+    def different():
+        if RANK == 0:
+            kv.push("bias", mx.nd.ones((W,)))
+        kv.push("emb", mx.nd.sparse.row_sparse_array((np.ones((1, W), np.float32), [3]), (R, W)))
+        kv.row_sparse_pull("emb", out=out, row_ids=mx.nd.array([3]))
+
+    try:
+        for i in range(STEPS):
+            step(i)
+        seen.append(refused(bad_pull, "row_ids" if RANK == LAST else "refused on"))
+        for i in range(STEPS, STEPS + 3):  # (the refused pull's held pushes run at the first)
+            step(i)
+        seen.append(refused(different, "process 0: init [], push ['bias']"))
+        for i in range(STEPS + 3, STEPS + 6):
+            step(i)
+        counted = opt.num_update
+        opt.wd = 0.01 * RANK  # (numbers that differ: every process refuses)
+        seen.append(refused(lambda: step(STEPS + 6), "the same numbers"))
+        assert opt.num_update == counted, (opt.num_update, counted)
+        opt.wd = 0.0
+        for i in range(STEPS + 7, STEPS + 10):
+            step(i)
+        seen.append(np.asarray(kv.pull("emb")))
+        seen.append(np.asarray(kv.pull("bias")))
+    finally:
+        host._mine = gather
+        inband.ENABLED = True
+    return seen, gathers
+
+
+def functional_pull_of_other_ids():
+    """A functional push of rows without a pull, kept; then a pushpull_rows of a list of pairs
+    pulling other ids than it pushes: the rows pulled, as pull_rows gives them after the push
+    (not the kept class's nothing)."""
+    table = np.arange(R * W, dtype=np.float32).reshape(R, W)
+    state = jaxkv.init(jaxkv.empty(jax.devices(), bigarray_bound=16), {"t": table})
+    sgd = optax.sgd(1.0)
+    for _ in range(3):  # (agreed twice, then kept)
+        state = jaxkv.push_rows(state, "t", [RANK], jnp.ones((1, W)), updater=sgd)
+    others = [np.array([10 + RANK, 40], np.int32)]
+    state, got = jaxkv.pushpull_rows(
+        state, "t", [np.array([RANK], np.int32)], [jnp.ones((1, W))], pull_ids=others, updater=sgd
+    )
+    want = jaxkv.pull_rows(state, "t", others[0])
+    assert len(got) == 1, got
+    assert np.array_equal(np.asarray(got[0]), np.asarray(want)), (got, want)
+    table[: jax.process_count()] -= 4.0
+    assert np.array_equal(np.asarray(want), table[others[0]]), want
+
+
+def main():
+    kept, some_steps = sequence(kept=True)
+    host_agreed, every_step = sequence(kept=False)
+    assert len(kept) == len(host_agreed)
+    for j, (a, b) in enumerate(zip(kept, host_agreed)):
+        if isinstance(a, bool):
+            assert a and b, (j, a, b)
+        else:
+            assert a.dtype == b.dtype and np.array_equal(a, b), (j, a, b)
+    ok("kept pushes give every row and value host-agreed ones give, to the bit, and the same refusals")
+    # The first step agrees the held inits too; the one after the refused pull runs its held
+    # pushes alone first (one more agreement each: held, then the push of rows kept with them).
+    agreed = [3] + [1] * (STEPS - 1) + [4] + [1] * 2 + [1] * 3 + [1] * 3
+    assert every_step == agreed, every_step
+    # Kept from the third push on; where the counts grew: one host agreement, kept again at
+    # once; after each refusal: agreed twice again, then kept.
+    want = [3, 1] + [0] * (STEPS - 2) + [4, 1, 0] + [1, 1, 0] + [1, 1, 0]
+    want[GROWN] = 1
+    assert some_steps == want, (some_steps, want)
+    ok("kept pushes make no host all-gather, the dense push held before them agreed in them")
+    functional_pull_of_other_ids()
+    ok("a pull of other ids than a kept push's")
+    print(f"rank {RANK} done", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
