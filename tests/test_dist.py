@@ -130,7 +130,7 @@ def test_pushes_of_rows_kept_between_host_agreements():
 def test_mxnet_pushes_of_rows_kept_with_the_calls_held_before_them():
     """MXNet's embedding loop on dist_sync (a dense key's push held before each push of rows):
     the push of rows kept between host agreements agrees the held push in its own computation
-    and the store runs it after, as in one process; every pulled row, the dense key and the
+    and makes it there too (one computation a step); every pulled row, the dense key and the
     table to the bit as agreed on the host each time, the same refusals (one process's bad
     row_sparse_pull, different held calls, different numbers), no host all-gather a step once
     kept. And a functional pushpull_rows pulling other ids than it pushes while a push
@@ -143,6 +143,7 @@ def test_mxnet_pushes_of_rows_kept_with_the_calls_held_before_them():
             "kept pushes give every row and value host-agreed ones give, to the bit, and the "
             "same refusals",
             "kept pushes make no host all-gather, the dense push held before them agreed in them",
+            "kept pushes make the dense push held before them in their own computation",
             "a pull of other ids than a kept push's",
         ),
     )

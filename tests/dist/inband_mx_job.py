@@ -6,8 +6,9 @@ calls agreed on the host each time.
 A table split over the processes (lazy Adam under a schedule: new numbers at every step) and a
 dense key; at every step each process pushes the dense key (held), pushes its own rows and
 ``row_sparse_pull``s them. Kept, the push agrees the dense push held before it in its own
-computation (their digest in its words) and the store runs it after the push, as in one
-process: no host all-gather a step. Mid-loop one process's ``row_sparse_pull`` is refused,
+computation (their digest in its words) and makes it in that computation too (its gradients
+riding behind the words, summed in process order on every process): no host all-gather and
+one computation a step. Mid-loop one process's ``row_sparse_pull`` is refused,
 then the processes hold different calls before the push, then their weight decays differ:
 every process refuses each, with the store as it was, and the loop goes on. The whole sequence
 runs twice, kept and not, from the same state: every pulled row, the dense key and the table
@@ -28,7 +29,7 @@ import optax  # noqa: E402
 
 import jaxkv  # noqa: E402
 import jaxkv.mx as mx  # noqa: E402
-from jaxkv._src.processes import host  # noqa: E402
+from jaxkv._src.processes import host, order  # noqa: E402
 from jaxkv._src.rows import inband  # noqa: E402
 
 R, W, STEPS, GROWN = 64, 4, 10, 6  # (the step whose counts outgrow the class)
@@ -63,9 +64,16 @@ def sequence(kept):
     out = mx.nd.sparse.zeros("row_sparse", (R, W))
     bias = mx.nd.zeros((W,))
     rng = np.random.default_rng(7 + RANK)
-    seen, gathers = [], []
+    seen, gathers, turns, stepped = [], [], [], []
     count, gather = [], host._mine
     host._mine = lambda x: count.append(1) or gather(x)
+    turn = order._Order.turn
+
+    def counted(self, what, watch):  # (each computation or host collective across processes)
+        turns[-1].append(what)
+        return turn(self, what, watch)
+
+    order._Order.turn = counted
 
     def step(i):
         # (the first two: the most of the others, so that the class they keep fits them all)
@@ -73,13 +81,17 @@ def sequence(kept):
         ids = np.sort(rng.choice(R, n, replace=False)).astype(np.int32)
         g = rng.normal(size=(n, W)).astype(np.float32)
         before = len(count)
-        kv.push("bias", mx.nd.ones((W,)) * (i + 1), priority=-1)
+        turns.append([])
+        # (process 0 pushes two values, summed before the others': as many as it has)
+        dense = [mx.nd.ones((W,)) * (i + 1)] + ([mx.nd.ones((W,)) * 0.5] if RANK == 0 else [])
+        kv.push("bias", dense, priority=-1)
         kv.push("emb", mx.nd.sparse.row_sparse_array((g, ids), shape=(R, W)))
         kv.row_sparse_pull("emb", out=out, row_ids=mx.nd.array(ids))
         seen.append(out.data.asnumpy())
         kv.pull("bias", out=bias, priority=-1)
         seen.append(bias.asnumpy())
         gathers.append(len(count) - before)
+        stepped.append(list(turns[-1]))
 
     def bad_pull():
         kv.push("bias", mx.nd.ones((W,)))
@@ -113,8 +125,9 @@ def sequence(kept):
         seen.append(np.asarray(kv.pull("bias")))
     finally:
         host._mine = gather
+        order._Order.turn = turn
         inband.ENABLED = True
-    return seen, gathers
+    return seen, gathers, stepped[:STEPS]
 
 
 def functional_pull_of_other_ids():
@@ -138,8 +151,8 @@ def functional_pull_of_other_ids():
 
 
 def main():
-    kept, some_steps = sequence(kept=True)
-    host_agreed, every_step = sequence(kept=False)
+    kept, some_steps, kept_turns = sequence(kept=True)
+    host_agreed, every_step, agreed_turns = sequence(kept=False)
     assert len(kept) == len(host_agreed)
     for j, (a, b) in enumerate(zip(kept, host_agreed)):
         if isinstance(a, bool):
@@ -157,6 +170,12 @@ def main():
     want[GROWN] = 1
     assert some_steps == want, (some_steps, want)
     ok("kept pushes make no host all-gather, the dense push held before them agreed in them")
+    # Kept, the dense key's push is made in the push of rows' computation: one computation a
+    # step across processes; agreed on the host: the agreement, the dense push, the rows'.
+    steady = [t for i, t in enumerate(kept_turns) if i >= 2 and i != GROWN]
+    assert all(t == ["push_rows"] for t in steady), kept_turns
+    assert all(t.count("push") == 1 for t in agreed_turns[1:]), agreed_turns
+    ok("kept pushes make the dense push held before them in their own computation")
     functional_pull_of_other_ids()
     ok("a pull of other ids than a kept push's")
     print(f"rank {RANK} done", flush=True)

@@ -159,6 +159,10 @@ class Runs(NamedTuple):
     # the arrays pulls not made yet read kept from a push of rows to these keys (Lending)
     spare_for_rows: Callable[[KVState, list[Key]], None]
     push_rows: Callable[[KVState, Any], KVState]  # a held push of rows run on a state
+    # The updater a held generation of pushes runs with, as one optimizer group (each key's
+    # update alone: MXNet's optimizer's), where a push of rows may make them in its own
+    # computation (``rows.ops.Before.pushes``); else None.
+    group_updater: Callable[[], Any] = lambda: None
 
 
 class Calls:
@@ -405,7 +409,22 @@ class Calls:
 
         # (a held pull must read what it reads before the push of rows: run before it)
         runs_later = None if any(queue.pulls) else later
-        return agreed._replace(differ=differ, later=runs_later), failed, after
+        pushes = None
+        if (
+            runs_later is not None
+            and len(queue.pushes) == 1
+            and len(queue.scalars[0]) == len(queue.pushes[0])
+        ):  # (one generation, each push's numbers worked out: an MXNet optimizer's)
+            updater = runs.group_updater()
+            if updater is not None:
+                keys = tuple(sorted(queue.pushes[0]))
+                pushes = ops.HeldPushes(
+                    keys,
+                    [queue.pushes[0][k] for k in keys],
+                    np.stack([np.asarray(queue.scalars[0][k]) for k in keys]),
+                    updater,
+                )
+        return agreed._replace(differ=differ, later=runs_later, pushes=pushes), failed, after
 
 
 def _nothing_later() -> None:

@@ -250,7 +250,18 @@ class KVStore:
             restore=self._restore,
             spare_for_rows=self._lending.spare_for_rows,
             push_rows=kvstore_rows.run_held,
+            group_updater=self._group_updater,
         )
+
+    def _group_updater(self) -> Any:
+        """The updater held pushes of several keys run with as one optimizer group, each key
+        updated alone as MXNet's optimizer updates it (``_update``), where the store has an
+        MXNet optimizer and no Python updater; else ``None``."""
+        if self._mxnet_optimizer is None or self._python_updater is not None:
+            return None
+        if not isinstance(self._updater, optax.GradientTransformation):
+            return None
+        return per_key.per_key(self._updater)
 
     def _get_stored(self) -> KVState:
         return self._stored

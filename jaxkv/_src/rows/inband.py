@@ -46,6 +46,7 @@ __all__ = [
     "agreeing",
     "failed",
     "kept",
+    "kept_push",
     "site",
     "words",
 ]
@@ -81,6 +82,9 @@ class Kept(NamedTuple):
     donate: bool
     extra: dict[str, Any]
     cls: Class
+    # The dense pushes held before it that its computation makes too (an imperative store's:
+    # ``kernels.Dense`` and their numbers, whose shape the program takes), or None.
+    dense: tuple | None = None
 
 
 _kept: Kept | None = None
@@ -97,7 +101,13 @@ def site(devices: tuple, key: Any, shape: tuple[int, ...], dtype: Any) -> tuple:
 
 def kept(where: tuple) -> Class | None:
     """The class kept for the push at ``where`` (a site), if it is the push kept."""
-    return _kept.cls if ENABLED and _kept is not None and _kept.site == where else None
+    push = kept_push(where)
+    return None if push is None else push.cls
+
+
+def kept_push(where: tuple) -> Kept | None:
+    """The push kept, if it is the one at ``where`` (a site)."""
+    return _kept if ENABLED and _kept is not None and _kept.site == where else None
 
 
 def agreeing(meet: Callable[[Kept], None]) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,13 @@ from jaxkv._src.core import checked
 from jaxkv._src.core.collectives import SUM, psum_scatter
 from jaxkv._src.core.on_blocks import UPDATER
 from jaxkv._src.core.on_buckets import elementwise as _elementwise
-from jaxkv._src.core.updater import apply_updates, init_state, updater_errors, updater_name
+from jaxkv._src.core.updater import (
+    apply_updater,
+    apply_updates,
+    init_state,
+    updater_errors,
+    updater_name,
+)
 from jaxkv._src.core.verified import verify_every
 from jaxkv._src.errors import KVStoreError, ShapeError, shown
 from jaxkv._src.state.kvstate import Key, KVState
@@ -620,6 +626,7 @@ def routed_push(
     c: int,
     back: int | None,
     agree: int = 0,
+    dense: Dense | None = None,
 ) -> Any:
     """``(table, opt_state, ids, rows, extra) -> (table, opt_state)``, ids and rows split along
     axis 0 (``extra``: the updater's extra arguments, whole on every device):
@@ -635,24 +642,49 @@ def routed_push(
     one more argument after ``extra``, each device's ``agree`` ``int32`` words (split along
     axis 0), and one more result, whether they agreed (:func:`agreed`; one per device, the
     same on all). Where they did not, nothing changes (the table, every leaf of its optimizer
-    state), and the rows sent back are not the pull's."""
+    state), and the rows sent back are not the pull's.
+
+    With ``dense`` (and ``agree``), dense keys' pushes too (:class:`Dense`), in four more
+    arguments after the others: each device's gradients of those keys, flat and side by side
+    (split along axis 0), the keys' values and their optimizer group's state (whole on every
+    device), and that update's extra arguments; and two more results, the new values and
+    state (whole). Each device's gradients ride behind its words in the first all-to-all, the
+    same to every owner, and every device sums every sender's in mesh order (the same bytes in
+    the same order everywhere: every device's sum is the same, no all-reduce), then updates the
+    values as one push of those keys would (``apply_updater``); where the processes did not
+    agree, the values and state come back as they were."""
     split = PartitionSpec(axis)
     parts = mesh.shape[axis]
+    whole = PartitionSpec()
 
     def body(block: Any, opt: Any, ids: Any, rows: Any, extra: Any, *more: Any) -> Any:
+        dense_args: tuple = ()
+        if dense is not None:
+            more, dense_args = more[:-4], more[-4:]
         words, pull_ids = (more[0], more[1:]) if agree else (None, more)
+        sent_words = words
+        if dense_args:  # (each device's dense gradients behind its words, as int32)
+            assert words is not None
+            sent_words = jnp.concatenate([words, _as_words(dense_args[0])])
         with jax.named_scope(ROUTE):
             dest, local = plan(ids, block.shape[0], parts, c)
-            got_ids, got, got_words = exchange(local, rows, dest, axis, words)
+            got_ids, got, got_words = exchange(local, rows, dest, axis, sent_words)
         n = block.shape[0]
         before = block, opt
         if agree:
+            assert words is not None
+            every = got_words
+            got_words = every[:, : words.shape[0]]
             ok = agreed(got_words)
             got_ids = jnp.where(ok, got_ids, n)  # (selects nothing: no row is written)
         block, opt, _ = update_rows(key, Where(), block, opt, got_ids, got, n, updater, extra)
         if agree:
             block, opt = _unless(ok, updater, before, (block, opt))
         done = (ok.reshape(1),) if agree else ()
+        if dense is not None:
+            assert words is not None
+            grads = every[:, words.shape[0] :]
+            done = (*done, *dense.update(grads, dense_args[1:], ok))
         if back is None:
             return block, opt, *done
         with jax.named_scope(ROUTE):
@@ -665,16 +697,61 @@ def routed_push(
     def run(table: Any, opt: Any, ids: Any, rows: Any, extra: Any, *more: Any) -> Any:
         opt_spec = like_table(opt, table, split)
         outs = (split, opt_spec) if back is None else (split, opt_spec, split)
+        if agree:
+            outs = (*outs, split)
+        ins = [split] * len(more)
+        if dense is not None:  # (the gradients split; the values, state and numbers whole)
+            ins[-4:] = [split, whole, whole, whole]
+            outs = (*outs, whole, whole)
         mapped = checked.shard_map(
             body,
             mesh=mesh,
-            in_specs=(split, opt_spec, split, split, PartitionSpec(), *[split] * len(more)),
-            out_specs=(*outs, split) if agree else outs,
+            in_specs=(split, opt_spec, split, split, whole, *ins),
+            out_specs=outs,
             check_vma=False,
         )
         return mapped(table, opt, ids, rows, extra, *more)
 
     return checked.jit(run, verify_every(), donate_argnums=(0, 1) if donate else ())
+
+
+class Dense(NamedTuple):
+    """Dense keys' pushes made in a routed push's computation (:func:`routed_push`): their
+    ``keys`` (sorted, one optimizer group), ``shapes`` and ``dtype`` (one, of 4-byte items),
+    and the group's ``updater`` (an optax transformation; its extra arguments given with the
+    values). Hashable: part of the computation's cache key."""
+
+    keys: tuple
+    shapes: tuple
+    dtype: Any
+    updater: Any
+
+    def update(self, grads: Any, args: tuple, ok: Any) -> tuple[Any, Any]:
+        """Inside ``shard_map``: every sender's gradients (``grads``: one row of ``int32``
+        words each, in mesh order) summed in that order, then the keys' values and state
+        (``args``: values, state, extra arguments) updated: ``(values, state)``, as they were
+        where not ``ok``."""
+        values, state, extra = args
+        got = jax.lax.bitcast_convert_type(grads, jnp.dtype(self.dtype))
+        total = got[0]
+        for j in range(1, got.shape[0]):  # (in mesh order, on every device alike)
+            total = total + got[j]
+        pushed, at = [], 0
+        for shape in self.shapes:
+            size = math.prod(shape)
+            pushed.append(total[at : at + size].reshape(shape))
+            at += size
+        made, made_state = apply_updater(
+            self.updater, self.keys, pushed, list(values), state, extra
+        )
+        new = tuple(jnp.where(ok, x, old) for x, old in zip(made, values))
+        new_state = jax.tree_util.tree_map(lambda x, old: jnp.where(ok, x, old), made_state, state)
+        return new, new_state
+
+
+def _as_words(x: Any) -> Any:
+    """``x`` (flat, of 4-byte items) as ``int32`` words."""
+    return x if x.dtype == jnp.int32 else jax.lax.bitcast_convert_type(x, jnp.int32)
 
 
 def _unless(ok: Any, updater: Any, before: tuple[Any, Any], after: tuple[Any, Any]) -> Any:

@@ -30,6 +30,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -58,6 +59,7 @@ from jaxkv._src.processes import host, order
 from jaxkv._src.rows import inband
 from jaxkv._src.rows.kernels import (
     ROUTE,
+    Dense,
     Where,
     bucket_keep,
     bucket_pusher,
@@ -733,12 +735,28 @@ def _push(
                 fused = _asked_here(state, list(pull[1]))
             asked_n = 0 if pull is None else 1 if pull is _SAME else len(pull[1])
             where = inband.site(state.devices, key, shape, dtype)
-            cls = inband.kept(where) if in_band else None
+            kept = inband.kept_push(where) if in_band else None
+            cls = None if kept is None else kept.cls
+            holds = before is not None and before.holds_calls()
+            dense = made = None
+            if kept is not None and kept.dense is not None:
+                # Kept with the dense pushes held before it, made in its computation: every
+                # process runs that program, with its own held pushes where they match, else
+                # with gradients of zeros (its status says so). Where no process can (the state
+                # no longer holds those keys so: alike everywhere), the host agrees.
+                pushes = before.pushes if before is not None and holds else None
+                made = None if pushes is None else _dense_push(state, pushes, *kept.dense)
+                dense = made or _dense_push(state, None, *kept.dense)
+                if dense is None:
+                    cls = None
             if cls is not None and _routed_alone(state, key, i, shape, updater, group):
-                # Calls held before it are agreed in its words and run after it, where they
-                # may (else this process says so, and every process agrees on the host).
-                holds = before is not None and before.holds_calls()
-                ready = not holds or before is not None and before.later is not None
+                # Calls held before it are agreed in its words and made in its computation, or
+                # run after it, where they may (else this process says so, and every process
+                # agrees on the host).
+                if kept is not None and kept.dense is not None:
+                    ready = made is not None
+                else:
+                    ready = not holds or before is not None and before.later is not None
                 ok, state, rows = _in_band(
                     state,
                     key,
@@ -753,9 +771,10 @@ def _push(
                     asked=pull is not None,
                     ready=ready,
                     held=None if before is None else before.digest,
+                    dense=dense,
                 )
                 if ok:
-                    if holds:
+                    if holds and made is None:
                         assert before is not None and before.later is not None  # (ready)
                         before.later()
                     return state, None if pull is None else rows[:asked_n]
@@ -781,7 +800,13 @@ def _push(
                     to = padded(m)
                     c = route(most, to, len(state.devices))
                     cls = inband.Class(to, c, pull_sizes is not None)
-                    keep = inband.Kept(where, key, updater, donate, dict(extra), cls)
+                    # (the dense pushes held before it, where its computation can make them)
+                    pushes = None if before is None else before.pushes
+                    part = None if pushes is None else _dense_push(state, pushes, args=False)
+                    kept_dense = None
+                    if part is not None and pushes is not None:
+                        kept_dense = (part.spec, pushes.scalars)
+                    keep = inband.Kept(where, key, updater, donate, dict(extra), cls, kept_dense)
                 inband.agreed_push(where, keep)
             new, rows = _push_across(
                 state,
@@ -1010,6 +1035,18 @@ def _local_devices(state: KVState) -> list[jax.Device]:
 _AGREED = 5  # a row operation's agreed sizes: a push's ids and route, a fused pull's, a flag
 
 
+class HeldPushes(NamedTuple):
+    """Calls held before a row push that are one push of each of ``keys`` (sorted), as one
+    optimizer group under ``updater`` (each key's update alone), with ``values`` (each key's
+    list, as pushed) and the updater's numbers (``scalars``: a row per key): what a kept push
+    of rows may make in its own computation (:func:`_dense_push`)."""
+
+    keys: tuple
+    values: list[list[Any]]
+    scalars: np.ndarray
+    updater: Any
+
+
 class Before(NamedTuple):
     """Calls an imperative store held before a row push (none of them of its key), agreed in
     the push's own all-gather and run once it is agreed, before its computation: ``text``
@@ -1025,6 +1062,7 @@ class Before(NamedTuple):
     differ: Callable[[list[bytes]], None]
     run: Callable[[], KVState]
     later: Callable[[], None] | None = None
+    pushes: HeldPushes | None = None  # (where they are one generation of pushes, as data)
 
     def holds_calls(self) -> bool:
         """Whether any call is held (``held.nothing`` describes none: a digest of zeros)."""
@@ -1307,6 +1345,104 @@ class RoutedSpec(NamedTuple):
     donate: bool
     c: int
     back: int | None
+    dense: Dense | None = None  # dense keys' pushes made in it too (:func:`_dense_push`)
+
+
+class DensePart(NamedTuple):
+    """Dense keys' pushes a routed push makes in its computation (``kernels.Dense``): the
+    spec, the keys' leaves and optimizer group, and the four arguments (this process's
+    gradients, flat; the values; the group's state; the numbers)."""
+
+    spec: Dense
+    leaves: list[int]
+    group: int
+    args: tuple
+
+
+def _dense_push(
+    state: KVState,
+    pushes: HeldPushes | None,
+    spec: Dense | None = None,
+    numbers: np.ndarray | None = None,
+    args: bool = True,
+) -> DensePart | None:
+    """The held pushes ``pushes`` as a part of a routed push's computation, where it can make
+    them (a process of one device, each key an array of its own whole on every device, the
+    keys one optimizer group of their own, its state whole, the stored items 4 bytes), else
+    ``None``; ``spec``: the part a kept push was kept with, which they must match. Decided from
+    the state and the held calls' keys alone, which every process's words agree
+    (``held.described``): every process decides alike. Each key's values of this process are
+    summed here first (:func:`_summed_here`). With ``pushes=None``, a ``spec`` and
+    ``numbers`` (the kept push's, their shape): the part with gradients and numbers of zeros
+    (a process meeting the others in a kept push it does not make). ``args=False``: the
+    spec, leaves and group alone (no arguments)."""
+    local = _local_devices(state)
+    if len(local) != 1 or _traced_leaves(state):
+        return None
+    keys = spec.keys if pushes is None and spec is not None else pushes.keys if pushes else None
+    if not keys or keys not in state.groups:
+        return None
+    n = state.groups.index(keys)
+    if state.packings[n] is not None:
+        return None
+    opt = state.group_states[n]
+    if opt is None or not all(_whole(state, x) for x in jax.tree_util.tree_leaves(opt)):
+        return None
+    leaves, shapes, dtypes = [], [], set()
+    for k in keys:
+        i = state.index(k)
+        leaf = state.own_leaf(i)
+        if leaf is None or not _whole(state, state.leaves[leaf]):
+            return None
+        dtype = buckets.stored_type(state, i).dtype
+        leaves.append(leaf)
+        shapes.append(tuple(state.key_shapes[i]))
+        dtypes.add(np.dtype(dtype))
+    if len(dtypes) != 1 or next(iter(dtypes)).itemsize != 4:
+        return None
+    dtype = dtypes.pop()
+    updater = pushes.updater if pushes is not None else spec.updater if spec else None
+    made = Dense(keys, tuple(shapes), dtype, updater)
+    if spec is not None and made != spec:
+        return None
+    if not args:
+        return DensePart(made, leaves, n, ())
+    if (  # (the kept push's program takes numbers of its shape and dtype)
+        pushes is not None
+        and numbers is not None
+        and (pushes.scalars.shape, pushes.scalars.dtype) != (numbers.shape, numbers.dtype)
+    ):
+        return None
+    if pushes is None:
+        if numbers is None:
+            return None
+        flat: Any = np.zeros(sum(math.prod(x) for x in shapes), dtype)
+        scalars = np.zeros_like(numbers)
+    else:
+        arrays = [_summed_here(v, dtype).reshape(-1) for v in pushes.values]
+        flat = arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays)
+        scalars = pushes.scalars
+    values = tuple(state.leaves[x] for x in leaves)
+    return DensePart(made, leaves, n, (_global(state, [flat]), values, opt, {"scalars": scalars}))
+
+
+def _summed_here(values: list[Any], dtype: Any) -> Any:
+    """A key's values pushed by this process, summed in their order, in the stored ``dtype``
+    (which holds each without loss: checked when each was pushed)."""
+    total = as_array(values[0]).astype(dtype)
+    for x in values[1:]:
+        total = total + as_array(x).astype(dtype)
+    return total
+
+
+def _whole(state: KVState, x: Any) -> bool:
+    """Whether ``x`` is an eager array whole on every device of ``state``'s mesh."""
+    sharding = getattr(x, "sharding", None)
+    return (
+        isinstance(sharding, NamedSharding)
+        and sharding.mesh == state.mesh
+        and sharding.is_fully_replicated
+    )
 
 
 def _in_band(
@@ -1323,6 +1459,7 @@ def _in_band(
     asked: bool = False,
     ready: bool = True,
     held: np.ndarray | None = None,
+    dense: DensePart | None = None,
 ) -> tuple[bool, KVState, list[Any]]:
     """The push kept (class ``cls``), this process's words behind its rows
     (:func:`kernels.routed_push`): its ``pairs``, one per device of this process
@@ -1331,7 +1468,9 @@ def _in_band(
     in a class that pulls; any other pull, or none in a class that pulls, does not fit it.
     ``ready``: whether this process can run the push now (else it meets the others with rows
     that select nothing); ``held``: the digest of the calls held before it (32 bytes), which
-    every process must share. Returns ``(agreed, state, rows)``: where every process agreed,
+    every process must share; ``dense``: the dense pushes the kept push makes too (with this
+    process's gradients where it makes them, else zeros). Returns ``(agreed, state, rows)``:
+    where every process agreed,
     the new state and, for a class that pulls, each device's pushed rows after the update;
     else ``state``, as it was (refilled, where this process donated its table to the
     computation: :func:`_refill`)."""
@@ -1349,17 +1488,19 @@ def _in_band(
     leaf = state.own_leaf(i)
     assert leaf is not None  # (:func:`_routed_alone`)
     n = None if group is None else state.groups.index(group)
-    spec = RoutedSpec(key, leaf, n, updater, donate, cls.c, 0 if cls.back else None)
+    spec = RoutedSpec(
+        key, leaf, n, updater, donate, cls.c, 0 if cls.back else None, dense and dense.spec
+    )
     status = inband.AGREE if fits else inband.OTHER
     calls = np.zeros(4, np.int64) if held is None else held.view(np.int64)
     words = inband.words(status, cls, _named(key), _digest(extra), calls)
     if not fits:  # (it runs the push all the same, with rows that select nothing)
-        _meeting(state, spec, cls, words, extra)
+        _meeting(state, spec, cls, words, extra, dense)
         return False, state, []
     sent = [pad_ids(x, cls.n, -1) for x, _ in pairs]
     rows = [pad_rows(r, cls.n) for _, r in pairs]
-    new, out = _run_routed(state, spec, sent, rows, extra, words)
-    if not _verdict(out):
+    new, out = _run_routed(state, spec, sent, rows, extra, words, dense)
+    if not _verdict(out, dense is not None):
         if donate:  # (it gave its table to a push that did not run)
             _refill(state, new)
         return False, state, []
@@ -1373,14 +1514,21 @@ def _run_routed(
     rows: list[Any],
     extra: dict[str, Any],
     words: np.ndarray | None = None,
+    dense: DensePart | None = None,
 ) -> tuple[KVState, Any]:
     """The routed push (:func:`kernels.routed_push`) on a store across processes: ``spec``
-    names it, ``sent`` and ``rows`` are each device of this process's padded ids and rows, and
-    ``words`` (optional) its agreement. Returns the new state and the computation's results."""
-    key, leaf, n, updater, donate, c, back = spec
+    names it, ``sent`` and ``rows`` are each device of this process's padded ids and rows,
+    ``words`` (optional) its agreement and ``dense`` the dense pushes it makes too (with
+    ``words``). Returns the new state and the computation's results."""
+    key, leaf, n, updater, donate, c, back, _ = spec
     agree = () if words is None else (words.size,)  # (one cached computation per variant)
-    fn = routed_push(state.mesh, state.axis, key, updater, donate, c, back, *agree)
+    fn = routed_push(
+        state.mesh, state.axis, key, updater, donate, c, back, *agree, dense=spec.dense
+    )
     more = () if words is None else (_global(state, [words] * len(sent)),)
+    if spec.dense is not None:
+        assert dense is not None and words is not None
+        more = (*more, *dense.args)
     opt = None if n is None else state.group_states[n]
     out = order.ordered(
         "push_rows",
@@ -1392,7 +1540,13 @@ def _run_routed(
         extra,
         *more,
     )
-    return buckets.with_leaves(state, {leaf: out[0]}, {} if n is None else {n: out[1]}), out
+    leaves = {leaf: out[0]}
+    groups = {} if n is None else {n: out[1]}
+    if spec.dense is not None:
+        assert dense is not None
+        leaves.update(zip(dense.leaves, out[-2]))
+        groups[dense.group] = out[-1]
+    return buckets.with_leaves(state, leaves, groups), out
 
 
 def _pushed_back(out: Any, pairs: list[tuple[np.ndarray, Any]]) -> list[Any]:
@@ -1400,9 +1554,10 @@ def _pushed_back(out: Any, pairs: list[tuple[np.ndarray, Any]]) -> list[Any]:
     return [Padded(x, ids.size) for x, (ids, _) in zip(per_device(out[2]), pairs)]
 
 
-def _verdict(out: Any) -> bool:
-    """Whether every process agreed, from a routed push's results (the host waits for it)."""
-    return bool(np.asarray(per_device(out[-1])[0]).reshape(-1)[0])
+def _verdict(out: Any, dense: bool = False) -> bool:
+    """Whether every process agreed, from a routed push's results (``dense``: with dense
+    pushes' results after it; the host waits for it)."""
+    return bool(np.asarray(per_device(out[-3 if dense else -1])[0]).reshape(-1)[0])
 
 
 def _meeting(
@@ -1411,17 +1566,19 @@ def _meeting(
     cls: inband.Class,
     words: np.ndarray,
     extra: dict[str, Any],
+    dense: DensePart | None = None,
 ) -> None:
     """The routed push ``spec`` of class ``cls`` run with rows that select nothing, by a
-    process that does not run it (``words``: its status not ``AGREE``), so no process updates;
-    its table comes back refilled where it donated."""
+    process that does not run it (``words``: its status not ``AGREE``), so no process updates
+    (``dense``: its dense pushes' part, any arguments of their shapes); its table comes back
+    refilled where it donated."""
     key = spec.key
     local = _local_devices(state)
     shape = state.key_shapes[state.index(key)]
     dtype = buckets.stored_type(state, state.index(key)).dtype
     sent = [np.full(cls.n, -1, np.int32)] * len(local)
     rows = [np.zeros((cls.n, *shape[1:]), dtype)] * len(local)
-    new, _ = _run_routed(state, spec, sent, rows, extra, words)
+    new, _ = _run_routed(state, spec, sent, rows, extra, words, dense)
     if spec.donate:  # (it gave its table to a push that did not run)
         _refill(state, new)
 
@@ -1448,11 +1605,23 @@ def _meet(state: KVState | None, kept: inband.Kept) -> None:
         return
     leaf, n = table
     cls = kept.cls
-    spec = RoutedSpec(kept.key, leaf, n, kept.updater, kept.donate, cls.c, 0 if cls.back else None)
+    dense = None if kept.dense is None else _dense_push(state, None, *kept.dense)
+    if kept.dense is not None and dense is None:  # (not the kept push's keys either)
+        return
+    spec = RoutedSpec(
+        kept.key,
+        leaf,
+        n,
+        kept.updater,
+        kept.donate,
+        cls.c,
+        0 if cls.back else None,
+        dense and dense.spec,
+    )
     nothing = np.zeros(4, np.int64)
     words = inband.words(inband.OTHER, cls, _named(kept.key), nothing, nothing)
     # (its values: nothing is updated; their types: the same program)
-    _meeting(state, spec, cls, words, kept.extra)
+    _meeting(state, spec, cls, words, kept.extra, dense)
 
 
 def _holds(state: KVState | None, kept: inband.Kept) -> tuple[int, int | None] | None:
