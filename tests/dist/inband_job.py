@@ -24,6 +24,7 @@ import optax  # noqa: E402
 import jaxkv  # noqa: E402
 from jaxkv._src.processes import host  # noqa: E402
 from jaxkv._src.rows import inband  # noqa: E402
+from same_calls import assert_same  # noqa: E402  (tests/dist)
 
 ROWS, WIDTH, STEPS, GROWN = 128, 4, 14, 8  # (the step whose counts outgrow the class)
 
@@ -104,12 +105,7 @@ def sequence(kept):
 def main():
     kept, some_steps = sequence(kept=True)
     host_agreed, every_step = sequence(kept=False)
-    assert len(kept) == len(host_agreed)
-    for j, (a, b) in enumerate(zip(kept, host_agreed)):
-        if isinstance(a, bool):
-            assert a and b, (j, a, b)
-        else:
-            assert a.dtype == b.dtype and np.array_equal(a, b), (j, a, b)
+    assert_same(kept, host_agreed)
     ok("kept pushes give every row host-agreed ones give, to the bit, and the same refusals")
     assert every_step == [1] * len(every_step), every_step
     # kept from the third push on; after the refusal, the two keys and the pull: agreed twice

@@ -31,6 +31,7 @@ import jaxkv  # noqa: E402
 import jaxkv.mx as mx  # noqa: E402
 from jaxkv._src.processes import host, order  # noqa: E402
 from jaxkv._src.rows import inband  # noqa: E402
+from same_calls import assert_same  # noqa: E402  (tests/dist)
 
 R, W, STEPS, GROWN = 64, 4, 10, 6  # (the step whose counts outgrow the class)
 RANK, LAST = jax.process_index(), jax.process_count() - 1
@@ -153,12 +154,7 @@ def functional_pull_of_other_ids():
 def main():
     kept, some_steps, kept_turns = sequence(kept=True)
     host_agreed, every_step, agreed_turns = sequence(kept=False)
-    assert len(kept) == len(host_agreed)
-    for j, (a, b) in enumerate(zip(kept, host_agreed)):
-        if isinstance(a, bool):
-            assert a and b, (j, a, b)
-        else:
-            assert a.dtype == b.dtype and np.array_equal(a, b), (j, a, b)
+    assert_same(kept, host_agreed)
     ok("kept pushes give every row and value host-agreed ones give, to the bit, and the same refusals")
     # The first step agrees the held inits too; the one after the refused pull runs its held
     # pushes alone first (one more agreement each: held, then the push of rows kept with them).
