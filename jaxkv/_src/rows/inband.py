@@ -9,7 +9,8 @@ of ids per device, the slots of each route, whether the pushed ids come back. Th
 that key then skips the host agreement: every process runs the computation of that class at
 once, its words behind its rows in the first all-to-all (its status, the class, digests of the
 key, of the updater's numbers and of the calls an imperative store held before the push, which
-it then runs after it), and each owner updates only where every process agrees;
+it makes in its own computation or runs after it), and each owner updates only where every
+process agrees;
 every device returns the same verdict, read on the host before anything else runs. Where they
 did not agree (a count outgrew the class, a process refused its arguments or made another
 call, the key or the numbers differ), nothing changed, and every process makes the host
@@ -45,7 +46,6 @@ __all__ = [
     "agreed_push",
     "agreeing",
     "failed",
-    "kept",
     "kept_push",
     "site",
     "words",
@@ -97,12 +97,6 @@ def site(devices: tuple, key: Any, shape: tuple[int, ...], dtype: Any) -> tuple:
     """What names a push of rows of ``key`` (a table of ``shape`` and ``dtype``) on a store
     over ``devices``."""
     return (tuple(d.id for d in devices), repr(key), tuple(shape), np.dtype(dtype).name)
-
-
-def kept(where: tuple) -> Class | None:
-    """The class kept for the push at ``where`` (a site), if it is the push kept."""
-    push = kept_push(where)
-    return None if push is None else push.cls
 
 
 def kept_push(where: tuple) -> Kept | None:
