@@ -34,7 +34,7 @@ from jaxkv._src.rows import inband  # noqa: E402
 from same_calls import assert_same  # noqa: E402  (tests/dist)
 
 R, W, STEPS, GROWN = 64, 4, 10, 6  # (the step whose counts outgrow the class)
-RANK, LAST = jax.process_index(), jax.process_count() - 1
+RANK, LAST, ALL = jax.process_index(), jax.process_count() - 1, jax.process_count()
 
 
 def ok(name):
@@ -131,6 +131,38 @@ def sequence(kept):
     return seen, gathers, stepped[:STEPS]
 
 
+def pulls_held_before():
+    """MXNet's loop with the dense key pulled before the push of rows (a held pull the push
+    keeps, which must read the value before the push): agreed on the host each step, with no
+    kept push tried first (a push kept with calls it can neither make nor run after it would
+    start every step with a computation that cannot agree). The turns of each step."""
+    kv = mx.kv.create("dist_sync")
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1, lazy_update=True))
+    kv.init("emb2", mx.nd.zeros((R, W)).tostype("row_sparse"))
+    kv.init("bias2", mx.nd.zeros((W,)))
+    out, bias = mx.nd.sparse.zeros("row_sparse", (R, W)), mx.nd.zeros((W,))
+    turns, turn = [], order._Order.turn
+
+    def counted(self, what, watch):
+        turns[-1].append(what)
+        return turn(self, what, watch)
+
+    order._Order.turn = counted
+    try:
+        for i in range(5):
+            turns.append([])
+            ids = np.array([RANK, 10 + i], np.int32)
+            kv.push("bias2", mx.nd.ones((W,)))
+            kv.pull("bias2", out=bias)
+            kv.push("emb2", mx.nd.sparse.row_sparse_array((np.ones((2, W), np.float32), ids), (R, W)))
+            kv.row_sparse_pull("emb2", out=out, row_ids=mx.nd.array(ids))
+            out.data.asnumpy()
+            np.testing.assert_array_equal(bias.asnumpy(), np.full(W, -0.1 * ALL * (i + 1), np.float32))
+    finally:
+        order._Order.turn = turn
+    return turns
+
+
 def functional_pull_of_other_ids():
     """A functional push of rows without a pull, kept; then a pushpull_rows of a list of pairs
     pulling other ids than it pushes: the rows pulled, as pull_rows gives them after the push
@@ -174,6 +206,9 @@ def main():
     ok("kept pushes make the dense push held before them in their own computation")
     functional_pull_of_other_ids()
     ok("a pull of other ids than a kept push's")
+    turns = pulls_held_before()
+    assert all(t.count("push_rows") == 1 for t in turns), turns
+    ok("a push of rows after a held pull is not kept")
     print(f"rank {RANK} done", flush=True)
 
 

@@ -807,6 +807,14 @@ def _push(
                     if part is not None and pushes is not None:
                         kept_dense = (part.spec, pushes.scalars)
                     keep = inband.Kept(where, key, updater, donate, dict(extra), cls, kept_dense)
+                    if (  # (calls held before it that it can neither make nor run after it,
+                        # a held pull among them: its next push could not start so either)
+                        kept_dense is None
+                        and before is not None
+                        and before.holds_calls()
+                        and before.later is None
+                    ):
+                        keep = None
                 inband.agreed_push(where, keep)
             new, rows = _push_across(
                 state,
