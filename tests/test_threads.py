@@ -140,3 +140,34 @@ def test_pulls_and_pushpulls_during_pushes_see_whole_pushes_and_the_exact_sum(ki
     three, five = _pulled(kind, store)
     np.testing.assert_array_equal(three, np.full(SHAPE, 2.0 + total, np.float32))
     np.testing.assert_array_equal(five, np.full(SHAPE, float(total), np.float32))
+
+
+def test_an_out_read_while_its_held_pull_runs_waits_for_its_value(kv):
+    """A thread reading an out while another thread runs the pull held for it (the store's
+    held calls, run by a read) gets the pulled value: the out stays owed until it is filled.
+    Before, the held calls released every out first, and a read in between got what the out
+    held before (its zeros) with no error."""
+    kv.push(3, nd.ones(SHAPE) * 5)  # (assigned: 5 everywhere)
+    out, other = nd.zeros(SHAPE), nd.zeros(SHAPE)
+    kv.pull(5, out=other)
+    kv.pull(3, out=out)  # both held
+    entered, go = threading.Event(), threading.Event()
+    pull_now = kv._pull_now
+
+    def slow_pull(*args, **kwargs):  # (the held pulls run: pause before filling any out)
+        entered.set()
+        assert go.wait(10)
+        return pull_now(*args, **kwargs)
+
+    kv._pull_now = slow_pull
+    seen = []
+    filler = threading.Thread(target=other.asnumpy)  # runs what the store holds
+    reader = threading.Thread(target=lambda: seen.append(out.asnumpy()))
+    filler.start()
+    assert entered.wait(10)
+    reader.start()
+    reader.join(0.5)  # it waits for the store (before: it read the zeros at once)
+    go.set()
+    filler.join(10)
+    reader.join(10)
+    np.testing.assert_array_equal(seen[0], np.full(SHAPE, 5.0))

@@ -266,7 +266,9 @@ class Calls:
         held pushes are put back."""
         if not queue:  # (nothing held: no out is owed either)
             return
-        queue.release()  # the outs are filled below, or keep what they hold
+        # Each out stays owed until it is filled (or, where a call fails, released below, to
+        # keep what it holds): a read of it from another thread meanwhile waits for the store,
+        # where it read what it held before (its zeros) once they were released first.
         state = runs.stored()
         try:
             if not agreed and spans_processes(state.devices):
@@ -296,6 +298,8 @@ class Calls:
                 f"{named(list(queue.keys()))}: the held calls failed when run "
                 f"({type(e).__name__}: {e})"
             ) from e
+        finally:
+            queue.release()  # (the outs not filled keep what they hold)
 
     def gathered(self, queue: Held, state: KVState) -> list[list[Key]]:
         """Across processes, the keys of ``queue``'s pulls of values split across processes
