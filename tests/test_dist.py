@@ -146,5 +146,6 @@ def test_mxnet_pushes_of_rows_kept_with_the_calls_held_before_them():
             "kept pushes make the dense push held before them in their own computation",
             "a pull of other ids than a kept push's",
             "a push of rows after a held pull is not kept",
+            "a push of rows after a held pull on one process only is kept on none",
         ),
     )

@@ -131,7 +131,7 @@ def sequence(kept):
     return seen, gathers, stepped[:STEPS]
 
 
-def pulls_held_before():
+def pulls_held_before(who=None):
     """MXNet's loop with the dense key pulled before the push of rows (a held pull the push
     keeps, which must read the value before the push): agreed on the host each step, with no
     kept push tried first (a push kept with calls it can neither make nor run after it would
@@ -153,11 +153,15 @@ def pulls_held_before():
             turns.append([])
             ids = np.array([RANK, 10 + i], np.int32)
             kv.push("bias2", mx.nd.ones((W,)))
-            kv.pull("bias2", out=bias)
+            if who is None or RANK == who:  # (a pull of a whole value: each process's own)
+                kv.pull("bias2", out=bias)
             kv.push("emb2", mx.nd.sparse.row_sparse_array((np.ones((2, W), np.float32), ids), (R, W)))
             kv.row_sparse_pull("emb2", out=out, row_ids=mx.nd.array(ids))
             out.data.asnumpy()
-            np.testing.assert_array_equal(bias.asnumpy(), np.full(W, -0.1 * ALL * (i + 1), np.float32))
+            want = np.full(W, -0.1 * ALL * (i + 1), np.float32)
+            np.testing.assert_array_equal(np.asarray(kv.pull("bias2")), want)
+            if who is None or RANK == who:
+                np.testing.assert_array_equal(bias.asnumpy(), want)
     finally:
         order._Order.turn = turn
     return turns
@@ -209,6 +213,9 @@ def main():
     turns = pulls_held_before()
     assert all(t.count("push_rows") == 1 for t in turns), turns
     ok("a push of rows after a held pull is not kept")
+    turns = pulls_held_before(who=0)  # (the same keys held on every process: no refusal)
+    assert all(t.count("push_rows") == 1 for t in turns), turns
+    ok("a push of rows after a held pull on one process only is kept on none")
     print(f"rank {RANK} done", flush=True)
 
 

@@ -789,7 +789,7 @@ def _push(
         leaf = state.own_leaf(i)
         n: int | None = None if group is None else state.groups.index(group)
         if across is not None:
-            m, most, pull_sizes = across
+            m, most, pull_sizes, first = across
             # The pull asks every process's pushed ids back (MXNet's push, then row_sparse_pull of
             # the batch): along the push's own routes, in its computation.
             along = pull_sizes is not None and pull_sizes[2]
@@ -804,16 +804,11 @@ def _push(
                     pushes = None if before is None else before.pushes
                     part = None if pushes is None else _dense_push(state, pushes, args=False)
                     kept_dense = None
-                    if part is not None and pushes is not None:
+                    if part is not None and pushes is not None and not first:
                         kept_dense = (part.spec, pushes.scalars)
                     keep = inband.Kept(where, key, updater, donate, dict(extra), cls, kept_dense)
-                    if (  # (calls held before it that it can neither make nor run after it,
+                    if first:  # (some process holds calls before it that must run before it,
                         # a held pull among them: its next push could not start so either)
-                        kept_dense is None
-                        and before is not None
-                        and before.holds_calls()
-                        and before.later is None
-                    ):
                         keep = None
                 inband.agreed_push(where, keep)
             new, rows = _push_across(
@@ -1040,7 +1035,9 @@ def _local_devices(state: KVState) -> list[jax.Device]:
     return [d for d in state.devices if d.process_index == me]
 
 
-_AGREED = 5  # a row operation's agreed sizes: a push's ids and route, a fused pull's, a flag
+# A row operation's agreed sizes: a push's ids and route, a fused pull's count, route and flag,
+# and whether any process holds calls before it that must run before it (a held pull).
+_AGREED = 6
 
 
 class HeldPushes(NamedTuple):
@@ -1668,13 +1665,14 @@ def _across_pairs(
     extra: dict | None = None,
     pull: list[np.ndarray] | None = None,
     before: Before | None = None,
-) -> tuple[int, int, tuple[int, int, bool] | None]:
+) -> tuple[int, int, tuple[int, int, bool] | None, bool]:
     """For this process's checked pairs, one per device of this process (:func:`_here`), the
     largest count of ids of any device of any process and the busiest route of a sharded table,
     agreed (:func:`_agreed`, with the updater's ``extra`` arguments), and, for the pull fused
     with it (``pull``: this process's checked ids, one per device of it), its count and route
     and whether every process pulls the ids it pushes, agreed in the same all-gather, as are the
-    calls held ``before``."""
+    calls held ``before``.; and whether any process holds calls ``before``
+    the push that must run before it (a held pull)"""
     parts = len(state.devices)
     sharded = state.is_sharded(shape) and state.own_leaf(state.index(key)) is not None
     most = busiest([x for x, _ in pairs], shape[0] // parts, parts) if sharded else 1
@@ -1683,11 +1681,15 @@ def _across_pairs(
         i = state.index(key)
         same = _pulls_pushed(pull, pairs)
         sizes += (max(x.size for x in pull), _pull_route(state, i, shape, pull), int(not same))
+    # (held pulls of values whole on every process are no part of the held calls' digest:
+    # whether a push may be kept with its held calls must be agreed here, alike everywhere)
+    first = before is not None and before.holds_calls() and before.later is None
+    sizes += (0,) * (_AGREED - 1 - len(sizes)) + (int(first),)
     agreed = _agreed(key, sizes, extra=extra, before=before, state=state)
     # (the pull's count and route, and whether every process pulls the ids it pushed)
     pulled = None if pull is None else (agreed[2], agreed[3], not agreed[4])
     # no rows anywhere: padded rows that select nothing
-    return fit(("push across", key), max(agreed[0], 1)), agreed[1], pulled
+    return fit(("push across", key), max(agreed[0], 1)), agreed[1], pulled, bool(agreed[5])
 
 
 def _pulls_pushed(pull: list[np.ndarray] | None, pairs: list[tuple[np.ndarray, Any]]) -> bool:
