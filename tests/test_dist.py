@@ -147,5 +147,6 @@ def test_mxnet_pushes_of_rows_kept_with_the_calls_held_before_them():
             "a pull of other ids than a kept push's",
             "a push of rows after a held pull is not kept",
             "a push of rows after a held pull on one process only is kept on none",
+            "a table one process alone may not donate: one program everywhere, nothing lost",
         ),
     )

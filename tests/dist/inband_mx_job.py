@@ -187,6 +187,50 @@ def functional_pull_of_other_ids():
     assert np.array_equal(np.asarray(want), table[others[0]]), want
 
 
+def held_on_one(split):
+    """MXNet's loop on a table ``split`` over the processes (its push kept) or whole (agreed on
+    the host each step), where process 0 alone holds what the store handed out: ``kv.state``,
+    kept past the next pushes, or (a whole table) the stored table lent to a dense pull's out.
+    That process may not donate its table to the push, the others may: every process must
+    still run one program (JAX 0.12 pairs the collectives of one compiled program alone; a
+    donating one is another). Returns whether what process 0 holds kept its values, and the
+    table against the NumPy model."""
+    n = R if split else 3  # (3 x 4: under the bound of 16, whole on every process)
+    kv = mx.kv.create("dist_sync")
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.5, lazy_update=True))
+    kv.init("t3", mx.nd.zeros((n, W)).tostype("row_sparse"))
+    out, lent = mx.nd.sparse.zeros("row_sparse", (n, W)), mx.nd.zeros((n, W))
+    model, kept = np.zeros((n, W), np.float32), None
+    for i in range(6):
+        rows = [np.unique(np.array([r % n, (r + 2 * i + 1) % n], np.int32)) for r in range(ALL)]
+        ids = rows[RANK]
+        g = np.full((ids.size, W), i + 1, np.float32)
+        kv.push("t3", mx.nd.sparse.row_sparse_array((g, ids), (n, W)))
+        kv.row_sparse_pull("t3", out=out, row_ids=mx.nd.array(ids))
+        out.data.asnumpy()
+        for r in rows:
+            model[r] -= 0.5 * (i + 1)
+        if i == 2:
+            if split:  # (every process reads it: only process 0 keeps it)
+                state = kv.state
+                if RANK == 0:
+                    kept = (state, [np.asarray(x.addressable_data(0)) for x in state.leaves])
+                del state
+            elif RANK == 0:  # (a pull of a whole value: this process's own, lent)
+                kv.pull("t3", out=lent)
+                kept = (None, lent.asnumpy().copy())
+            else:
+                mx.nd.waitall()
+    same = True
+    if kept is not None and split:
+        state, was = kept
+        now = [np.asarray(x.addressable_data(0)) for x in state.leaves]
+        same = all(np.array_equal(x, w) for x, w in zip(now, was))
+    elif kept is not None:
+        same = np.array_equal(lent.asnumpy(), kept[1])
+    return same, np.array_equal(np.asarray(kv.pull("t3")), model)
+
+
 def main():
     kept, some_steps, kept_turns = sequence(kept=True)
     host_agreed, every_step, agreed_turns = sequence(kept=False)
@@ -216,6 +260,9 @@ def main():
     turns = pulls_held_before(who=0)  # (the same keys held on every process: no refusal)
     assert all(t.count("push_rows") == 1 for t in turns), turns
     ok("a push of rows after a held pull on one process only is kept on none")
+    for split in (True, False):
+        assert held_on_one(split) == (True, True), split
+    ok("a table one process alone may not donate: one program everywhere, nothing lost")
     print(f"rank {RANK} done", flush=True)
 
 

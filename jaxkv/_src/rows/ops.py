@@ -750,10 +750,11 @@ def _push(
                 if dense is None:
                     cls = None
             if cls is not None and _routed_alone(state, key, i, shape, updater, group):
+                assert kept is not None  # (cls is its class)
                 # Calls held before it are agreed in its words and made in its computation, or
                 # run after it, where they may (else this process says so, and every process
                 # agrees on the host).
-                if kept is not None and kept.dense is not None:
+                if kept.dense is not None:
                     ready = made is not None
                 else:
                     ready = not holds or before is not None and before.later is not None
@@ -767,9 +768,10 @@ def _push(
                     extra,
                     here,
                     fused,
-                    donate,
+                    kept.donate,  # (its program's, alike everywhere; copies given where not mine)
                     asked=pull is not None,
                     ready=ready,
+                    mine=donate,
                     held=None if before is None else before.digest,
                     dense=dense,
                 )
@@ -779,7 +781,7 @@ def _push(
                         before.later()
                     return state, None if pull is None else rows[:asked_n]
                 inband.failed(where)  # (every process: the verdict is every device's)
-            across = _across_pairs(state, key, shape, here, extra, fused, before)
+            across = _across_pairs(state, key, shape, here, extra, fused, before, donate)
         if before is not None:  # (held calls of other keys: the same key, shape and layout)
             state = before.run()
         if optax_push and state.opt_group(key) is None:
@@ -789,7 +791,7 @@ def _push(
         leaf = state.own_leaf(i)
         n: int | None = None if group is None else state.groups.index(group)
         if across is not None:
-            m, most, pull_sizes, first = across
+            m, most, pull_sizes, first, donate = across
             # The pull asks every process's pushed ids back (MXNet's push, then row_sparse_pull of
             # the batch): along the push's own routes, in its computation.
             along = pull_sizes is not None and pull_sizes[2]
@@ -1036,8 +1038,23 @@ def _local_devices(state: KVState) -> list[jax.Device]:
 
 
 # A row operation's agreed sizes: a push's ids and route, a fused pull's count, route and flag,
-# and whether any process holds calls before it that must run before it (a held pull).
-_AGREED = 6
+# whether any process holds calls before it that must run before it (a held pull), and whether
+# any may not donate its table.
+_AGREED = 7
+
+
+class Across(NamedTuple):
+    """What the processes agreed for a push of rows (:func:`_across_pairs`): ``n`` ids per
+    device, the busiest route ``most``, the fused pull's count, route and whether every process
+    pulls the ids it pushed (``pulled``, or ``None``), whether some process holds calls before
+    it that must run before it (``first``), and whether every process donates its table
+    (``donates``: else none does, so that every process runs one program)."""
+
+    n: int
+    most: int
+    pulled: tuple[int, int, bool] | None
+    first: bool
+    donates: bool
 
 
 class HeldPushes(NamedTuple):
@@ -1465,6 +1482,7 @@ def _in_band(
     ready: bool = True,
     held: np.ndarray | None = None,
     dense: DensePart | None = None,
+    mine: bool = True,
 ) -> tuple[bool, KVState, list[Any]]:
     """The push kept (class ``cls``), this process's words behind its rows
     (:func:`kernels.routed_push`): its ``pairs``, one per device of this process
@@ -1474,7 +1492,9 @@ def _in_band(
     ``ready``: whether this process can run the push now (else it meets the others with rows
     that select nothing); ``held``: the digest of the calls held before it (32 bytes), which
     every process must share; ``dense``: the dense pushes the kept push makes too (with this
-    process's gradients where it makes them, else zeros). Returns ``(agreed, state, rows)``:
+    process's gradients where it makes them, else zeros); ``donate``: whether the kept program
+    donates (alike on every process), ``mine``: whether this process may give its table up
+    (else it gives copies: :func:`_run_routed`). Returns ``(agreed, state, rows)``:
     where every process agreed,
     the new state and, for a class that pulls, each device's pushed rows after the update;
     else ``state``, as it was (refilled, where this process donated its table to the
@@ -1500,13 +1520,13 @@ def _in_band(
     calls = np.zeros(4, np.int64) if held is None else held.view(np.int64)
     words = inband.words(status, cls, _named(key), _digest(extra), calls)
     if not fits:  # (it runs the push all the same, with rows that select nothing)
-        _meeting(state, spec, cls, words, extra, dense)
+        _meeting(state, spec, cls, words, extra, dense, mine)
         return False, state, []
     sent = [pad_ids(x, cls.n, -1) for x, _ in pairs]
     rows = [pad_rows(r, cls.n) for _, r in pairs]
-    new, out = _run_routed(state, spec, sent, rows, extra, words, dense)
+    new, out = _run_routed(state, spec, sent, rows, extra, words, dense, mine)
     if not _verdict(out, dense is not None):
-        if donate:  # (it gave its table to a push that did not run)
+        if donate and mine:  # (it gave its table to a push that did not run)
             _refill(state, new)
         return False, state, []
     return True, new, _pushed_back(out, pairs) if cls.back else []
@@ -1520,11 +1540,16 @@ def _run_routed(
     extra: dict[str, Any],
     words: np.ndarray | None = None,
     dense: DensePart | None = None,
+    mine: bool = True,
 ) -> tuple[KVState, Any]:
     """The routed push (:func:`kernels.routed_push`) on a store across processes: ``spec``
     names it, ``sent`` and ``rows`` are each device of this process's padded ids and rows,
     ``words`` (optional) its agreement and ``dense`` the dense pushes it makes too (with
-    ``words``). Returns the new state and the computation's results."""
+    ``words``). Where the program donates and this process may not give its table up
+    (``mine`` false: an out of its own holds it), it gives copies of its shards: every process
+    runs one program (JAX 0.12 pairs the collectives of one compiled program alone), and the
+    copies cost what a program that does not donate would. Returns the new state and the
+    computation's results."""
     key, leaf, n, updater, donate, c, back, _ = spec
     agree = () if words is None else (words.size,)  # (one cached computation per variant)
     fn = routed_push(
@@ -1534,11 +1559,13 @@ def _run_routed(
     if spec.dense is not None:
         assert dense is not None and words is not None
         more = (*more, *dense.args)
-    opt = None if n is None else state.group_states[n]
+    table, opt = state.leaves[leaf], None if n is None else state.group_states[n]
+    if donate and not mine:
+        table, opt = jax.tree_util.tree_map(_copied, (table, opt))
     out = order.ordered(
         "push_rows",
         fn,
-        state.leaves[leaf],
+        table,
         opt,
         _global(state, sent),
         _global(state, rows),
@@ -1572,20 +1599,28 @@ def _meeting(
     words: np.ndarray,
     extra: dict[str, Any],
     dense: DensePart | None = None,
+    mine: bool = True,
 ) -> None:
     """The routed push ``spec`` of class ``cls`` run with rows that select nothing, by a
     process that does not run it (``words``: its status not ``AGREE``), so no process updates
     (``dense``: its dense pushes' part, any arguments of their shapes); its table comes back
-    refilled where it donated."""
+    refilled where it donated (``mine``: it may; else it gives copies, :func:`_run_routed`)."""
     key = spec.key
     local = _local_devices(state)
     shape = state.key_shapes[state.index(key)]
     dtype = buckets.stored_type(state, state.index(key)).dtype
     sent = [np.full(cls.n, -1, np.int32)] * len(local)
     rows = [np.zeros((cls.n, *shape[1:]), dtype)] * len(local)
-    new, _ = _run_routed(state, spec, sent, rows, extra, words, dense)
-    if spec.donate:  # (it gave its table to a push that did not run)
+    new, _ = _run_routed(state, spec, sent, rows, extra, words, dense, mine)
+    if spec.donate and mine:  # (it gave its table to a push that did not run)
         _refill(state, new)
+
+
+def _copied(x: Any) -> Any:
+    """``x`` (an array over the store's devices), its shards on this process's devices copied
+    there: each process's own computations, no collective."""
+    shards = [jnp.copy(s.data) for s in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
 
 
 def _refill(given: KVState, got: KVState) -> None:
@@ -1625,8 +1660,9 @@ def _meet(state: KVState | None, kept: inband.Kept) -> None:
     )
     nothing = np.zeros(4, np.int64)
     words = inband.words(inband.OTHER, cls, _named(kept.key), nothing, nothing)
-    # (its values: nothing is updated; their types: the same program)
-    _meeting(state, spec, cls, words, kept.extra, dense)
+    # (its values: nothing is updated; their types: the same program; copies of the table
+    # given, where it donates: an out of this store's may hold it, which only the store knows)
+    _meeting(state, spec, cls, words, kept.extra, dense, mine=False)
 
 
 def _holds(state: KVState | None, kept: inband.Kept) -> tuple[int, int | None] | None:
@@ -1665,14 +1701,15 @@ def _across_pairs(
     extra: dict | None = None,
     pull: list[np.ndarray] | None = None,
     before: Before | None = None,
-) -> tuple[int, int, tuple[int, int, bool] | None, bool]:
+    donate: bool = False,
+) -> Across:
     """For this process's checked pairs, one per device of this process (:func:`_here`), the
     largest count of ids of any device of any process and the busiest route of a sharded table,
     agreed (:func:`_agreed`, with the updater's ``extra`` arguments), and, for the pull fused
     with it (``pull``: this process's checked ids, one per device of it), its count and route
     and whether every process pulls the ids it pushes, agreed in the same all-gather, as are the
-    calls held ``before``.; and whether any process holds calls ``before``
-    the push that must run before it (a held pull)"""
+    calls held ``before``; whether any process holds calls ``before`` the push that must run
+    before it (a held pull); and whether every process may ``donate`` its table."""
     parts = len(state.devices)
     sharded = state.is_sharded(shape) and state.own_leaf(state.index(key)) is not None
     most = busiest([x for x, _ in pairs], shape[0] // parts, parts) if sharded else 1
@@ -1684,12 +1721,15 @@ def _across_pairs(
     # (held pulls of values whole on every process are no part of the held calls' digest:
     # whether a push may be kept with its held calls must be agreed here, alike everywhere)
     first = before is not None and before.holds_calls() and before.later is None
-    sizes += (0,) * (_AGREED - 1 - len(sizes)) + (int(first),)
+    # (and whether each may donate its table, which its own outs may hold: JAX 0.12 pairs the
+    # collectives of one compiled program alone, and a donating program is another program)
+    sizes += (0,) * (_AGREED - 2 - len(sizes)) + (int(first), int(not donate))
     agreed = _agreed(key, sizes, extra=extra, before=before, state=state)
     # (the pull's count and route, and whether every process pulls the ids it pushed)
     pulled = None if pull is None else (agreed[2], agreed[3], not agreed[4])
     # no rows anywhere: padded rows that select nothing
-    return fit(("push across", key), max(agreed[0], 1)), agreed[1], pulled, bool(agreed[5])
+    n = fit(("push across", key), max(agreed[0], 1))
+    return Across(n, agreed[1], pulled, bool(agreed[5]), not agreed[6])
 
 
 def _pulls_pushed(pull: list[np.ndarray] | None, pairs: list[tuple[np.ndarray, Any]]) -> bool:
