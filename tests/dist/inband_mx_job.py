@@ -13,7 +13,9 @@ then the processes hold different calls before the push, then their weight decay
 every process refuses each, with the store as it was, and the loop goes on. The whole sequence
 runs twice, kept and not, from the same state: every pulled row, the dense key and the table
 must be equal to the bit, and every refusal the same. Then a functional pushpull_rows pulling
-other ids than it pushes while a push without a pull is kept. Prints ``rank R ok CHECK``.
+other ids than it pushes while a push without a pull is kept, and pushes where one process
+alone may not donate (a held pull, a lent table, ``kv.state`` kept): every process must still
+run one program. Prints ``rank R ok CHECK``.
 """
 
 import os
@@ -231,6 +233,32 @@ def held_on_one(split):
     return same, np.array_equal(np.asarray(kv.pull("t3")), model)
 
 
+def dense_state_on_one():
+    """Dense pushes of a value split over the processes (SGD with momentum: a state to donate),
+    where process 0 alone takes ``kv.state`` and keeps it: that process may not donate what it
+    handed out, the others may, and every process must still run one program. Returns whether
+    what process 0 holds kept its values, and whether every pull matched the NumPy model."""
+    kv = mx.kv.create("dist_sync")
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.5, momentum=0.9))
+    kv.init("d", mx.nd.zeros((8, W)))  # (32 elements: split, over the bound of 16)
+    out = mx.nd.zeros((8, W))
+    w, mom, kept, right = np.zeros((8, W), np.float32), np.zeros((8, W), np.float32), None, True
+    for i in range(5):
+        kv.push("d", mx.nd.ones((8, W)) * (i + 1))
+        kv.pull("d", out=out)
+        mom = np.float32(0.9) * mom - np.float32(0.5) * np.float32(ALL * (i + 1))
+        w = w + mom
+        right = right and np.allclose(out.asnumpy(), w, rtol=1e-6)
+        if i == 1 and RANK == 0:  # (after a read every process made: nothing held)
+            state = kv.state
+            kept = (state, [np.asarray(x.addressable_data(0)) for x in state.leaves])
+    same = True
+    if kept is not None:
+        now = [np.asarray(x.addressable_data(0)) for x in kept[0].leaves]
+        same = all(np.array_equal(x, was) for x, was in zip(now, kept[1]))
+    return same, right
+
+
 def main():
     kept, some_steps, kept_turns = sequence(kept=True)
     host_agreed, every_step, agreed_turns = sequence(kept=False)
@@ -263,6 +291,8 @@ def main():
     for split in (True, False):
         assert held_on_one(split) == (True, True), split
     ok("a table one process alone may not donate: one program everywhere, nothing lost")
+    assert dense_state_on_one() == (True, True)
+    ok("kv.state held by one process alone: one program everywhere, nothing lost")
     print(f"rank {RANK} done", flush=True)
 
 

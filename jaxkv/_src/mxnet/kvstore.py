@@ -945,7 +945,7 @@ class KVStore:
         optimizer, ``scalars`` are each key's kernel numbers (``Optimizer.next_update``),
         worked out now where not given. ``grouped``: each key's values, paired and checked
         already (held pushes)."""
-        state = self._state
+        state = self._lending.detached(self._state)  # (across processes: one donation)
         if self._python_updater is not None:
             self._state = self._push_python(state, key, values)
             return

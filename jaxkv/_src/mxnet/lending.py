@@ -15,8 +15,8 @@ from typing import Any
 import jax
 
 from jaxkv._src.core.signature import KEEP_VALUES, Donate
-from jaxkv._src.state import buckets, pairing
-from jaxkv._src.state.kvstate import Key, KVState
+from jaxkv._src.state import buckets, pairing, placement
+from jaxkv._src.state.kvstate import Key, KVState, spans_processes
 
 __all__ = ["Lending"]
 
@@ -126,6 +126,25 @@ class Lending:
             return not any(note() is not None for note in self.lent_to.values())
         # the keys' own arrays: all the push takes of the stored values (O(keys))
         return not self.lent([state.leaves[j] for j in own])
+
+    def detached(self, state: KVState) -> KVState:
+        """``state``, where it spans processes and arrays of it handed out through ``kv.state``
+        are still held, with fresh copies of those (each process copying its own shards: no
+        collective), which it no longer shares: a push then donates as every other process's
+        does, whatever this process holds. JAX 0.12 pairs the collectives of one compiled
+        program alone, and a program that donates is another: a push donating on one process
+        and not on another hangs. One copy of what was handed out, once; the arrays handed
+        out stay valid."""
+        if not len(self.shared) or not spans_processes(state.devices):
+            return state
+        leaves, tree = jax.tree_util.tree_flatten(state)
+        held = [j for j, x in enumerate(leaves) if self.shared.get(id(x)) is x]
+        self.shared = weakref.WeakValueDictionary()
+        if not held:
+            return state
+        for j, x in zip(held, placement.copies([leaves[j] for j in held])):
+            leaves[j] = x
+        return jax.tree_util.tree_unflatten(tree, leaves)
 
     def donation(self, state: KVState, key: Any, values: Any) -> Donate:
         """What a push of ``values`` to ``key`` into the store's ``state`` may donate: its

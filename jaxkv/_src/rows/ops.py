@@ -97,7 +97,7 @@ from jaxkv._src.state.dtypes import check_dtype
 from jaxkv._src.state.kvstate import Key, KVState, normalize_key
 from jaxkv._src.state.kvstate import spans_processes as _state_spans_processes
 from jaxkv._src.state.pairing import as_array, devices_of, is_traced
-from jaxkv._src.state.placement import local_parts, replicate
+from jaxkv._src.state.placement import copies, local_parts, replicate
 from jaxkv._src.state.policy import block_rows
 
 __all__ = [
@@ -1560,8 +1560,9 @@ def _run_routed(
         assert dense is not None and words is not None
         more = (*more, *dense.args)
     table, opt = state.leaves[leaf], None if n is None else state.group_states[n]
-    if donate and not mine:
-        table, opt = jax.tree_util.tree_map(_copied, (table, opt))
+    if donate and not mine:  # (each process copies its own shards: no collective)
+        given, tree = jax.tree_util.tree_flatten((table, opt))
+        table, opt = jax.tree_util.tree_unflatten(tree, copies(given))
     out = order.ordered(
         "push_rows",
         fn,
@@ -1614,13 +1615,6 @@ def _meeting(
     new, _ = _run_routed(state, spec, sent, rows, extra, words, dense, mine)
     if spec.donate and mine:  # (it gave its table to a push that did not run)
         _refill(state, new)
-
-
-def _copied(x: Any) -> Any:
-    """``x`` (an array over the store's devices), its shards on this process's devices copied
-    there: each process's own computations, no collective."""
-    shards = [jnp.copy(s.data) for s in x.addressable_shards]
-    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
 
 
 def _refill(given: KVState, got: KVState) -> None:
