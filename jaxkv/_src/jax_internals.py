@@ -13,6 +13,10 @@ It also reaches two private hooks of ``jax.distributed`` (:func:`gloo_cpu_backen
 :func:`distributed_state`) that let gloo bind to the interface toward the coordinator; without
 them gloo binds to the host name's address.
 
+It also traces the computations over several processes with no Python stack frames in their
+locations (:func:`no_frames_in_locations`: a private context of one thread, or the public
+option for the block's length).
+
 It also holds the feature detection of public names that moved between JAX versions
 (:func:`varying_axes`, :func:`to_varying`, :func:`all_gather_invariant`, :func:`manual_axes`,
 :func:`single_device_sharding`, :func:`is_single_device_sharding`):
@@ -23,9 +27,11 @@ taken whatever ``JAXKV_NO_FAST_PATHS`` says.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -43,6 +49,7 @@ __all__ = [
     "gloo_cpu_backend",
     "is_single_device_sharding",
     "manual_axes",
+    "no_frames_in_locations",
     "per_device",
     "single_device",
     "single_device_sharding",
@@ -65,6 +72,39 @@ if ENABLED:
         from jax._src.sharding_impls import SingleDeviceSharding as SingleDevice
     except ImportError:
         SingleDevice = None
+
+
+_LOCATIONS_LIMIT: Any = None  # the option as a context of one thread's (jax._src.config)
+if ENABLED:
+    try:
+        from jax._src.config import traceback_in_locations_limit as _LOCATIONS_LIMIT
+    except ImportError:
+        _LOCATIONS_LIMIT = None
+
+
+@contextlib.contextmanager
+def no_frames_in_locations() -> Iterator[None]:
+    """JAX traces and lowers what the ``with`` block computes with no Python stack frames in
+    its locations (the compiled program's metadata). JAX 0.12 pairs the collectives of one
+    compiled program alone across processes, and a program's metadata is part of it: a
+    computation first traced from ``out.asnumpy()`` in one process and from ``nd.waitall()``
+    in another (the same computation, other callers) was two programs, and the job hung in
+    their first collective. The private route sets ``jax_traceback_in_locations_limit`` for this
+    thread alone; the public one sets the option for the block's length (every thread's; a
+    collective turn holds a lock) and puts it back."""
+    if _LOCATIONS_LIMIT is not None:
+        with _LOCATIONS_LIMIT(0):
+            yield
+        return
+    was = getattr(jax.config, _LIMIT)
+    jax.config.update(_LIMIT, 0)
+    try:
+        yield
+    finally:
+        jax.config.update(_LIMIT, was)
+
+
+_LIMIT = "jax_traceback_in_locations_limit"
 
 
 # JAX 0.12's public names for one device's sharding, looked up once (None on older JAX).

@@ -14,8 +14,9 @@ every process refuses each, with the store as it was, and the loop goes on. The 
 runs twice, kept and not, from the same state: every pulled row, the dense key and the table
 must be equal to the bit, and every refusal the same. Then a functional pushpull_rows pulling
 other ids than it pushes while a push without a pull is kept, and pushes where one process
-alone may not donate (a held pull, a lent table, ``kv.state`` kept): every process must still
-run one program. Prints ``rank R ok CHECK``.
+alone may not donate (a held pull, a lent table, ``kv.state`` kept) or reads its own way
+(``asnumpy`` or ``nd.waitall``): every process must still run one program. Prints
+``rank R ok CHECK``.
 """
 
 import os
@@ -259,6 +260,34 @@ def dense_state_on_one():
     return same, right
 
 
+def reads_differ():
+    """MXNet's loop on keys of new shapes (every computation traced at its first call, during
+    the loop), each process reading its pulled values its own way: process 0 with
+    ``out.asnumpy()``, the others after ``nd.waitall()``. The held calls are the same, so is
+    every computation; only what called it first differs, and every process must still compile
+    one program. Returns whether every pull matched the NumPy model."""
+    kv = mx.kv.create("dist_sync")
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.5, momentum=0.9))
+    shapes = {"r7": (7,), "r9": (9, W)}  # (whole; split: 36 elements, over the bound of 16)
+    for k, shape in shapes.items():
+        kv.init(k, mx.nd.zeros(shape))
+    outs = {k: mx.nd.zeros(shape) for k, shape in shapes.items()}
+    w = {k: np.zeros(shape, np.float32) for k, shape in shapes.items()}
+    mom = {k: np.zeros(shape, np.float32) for k, shape in shapes.items()}
+    right = True
+    for i in range(3):
+        for k, shape in shapes.items():
+            kv.push(k, mx.nd.ones(shape) * (i + 1))
+            kv.pull(k, out=outs[k])
+        if RANK != 0:
+            mx.nd.waitall()
+        for k in shapes:
+            mom[k] = np.float32(0.9) * mom[k] - np.float32(0.5) * np.float32(ALL * (i + 1))
+            w[k] = w[k] + mom[k]
+            right = right and np.allclose(outs[k].asnumpy(), w[k], rtol=1e-6)
+    return right
+
+
 def main():
     kept, some_steps, kept_turns = sequence(kept=True)
     host_agreed, every_step, agreed_turns = sequence(kept=False)
@@ -293,6 +322,8 @@ def main():
     ok("a table one process alone may not donate: one program everywhere, nothing lost")
     assert dense_state_on_one() == (True, True)
     ok("kv.state held by one process alone: one program everywhere, nothing lost")
+    assert reads_differ()
+    ok("each process reading its own way: one program everywhere")
     print(f"rank {RANK} done", flush=True)
 
 

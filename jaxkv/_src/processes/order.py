@@ -17,6 +17,8 @@ from typing import Any
 
 import jax
 
+from jaxkv._src.jax_internals import no_frames_in_locations
+
 logger = logging.getLogger("jaxkv")
 
 
@@ -236,7 +238,9 @@ class _Order:
             inside = self._inside
             inside.depth = getattr(inside, "depth", 0) + 1
             try:
-                with watched(what) if watch else contextlib.nullcontext():
+                # (no stack frames in what it traces: callers differ from process to process,
+                # and each process must compile one program: jax_internals)
+                with watched(what) if watch else contextlib.nullcontext(), no_frames_in_locations():
                     yield turn
             finally:
                 inside.depth -= 1
