@@ -945,7 +945,9 @@ class KVStore:
         optimizer, ``scalars`` are each key's kernel numbers (``Optimizer.next_update``),
         worked out now where not given. ``grouped``: each key's values, paired and checked
         already (held pushes)."""
-        state = self._lending.detached(self._state)  # (across processes: one donation)
+        # (across processes: one donation; the store keeps the copies whatever the push does,
+        # since what it handed out is forgotten now)
+        state = self._stored = self._lending.detached(self._state)
         if self._python_updater is not None:
             self._state = self._push_python(state, key, values)
             return
