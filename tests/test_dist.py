@@ -149,6 +149,7 @@ def test_mxnet_pushes_of_rows_kept_with_the_calls_held_before_them():
             "a push of rows after a held pull on one process only is kept on none",
             "a table one process alone may not donate: one program everywhere, nothing lost",
             "kv.state held by one process alone: one program everywhere, nothing lost",
+            "kv.state taken by one process alone after held inits: one program everywhere",
             "each process reading its own way: one program everywhere",
         ),
     )

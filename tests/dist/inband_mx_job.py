@@ -260,6 +260,39 @@ def dense_state_on_one():
     return same, right
 
 
+def state_on_one_after_inits():
+    """Keys inited one at a time (whole: under the bound, so the store lays them out only
+    when asked), Adam, and process 0 alone taking ``kv.state`` before each push of one key
+    while the others read with ``nd.waitall()``: the same held calls run on every process,
+    and taking the state must not lay out one process's store alone (its next push of one
+    key would be another program than the others'). Returns whether every pull matched the
+    NumPy model, and whether each state process 0 took held the values pulled before it."""
+    kv = mx.kv.create("dist_sync")
+    kv.set_optimizer(mx.optimizer.Adam(learning_rate=0.1))
+    kv.init("s8", mx.nd.zeros((8,)))
+    kv.init("s12", mx.nd.zeros((3, W)))  # (8 and 12 elements: whole; "s12" never pushed)
+    out = mx.nd.zeros((8,))
+    w, m, v = (np.zeros(8, np.float32) for _ in range(3))
+    right, held = True, True
+    for i in range(3):
+        if RANK == 0:
+            state = kv.state
+            held = held and np.allclose(np.asarray(jaxkv.pull(state, "s8")), w)
+            held = held and not np.asarray(jaxkv.pull(state, "s12")).any()
+        else:
+            mx.nd.waitall()
+        t = i + 1
+        kv.push("s8", mx.nd.ones((8,)) * t)  # (a push of one key: held until the read)
+        kv.pull("s8", out=out)
+        g = np.full(8, ALL * t, np.float32)
+        m = np.float32(0.9) * m + np.float32(0.1) * g
+        v = np.float32(0.999) * v + np.float32(0.001) * g * g
+        lr = np.float32(0.1 * np.sqrt(1 - 0.999**t) / (1 - 0.9**t))
+        w = w - lr * m / (np.sqrt(v) + np.float32(1e-8))
+        right = right and np.allclose(out.asnumpy(), w, rtol=1e-5, atol=1e-6)
+    return right, held
+
+
 def reads_differ():
     """MXNet's loop on keys of new shapes (every computation traced at its first call, during
     the loop), each process reading its pulled values its own way: process 0 with
@@ -322,6 +355,8 @@ def main():
     ok("a table one process alone may not donate: one program everywhere, nothing lost")
     assert dense_state_on_one() == (True, True)
     ok("kv.state held by one process alone: one program everywhere, nothing lost")
+    assert state_on_one_after_inits() == (True, True)
+    ok("kv.state taken by one process alone after held inits: one program everywhere")
     assert reads_differ()
     ok("each process reading its own way: one program everywhere")
     print(f"rank {RANK} done", flush=True)

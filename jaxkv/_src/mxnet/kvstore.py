@@ -294,12 +294,17 @@ class KVStore:
     def state(self) -> KVState:
         """The current :class:`KVState`, for use in a functional loop.
 
-        Later updates of this store never invalidate it.
+        Later updates of this store never invalidate it. Keys inited one at a time are laid
+        out first (the store keeps that layout), except in a store over several processes,
+        where one process alone may take the state: there it is handed out as it is laid out.
         """
         with self._lock:
             # Keys inited one at a time laid out (kept so: the same state until a change),
-            # and each key pushed alone a group of its own.
-            self._stored = self._state.settled()
+            # and each key pushed alone a group of its own. Across processes the layout stays
+            # as it is: one process alone may read the state, and laying its keys out would
+            # make its next push another program than the other processes' (which hang).
+            if not spans_processes(self._state.devices):
+                self._stored = self._state.settled()
             state = per_key.alone(self._stored)
             self._lending.share(state)
             return state
