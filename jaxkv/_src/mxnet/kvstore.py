@@ -295,17 +295,20 @@ class KVStore:
         """The current :class:`KVState`, for use in a functional loop.
 
         Later updates of this store never invalidate it. Keys inited one at a time are laid
-        out first (the store keeps that layout), except in a store over several processes,
-        where one process alone may take the state: there it is handed out as it is laid out.
+        out (their buckets) in the state handed out; the store keeps that layout, except in a
+        store over several processes, where one process alone may take the state and the
+        store's layout must stay alike in every process.
         """
         with self._lock:
             # Keys inited one at a time laid out (kept so: the same state until a change),
-            # and each key pushed alone a group of its own. Across processes the layout stays
-            # as it is: one process alone may read the state, and laying its keys out would
-            # make its next push another program than the other processes' (which hang).
-            if not spans_processes(self._state.devices):
-                self._stored = self._state.settled()
-            state = per_key.alone(self._stored)
+            # and each key pushed alone a group of its own. Across processes the store keeps
+            # its own layout: one process alone may take the state, and a store laid out anew
+            # would make that process's next push another program than the other processes'
+            # (which hang there). Laying out is each process's own (no collective).
+            settled = self._state.settled()
+            if not spans_processes(settled.devices):
+                self._stored = settled
+            state = per_key.alone(settled)
             self._lending.share(state)
             return state
 
