@@ -59,6 +59,7 @@ def test_an_embedding_loop_across_processes(n, bound):
         (
             "rows after every step",
             "the dense pull takes no turn",
+            "the pushed rows stay on the host",
             "no compile after warm-up",
             "the whole table",
             "a pulled out is a copy",

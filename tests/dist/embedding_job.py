@@ -84,14 +84,17 @@ def main():
 
     order._Order.turn = turn
     bias_out, ref_bias = mx.nd.zeros((W,)), mx.nd.zeros((W,))
+    on_host = []  # whether each step's gradient, made on the host, stayed there
     for step in range(STEPS):
         turns.append([])
         ids, g = batch(step, RANK)
         before = counter.count
         kv.push("bias", mx.nd.ones((W,)), priority=-1)
-        kv.push("emb", mx.nd.sparse.row_sparse_array((g, ids), shape=(R, W)))
+        grad = mx.nd.sparse.row_sparse_array((g, ids), shape=(R, W))
+        kv.push("emb", grad)
         kv.row_sparse_pull("emb", out=out, row_ids=mx.nd.array(ids))
         got = out.data.asnumpy()
+        on_host.append(grad.host_parts() is not None)
         counted.append(counter.count - before)
         both = np.zeros((R, W), np.float32)
         for rank in range(jax.process_count()):
@@ -112,6 +115,10 @@ def main():
     # the pull of the dense key (a copy on this process's devices).
     assert all(len(t) <= 3 and "copy" not in t for t in turns[3:]), turns
     print(f"rank {RANK} ok the dense pull takes no turn", flush=True)
+    # The gradient's ids and rows, made on the host, go to the devices only as the push's
+    # computation's arguments (padded there, in its one put of them): never put for itself.
+    assert all(on_host), on_host
+    print(f"rank {RANK} ok the pushed rows stay on the host", flush=True)
     # The processes agree each step's count (the largest of theirs): its first count runs as
     # it is, every later one padded to 144; from the step after the first padded one, nothing
     # compiles but, once, the push kept between host agreements (rows.inband: from the third

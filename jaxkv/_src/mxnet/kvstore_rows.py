@@ -151,12 +151,14 @@ def push(
 
 
 def _parts(state: KVState, values: list[RowSparseNDArray]) -> tuple[list, list]:
-    """Each value's ids and rows. Into a store of one device, NumPy arrays where both are still
-    on the host (a value made there: the push hands them to its computation as arguments);
-    else the value's arrays on its device (put there once, if made on the host: on several
-    devices a push routes each device's rows from where they lie, and a value pushed again
+    """Each value's ids and rows. Into a store of one device of this process (one device, or
+    one device of each process), NumPy arrays where both are still on the host (a value made
+    there: the push hands them to its computation as arguments, in its one put); else the
+    value's arrays on its device (put there once, if made on the host: on several devices of
+    a process a push routes each device's rows from where they lie, and a value pushed again
     is not put again)."""
-    alone = len(state.devices) == 1
+    me = jax.process_index()
+    alone = sum(d.process_index == me for d in state.devices) == 1
     row_ids, rows = [], []
     for v in values:
         host = v.host_parts() if alone else None

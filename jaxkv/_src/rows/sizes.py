@@ -103,13 +103,17 @@ def on_host_cheaply(x: jax.Array) -> bool:
     return x.is_fully_addressable and all(d.platform == "cpu" for d in x.devices())
 
 
-def pad_rows(rows: jax.Array, to: int) -> jax.Array:
-    """``rows`` with rows of zeros appended up to ``to``, where it is: through the host on CPU
-    devices (no computation, so no compile for a new count); elsewhere one small computation
-    per count, compiled once."""
+def pad_rows(rows: Any, to: int) -> Any:
+    """``rows`` with rows of zeros appended up to ``to``, where it is: on the host for NumPy
+    rows, and through the host on CPU devices (no computation, so no compile for a new count);
+    elsewhere one small computation per count, compiled once."""
     n = rows.shape[0]
     if n == to:
         return rows
+    if isinstance(rows, np.ndarray):
+        host = np.zeros((to, *rows.shape[1:]), rows.dtype)
+        host[:n] = rows
+        return host
     if on_host_cheaply(rows):
         host = np.zeros((to, *rows.shape[1:]), rows.dtype)
         host[:n] = np.asarray(rows)
