@@ -20,7 +20,8 @@ directory), so only the first round compiles from nothing: first steps are round
   embedding, 2 processes  embedding_worker.py ``dist_sync`` (jaxkv: ``python -m jaxkv.launch -n
                           2 --devices-per-process 1``, counting its host collectives; MXNet: 2
                           workers and 2 servers, rows.py's ``mxnet_loop``) and
-                          embedding_floor.py ``dist_sync`` under the same launcher
+                          embedding_floor.py ``dist_sync`` under the same launcher, the table
+                          whole in each process and (``--split``) split as jaxkv keeps it
   new keys, Python        benchmarks/new_keys.py's ``python`` row (its ``one``)
   pieces                  a round of its own after the others: embedding_worker.py
                           ``--pieces`` and keys_worker.py ``--pieces``, jaxkv's and MXNet's
@@ -183,6 +184,8 @@ def _round(k: int, rounds: int, settings: dict, mxnet: str | None, env: dict, lo
         note("embedding-2", "mxnet", _embedding("mxnet", out, err))
     out, err = _run([*launch, floor, "dist_sync", *emb], env)
     note("embedding-2", "floor", _embedding("floor", out, err))
+    out, err = _run([*launch, floor, "dist_sync", "--split", *emb], env)
+    note("embedding-2", "split", _embedding("split", out, err))
 
     log(f"{tag}: {settings['new_keys']} new keys with a Python updater ...")
     res["new-keys"] = {}
@@ -293,7 +296,7 @@ def _checksums(res: dict, loop: str) -> str:
         mine = (r[loop].get("jaxkv") or {}).get("sums")
         if not mine:
             continue
-        for side in ("mxnet", "floor"):
+        for side in ("mxnet", "floor", "split"):
             theirs = (r[loop].get(side) or {}).get("sums")
             if not theirs:
                 continue
@@ -305,7 +308,8 @@ def _checksums(res: dict, loop: str) -> str:
         return "—"
     bad = {s: d for s, d in worst.items() if d > 1e-6}
     if not bad:
-        return "yes (" + " and ".join(("MXNet" if s == "mxnet" else s) for s in worst) + ")"
+        names = {"mxnet": "MXNet", "split": "the split floor"}
+        return "yes (" + ", ".join(names.get(s, s) for s in worst) + ")"
     return "no (" + ", ".join(f"{s}: relative {d:.1e}" for s, d in bad.items()) + ")"
 
 
@@ -361,6 +365,35 @@ def _loop_table(res: dict, loop: str) -> list[str]:
         + f"{extra}. Same checksums as jaxkv: {_checksums(res, loop)}.",
     ]
     return lines
+
+
+def _split_ratios(res: dict) -> tuple[list, list]:
+    """Per round of the 2-process loop: MXNet / split floor and jaxkv / split floor."""
+    mx_s, j_s = [], []
+    for r in res["rounds"]:
+        j, m, f = (_ms(r["embedding-2"].get(s)) for s in ("jaxkv", "mxnet", "split"))
+        mx_s.append(m / f if m and f else None)
+        j_s.append(j / f if j and f else None)
+    return mx_s, j_s
+
+
+def _split_table(res: dict) -> list[str]:
+    """The 2-process loop's split floor beside jaxkv and MXNet, per round."""
+    lines = [
+        "The split floor (jaxkv's own layout: the table split over the processes, one jit with "
+        "two all-to-alls; embedding_floor.py `dist_sync --split`), per round:",
+        "",
+        "| round | split floor ms | MXNet / split floor | jaxkv / split floor |",
+        "|---|---|---|---|",
+    ]
+    mx_s, j_s = _split_ratios(res)
+    for i, r in enumerate(res["rounds"]):
+        got = r["embedding-2"].get("split")
+        cell = "not run" if got is None else _cell(_ms(got)) if "error" not in got else "failed"
+        lines.append(f"| {i + 1} | {cell} | {_cell(mx_s[i])}x | {_cell(j_s[i])}x |")
+    mid = _median([_ms(r["embedding-2"].get("split")) for r in res["rounds"]])
+    lines.append(f"| median | {_cell(mid)} | {_span(mx_s)} | {_span(j_s)} |")
+    return [line.replace("—x", "—") for line in lines]
 
 
 def _new_keys_table(res: dict) -> list[str]:
@@ -423,10 +456,12 @@ def _goals(res: dict) -> list[str]:
     ]
     syncs = [x for x in syncs if x is not None and x >= 0]
     most = max(syncs) if syncs else None
+    mx_s, _ = _split_ratios(res)
     lines.append(
         "| embedding loop, 2 processes: >= 1.2x MXNet; at most one host synchronisation a step "
         f"| MXNet / jaxkv {_span(mx_j)}; {_cell(most, 'g', 'not counted')} host collectives a "
-        f"step | {ok(None if b is None or most is None else b >= 1.2 and most <= 1)} |"
+        f"step (MXNet / the split floor, jaxkv's layout by hand: {_span(mx_s)}) "
+        f"| {ok(None if b is None or most is None else b >= 1.2 and most <= 1)} |"
     )
     js = [(r["new-keys"].get("jaxkv") or {}) for r in res["rounds"]]
     s = _median([j.get("s") for j in js])
@@ -523,7 +558,9 @@ def report(res: dict) -> list[str]:
         "collectives among the processes counted per step. Floor: embedding_floor.py "
         "`dist_sync` under the same launcher, one jit of a shard_map over the 2 devices (one "
         "all-gather of the ids and rows, lazy Adam on the union in each process's copy of the "
-        "table, a psum of the dense gradients).",
+        "table, a psum of the dense gradients). The split floor: the same with the table split "
+        "over the processes as jaxkv's `dist_sync` store keeps it (`--split`: one jit, one "
+        "all-to-all taking each owner its rows, one bringing them back).",
         f"- {NEW_KEYS} new keys with a Python updater: benchmarks/new_keys.py's `python` row "
         "(init, push, pull and read per key, `kv._set_updater` with an in-place Python "
         "function, from a fresh process: start-up and compiles included).",
@@ -531,6 +568,8 @@ def report(res: dict) -> list[str]:
     ]
     for loop in LOOPS:
         lines += [*_loop_table(res, loop), ""]
+        if loop == "embedding-2":
+            lines += [*_split_table(res), ""]
     lines += [*_new_keys_table(res), "", "### Goals", "", *_goals(res)]
     pieces = res.get("pieces") or {}
     if pieces:
