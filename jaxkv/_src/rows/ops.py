@@ -1325,11 +1325,10 @@ def _here(
     dtype = buckets.stored_type(state, state.index(key)).dtype
     if len(host_pairs) == len(local) and placed == local:
         return [(ids, r.astype(dtype)) for ids, r in host_pairs]
+    ids = np.concatenate([x for x, _ in host_pairs])
     if len(local) == 1 and all(isinstance(r, np.ndarray) for _, r in host_pairs):
         # Rows made on the host stay there until the computation's one put (padded there).
-        ids = np.concatenate([x for x, _ in host_pairs])
         return [(ids, np.concatenate([r for _, r in host_pairs]).astype(dtype, copy=False))]
-    ids = np.concatenate([x for x, _ in host_pairs])
     first = single_device_sharding(local[0])
     rows = concat_rows([r for _, r in host_pairs], first, ids.size, dtype)  # (no compile per count)
     return [(ids, rows)] + [

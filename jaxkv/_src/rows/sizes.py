@@ -110,14 +110,11 @@ def pad_rows(rows: Any, to: int) -> Any:
     n = rows.shape[0]
     if n == to:
         return rows
-    if isinstance(rows, np.ndarray):
-        host = np.zeros((to, *rows.shape[1:]), rows.dtype)
-        host[:n] = rows
-        return host
-    if on_host_cheaply(rows):
+    numpy = isinstance(rows, np.ndarray)
+    if numpy or on_host_cheaply(rows):
         host = np.zeros((to, *rows.shape[1:]), rows.dtype)
         host[:n] = np.asarray(rows)
-        return order.put(host, rows.sharding)
+        return host if numpy else order.put(host, rows.sharding)
     return _pad_on_device(rows, to)
 
 
