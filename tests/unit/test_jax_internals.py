@@ -103,6 +103,21 @@ def test_single_device_reads_the_device_as_the_public_device_set_does(
     assert _both(public, ji.single_device, x) == (expected, expected)
 
 
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["one", "one", "one"],  # the C-level passes
+        ["one", "named_one", "split"],  # one sharding of another kind: asked one by one
+        [],
+    ],
+)
+def test_single_devices_reads_each_device_as_single_device_does(mesh, devices, public, names):
+    arrays = _arrays(mesh, devices)
+    xs = [arrays[n] for n in names]
+    expected = tuple(ji.single_device(x) for x in xs)
+    assert _both(public, ji.single_devices, xs) == (expected, expected)
+
+
 def test_assemble_without_checks_builds_the_array_the_public_function_builds(mesh, devices, public):
     blocks = [np.full((2, 3), d, np.float32) + np.arange(6).reshape(2, 3) for d in range(N)]
     shards = [jax.device_put(b, d) for b, d in zip(blocks, devices[:N])]

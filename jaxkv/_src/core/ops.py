@@ -346,9 +346,15 @@ def _one_key(keys: Any) -> bool:
     is taken as several)."""
     if isinstance(keys, int | str):
         return True
-    if isinstance(keys, list | tuple) and keys and all(isinstance(k, int | str) for k in keys):
-        return len(set(keys)) == 1
-    return False
+    if not isinstance(keys, list | tuple) or not keys:
+        return False
+    first = keys[0]
+    # (C-level passes: the types first, so that the count compares ints or strs alone)
+    return (
+        isinstance(first, int | str)
+        and set(map(type, keys)) == {type(first)}
+        and keys.count(first) == len(keys)
+    )
 
 
 @_annotated(PULL)

@@ -30,7 +30,7 @@ from jaxkv._src.core.reduce import divisors
 from jaxkv._src.core.signature import Kind, PushOptions
 from jaxkv._src.core.updater import optimizer_group
 from jaxkv._src.errors import KVStoreError
-from jaxkv._src.jax_internals import all_eager, assemble, per_device, single_device
+from jaxkv._src.jax_internals import all_eager, assemble, per_device, single_devices
 from jaxkv._src.state import buckets
 from jaxkv._src.state.kvstate import Key, KVState, normalize_key
 from jaxkv._src.state.pairing import devices_of, group
@@ -40,6 +40,19 @@ __all__ = ["NO_PLAN", "checked_group", "prepare_fill", "pull", "push"]
 
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
+_AVAL = operator.attrgetter("aval")
+
+
+def _typed_as(flat: Sequence[jax.Array], avals: tuple, shapes: tuple, dtypes: tuple) -> bool:
+    """Whether the eager arrays ``flat`` have ``shapes`` and ``dtypes``: asked first by their
+    avals, the very objects ``avals`` holds (JAX makes one per shape, dtype and weak type: one
+    C-level pass with no comparison called, a fifth of asking shapes and dtypes at 193 keys),
+    then, where one is another object, by shape and dtype."""
+    return (len(flat) == len(avals) and all(map(operator.is_, map(_AVAL, flat), avals))) or (
+        tuple(map(_SHAPE, flat)) == shapes and tuple(map(_DTYPE, flat)) == dtypes
+    )
+
+
 _KEY_TYPES = {int, str}
 NO_PLAN = _NO_PLAN = object()  # a signature the fast path cannot replay: the general path
 # This call's values cannot be replayed (their devices, say), but another call of the same
@@ -100,6 +113,7 @@ class _PushPlan:
     shapes: tuple  # each value's expected shape, dtype and device, in call order
     dtypes: tuple
     devices: tuple
+    avals: tuple  # the avals of the values the plan was made from (see _typed_as)
     puts: list[tuple[int, Any]]  # (sorted position, where the value must be put first)
     stacks: list[tuple[int, tuple, Any]]  # (sorted position, global shape, sharding)
     group: int | None  # the optimizer group's position in the state's groups
@@ -151,6 +165,7 @@ class _Grouped(NamedTuple):
     shapes: tuple
     dtypes: tuple
     devices: tuple
+    avals: tuple
     order: tuple
     at: tuple
 
@@ -175,9 +190,8 @@ def checked_group(state: KVState, keys: Any, values: Any) -> dict[Key, list[jax.
             and seen.keys is state.keys()
             and seen.shapes_of is state.key_shapes
             and all_eager(flat)
-            and tuple(map(_SHAPE, flat)) == seen.shapes
-            and tuple(map(_DTYPE, flat)) == seen.dtypes
-            and tuple(map(single_device, flat)) == seen.devices
+            and _typed_as(flat, seen.avals, seen.shapes, seen.dtypes)
+            and single_devices(flat) == seen.devices
         ):
             if form[2]:
                 return {k: list(given[i]) for k, i in zip(seen.order, seen.at)}
@@ -190,7 +204,8 @@ def checked_group(state: KVState, keys: Any, values: Any) -> dict[Key, list[jax.
             shapes_of=state.key_shapes,
             shapes=tuple(map(_SHAPE, flat)),
             dtypes=tuple(map(_DTYPE, flat)),
-            devices=tuple(map(single_device, flat)),
+            devices=single_devices(flat),
+            avals=tuple(map(_AVAL, flat)),
             order=tuple(grouped),
             at=tuple(where[k] for k in grouped),
         )
@@ -236,9 +251,8 @@ def push(
     if plan is _NO_PLAN:
         return None
     if (
-        tuple(map(_SHAPE, flat)) != plan.shapes
-        or tuple(map(_DTYPE, flat)) != plan.dtypes
-        or tuple(map(single_device, flat)) != plan.devices
+        not _typed_as(flat, plan.avals, plan.shapes, plan.dtypes)
+        or single_devices(flat) != plan.devices
     ):
         return None
     return _run_push(plan, state, flat, extra_args)
@@ -259,7 +273,7 @@ def _push_plan(
     order = tuple(grouped)
     if len(order) != len(ckeys):  # a key repeats: the general path sums its values
         return _NO_PLAN
-    devices = tuple(map(single_device, flat))
+    devices = single_devices(flat)
     n_devices = len(state.devices)
     if per > 1 and (per != n_devices or n_devices == 1):
         return _NO_PLAN
@@ -317,6 +331,7 @@ def _push_plan(
         shapes=tuple(shapes),
         dtypes=tuple(map(_DTYPE, flat)),
         devices=devices,
+        avals=tuple(map(_AVAL, flat)),
         puts=puts,
         stacks=stacks,
         group=group_at,
@@ -424,6 +439,7 @@ class _PullPlan:
     shapes_of: tuple
     groups: tuple
     index: list[int]
+    whole: bool  # every key of the state, in its order
 
 
 def pull(state: KVState, keys: Any, devices: Any) -> Any:
@@ -445,7 +461,7 @@ def pull(state: KVState, keys: Any, devices: Any) -> Any:
     if plan is _NO_PLAN:
         return _NO_PLAN
     held = state.stored_values
-    values = [held[i] for i in plan.index]
+    values = list(held) if plan.whole else [held[i] for i in plan.index]
     if not all_eager(values):
         return _NO_PLAN
     return values[0] if single else values
@@ -458,7 +474,8 @@ def _pull_plan(state: KVState, ckeys: tuple, devices: Any) -> Any:
             return _NO_PLAN
         if any(buckets.is_split(state, i) for i in index):
             return _NO_PLAN
-    return _PullPlan(state.keys(), state.key_shapes, state.groups, index)
+    whole = index == list(range(len(state.keys())))
+    return _PullPlan(state.keys(), state.key_shapes, state.groups, index, whole)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -567,7 +584,7 @@ def _fill_plan(state: KVState, ckeys: tuple, per: int) -> Any:
         return _NO_PLAN
     if len(state.devices) > 1:  # the copies' shards must come in the store's device order
         first = per_device(state.leaves[0])
-        if tuple(map(single_device, first)) != state.devices:
+        if single_devices(first) != state.devices:
             return _NO_PLAN
     unique = sorted(set(index))
     slot = {i: j for j, i in enumerate(unique)}

@@ -84,6 +84,15 @@ class FlatLayout:
     dtypes: tuple[str, ...]
     parts: tuple[int, ...] = ()
 
+    def __hash__(self) -> int:
+        # Computed once: a layout is a key of the caches every eager read and push asks (its
+        # tuples, one entry a key, took a push of 193 keys 7 us a hash).
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.buckets, self.where, self.shapes, self.dtypes, self.parts))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     def parts_of(self, b: int) -> int:
         """How many devices bucket ``b`` is split over (1: replicated)."""
         return self.parts[b] if self.parts else 1
@@ -264,13 +273,16 @@ def eager_values(layout: FlatLayout, leaves: Sequence[Any]) -> list[Any]:
     (fresh arrays; a key of a split bucket placed as XLA places it, sharded or gathered), the
     keys kept on their own as the arrays they are (a jitted computation would copy them)."""
     nb = len(layout.buckets)
-    out = [leaves[nb + j] if b < 0 else None for b, j, _ in layout.where]
     positions = in_buckets(layout)
-    if positions:
-        # One computation per set of buckets, whatever keys of their own lie between theirs.
-        views = run("flat views", eager_views(bucket_layout(layout)), list(leaves[:nb]))
-        for i, x in zip(positions, views):
-            out[i] = x
+    if not positions:
+        return [leaves[nb + j] for _, j, _ in layout.where]
+    # One computation per set of buckets, whatever keys of their own lie between theirs.
+    views = run("flat views", eager_views(bucket_layout(layout)), list(leaves[:nb]))
+    if len(positions) == len(layout.where):  # (every key in a bucket: the views in key order)
+        return list(views)
+    out = [leaves[nb + j] if b < 0 else None for b, j, _ in layout.where]
+    for i, x in zip(positions, views):
+        out[i] = x
     return out
 
 

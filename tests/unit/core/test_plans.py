@@ -202,6 +202,19 @@ def test_a_later_call_unlike_its_plan_goes_the_general_way_and_keeps_the_plan(st
     assert _cached(store, ("a",)) == [plan]
 
 
+def test_a_value_of_the_plans_shape_and_dtype_replays_it_whatever_its_aval_object(store, devices):
+    """The plan asks a call's types by its values' avals (the objects JAX interns), then by
+    shape and dtype: a weakly typed value of the same shape and dtype replays the plan (an
+    assignment: the key then holds it); a value of another shape does not."""
+    assert plans.push(store, "a", _on([1, 2], devices[0]), _OPTIONS) is not None
+    weak = jax.device_put(jnp.broadcast_to(jnp.array(3.0), (2,)), devices[0])
+    assert weak.aval.weak_type and weak.aval is not _on([1, 2], devices[0]).aval
+    new = plans.push(store, "a", weak, _OPTIONS)
+    assert new is not None
+    np.testing.assert_array_equal(jaxkv.pull(new, "a"), [3, 3])
+    assert plans.push(store, "a", _on([[1, 2]], devices[0]), _OPTIONS) is None  # other shape
+
+
 def test_a_refused_call_raises_as_the_general_path_and_caches_nothing(store):
     with pytest.raises(jaxkv.UnknownKeyError, match=r"key 'z' has not been initialised"):
         plans.push(store, ["a", "z"], [jnp.ones(2), jnp.ones(2)], _OPTIONS)
