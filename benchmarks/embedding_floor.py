@@ -75,9 +75,10 @@ parses them from their decimal string, an ulp off for about 1 rate in 100; the c
 steps agree with MXNet's and jaxkv's all the same).
 
 Prints embedding_worker.py's line: ``embedding floor kind=<kind> rank=<r> first_ms=<x>
-median_ms=<x> compiles=<n> rows_sum=<x>``: the first step (compiles), the median of the steps
-after the 10 warm-up steps, the compiles after them, and the float64 sum of the last step's
-pulled rows, which must equal jaxkv's and MXNet's.
+median_ms=<x> compiles=<n> rows_sum=<x> host_ms=<x>``: the first step (compiles), the median of
+the steps after the 10 warm-up steps, the compiles after them, the float64 sum of the last
+step's pulled rows, which must equal jaxkv's and MXNet's, and the median CPU time a step of the
+thread that runs the loop (as embedding_worker.py's).
 """
 
 from __future__ import annotations
@@ -370,7 +371,7 @@ def run(
             return inner(state, dense, local(packed), dense_grad, lr, z)
 
     rng = np.random.default_rng(rank)
-    times, compiled_before, got = [], 0, None
+    times, cpu, compiled_before, got = [], [], 0, None
     size = _padded(HIGH, pad) if kind != "device" else 0
     for k in range(steps):
         n = int(rng.integers(LOW, HIGH + 1))
@@ -379,7 +380,7 @@ def run(
         if k == WARM:
             compiled_before = counter.count
         lr = step_size(k + 1)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         p = size or _padded(n, pad)
         start = rows + rank * p - n  # the padding: R + rank * p, R + rank * p + 1, ...
         ids_p = np.arange(start, start + p, dtype=np.int32)
@@ -394,10 +395,12 @@ def run(
             got = np.asarray(pulled.addressable_shards[0].data)[0, :n]
             jax.block_until_ready(dense_w)
         times.append(time.perf_counter() - t)
+        cpu.append(time.thread_time() - c)
     print(
         f"embedding floor kind={kind} rank={rank} first_ms={times[0] * 1e3:.1f} "
         f"median_ms={np.median(times[WARM:]) * 1e3:.3f} compiles={counter.count - compiled_before} "
-        f"rows_sum={float(got.astype(np.float64).sum()):.9g}",
+        f"rows_sum={float(got.astype(np.float64).sum()):.9g} "
+        f"host_ms={np.median(cpu[WARM:]) * 1e3:.3f}",
         flush=True,
     )
 

@@ -18,9 +18,11 @@ none of them: a step should cost the keys it touches (jaxkv then keeps the small
 buckets).
 
 Prints ``embedding <name> kind=<kind> rank=<r> first_ms=<x> median_ms=<x> compiles=<n>
-rows_sum=<x>``: the first step (start-up: compiles), the median of the steps after the 10
-warm-up steps, the compiles after warm-up (jaxkv; -1 for MXNet), and a checksum of the last
-step's pulled rows (float64 sum), which both libraries must agree on.
+rows_sum=<x> host_ms=<x>``: the first step (start-up: compiles), the median of the steps after
+the 10 warm-up steps, the compiles after warm-up (jaxkv; -1 for MXNet), a checksum of the last
+step's pulled rows (float64 sum), which both libraries must agree on, and the median CPU time
+a step of the thread that runs the loop (``time.thread_time``: the host's part of the step;
+the computations run on XLA's threads, or MXNet's engine's).
 
 ``--pieces`` times each call of the step on its own (``time.perf_counter`` around each) and
 prints ``pieces <name> kind=<kind> rank=<r> step_ms=<x> sparse_ms=<x> ...``: each piece's median
@@ -110,7 +112,7 @@ def run(
     dense_out = mx.nd.zeros(DENSE)
     dense_grad = mx.nd.ones(DENSE) * 0.01
     syncs = _count_host_syncs() if count_syncs and name == "jaxkv" else None
-    times, parts, compiled_before, synced_before = [], [], 0, 0
+    times, cpu, parts, compiled_before, synced_before = [], [], [], 0, 0
     for step in range(steps):
         n = int(rng.integers(LOW, HIGH + 1))
         ids = np.sort(rng.choice(rows, n, replace=False))
@@ -121,7 +123,7 @@ def run(
         if pieces:
             times.append(_pieces_step(mx, kv, rows, ids, grad, dense_grad, out, dense_out, parts))
             continue
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         g = mx.nd.sparse.row_sparse_array((grad, ids), shape=(rows, WIDTH))
         kv.push("dense", dense_grad, priority=-1)
         kv.push("emb", g, priority=0)
@@ -130,12 +132,13 @@ def run(
         out.data.wait_to_read()
         dense_out.wait_to_read()
         times.append(time.perf_counter() - t)
+        cpu.append(time.thread_time() - c)
     compiles = -1 if counter is None else counter.count - compiled_before  # (the timed steps')
     got = out.data.asnumpy().astype(np.float64)
-    extra = ""
+    extra = f" host_ms={np.median(cpu[WARM:]) * 1e3:.3f}" if cpu[WARM:] else ""
     if count_syncs and name == "jaxkv":
         per_step = -1 if syncs is None else (len(syncs) - synced_before) / (steps - WARM)
-        extra = f" host_syncs={per_step:g}"
+        extra += f" host_syncs={per_step:g}"
     print(
         f"embedding {name} kind={kind} rank={rank} first_ms={times[0] * 1e3:.1f} "
         f"median_ms={np.median(times[WARM:]) * 1e3:.3f} compiles={compiles} "

@@ -1,8 +1,9 @@
 """``make bench``'s host section: the three loops whose time is the host's (the embedding loop on
 one device, 1000 keys x 8 devices pushed and pulled as lists, the embedding loop in 2
 processes) and the 100-key Python-updater start-up, jaxkv beside MXNet 1.9.1 and a hand-written
-JAX floor, in interleaved rounds; and where jaxkv's host time goes (each call's share of the
-step).
+JAX floor, in interleaved rounds; the embedding loops' host time (the CPU time of the thread
+that runs the loop) beside their step; and where jaxkv's host time goes (each call's share of
+the step).
 
     python benchmarks/host.py [--rounds 3] [--steps 60] [--keys-steps 23] [--no-pieces]
 
@@ -113,9 +114,13 @@ def _embedding(row: str, out: str, err: str) -> dict:
     """One embedding run's result (rows.py's: the slower process's median, each rank's
     checksum), with jaxkv's host collectives per step where counted."""
     res = sparse_rows._loop_result(row, sparse_rows._loop_line(out), err)
-    syncs = [f["host_syncs"] for f in _fields(out, "embedding") if "host_syncs" in f]
+    found = _fields(out, "embedding")
+    syncs = [f["host_syncs"] for f in found if "host_syncs" in f]
     if syncs:
         res["host_syncs"] = max(syncs)
+    host = [f["host_ms"] for f in found if "host_ms" in f]
+    if host:
+        res["host_ms"] = max(host)  # (the busier process's)
     return res
 
 
@@ -396,6 +401,39 @@ def _split_table(res: dict) -> list[str]:
     return [line.replace("—x", "—") for line in lines]
 
 
+def _host_table(res: dict) -> list[str]:
+    """The embedding loops' step beside the CPU time of the thread that runs it, per side
+    (medians of the rounds): what is the host's and what is the computation's."""
+    lines = [
+        "### The embedding loops: the host's time and the computation's",
+        "",
+        "Each run's median CPU time a step of the thread that runs the loop "
+        "(`time.thread_time`: its Python, the calls into JAX or MXNet and their dispatches; "
+        "the busier process's across processes), beside its median step; what is left of the "
+        "step is the computation and the waits for it: XLA's computations and MXNet's engine "
+        "run on threads of their own. Medians of the rounds (the rest: of each round's step "
+        "less its host time).",
+        "",
+        "| loop | side | step ms | host ms (the loop's thread) | rest ms (computation, waits) |",
+        "|---|---|---|---|---|",
+    ]
+    names = {"jaxkv": "jaxkv", "mxnet": "MXNet", "floor": "floor", "split": "split floor"}
+    for loop in ("embedding-1", "embedding-2"):
+        for side, name in names.items():
+            got = [r[loop].get(side) or {} for r in res["rounds"]]
+            got = [g for g in got if "median_ms" in g]
+            step = _median([g["median_ms"] for g in got])
+            host = _median([g.get("host_ms") for g in got])
+            rest = _median([g["median_ms"] - g["host_ms"] for g in got if "host_ms" in g])
+            if step is None:
+                continue
+            lines.append(
+                f"| {TITLES[loop]} | {name} | {_cell(step)} | {_cell(host, '.2f', '—')} "
+                f"| {_cell(rest, '.2f', '—')} |"
+            )
+    return lines
+
+
 def _new_keys_table(res: dict) -> list[str]:
     lines = [
         f"### {NEW_KEYS} new keys with a Python updater",
@@ -570,6 +608,7 @@ def report(res: dict) -> list[str]:
         lines += [*_loop_table(res, loop), ""]
         if loop == "embedding-2":
             lines += [*_split_table(res), ""]
+    lines += [*_host_table(res), ""]
     lines += [*_new_keys_table(res), "", "### Goals", "", *_goals(res)]
     pieces = res.get("pieces") or {}
     if pieces:
