@@ -123,11 +123,12 @@ def main():
     # it is, every later one padded to 144; from the step after the first padded one, nothing
     # compiles but, once, the push kept between host agreements (rows.inband: from the third
     # step, after two host agreements of the same push; its agreement rides in its
-    # computation, a program of its own).
+    # computation, a program of its own) and, the same step, the flattening of the dense
+    # push it makes (rows.ops._flat_summed: one small program, compiled once).
     agreed = [max(batch(s, r)[0].size for r in range(jax.process_count())) for s in range(STEPS)]
     padded_from = next((s for s in range(STEPS) if agreed[s] != agreed[0]), STEPS)
     later = counted[padded_from + 1 :]
-    assert sum(later) <= 1 and later[-3:] == [0, 0, 0], (counted, agreed)
+    assert sum(later) <= 2 and later[-3:] == [0, 0, 0], (counted, agreed)
     if jax.process_count() == 2:  # (agreed 141, then 142: padded from the second step)
         assert counted[2] <= 1 and counted[3:] == [0] * (STEPS - 3), counted
     print(f"rank {RANK} ok no compile after warm-up", flush=True)
