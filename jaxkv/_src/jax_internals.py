@@ -162,8 +162,8 @@ _DEVICE = operator.attrgetter("_device")
 
 def single_devices(xs: Sequence[jax.Array]) -> tuple[jax.Device | None, ...]:
     """:func:`single_device` of each eager array of ``xs``: where each is one device's
-    sharding as this JAX makes it, its device read in C-level passes (a plan's check of 193
-    values' devices at every push: a sixth of its host time), else asked one by one."""
+    sharding as this JAX makes it, its device read in C-level passes (a plan checks every
+    value's device at every push), else asked one by one."""
     if SingleDevice is not None:
         try:
             shardings = tuple(map(_SHARDING, xs))
