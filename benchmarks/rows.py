@@ -15,6 +15,9 @@ Rows:
   dense        the dense path as it was before rows existed: each device's gradient a dense
                R x 64 array pushed with kv.push, and kv.row_sparse_pull into dense outs (the
                values MXNet gives, every row of the table in every out)
+  floor        the same step written by hand: one jitted shard_map over the table sharded by
+               rows (an all-gather of the ids and rows, the owners' scatter-add, one
+               psum_scatter of the asked rows back), donated: no store
 
 Each step's values are checked against a NumPy model of lazy SGD for the first steps. Also
 reports, per table size, the bytes each device holds (the table is sharded: its 1/D share) and
@@ -151,6 +154,67 @@ def functional(rows: int, steps: int, fused: bool = False) -> dict:
     }
 
 
+def floor(rows: int, steps: int) -> dict:
+    """The same step written by hand in JAX, the table sharded by rows over the 8 devices as a
+    store keeps it: one jitted ``shard_map``, donated. Each device's ids and gradient rows are
+    all-gathered; each device adds ``-lr * g`` into the rows it owns (the others dropped: lazy
+    SGD, each id's gradients summed); each device then reads every asked row it owns (zero
+    where it does not) and one ``psum_scatter`` gives each device its own rows. Two
+    collectives, no host work but the call: what the step costs without a store."""
+    from functools import partial  # noqa: PLC0415
+
+    from jax.sharding import Mesh, NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    devices = jax.devices("cpu")
+    d = len(devices)
+    if rows % d:
+        raise ValueError(f"expected rows that divide by {d} devices, given {rows}")
+    block = rows // d
+    mesh = Mesh(np.array(devices), ("kv",))
+    split = NamedSharding(mesh, P("kv"))
+    work = batches(rows, d)
+
+    @partial(
+        jax.shard_map, mesh=mesh, in_specs=(P("kv"), P("kv"), P("kv")), out_specs=(P("kv"), P("kv"))
+    )
+    def body(table, ids, grads):
+        me = jax.lax.axis_index("kv")
+        every = jax.lax.all_gather(ids[0], "kv").reshape(-1)  # (d * N,)
+        every_g = jax.lax.all_gather(grads[0], "kv").reshape(-1, WIDTH)
+        local = every - me * block
+        mine = (local >= 0) & (local < block)
+        at = jnp.where(mine, local, block)  # (not owned: past the block, dropped; a negative
+        # index would count from the block's end)
+        table = table.at[at].add(-LR * every_g, mode="drop")
+        asked = jnp.where(mine[:, None], table[jnp.where(mine, local, 0)], 0.0)
+        back = jax.lax.psum_scatter(asked.reshape(d, N, WIDTH), "kv", scatter_dimension=0)
+        return table, back
+
+    step_fn = jax.jit(body, donate_argnums=0)
+    box = {"table": jax.device_put(jnp.ones((rows, WIDTH), jnp.float32), split)}
+    placed = [
+        (jax.device_put(np.stack(ids), split), jax.device_put(np.stack(grads), split))
+        for ids, grads in work
+    ]
+    pulled = []
+
+    def step(k: int) -> None:
+        ids, grads = placed[k % len(placed)]
+        box["table"], out = step_fn(box["table"], ids, grads)
+        jax.block_until_ready(out)
+        pulled.append(out)
+
+    for k in range(len(work)):  # every batch once, checked
+        step(k)
+    got = [np.asarray(x).reshape(d, N, WIDTH) for x in pulled]
+    check("floor", [x for g in got for x in g], [x for p in model(rows, work)[1] for x in p])
+    pulled.clear()
+    ms = median_ms(step, steps)
+    pulled.clear()
+    return {"row": "floor", "rows": rows, "median_ms": ms}
+
+
 def imperative(rows: int, steps: int) -> dict:
     devices = jax.devices("cpu")
     ctxs = [mx.cpu(d) for d in range(len(devices))]
@@ -246,6 +310,7 @@ def main() -> None:
         "fused": lambda rows, steps: functional(rows, steps, fused=True),
         "imperative": imperative,
         "dense": dense,
+        "floor": floor,
     }
     for rows in args.rows:
         for name in args.only:
@@ -283,7 +348,7 @@ def run_section(steps: int, mxnet_venv: str, log=log) -> dict:
     rounds: list[list[dict]] = []
     for k in range(ROUNDS):
         results: list[dict] = []
-        only = ["functional", "fused", "imperative"] + (["dense"] if k == 0 else [])
+        only = ["functional", "fused", "imperative", "floor"] + (["dense"] if k == 0 else [])
         log(
             f"[rows] round {k + 1}/{ROUNDS}: jaxkv ({', '.join(only)}), tables of "
             f"{', '.join(f'{r:,}' for r in SIZES)} x {WIDTH} ..."
@@ -481,7 +546,7 @@ def report(res: dict) -> list[str]:
     ]
     for rows in SIZES:
         dense = _get(res, "dense", rows)
-        for row in ("functional", "fused", "imperative", "dense", "mxnet"):
+        for row in ("functional", "fused", "imperative", "dense", "floor", "mxnet"):
             ms = _get(res, row, rows)
             error = _get(res, row, rows, "error")
             if ms is None and error is None:
@@ -490,6 +555,7 @@ def report(res: dict) -> list[str]:
                 "mxnet": "MXNet 1.9.1 row_sparse",
                 "dense": "jaxkv dense (before rows)",
                 "fused": "jaxkv functional, pushpull_rows",
+                "floor": "floor: the step by hand (one jitted shard_map)",
             }.get(row, f"jaxkv {row}")
             if error:
                 lines.append(f"| {rows:,} | {name} | failed: {error} | | |")
@@ -511,6 +577,13 @@ def report(res: dict) -> list[str]:
     lines += _loop_goals(res)
     small, big = SIZES
     for row in ("functional", "fused", "imperative"):
+        at_floor = _paired_ratio(res, row, small, baseline="floor")
+        if at_floor is not None:  # (no goal: where the 2x above stands against the hand's)
+            mid, lo, hi = at_floor
+            lines.append(
+                f"| {row}: the hand-written floor's step over this one (R={small:,}; above 1: "
+                f"faster than the floor) | {mid:.2f}x (rounds {lo:.2f}-{hi:.2f}) | — |"
+            )
         ms, paired = _get(res, row, small), _paired_ratio(res, row, small)
         if paired is not None:
             mid, lo, hi = paired
