@@ -130,7 +130,7 @@ def main():
     later = counted[padded_from + 1 :]
     assert sum(later) <= 2 and later[-3:] == [0, 0, 0], (counted, agreed)
     if jax.process_count() == 2:  # (agreed 141, then 142: padded from the second step)
-        assert counted[2] <= 1 and counted[3:] == [0] * (STEPS - 3), counted
+        assert counted[2] <= 2 and counted[3:] == [0] * (STEPS - 3), counted
     print(f"rank {RANK} ok no compile after warm-up", flush=True)
     np.testing.assert_allclose(
         np.asarray(kv.pull("emb")), np.asarray(ref.pull("emb")), rtol=2e-6, atol=2e-7

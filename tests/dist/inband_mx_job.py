@@ -34,6 +34,7 @@ import jaxkv  # noqa: E402
 import jaxkv.mx as mx  # noqa: E402
 from jaxkv._src.processes import host, order  # noqa: E402
 from jaxkv._src.rows import inband  # noqa: E402
+from jaxkv._src.state import placement  # noqa: E402
 from same_calls import assert_same  # noqa: E402  (tests/dist)
 
 R, W, STEPS, GROWN = 64, 4, 10, 6  # (the step whose counts outgrow the class)
@@ -78,6 +79,13 @@ def sequence(kept):
         return turn(self, what, watch)
 
     order._Order.turn = counted
+    copied, pulled, copy = [], [], placement._copies
+
+    def copying(values):  # (each copy computation of stored values)
+        copied.append(len(values))
+        return copy(values)
+
+    placement._copies = copying
 
     def step(i):
         # (the first two: the most of the others, so that the class they keep fits them all)
@@ -92,8 +100,10 @@ def sequence(kept):
         kv.push("emb", mx.nd.sparse.row_sparse_array((g, ids), shape=(R, W)))
         kv.row_sparse_pull("emb", out=out, row_ids=mx.nd.array(ids))
         seen.append(out.data.asnumpy())
+        made = len(copied)
         kv.pull("bias", out=bias, priority=-1)
         seen.append(bias.asnumpy())
+        pulled.append(len(copied) - made)
         gathers.append(len(count) - before)
         stepped.append(list(turns[-1]))
 
@@ -130,8 +140,9 @@ def sequence(kept):
     finally:
         host._mine = gather
         order._Order.turn = turn
+        placement._copies = copy
         inband.ENABLED = True
-    return seen, gathers, stepped[:STEPS]
+    return seen, gathers, stepped[:STEPS], pulled[:STEPS]
 
 
 def pulls_held_before(who=None):
@@ -322,8 +333,8 @@ def reads_differ():
 
 
 def main():
-    kept, some_steps, kept_turns = sequence(kept=True)
-    host_agreed, every_step, agreed_turns = sequence(kept=False)
+    kept, some_steps, kept_turns, kept_copies = sequence(kept=True)
+    host_agreed, every_step, agreed_turns, agreed_copies = sequence(kept=False)
     assert_same(kept, host_agreed)
     ok("kept pushes give every row and value host-agreed ones give, to the bit, and the same refusals")
     # The first step agrees the held inits too; the one after the refused pull runs its held
@@ -341,6 +352,10 @@ def main():
     steady = [t for i, t in enumerate(kept_turns) if i >= 2 and i != GROWN]
     assert all(t == ["push_rows"] for t in steady), kept_turns
     assert all(t.count("push") == 1 for t in agreed_turns[1:]), agreed_turns
+    # Its computation makes a spare copy of the dense values too (placement.spare): the pull's
+    # out gets it, with no copy computation; pushed on its own, a copy is made at the pull.
+    assert all(n == 0 for i, n in enumerate(kept_copies) if i >= 2 and i != GROWN), kept_copies
+    assert all(n == 1 for n in agreed_copies), agreed_copies
     ok("kept pushes make the dense push held before them in their own computation")
     functional_pull_of_other_ids()
     ok("a pull of other ids than a kept push's")

@@ -647,8 +647,8 @@ def routed_push(
     With ``dense`` (and ``agree``), dense keys' pushes too (:class:`Dense`), in four more
     arguments after the others: each device's gradients of those keys, flat and side by side
     (split along axis 0), the keys' values and their optimizer group's state (whole on every
-    device), and that update's extra arguments; and two more results, the new values and
-    state (whole). Each device's gradients ride behind its words in the first all-to-all, the
+    device), and that update's extra arguments; and three more results, the new values and
+    state (whole), and a copy of the values (:meth:`Dense.update`). Each device's gradients ride behind its words in the first all-to-all, the
     same to every owner, and every device sums every sender's in mesh order (the same bytes in
     the same order everywhere: every device's sum is the same, no all-reduce), then updates the
     values as one push of those keys would (``apply_updater``); where the processes did not
@@ -702,7 +702,7 @@ def routed_push(
         ins = [split] * len(more)
         if dense is not None:  # (the gradients split; the values, state and numbers whole)
             ins[-4:] = [split, whole, whole, whole]
-            outs = (*outs, whole, whole)
+            outs = (*outs, whole, whole, whole)
         mapped = checked.shard_map(
             body,
             mesh=mesh,
@@ -729,8 +729,9 @@ class Dense(NamedTuple):
     def update(self, grads: Any, args: tuple, ok: Any) -> tuple[Any, Any]:
         """Inside ``shard_map``: every sender's gradients (``grads``: one row of ``int32``
         words each, in mesh order) summed in that order, then the keys' values and state
-        (``args``: values, state, extra arguments) updated: ``(values, state)``, as they were
-        where not ``ok``."""
+        (``args``: values, state, extra arguments) updated: ``(values, state, values)``, as
+        they were where not ``ok`` (the values twice: XLA gives each result its own buffer,
+        and the second is a copy a pull of those keys hands out: ``placement.spare``)."""
         values, state, extra = args
         got = jax.lax.bitcast_convert_type(grads, jnp.dtype(self.dtype))
         total = got[0]
@@ -746,7 +747,7 @@ class Dense(NamedTuple):
         )
         new = tuple(jnp.where(ok, x, old) for x, old in zip(made, values))
         new_state = jax.tree_util.tree_map(lambda x, old: jnp.where(ok, x, old), made_state, state)
-        return new, new_state
+        return new, new_state, new  # (the values twice: a spare copy for a pull's out)
 
 
 def _as_words(x: Any) -> Any:

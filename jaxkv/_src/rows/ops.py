@@ -49,11 +49,13 @@ from jaxkv._src.core.tree_view import viewed
 from jaxkv._src.core.updater import as_updater, optimizer_group, updater_errors
 from jaxkv._src.errors import KVStoreError, ShapeError, shown
 from jaxkv._src.jax_internals import (
+    ArrayImpl,
     any_tracer,
     assemble,
     per_device,
     single_device,
     single_device_sharding,
+    single_devices,
 )
 from jaxkv._src.processes import host, order
 from jaxkv._src.rows import inband
@@ -97,7 +99,7 @@ from jaxkv._src.state.dtypes import check_dtype
 from jaxkv._src.state.kvstate import Key, KVState, normalize_key
 from jaxkv._src.state.kvstate import spans_processes as _state_spans_processes
 from jaxkv._src.state.pairing import as_array, devices_of, is_traced
-from jaxkv._src.state.placement import copies, local_parts, replicate
+from jaxkv._src.state.placement import copies, local_parts, replicate, spare
 from jaxkv._src.state.policy import block_rows
 
 __all__ = [
@@ -1231,7 +1233,16 @@ def checking(state: KVState, key: Any, refused: int = REFUSED) -> Iterator[None]
 
 def _global(state: KVState, shards: Sequence[Any]) -> jax.Array:
     """One array sharded along axis 0 over the store's mesh, whose block on each of this
-    process's devices (in mesh order) is ``shards[j]``."""
+    process's devices (in mesh order) is ``shards[j]`` (arrays already there are used as
+    they are: no put)."""
+    local, split, in_order = _split_here(state.devices, state.mesh, state.axis)
+    if (
+        in_order
+        and all(type(x) is ArrayImpl for x in shards)
+        and single_devices(shards) == tuple(local)
+    ):
+        shape = (shards[0].shape[0] * len(state.devices), *shards[0].shape[1:])
+        return assemble(shape, split, list(shards))
     return _globals(state, shards)[0]
 
 
@@ -1620,8 +1631,9 @@ def _run_routed(
     groups = {} if n is None else {n: out[1]}
     if spec.dense is not None:
         assert dense is not None
-        leaves.update(zip(dense.leaves, out[-2]))
-        groups[dense.group] = out[-1]
+        leaves.update(zip(dense.leaves, out[-3]))
+        groups[dense.group] = out[-2]
+        spare(out[-3], out[-1])  # (a pull of those keys takes the copy made beside them)
     return buckets.with_leaves(state, leaves, groups), out
 
 
@@ -1633,7 +1645,7 @@ def _pushed_back(out: Any, pairs: list[tuple[np.ndarray, Any]]) -> list[Any]:
 def _verdict(out: Any, dense: bool = False) -> bool:
     """Whether every process agreed, from a routed push's results (``dense``: with dense
     pushes' results after it; the host waits for it)."""
-    return bool(np.asarray(per_device(out[-3 if dense else -1])[0]).reshape(-1)[0])
+    return bool(np.asarray(per_device(out[-4 if dense else -1])[0]).reshape(-1)[0])
 
 
 def _meeting(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,9 +37,42 @@ __all__ = [
     "put",
     "replicate",
     "replicated_copies",
+    "spare",
     "stacked",
     "stacked_sharding",
 ]
+
+
+# Copies a computation made beside the values it stored (:func:`spare`), by the stored array's
+# id: (a weak reference to that array, its copy). Each is handed out once, by :func:`copies`.
+_SPARES: dict[int, tuple[Any, jax.Array]] = {}
+
+
+def spare(values: Sequence[jax.Array], made: Sequence[jax.Array]) -> None:
+    """Note ``made[j]``, a fresh buffer a computation made beside ``values[j]`` and equal to
+    it (the same result returned twice: XLA gives each its own buffer), as the copy
+    :func:`copies` gives of ``values[j]`` the first time it is asked for one, with no
+    computation: a dense key updated in a push of rows across processes, then pulled into an
+    out, costs no copy computation (and no wait for one). A spare is forgotten with its value
+    (a store's next push replaces it) or once handed out."""
+    for x, y in zip(values, made):
+        key = id(x)
+        _SPARES[key] = (weakref.ref(x, functools.partial(_forget, key)), y)
+
+
+def _forget(key: int, ref: Any) -> None:
+    got = _SPARES.get(key)
+    if got is not None and got[0] is ref:
+        _SPARES.pop(key, None)
+
+
+def _spare_of(x: jax.Array) -> jax.Array | None:
+    """The spare copy of ``x`` (:func:`spare`), taken (given once), or ``None``."""
+    got = _SPARES.get(id(x))
+    if got is None or got[0]() is not x:
+        return None
+    _SPARES.pop(id(x), None)
+    return got[1]
 
 
 def copies(values: list[jax.Array]) -> list[jax.Array]:
@@ -48,8 +82,14 @@ def copies(values: list[jax.Array]) -> list[jax.Array]:
     value that aliased a user's array (or another key's value) would break donation. A value
     on other processes' devices too is copied shard by shard on this process's devices (one
     computation per device, none spanning processes): no collective, so no collective turn to
-    wait for.
+    wait for. A value with a spare copy made beside it (:func:`spare`) gets that copy.
     """
+    if _SPARES:
+        made = [_spare_of(v) for v in values]
+        if any(x is not None for x in made):
+            rest = [v for v, x in zip(values, made) if x is None]
+            more = iter(copies(rest) if rest else [])
+            return [x if x is not None else next(more) for x in made]
     parts = [None if v.is_fully_addressable else local_parts(v) for v in values]
     across = [i for i, p in enumerate(parts) if p is not None]
     if not across:

@@ -1,6 +1,8 @@
 """jaxkv/_src/state/placement.py: fresh copies, per-device blocks stacked in mesh order, values
 replicated on exactly the devices asked for, and host copies only of values split over devices."""
 
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,6 +49,30 @@ def test_copies_are_fresh_buffers_with_the_same_values_and_shardings(state):
         assert y.sharding == x.sharding
         np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
         _no_shared_buffer(x, y)
+
+
+def test_a_spare_made_beside_a_value_is_its_copy_once_then_copies_are_made(state):
+    values = [state["w"], state["a"]]
+    made = [jnp.copy(v) for v in values[:1]]  # (a computation's second result, say)
+    placement.spare(values[:1], made)
+    first = placement.copies(values)
+    assert first[0] is made[0]  # the spare, with no computation
+    _no_shared_buffer(values[1], first[1])  # the other value copied as before
+    np.testing.assert_array_equal(np.asarray(first[1]), np.asarray(values[1]))
+    again = placement.copies(values[:1])  # given once: a second out gets a fresh copy
+    assert again[0] is not made[0]
+    _no_shared_buffer(values[0], again[0])
+    np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(values[0]))
+
+
+def test_a_spare_is_forgotten_with_its_value(state):
+    value = jnp.copy(state["w"])
+    placement.spare([value], [jnp.copy(value)])
+    key = id(value)
+    assert key in placement._SPARES
+    del value
+    gc.collect()
+    assert key not in placement._SPARES  # (the spare freed with it: no copy outlives its value)
 
 
 def test_a_pull_s_outs_copy_only_the_keys_kept_as_arrays_of_their_own(state):
