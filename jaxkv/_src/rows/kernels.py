@@ -648,11 +648,12 @@ def routed_push(
     arguments after the others: each device's gradients of those keys, flat and side by side
     (split along axis 0), the keys' values and their optimizer group's state (whole on every
     device), and that update's extra arguments; and three more results, the new values and
-    state (whole), and a copy of the values (:meth:`Dense.update`). Each device's gradients ride behind its words in the first all-to-all, the
-    same to every owner, and every device sums every sender's in mesh order (the same bytes in
-    the same order everywhere: every device's sum is the same, no all-reduce), then updates the
-    values as one push of those keys would (``apply_updater``); where the processes did not
-    agree, the values and state come back as they were."""
+    state (whole), and a copy of the values (:meth:`Dense.update`). Each device's gradients
+    ride behind its words in the first all-to-all, the same to every owner, and every device
+    sums every sender's in mesh order (the same bytes in the same order everywhere: every
+    device's sum is the same, no all-reduce), then updates the values as one push of those
+    keys would (``apply_updater``); where the processes did not agree, the values and state
+    come back as they were."""
     split = PartitionSpec(axis)
     parts = mesh.shape[axis]
     whole = PartitionSpec()
