@@ -727,7 +727,7 @@ class Dense(NamedTuple):
     dtype: Any
     updater: Any
 
-    def update(self, grads: Any, args: tuple, ok: Any) -> tuple[Any, Any]:
+    def update(self, grads: Any, args: tuple, ok: Any) -> tuple[Any, Any, Any]:
         """Inside ``shard_map``: every sender's gradients (``grads``: one row of ``int32``
         words each, in mesh order) summed in that order, then the keys' values and state
         (``args``: values, state, extra arguments) updated: ``(values, state, values)``, as

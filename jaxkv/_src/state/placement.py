@@ -87,8 +87,8 @@ def copies(values: list[jax.Array]) -> list[jax.Array]:
     if _SPARES:
         made = [_spare_of(v) for v in values]
         if any(x is not None for x in made):
-            rest = [v for v, x in zip(values, made) if x is None]
-            more = iter(copies(rest) if rest else [])
+            others = [v for v, x in zip(values, made) if x is None]
+            more = iter(copies(others) if others else [])
             return [x if x is not None else next(more) for x in made]
     parts = [None if v.is_fully_addressable else local_parts(v) for v in values]
     across = [i for i, p in enumerate(parts) if p is not None]
