@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from jaxkv._src.jax_internals import no_frames_in_locations
+from jaxkv._src.jax_internals import no_frames_in_locations, per_device
 
 logger = logging.getLogger("jaxkv")
 
@@ -195,7 +195,7 @@ class _Turn:
             return
         # A token of our own: ``value`` itself may be donated to the next computation, and
         # asking a deleted array whether it is ready is not safe.
-        token = _first(value.addressable_shards[0].data)
+        token = _first(per_device(value)[0])  # (addressable_shards: ~0.1 ms more a turn)
         self.token = token
         if collective_timeout() > 0:
             _WATCHDOG.watch(self.what, token.is_ready)

@@ -1194,7 +1194,13 @@ def _digest(extra: dict | None) -> np.ndarray:
 
 
 def _named(key: Any) -> np.ndarray:
-    """Four int64s of the SHA-256 of a key (its ``repr``), which processes compare."""
+    """Four int64s of the SHA-256 of a key (its ``repr``), which processes compare (a copy:
+    the caller's to keep)."""
+    return _key_digest(key).copy()
+
+
+@functools.lru_cache(maxsize=1024, typed=True)  # (1 and True: two keys, two reprs)
+def _key_digest(key: Any) -> np.ndarray:
     return _digest({"key": np.frombuffer(repr(key).encode(), np.uint8)})
 
 
