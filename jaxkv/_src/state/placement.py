@@ -67,11 +67,11 @@ def _forget(key: int, ref: Any) -> None:
 
 
 def _spare_of(x: jax.Array) -> jax.Array | None:
-    """The spare copy of ``x`` (:func:`spare`), taken (given once), or ``None``."""
-    got = _SPARES.get(id(x))
+    """The spare copy of ``x`` (:func:`spare`), taken (given once, to one caller of several
+    threads), or ``None``."""
+    got = _SPARES.pop(id(x), None)  # (an entry under a live array's id is its, or a dead one's)
     if got is None or got[0]() is not x:
         return None
-    _SPARES.pop(id(x), None)
     return got[1]
 
 
